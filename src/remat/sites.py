@@ -1,0 +1,42 @@
+"""Site: the one wrapper every model uses to mark where remat may act."""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from remat.config import SITE_LABELS
+
+
+class SiteAction(Protocol):
+    """What apply() installs on a Site: runs the wrapped call with recompute/discard machinery."""
+
+    def __call__(self, site: "Site", fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
+
+
+class Site(nn.Module):
+    """A named place in a model where remat may act (`core_attn`, `mlp`, `layer`, ...).
+
+    Call it with the function to run and its arguments: ``y = self.mlp_site(self.mlp, x)``.
+    It holds no parameters, so placing Sites leaves a model's state_dict unchanged; with no
+    plan applied it calls the function directly.
+    """
+
+    def __init__(self, label: str, *, fused: bool = False) -> None:
+        super().__init__()
+        if label not in SITE_LABELS:
+            raise ValueError(f"unknown site label {label!r}; use one of {', '.join(SITE_LABELS)}")
+        self.label = label
+        # The wrapped kernel already recomputes its own internals (flash/cuDNN attention),
+        # so recomputing this site frees almost nothing.
+        self.fused = fused
+        self.action: SiteAction | None = None
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.action is None or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        return self.action(self, fn, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.label!r}" + (", fused=True" if self.fused else "")
