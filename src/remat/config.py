@@ -1,8 +1,24 @@
 """Recompute configuration with Megatron Core's field names, and every validation rule remat applies.
 
-(vocabulary section written first; the rest of this module is filled in by the config work)
+`RecomputeConfig` holds Megatron's recompute and offload knobs plus the `TrainingFacts` (parallel
+sizes, CUDA graphs, FP8, MoE/MLA switches) its rules depend on. Building one normalizes and validates
+it: every problem is collected and raised once as a `ConfigError`; advice goes out as `RematWarning`.
+`check_model` and `check_plan` apply the rules that need the real model's layout.
 """
 from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 # Megatron's selective-recompute labels that remat supports, in Megatron's order of documentation.
 RECOMPUTE_MODULES: tuple[str, ...] = (
@@ -15,3 +31,1021 @@ LAYER = "layer"
 SITE_LABELS: tuple[str, ...] = RECOMPUTE_MODULES + (LAYER,)
 # What a plan may do at a site.
 ACTIONS: tuple[str, ...] = ("keep", "recompute", "discard")
+
+GRANULARITIES: tuple[str, ...] = ("full", "selective")
+METHODS: tuple[str, ...] = ("uniform", "block")
+# Submodule inputs Megatron's fine-grained offloading can move to the host.
+OFFLOAD_MODULES: tuple[str, ...] = (
+    "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+)
+CUDA_GRAPH_IMPLS: tuple[str, ...] = ("none", "local", "transformer_engine", "full_iteration")
+CUDA_GRAPH_SCOPES: tuple[str, ...] = (
+    "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
+)
+FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")
+ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "fused", "unfused", "local", "auto")
+
+
+class RematWarning(UserWarning):
+    """Advice about a configuration that is valid but probably not what was meant."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a configuration: the setting at fault, what is wrong and what to change."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, raised together."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems: list[Problem] = list(problems)
+        super().__init__("\n".join(map(str, self.problems)))
+
+
+def _warn(message: str) -> None:
+    # Point the warning at the first caller outside this module; "<string>" is a dataclass __init__.
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename in (__file__, "<string>"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RematWarning, stacklevel=level)
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _one_of(choices: Iterable[str]) -> str:
+    return ", ".join(repr(c) for c in choices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field parsing: type checks and normalization, before any rule runs.
+
+
+class _BadValue(Exception):
+    """A value of the wrong type; the message says what the field accepts."""
+
+
+Parser = Callable[[Any], Any]
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _BadValue("true or false")
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise _BadValue("a whole number")
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise _BadValue("a number")
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise _BadValue("a string")
+
+
+def _split_labels(text: str) -> list[str]:
+    # Accept what CLIs and Hydra overrides produce: "a,b", "[a, b]", "['a', 'b']" or "a".
+    inner = text.strip()
+    if inner.startswith("[") and inner.endswith("]"):
+        inner = inner[1:-1]
+    items = (item.strip().strip("'\"").strip() for item in inner.split(","))
+    return [item for item in items if item]
+
+
+def _labels(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return _split_labels(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise _BadValue("a list of labels, or one string such as 'core_attn,mlp'")
+
+
+def _labels_or_empty(value: Any) -> list[str]:
+    return [] if value is None else _labels(value)
+
+
+def _optional(parse: Parser) -> Parser:
+    def parse_optional(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except _BadValue as bad:
+            raise _BadValue(f"{bad} or null") from None
+
+    return parse_optional
+
+
+_RECOMPUTE_PARSERS: dict[str, Parser] = {
+    "recompute_granularity": _optional(_str),
+    "recompute_method": _optional(_str),
+    "recompute_num_layers": _optional(_int),
+    "recompute_modules": _optional(_labels),
+    "distribute_saved_activations": _bool,
+    "cpu_offloading": _bool,
+    "cpu_offloading_num_layers": _int,
+    "fine_grained_activation_offloading": _bool,
+    "offload_modules": _labels_or_empty,
+    "min_offloaded_tensor_size": _int,
+}
+
+_FACT_PARSERS: dict[str, Parser] = {
+    "num_layers": _optional(_int),
+    "tensor_model_parallel_size": _int,
+    "pipeline_model_parallel_size": _int,
+    "virtual_pipeline_model_parallel_size": _optional(_int),
+    "context_parallel_size": _int,
+    "sequence_parallel": _bool,
+    "cuda_graph_impl": _str,
+    "cuda_graph_scope": _labels_or_empty,
+    "fp8": _optional(_str),
+    "fp8_recipe": _str,
+    "moe_grouped_gemm": _bool,
+    "multi_latent_attention": _bool,
+    "num_moe_experts": _optional(_int),
+    "moe_shared_expert_intermediate_size": _optional(_int),
+    "moe_shared_expert_overlap": _bool,
+    "overlap_moe_expert_parallel_comm": _bool,
+    "attention_dropout": _float,
+    "hidden_dropout": _float,
+    "attention_backend": _str,
+}
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _parse_fields(obj: Any, parsers: Mapping[str, Parser]) -> tuple[dict[str, Any], list[Problem]]:
+    """Parse each field of `obj`; a field of the wrong type is reported and falls back to its default."""
+    defaults = {f.name: _default(f) for f in dataclasses.fields(obj)}
+    values: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for name, parse in parsers.items():
+        raw = getattr(obj, name)
+        try:
+            values[name] = parse(raw)
+        except _BadValue as bad:
+            problems.append(Problem(name, f"got {raw!r} ({type(raw).__name__}); set it to {bad}"))
+            values[name] = defaults[name]
+    return values, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration.
+
+
+def _layers_per_virtual_stage(num_layers: int | None, pp: int, vpp: int | None) -> int | None:
+    """Layers in one model chunk; None when unknown or when the layers do not split evenly."""
+    stages = pp * (vpp or 1)
+    if num_layers is None or num_layers < 1 or stages < 1 or num_layers % stages:
+        return None
+    return num_layers // stages
+
+
+@dataclass
+class TrainingFacts:
+    """Facts about the training run that the recompute rules depend on (Megatron's names and defaults)."""
+
+    num_layers: int | None = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    cuda_graph_impl: str = "none"
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"
+    moe_grouped_gemm: bool = False
+    multi_latent_attention: bool = False
+    num_moe_experts: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    attention_backend: str = "auto"
+
+    @property
+    def layers_per_virtual_stage(self) -> int | None:
+        """Layers per model chunk: num_layers // (PP * VPP); None if num_layers is unknown or invalid."""
+        return _layers_per_virtual_stage(
+            self.num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        )
+
+
+@dataclass
+class RecomputeConfig:
+    """Megatron Core's activation-recompute and offload settings, validated on construction."""
+
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+    distribute_saved_activations: bool = False
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] = field(default_factory=list)
+    min_offloaded_tensor_size: int = 1024 * 1024
+    facts: TrainingFacts = field(default_factory=TrainingFacts)
+
+    def __post_init__(self) -> None:
+        problems = self._normalize()
+        # A field with a type error already has its problem; rules judging its fallback would repeat it.
+        reported = {p.field for p in problems}
+        problems += [p for rule in RULES for p in rule(self) if p.field not in reported]
+        if problems:
+            raise ConfigError(problems)
+        for rule in WARNING_RULES:
+            for advice in rule(self):
+                _warn(str(advice))
+
+    def _normalize(self) -> list[Problem]:
+        values, problems = _parse_fields(self, _RECOMPUTE_PARSERS)
+        for name, value in values.items():
+            setattr(self, name, value)
+        if not isinstance(self.facts, TrainingFacts):
+            problems.append(Problem("facts", f"got {type(self.facts).__name__}; pass a TrainingFacts(...)"))
+            self.facts = TrainingFacts()
+        fact_values, fact_problems = _parse_fields(self.facts, _FACT_PARSERS)
+        self.facts = dataclasses.replace(self.facts, **fact_values)
+        # Megatron's default module list (R10), applied only where it means something.
+        if self.recompute_granularity == "selective" and self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        return problems + fact_problems
+
+    @classmethod
+    def from_megatron(cls, d: Mapping[str, Any]) -> RecomputeConfig:
+        """Build from Megatron TransformerConfig keys: flat, `model.`-prefixed, or nested under "model"."""
+        settings, problems = _read_megatron(d)
+        problems += _convert_moe_layer_recompute(settings)
+        recompute = {k: v for k, v in settings.items() if k in _RECOMPUTE_PARSERS}
+        facts = {k: v for k, v in settings.items() if k in _FACT_PARSERS}
+        try:
+            config = cls(**recompute, facts=TrainingFacts(**facts))
+        except ConfigError as err:
+            raise ConfigError(problems + err.problems) from None
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> RecomputeConfig:
+        """Build from a YAML (.yaml, .yml) or JSON (.json) file holding Megatron settings."""
+        return cls.from_megatron(_load_mapping(Path(path)))
+
+    def to_megatron(self) -> dict[str, Any]:
+        """A flat dict of Megatron keys that `from_megatron` turns back into an equal config."""
+        out = {name: _copy(getattr(self, name)) for name in _RECOMPUTE_PARSERS}
+        out.update({name: _copy(getattr(self.facts, name)) for name in _FACT_PARSERS})
+        return out
+
+    def describe(self) -> str:
+        """A short human-readable summary of the resolved configuration."""
+        return "\n".join(
+            (_describe_recompute(self), _describe_offload(self), _describe_parallel(self.facts),
+             _describe_model(self.facts), _describe_graphs(self.facts))
+        )
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading Megatron settings.
+
+# The deprecated switch Megatron still accepts (R17).
+_MOE_LAYER_RECOMPUTE = "moe_layer_recompute"
+# Megatron model-shape keys found in real configs that no recompute rule reads.
+_IGNORED_MEGATRON_KEYS: frozenset[str] = frozenset({
+    "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "seq_length", "max_position_embeddings", "vocab_size", "normalization", "layernorm_epsilon",
+    "gated_linear_unit", "add_bias_linear", "position_embedding_type", "rotary_base",
+    "moe_router_topk", "moe_ffn_hidden_size",
+})
+_KNOWN_KEYS: frozenset[str] = (
+    frozenset(_RECOMPUTE_PARSERS) | frozenset(_FACT_PARSERS) | {_MOE_LAYER_RECOMPUTE}
+    | _IGNORED_MEGATRON_KEYS
+)
+
+
+def _megatron_items(d: Mapping[Any, Any]) -> Iterator[tuple[Any, Any]]:
+    for key, value in d.items():
+        if key == "model" and isinstance(value, Mapping):
+            yield from ((f"model.{k}" if isinstance(k, str) else k, v) for k, v in value.items())
+        else:
+            yield key, value
+
+
+def _read_megatron(d: Any) -> tuple[dict[str, Any], list[Problem]]:
+    """Strip `model.` prefixes; report non-string, repeated and unknown keys; drop ignored ones."""
+    if not isinstance(d, Mapping):
+        return {}, [Problem("config", f"got {type(d).__name__}; pass a mapping of Megatron settings")]
+    settings: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for key, value in _megatron_items(d):
+        if not isinstance(key, str):
+            problems.append(Problem(repr(key), "setting names must be strings; fix the key"))
+            continue
+        name = key.removeprefix("model.")
+        if key == "model":
+            problems.append(Problem(key, "expected a mapping of model settings; nest them under model:"))
+        elif name not in _KNOWN_KEYS:
+            problems.append(Problem(key, f"not a setting remat reads{_did_you_mean(name, _KNOWN_KEYS)};"
+                                         " fix the name or remove it"))
+        elif name in settings:
+            problems.append(Problem(key, "given twice (with and without the 'model.' prefix); keep one"))
+        elif name not in _IGNORED_MEGATRON_KEYS:
+            settings[name] = value
+    return settings, problems
+
+
+def _convert_moe_layer_recompute(settings: dict[str, Any]) -> list[Problem]:
+    # Megatron R17: the deprecated switch means selective recompute with "moe" appended to the
+    # module list (which defaults to ["core_attn"] first, as in Megatron).
+    flag = settings.pop(_MOE_LAYER_RECOMPUTE, False)
+    if flag is False:
+        return []
+    if flag is not True:
+        return [Problem(_MOE_LAYER_RECOMPUTE, f"got {flag!r}; set it to true or false")]
+    granularity = settings.get("recompute_granularity")
+    if granularity == "full":
+        return [Problem(_MOE_LAYER_RECOMPUTE, "cannot be combined with recompute_granularity='full';"
+                                              " remove moe_layer_recompute, or use selective recompute with 'moe'")]
+    _warn("moe_layer_recompute is deprecated; set recompute_granularity='selective' and add 'moe' to"
+          " recompute_modules instead")
+    if granularity not in (None, "selective"):
+        return []  # the constructor reports the bad granularity
+    modules = settings.get("recompute_modules")
+    try:
+        labels = ["core_attn"] if modules is None else _labels(modules)
+    except _BadValue:
+        return []  # the constructor reports the bad module list
+    settings["recompute_granularity"] = "selective"
+    settings["recompute_modules"] = labels if "moe" in labels else [*labels, "moe"]
+    return []
+
+
+def _load_mapping(path: Path) -> Any:
+    loaders: dict[str, Callable[[str], Any]] = {".json": json.loads, ".yaml": yaml.safe_load, ".yml": yaml.safe_load}
+    load = loaders.get(path.suffix.lower())
+    if load is None:
+        raise ConfigError([Problem(str(path), "unsupported file type; use a .yaml, .yml or .json file")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError([Problem(str(path), f"cannot read the file ({err}); check the path")]) from None
+    try:
+        data = load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        raise ConfigError([Problem(str(path), f"is not valid {kind} ({err}); fix the syntax")]) from None
+    if not isinstance(data, Mapping):
+        raise ConfigError([Problem(str(path), "must hold a mapping of Megatron settings at the top level,"
+                                              " e.g. 'recompute_granularity: selective'")])
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules. Each yields the problems it finds in a well-typed config; RULES are errors, WARNING_RULES advice.
+
+Rule = Callable[[RecomputeConfig], Iterator[Problem]]
+RULES: list[Rule] = []
+WARNING_RULES: list[Rule] = []
+
+
+def _rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def _warning_rule(fn: Rule) -> Rule:
+    WARNING_RULES.append(fn)
+    return fn
+
+
+def _selected(c: RecomputeConfig) -> list[str]:
+    """The labels selective recompute acts on (none unless granularity is selective)."""
+    return (c.recompute_modules or []) if c.recompute_granularity == "selective" else []
+
+
+def _full_iteration_graph(f: TrainingFacts) -> bool:
+    # Megatron migrates the deprecated scope value "full_iteration" to the full-iteration implementation.
+    return f.cuda_graph_impl == "full_iteration" or "full_iteration" in f.cuda_graph_scope
+
+
+def _per_layer_graph(f: TrainingFacts) -> bool:
+    return f.cuda_graph_impl in ("local", "transformer_engine") and not _full_iteration_graph(f)
+
+
+def _graphed(f: TrainingFacts, scope: str) -> bool:
+    """Whether a CUDA graph captures the `scope` part of each layer."""
+    # A per-layer graph with an empty scope captures the whole layer (Megatron's default).
+    in_scope = not f.cuda_graph_scope or scope in f.cuda_graph_scope
+    return _full_iteration_graph(f) or (_per_layer_graph(f) and in_scope)
+
+
+def _num_layers_range(c: RecomputeConfig) -> str:
+    per_stage = c.facts.layers_per_virtual_stage
+    if per_stage is None:
+        return "a whole number of at least 1"
+    return f"a number between 1 and {per_stage} (the layers in each virtual pipeline stage)"
+
+
+@_rule
+def rule_granularity_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R4
+    g = c.recompute_granularity
+    if g is not None and g not in GRANULARITIES:
+        yield Problem("recompute_granularity", f"{g!r} is not a granularity{_did_you_mean(g, GRANULARITIES)};"
+                                               " use 'selective', 'full' or null (no recompute)")
+
+
+@_rule
+def rule_method_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R5
+    m = c.recompute_method
+    if m is not None and m not in METHODS:
+        yield Problem("recompute_method", f"{m!r} is not a method{_did_you_mean(m, METHODS)};"
+                                          " use 'uniform' or 'block'")
+
+
+@_rule
+def rule_full_needs_method(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R6
+    if c.recompute_granularity == "full" and c.recompute_method is None:
+        yield Problem("recompute_method", "full recompute needs a recompute_method: 'uniform' (every layer,"
+                                          " in groups) or 'block' (the first recompute_num_layers layers)")
+
+
+@_rule
+def rule_full_num_layers(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R7, plus a range check
+    # Megatron only rejects None; 0 makes its uniform loop never advance.
+    if c.recompute_granularity != "full":
+        return
+    n, per_stage = c.recompute_num_layers, c.facts.layers_per_virtual_stage
+    if n is None:
+        yield Problem("recompute_num_layers", f"full recompute needs recompute_num_layers; set it to"
+                                              f" {_num_layers_range(c)}")
+    elif n < 1 or (per_stage is not None and n > per_stage):
+        yield Problem("recompute_num_layers", f"{n} is out of range; set it to {_num_layers_range(c)}")
+
+
+@_rule
+def rule_selective_num_layers_none(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R8
+    if c.recompute_granularity == "selective" and c.recompute_num_layers is not None:
+        yield Problem("recompute_num_layers", "only full recompute uses it (selective acts on every layer);"
+                                              " remove it or set it to null")
+
+
+@_rule
+def rule_selective_method_none(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py selective check
+    if c.recompute_granularity == "selective" and c.recompute_method is not None:
+        yield Problem("recompute_method", "only full recompute uses it (selective acts on every layer);"
+                                          " remove it or set it to null")
+
+
+@_rule
+def rule_selective_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R11 (accepts []; remat does not)
+    if c.recompute_granularity == "selective" and not c.recompute_modules:
+        yield Problem("recompute_modules", "selective recompute with no modules recomputes nothing; list labels"
+                                           " such as ['core_attn'], or set recompute_granularity to null for a"
+                                           " no-recompute control run")
+
+
+@_rule
+def rule_known_recompute_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R11
+    for label in c.recompute_modules or []:
+        if label not in RECOMPUTE_MODULES:
+            yield Problem("recompute_modules", f"unknown label {label!r}{_did_you_mean(label, RECOMPUTE_MODULES)};"
+                                               f" use labels from {_one_of(RECOMPUTE_MODULES)}")
+
+
+@_rule
+def rule_no_duplicate_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores repeats
+    for name, labels in (("recompute_modules", c.recompute_modules or []), ("offload_modules", c.offload_modules)):
+        for label in sorted({x for x in labels if labels.count(x) > 1}):
+            yield Problem(name, f"lists {label!r} more than once; list each label once")
+
+
+@_rule
+def rule_distribute_not_with_sequence_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R9
+    if c.distribute_saved_activations and c.facts.sequence_parallel:
+        yield Problem("distribute_saved_activations", "sequence parallelism already splits the saved inputs"
+                                                      " across ranks; set distribute_saved_activations=False")
+
+
+@_rule
+def rule_distribute_needs_full(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
+    if c.distribute_saved_activations and c.recompute_granularity != "full":
+        yield Problem("distribute_saved_activations", "only full recompute stores layer inputs it could split;"
+                                                      " set recompute_granularity='full' or turn this off")
+
+
+@_rule
+def rule_distribute_needs_tensor_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
+    if c.distribute_saved_activations and c.facts.tensor_model_parallel_size <= 1:
+        yield Problem("distribute_saved_activations", "splits saved inputs across tensor-parallel ranks, so it"
+                                                      " needs tensor_model_parallel_size > 1; turn it off")
+
+
+@_rule
+def rule_full_recompute_graph_scope(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R27
+    if c.recompute_granularity == "full" and _per_layer_graph(c.facts):
+        yield Problem("recompute_granularity", "full recompute cannot run inside per-layer CUDA graphs; use"
+                                               " selective recompute, cuda_graph_impl='none', or a"
+                                               " full_iteration graph")
+
+
+@_rule
+def rule_cpu_offload_layer_count(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R1
+    k, n = c.cpu_offloading_num_layers, c.facts.num_layers
+    if c.cpu_offloading and (k < 0 or (n is not None and k >= n)):
+        allowed = f"between 0 and {n - 1} (fewer than num_layers={n})" if n is not None else "0 or more"
+        yield Problem("cpu_offloading_num_layers", f"got {k}; set it to {allowed}")
+
+
+@_rule
+def rule_cpu_offload_not_with_pipeline(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R2
+    if c.cpu_offloading and c.facts.pipeline_model_parallel_size > 1:
+        yield Problem("cpu_offloading", "layer-level CPU offloading does not support pipeline parallelism;"
+                                        " set pipeline_model_parallel_size=1 or cpu_offloading=False")
+
+
+@_rule
+def rule_cpu_offload_not_with_recompute(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R3
+    if c.cpu_offloading and c.recompute_granularity is not None:
+        yield Problem("cpu_offloading", "layer-level CPU offloading cannot be combined with recompute; set"
+                                        " cpu_offloading=False or recompute_granularity to null")
+
+
+@_rule
+def rule_cpu_offload_graphs(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R26
+    if c.cpu_offloading and _per_layer_graph(c.facts):
+        yield Problem("cpu_offloading", "layer-level CPU offloading does not work with per-layer CUDA graphs;"
+                                        " set cuda_graph_impl to 'none' or 'full_iteration', or turn offloading off")
+
+
+@_rule
+def rule_moe_act_needs_grouped_gemm(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R12
+    if "moe_act" in _selected(c) and not c.facts.moe_grouped_gemm:
+        yield Problem("recompute_modules", "'moe_act' recompute needs moe_grouped_gemm=True; enable it or"
+                                           " drop 'moe_act'")
+
+
+@_rule
+def rule_mla_up_proj_needs_mla(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R13
+    if "mla_up_proj" in _selected(c) and not c.facts.multi_latent_attention:
+        yield Problem("recompute_modules", "'mla_up_proj' exists only with multi_latent_attention=True; enable"
+                                           " it or drop 'mla_up_proj'")
+
+
+@_rule
+def rule_shared_experts_not_with_overlap(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R16
+    f = c.facts
+    if ("shared_experts" in _selected(c) and f.moe_shared_expert_intermediate_size is not None
+            and f.moe_shared_expert_overlap):
+        yield Problem("recompute_modules", "'shared_experts' recompute does not work with"
+                                           " moe_shared_expert_overlap=True; drop one of them")
+
+
+@_rule
+def rule_fp8_delayed_discard_labels(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R16b
+    if c.facts.fp8 is None or c.facts.fp8_recipe != "delayed":
+        return
+    for label in ("moe_act", "layernorm"):
+        if label in _selected(c):
+            yield Problem("recompute_modules", f"{label!r} cannot be recomputed under FP8 delayed scaling; drop it"
+                                               " or use another fp8_recipe such as 'tensorwise'")
+
+
+@_rule
+def rule_graphed_recompute_dropout(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R28
+    # A recompute region captured in a CUDA graph cannot replay random dropout masks.
+    f, selected = c.facts, _selected(c)
+    if "core_attn" in selected and f.attention_dropout != 0 and _graphed(f, "attn"):
+        yield Problem("recompute_modules", "'core_attn' recompute inside a CUDA graph cannot replay attention"
+                                           " dropout; set attention_dropout=0, drop 'core_attn' or take 'attn'"
+                                           " out of the graph")
+    for label in ("mlp", "moe"):
+        if label in selected and f.hidden_dropout != 0 and _graphed(f, label):
+            yield Problem("recompute_modules", f"{label!r} recompute inside a CUDA graph cannot replay hidden"
+                                               f" dropout; set hidden_dropout=0, drop {label!r} or take"
+                                               f" {label!r} out of the graph")
+
+
+@_rule
+def rule_te_graph_moe_router(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R28
+    f = c.facts
+    if ("moe" in _selected(c) and f.cuda_graph_impl == "transformer_engine"
+            and "moe_router" in f.cuda_graph_scope):
+        yield Problem("recompute_modules", "'moe' recompute would span the graphed router (cuda_graph_scope"
+                                           " 'moe_router'); a recompute region must lie wholly inside or outside"
+                                           " a graph: drop 'moe' or remove 'moe_router' from the scope")
+
+
+@_rule
+def rule_ep_overlap_limits(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R30
+    if not c.facts.overlap_moe_expert_parallel_comm:
+        return
+    fix = "with overlap_moe_expert_parallel_comm=True; "
+    if c.recompute_granularity == "full":
+        yield Problem("recompute_granularity", f"full recompute does not work {fix}use selective recompute")
+    if c.recompute_method is not None:
+        yield Problem("recompute_method", f"must be null {fix}remove it")
+    if c.recompute_num_layers is not None:
+        yield Problem("recompute_num_layers", f"must be null {fix}remove it")
+    if "moe" in _selected(c):
+        yield Problem("recompute_modules", f"'moe' recompute does not work {fix}drop 'moe' (try 'moe_act')")
+
+
+@_rule
+def rule_fine_grained_not_with_cpu_offload(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R19
+    if c.fine_grained_activation_offloading and c.cpu_offloading:
+        yield Problem("fine_grained_activation_offloading", "cannot be combined with cpu_offloading; turn one off")
+
+
+@_rule
+def rule_fine_grained_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R19
+    if c.fine_grained_activation_offloading and not c.offload_modules:
+        yield Problem("offload_modules", f"fine-grained offloading with no modules offloads nothing; list some"
+                                         f" of {_one_of(OFFLOAD_MODULES)}")
+
+
+@_rule
+def rule_known_offload_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R19
+    for label in c.offload_modules:
+        if label not in OFFLOAD_MODULES:
+            yield Problem("offload_modules", f"unknown module {label!r}{_did_you_mean(label, OFFLOAD_MODULES)};"
+                                             f" use modules from {_one_of(OFFLOAD_MODULES)}")
+
+
+@_rule
+def rule_attn_proj_offload_needs_core_attn(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R20
+    offload = c.offload_modules
+    if c.fine_grained_activation_offloading and "attn_proj" in offload and "core_attn" not in offload:
+        yield Problem("offload_modules", "the input of 'attn_proj' is the output of core_attn, which core_attn's"
+                                         " backward also needs; offload 'core_attn' too or drop 'attn_proj'")
+
+
+@_rule
+def rule_moe_recompute_blocks_expert_offload(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R22
+    if not (c.fine_grained_activation_offloading and "moe" in _selected(c)):
+        return
+    for label in ("expert_fc1", "moe_act"):
+        if label in c.offload_modules:
+            yield Problem("offload_modules", f"'moe' recompute keeps nothing inside the MoE layer, so {label!r}"
+                                             f" has nothing to offload; drop {label!r} or drop 'moe' from"
+                                             " recompute_modules")
+
+
+@_rule
+def rule_min_offload_size(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R23
+    if c.min_offloaded_tensor_size < 0:
+        yield Problem("min_offloaded_tensor_size", f"got {c.min_offloaded_tensor_size}; set it to 0 or more"
+                                                   " (a tensor size in elements)")
+
+
+@_rule
+def rule_positive_sizes(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron ModelParallelConfig sizes
+    f = c.facts
+    sizes = {
+        "num_layers": f.num_layers,
+        "tensor_model_parallel_size": f.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": f.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": f.virtual_pipeline_model_parallel_size,
+        "context_parallel_size": f.context_parallel_size,
+    }
+    for name, size in sizes.items():
+        if size is not None and size < 1:
+            yield Problem(name, f"got {size}; set it to 1 or more")
+
+
+@_rule
+def rule_virtual_pipeline_needs_pipeline(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
+    f = c.facts
+    if f.virtual_pipeline_model_parallel_size is not None and f.pipeline_model_parallel_size == 1:
+        yield Problem("virtual_pipeline_model_parallel_size", "virtual pipeline stages need"
+                                                              " pipeline_model_parallel_size > 1; set it to null"
+                                                              " or raise the pipeline size")
+
+
+@_rule
+def rule_layers_divisible(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
+    f = c.facts
+    stages = f.pipeline_model_parallel_size * (f.virtual_pipeline_model_parallel_size or 1)
+    if f.num_layers is not None and f.num_layers >= 1 and stages >= 1 and f.num_layers % stages:
+        yield Problem("num_layers", f"{f.num_layers} layers do not split evenly into {stages} (virtual) pipeline"
+                                    f" stages; use a multiple of {stages} or change the pipeline sizes")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> Iterator[Problem]:
+    if value not in choices:
+        yield Problem(name, f"{value!r} is not an option{_did_you_mean(value, choices)}; use one of {_one_of(choices)}")
+
+
+@_rule
+def rule_cuda_graph_impl_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron cuda_graph_impl choices
+    yield from _choice("cuda_graph_impl", c.facts.cuda_graph_impl, CUDA_GRAPH_IMPLS)
+
+
+@_rule
+def rule_cuda_graph_scope_values(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron cuda_graph_scope choices
+    for scope in c.facts.cuda_graph_scope:
+        yield from _choice("cuda_graph_scope", scope, CUDA_GRAPH_SCOPES)
+
+
+@_rule
+def rule_fp8_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron --fp8-format choices
+    if c.facts.fp8 is not None:
+        yield from _choice("fp8", c.facts.fp8, FP8_FORMATS)
+
+
+@_rule
+def rule_fp8_recipe_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron Fp8Recipe choices
+    yield from _choice("fp8_recipe", c.facts.fp8_recipe, FP8_RECIPES)
+
+
+@_rule
+def rule_attention_backend_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron AttnBackend choices
+    yield from _choice("attention_backend", c.facts.attention_backend, ATTENTION_BACKENDS)
+
+
+@_rule
+def rule_dropout_range(c: RecomputeConfig) -> Iterator[Problem]:  # remat: a probability
+    for name in ("attention_dropout", "hidden_dropout"):
+        p = getattr(c.facts, name)
+        if not 0 <= p <= 1:
+            yield Problem(name, f"got {p}; set a probability between 0 and 1")
+
+
+@_warning_rule
+def rule_settings_without_granularity(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores them
+    if c.recompute_granularity is not None:
+        return
+    for name in ("recompute_method", "recompute_num_layers"):
+        if getattr(c, name) is not None:
+            yield Problem(name, "has no effect while recompute_granularity is null; set"
+                                " recompute_granularity='full' to use it, or remove it")
+
+
+@_warning_rule
+def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
+    selected = _selected(c)
+    if "moe" not in selected:
+        return
+    for inner in ("moe_act", "shared_experts"):
+        if inner in selected:
+            yield Problem("recompute_modules", f"'moe' already recomputes the whole MoE layer, which contains"
+                                               f" {inner!r}; listing both adds recompute work for no saving:"
+                                               f" drop {inner!r}")
+
+
+@_warning_rule
+def rule_core_attn_fused_backend(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R15
+    if "core_attn" in _selected(c) and c.facts.attention_backend in ("flash", "fused"):
+        yield Problem("recompute_modules", f"'core_attn' saves almost nothing with attention_backend"
+                                           f" {c.facts.attention_backend!r}: fused attention already recomputes"
+                                           " the attention matrix; drop 'core_attn'")
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary for `remat validate`.
+
+
+def _describe_recompute(c: RecomputeConfig) -> str:
+    g, k, per_stage = c.recompute_granularity, c.recompute_num_layers, c.facts.layers_per_virtual_stage
+    stage = f" ({per_stage} layers per virtual stage)" if per_stage is not None else ""
+    if g == "selective":
+        line = f"recompute: selective, in every layer: {', '.join(c.recompute_modules or [])}"
+    elif g == "full" and c.recompute_method == "uniform":
+        line = f"recompute: full, uniform: every layer, in groups of {k}{stage}"
+    elif g == "full":
+        line = f"recompute: full, block: the first {k} layers of each virtual stage{stage}, the rest keep activations"
+    else:
+        line = "recompute: off"
+    if c.distribute_saved_activations:
+        line += f"; saved layer inputs split over {c.facts.tensor_model_parallel_size} tensor-parallel ranks"
+    return line
+
+
+def _describe_offload(c: RecomputeConfig) -> str:
+    if c.cpu_offloading:
+        return f"offload: CPU, {c.cpu_offloading_num_layers} layers"
+    if c.fine_grained_activation_offloading:
+        return (f"offload: inputs of {', '.join(c.offload_modules)}"
+                f" (tensors of {c.min_offloaded_tensor_size} elements or more)")
+    return "offload: off"
+
+
+def _describe_parallel(f: TrainingFacts) -> str:
+    vpp = f.virtual_pipeline_model_parallel_size or "-"
+    sp = "on" if f.sequence_parallel else "off"
+    return (f"parallel: TP {f.tensor_model_parallel_size}, PP {f.pipeline_model_parallel_size}, VPP {vpp},"
+            f" CP {f.context_parallel_size}, sequence parallel {sp}")
+
+
+def _describe_model(f: TrainingFacts) -> str:
+    parts = [f"{f.num_layers if f.num_layers is not None else 'unknown number of'} layers"]
+    if f.layers_per_virtual_stage is not None:
+        parts[0] += f" ({f.layers_per_virtual_stage} per virtual stage)"
+    if f.num_moe_experts is not None:
+        parts.append(f"MoE with {f.num_moe_experts} experts")
+    if f.multi_latent_attention:
+        parts.append("MLA")
+    if f.fp8 is not None:
+        parts.append(f"fp8 {f.fp8} ({f.fp8_recipe})")
+    parts.append(f"attention backend {f.attention_backend}")
+    return "model: " + ", ".join(parts)
+
+
+def _describe_graphs(f: TrainingFacts) -> str:
+    if _full_iteration_graph(f):
+        return "cuda graphs: full iteration"
+    if f.cuda_graph_impl == "none":
+        return "cuda graphs: off"
+    return f"cuda graphs: {f.cuda_graph_impl}, capturing {', '.join(f.cuda_graph_scope) or 'whole layers'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks against a real model.
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The sites a real model has: the labels in each transformer layer, in layer order."""
+
+    labels: tuple[frozenset[str], ...]
+    # Labels whose sites wrap a kernel that already recomputes internally (flash/SDPA attention).
+    fused: frozenset[str] = frozenset()
+    has_layer_sites: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.labels)
+
+
+def _model_labels(layout: ModelLayout) -> frozenset[str]:
+    return frozenset().union(*layout.labels)
+
+
+def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    for name in ("cpu_offloading", "fine_grained_activation_offloading"):
+        if getattr(c, name):
+            yield Problem(name, "offload is not available yet; set it to False and lower memory with"
+                                " recompute for now")
+
+
+def _model_selected_labels(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    present = _model_labels(layout)
+    has = ", ".join(label for label in RECOMPUTE_MODULES if label in present) or "none"
+    for label in _selected(c):
+        if label not in present:
+            yield Problem("recompute_modules", f"{label!r} matches no site in this model (its sites: {has});"
+                                               f" drop {label!r}")
+
+
+def _model_layer_sites(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    if c.recompute_granularity == "full" and not layout.has_layer_sites:
+        yield Problem("recompute_granularity", "this model marks no 'layer' sites, so full recompute has"
+                                               " nothing to wrap; use selective recompute")
+
+
+def _model_layer_count(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    f, n = c.facts, layout.num_layers
+    stages = f.pipeline_model_parallel_size * (f.virtual_pipeline_model_parallel_size or 1)
+    if f.num_layers is not None and f.num_layers != n:
+        yield Problem("num_layers", f"is {f.num_layers} but the model has {n} layers; set num_layers={n}"
+                                    " or leave it unset")
+    elif f.num_layers is None and n % stages:
+        yield Problem("num_layers", f"the model's {n} layers do not split evenly into {stages} (virtual)"
+                                    " pipeline stages; change the pipeline sizes")
+
+
+def _model_recompute_num_layers(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    f, k = c.facts, c.recompute_num_layers
+    per_stage = _layers_per_virtual_stage(
+        layout.num_layers, f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size
+    )
+    if c.recompute_granularity == "full" and k is not None and per_stage is not None and k > per_stage:
+        yield Problem("recompute_num_layers", f"{k} is more than the model's {per_stage} layers per virtual"
+                                              f" pipeline stage; set it between 1 and {per_stage}")
+
+
+_MODEL_CHECKS: tuple[Callable[[RecomputeConfig, ModelLayout], Iterator[Problem]], ...] = (
+    _model_offload, _model_selected_labels, _model_layer_sites, _model_layer_count, _model_recompute_num_layers,
+)
+
+
+def check_model(config: RecomputeConfig, layout: ModelLayout) -> None:
+    """Raise ConfigError if `config` cannot apply to a model with this layout; warn about waste."""
+    problems = [p for check in _MODEL_CHECKS for p in check(config, layout)]
+    if problems:
+        raise ConfigError(problems)
+    if "core_attn" in _selected(config) and "core_attn" in layout.fused:
+        _warn("recompute_modules: 'core_attn' saves almost nothing: flash/SDPA attention already recomputes"
+              " the attention matrix; drop core_attn")
+
+
+def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: bool) -> Iterator[Problem]:
+    if not isinstance(actions, Mapping):
+        yield Problem(f"layers[{i}]", f"got {type(actions).__name__}; map each site label to an action")
+        return
+    for label, action in actions.items():
+        name = f"layers[{i}].{label}"
+        if label not in labels:
+            yield Problem(name, f"layer {i} has no {label!r} site (its sites: {', '.join(sorted(labels)) or 'none'});"
+                                " remove it")
+        if action not in ACTIONS:
+            hint = _did_you_mean(action, ACTIONS) if isinstance(action, str) else ""
+            yield Problem(name, f"unknown action {action!r}{hint}; use one of {_one_of(ACTIONS)}")
+        elif action == "discard" and not has_layer_sites:
+            yield Problem(name, "'discard' needs the enclosing 'layer' site as its scope and this model marks"
+                                " none; use 'recompute' or add layer sites")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plan_ranges(
+    full_recompute: Sequence[Any], layout: ModelLayout
+) -> tuple[list[tuple[int, int, int]], list[Problem]]:
+    """Check the [start, end) ranges; return the usable ones as (index, start, end) and the problems."""
+    n = layout.num_layers
+    usable: list[tuple[int, int, int]] = []
+    problems: list[Problem] = []
+    if full_recompute and not layout.has_layer_sites:
+        problems.append(Problem("full_recompute", "this model marks no 'layer' sites, so whole layers cannot be"
+                                                  " recomputed; leave full_recompute empty"))
+    for k, rng in enumerate(full_recompute):
+        name = f"full_recompute[{k}]"
+        if not (isinstance(rng, Sequence) and len(rng) == 2 and all(map(_is_index, rng))):
+            problems.append(Problem(name, f"got {rng!r}; give a [start, end) pair of layer indices"))
+            continue
+        start, end = rng
+        if start >= end:
+            problems.append(Problem(name, f"[{start}, {end}) is empty; end must be greater than start"))
+        elif start < 0 or end > n:
+            problems.append(Problem(name, f"[{start}, {end}) reaches outside the model's layers [0, {n})"))
+        elif usable and start < usable[-1][2]:
+            j, prev_start, prev_end = usable[-1]
+            how = "comes before" if start < prev_start else "overlaps"
+            problems.append(Problem(name, f"[{start}, {end}) {how} full_recompute[{j}] [{prev_start}, {prev_end});"
+                                          " list disjoint ranges in layer order"))
+        else:
+            usable.append((k, start, end))
+    return usable, problems
+
+
+def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]]) -> Iterator[Problem]:
+    for k, start, end in ranges:
+        for i in range(start, min(end, len(layers))):
+            if not isinstance(layers[i], Mapping):
+                continue
+            for label, action in layers[i].items():
+                if action != "keep":
+                    yield Problem(f"layers[{i}].{label}", f"layer {i} is inside full_recompute[{k}] [{start}, {end}),"
+                                                          " which recomputes the whole layer; set it to 'keep'")
+
+
+def check_plan(
+    layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]], layout: ModelLayout
+) -> None:
+    """Raise ConfigError listing everything wrong with a per-layer plan for a model with this layout.
+
+    `layers[i]` maps site label -> action; `full_recompute` lists [start, end) layer ranges recomputed
+    as one unit.
+    """
+    problems: list[Problem] = []
+    if len(layers) != layout.num_layers:
+        problems.append(Problem("layers", f"the plan has {len(layers)} layers but the model has"
+                                          f" {layout.num_layers}; give one entry per layer"))
+    for i, (actions, labels) in enumerate(zip(layers, layout.labels)):
+        problems += _plan_layer(i, actions, labels, layout.has_layer_sites)
+    ranges, range_problems = _plan_ranges(full_recompute, layout)
+    problems += range_problems
+    problems += _plan_inside_full(layers, ranges)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,606 @@
+"""Tests for remat.config: every validation rule failing and passing, loading, round trips, model checks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat import config
+from remat.config import (
+    RECOMPUTE_MODULES,
+    RULES,
+    WARNING_RULES,
+    ConfigError,
+    ModelLayout,
+    Problem,
+    RecomputeConfig,
+    RematWarning,
+    TrainingFacts,
+    check_model,
+    check_plan,
+)
+
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def sel(*modules: str) -> dict[str, Any]:
+    return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+
+
+def problems_of(settings_: dict[str, Any]) -> list[Problem]:
+    with pytest.raises(ConfigError) as info:
+        RecomputeConfig.from_megatron(settings_)
+    return info.value.problems
+
+
+def has(problems: list[Problem], field: str, phrase: str) -> bool:
+    return any(p.field == field and phrase in p.message for p in problems)
+
+
+def build_quietly(settings_: dict[str, Any]) -> RecomputeConfig:
+    """Build, failing the test on any RematWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematWarning)
+        return RecomputeConfig.from_megatron(settings_)
+
+
+# (rule, settings, field, phrase): each setting breaks exactly the named rule's condition.
+FAILING: list[tuple[str, dict[str, Any], str, str]] = [
+    ("rule_granularity_value", {"recompute_granularity": "ful"}, "recompute_granularity", "did you mean 'full'"),
+    ("rule_method_value", {**FULL, "recompute_method": "uniformm"}, "recompute_method", "did you mean 'uniform'"),
+    ("rule_full_needs_method", {"recompute_granularity": "full", "recompute_num_layers": 1},
+     "recompute_method", "needs a recompute_method"),
+    ("rule_full_num_layers", {"recompute_granularity": "full", "recompute_method": "block"},
+     "recompute_num_layers", "needs recompute_num_layers"),
+    ("rule_full_num_layers", {**FULL, "recompute_num_layers": 0}, "recompute_num_layers", "at least 1"),
+    ("rule_full_num_layers", {**FULL, "recompute_num_layers": 3, "num_layers": 8,
+                              "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+     "recompute_num_layers", "between 1 and 2"),
+    ("rule_selective_num_layers_none", {**sel("core_attn"), "recompute_num_layers": 2},
+     "recompute_num_layers", "only full recompute uses it"),
+    ("rule_selective_method_none", {**sel("core_attn"), "recompute_method": "block"},
+     "recompute_method", "only full recompute uses it"),
+    ("rule_selective_needs_modules", sel(), "recompute_modules", "no-recompute control"),
+    ("rule_known_recompute_modules", sel("core_atn"), "recompute_modules", "did you mean 'core_attn'"),
+    ("rule_no_duplicate_labels", sel("mlp", "mlp"), "recompute_modules", "'mlp' more than once"),
+    ("rule_no_duplicate_labels", {"fine_grained_activation_offloading": True,
+                                  "offload_modules": ["core_attn", "core_attn"]}, "offload_modules", "more than once"),
+    ("rule_distribute_not_with_sequence_parallel", {**FULL, "distribute_saved_activations": True,
+                                                    "tensor_model_parallel_size": 2, "sequence_parallel": True},
+     "distribute_saved_activations", "sequence parallelism"),
+    ("rule_distribute_needs_full", {**sel("core_attn"), "distribute_saved_activations": True,
+                                    "tensor_model_parallel_size": 2},
+     "distribute_saved_activations", "only full recompute"),
+    ("rule_distribute_needs_tensor_parallel", {**FULL, "distribute_saved_activations": True},
+     "distribute_saved_activations", "tensor_model_parallel_size > 1"),
+    ("rule_full_recompute_graph_scope", {**FULL, "cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["mlp"]},
+     "recompute_granularity", "per-layer CUDA graphs"),
+    ("rule_cpu_offload_layer_count", {"cpu_offloading": True, "cpu_offloading_num_layers": 4, "num_layers": 4},
+     "cpu_offloading_num_layers", "between 0 and 3"),
+    ("rule_cpu_offload_layer_count", {"cpu_offloading": True, "cpu_offloading_num_layers": -1},
+     "cpu_offloading_num_layers", "0 or more"),
+    ("rule_cpu_offload_not_with_pipeline", {"cpu_offloading": True, "pipeline_model_parallel_size": 2},
+     "cpu_offloading", "pipeline parallelism"),
+    ("rule_cpu_offload_not_with_recompute", {"cpu_offloading": True, **sel("core_attn")},
+     "cpu_offloading", "cannot be combined with recompute"),
+    ("rule_cpu_offload_graphs", {"cpu_offloading": True, "cuda_graph_impl": "local"},
+     "cpu_offloading", "per-layer CUDA graphs"),
+    ("rule_moe_act_needs_grouped_gemm", sel("moe_act"), "recompute_modules", "moe_grouped_gemm=True"),
+    ("rule_mla_up_proj_needs_mla", sel("mla_up_proj"), "recompute_modules", "multi_latent_attention=True"),
+    ("rule_shared_experts_not_with_overlap", {**sel("shared_experts"), "moe_shared_expert_intermediate_size": 1024,
+                                              "moe_shared_expert_overlap": True},
+     "recompute_modules", "moe_shared_expert_overlap=True"),
+    ("rule_fp8_delayed_discard_labels", {**sel("layernorm"), "fp8": "e4m3"}, "recompute_modules", "delayed scaling"),
+    ("rule_graphed_recompute_dropout", {**sel("core_attn"), "cuda_graph_impl": "transformer_engine",
+                                        "cuda_graph_scope": ["attn"]}, "recompute_modules", "attention dropout"),
+    ("rule_graphed_recompute_dropout", {**sel("core_attn"), "cuda_graph_impl": "local"},
+     "recompute_modules", "attention dropout"),
+    ("rule_graphed_recompute_dropout", {**sel("mlp"), "cuda_graph_impl": "full_iteration"},
+     "recompute_modules", "hidden dropout"),
+    ("rule_graphed_recompute_dropout", {**sel("moe"), "cuda_graph_impl": "local", "cuda_graph_scope": "moe"},
+     "recompute_modules", "hidden dropout"),
+    ("rule_te_graph_moe_router", {**sel("moe"), "cuda_graph_impl": "transformer_engine",
+                                  "cuda_graph_scope": ["moe_router"]}, "recompute_modules", "'moe_router'"),
+    ("rule_ep_overlap_limits", {**FULL, "overlap_moe_expert_parallel_comm": True},
+     "recompute_granularity", "full recompute does not work"),
+    ("rule_ep_overlap_limits", {"recompute_method": "block", "overlap_moe_expert_parallel_comm": True},
+     "recompute_method", "overlap_moe_expert_parallel_comm"),
+    ("rule_ep_overlap_limits", {"recompute_num_layers": 2, "overlap_moe_expert_parallel_comm": True},
+     "recompute_num_layers", "overlap_moe_expert_parallel_comm"),
+    ("rule_ep_overlap_limits", {**sel("moe"), "overlap_moe_expert_parallel_comm": True},
+     "recompute_modules", "'moe' recompute does not work"),
+    ("rule_fine_grained_not_with_cpu_offload", {"fine_grained_activation_offloading": True, "cpu_offloading": True,
+                                                "offload_modules": ["core_attn"]},
+     "fine_grained_activation_offloading", "cpu_offloading"),
+    ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True},
+     "offload_modules", "offloads nothing"),
+    ("rule_known_offload_modules", {"offload_modules": "core_atn"}, "offload_modules", "did you mean 'core_attn'"),
+    ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
+                                                "offload_modules": ["attn_proj"]},
+     "offload_modules", "offload 'core_attn' too"),
+    ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
+                                                  "offload_modules": ["moe_act"]},
+     "offload_modules", "nothing to offload"),
+    ("rule_min_offload_size", {"min_offloaded_tensor_size": -1}, "min_offloaded_tensor_size", "0 or more"),
+    ("rule_positive_sizes", {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size", "1 or more"),
+    ("rule_positive_sizes", {"pipeline_model_parallel_size": -1}, "pipeline_model_parallel_size", "1 or more"),
+    ("rule_positive_sizes", {"context_parallel_size": 0}, "context_parallel_size", "1 or more"),
+    ("rule_positive_sizes", {"num_layers": 0}, "num_layers", "1 or more"),
+    ("rule_positive_sizes", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 0},
+     "virtual_pipeline_model_parallel_size", "1 or more"),
+    ("rule_virtual_pipeline_needs_pipeline", {"virtual_pipeline_model_parallel_size": 2},
+     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1"),
+    ("rule_layers_divisible", {"num_layers": 6, "pipeline_model_parallel_size": 4}, "num_layers", "split evenly"),
+    ("rule_cuda_graph_impl_value", {"cuda_graph_impl": "transformer-engine"},
+     "cuda_graph_impl", "did you mean 'transformer_engine'"),
+    ("rule_cuda_graph_scope_values", {"cuda_graph_scope": "attn,mpl"}, "cuda_graph_scope", "did you mean 'mlp'"),
+    ("rule_fp8_value", {"fp8": "e5m2"}, "fp8", "not an option"),
+    ("rule_fp8_recipe_value", {"fp8_recipe": "tensor_wise"}, "fp8_recipe", "did you mean 'tensorwise'"),
+    ("rule_attention_backend_value", {"attention_backend": "flsh"}, "attention_backend", "did you mean 'flash'"),
+    ("rule_dropout_range", {"attention_dropout": 1.5}, "attention_dropout", "probability"),
+    ("rule_dropout_range", {"hidden_dropout": -0.1}, "hidden_dropout", "probability"),
+]
+
+# (rule, settings): a nearby valid configuration for each rule.
+PASSING: list[tuple[str, dict[str, Any]]] = [
+    ("rule_granularity_value", {"recompute_granularity": "selective"}),
+    ("rule_method_value", FULL),
+    ("rule_full_needs_method", {**FULL, "recompute_method": "block"}),
+    ("rule_full_num_layers", {**FULL, "recompute_num_layers": 2, "num_layers": 8,
+                              "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    ("rule_selective_num_layers_none", sel("core_attn")),
+    ("rule_selective_method_none", sel("mlp")),
+    ("rule_selective_needs_modules", {"recompute_modules": []}),
+    ("rule_known_recompute_modules", {**sel("core_attn", "layernorm", "mlp", "moe", "mla_up_proj"),
+                                      "multi_latent_attention": True}),
+    ("rule_no_duplicate_labels", sel("mlp", "core_attn")),
+    ("rule_distribute_not_with_sequence_parallel", {**FULL, "distribute_saved_activations": True,
+                                                    "tensor_model_parallel_size": 2}),
+    ("rule_distribute_needs_full", {**FULL, "recompute_method": "block", "distribute_saved_activations": True,
+                                    "tensor_model_parallel_size": 4}),
+    ("rule_distribute_needs_tensor_parallel", {**FULL, "tensor_model_parallel_size": 2,
+                                               "distribute_saved_activations": True}),
+    ("rule_full_recompute_graph_scope", {**FULL, "cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}),
+    ("rule_full_recompute_graph_scope", {**FULL, "cuda_graph_impl": "full_iteration"}),
+    ("rule_cpu_offload_layer_count", {"cpu_offloading": True, "cpu_offloading_num_layers": 3, "num_layers": 4}),
+    ("rule_cpu_offload_not_with_pipeline", {"cpu_offloading": True, "tensor_model_parallel_size": 2}),
+    ("rule_cpu_offload_not_with_recompute", {"cpu_offloading": True}),
+    ("rule_cpu_offload_graphs", {"cpu_offloading": True, "cuda_graph_impl": "full_iteration"}),
+    ("rule_moe_act_needs_grouped_gemm", {**sel("moe_act"), "moe_grouped_gemm": True}),
+    ("rule_mla_up_proj_needs_mla", {**sel("mla_up_proj"), "multi_latent_attention": True}),
+    ("rule_shared_experts_not_with_overlap", {**sel("shared_experts"), "moe_shared_expert_intermediate_size": 1024}),
+    ("rule_fp8_delayed_discard_labels", {**sel("layernorm"), "fp8": "e4m3", "fp8_recipe": "tensorwise"}),
+    ("rule_graphed_recompute_dropout", {**sel("core_attn"), "cuda_graph_impl": "transformer_engine",
+                                        "cuda_graph_scope": ["attn"], "attention_dropout": 0.0}),
+    ("rule_graphed_recompute_dropout", {**sel("mlp"), "cuda_graph_impl": "local", "cuda_graph_scope": ["attn"],
+                                        "attention_dropout": 0}),
+    ("rule_te_graph_moe_router", {**sel("moe_act"), "moe_grouped_gemm": True, "cuda_graph_impl": "transformer_engine",
+                                  "cuda_graph_scope": ["moe_router"]}),
+    ("rule_ep_overlap_limits", {**sel("moe_act"), "moe_grouped_gemm": True, "overlap_moe_expert_parallel_comm": True}),
+    ("rule_fine_grained_not_with_cpu_offload", {"fine_grained_activation_offloading": True,
+                                                "offload_modules": ["core_attn"]}),
+    ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True, "offload_modules": "mlp_norm"}),
+    ("rule_known_offload_modules", {"fine_grained_activation_offloading": True,
+                                    "offload_modules": list(config.OFFLOAD_MODULES)}),
+    ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
+                                                "offload_modules": ["core_attn", "attn_proj"]}),
+    ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
+                                                  "offload_modules": ["core_attn"]}),
+    ("rule_min_offload_size", {"min_offloaded_tensor_size": 0}),
+    ("rule_positive_sizes", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                             "virtual_pipeline_model_parallel_size": 2, "context_parallel_size": 2, "num_layers": 4}),
+    ("rule_virtual_pipeline_needs_pipeline", {"pipeline_model_parallel_size": 2,
+                                              "virtual_pipeline_model_parallel_size": 2}),
+    ("rule_layers_divisible", {"num_layers": 8, "pipeline_model_parallel_size": 4}),
+    ("rule_cuda_graph_impl_value", {"cuda_graph_impl": "transformer_engine"}),
+    ("rule_cuda_graph_scope_values", {"cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp"}),
+    ("rule_fp8_value", {"fp8": "hybrid"}),
+    ("rule_fp8_recipe_value", {"fp8_recipe": "mxfp8"}),
+    ("rule_attention_backend_value", {"attention_backend": "flash"}),
+    ("rule_dropout_range", {"attention_dropout": 0, "hidden_dropout": 1}),
+]
+
+# (warning rule, settings, field, phrase) and a nearby setting that stays quiet.
+WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
+    ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method", "has no effect"),
+    ("rule_settings_without_granularity", {"recompute_num_layers": 2}, "recompute_num_layers", "has no effect"),
+    ("rule_nested_labels", {**sel("moe", "moe_act"), "moe_grouped_gemm": True}, "recompute_modules", "'moe_act'"),
+    ("rule_nested_labels", sel("moe", "shared_experts"), "recompute_modules", "'shared_experts'"),
+    ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "flash"},
+     "recompute_modules", "saves almost nothing"),
+    ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "fused"},
+     "recompute_modules", "saves almost nothing"),
+]
+QUIET: list[tuple[str, dict[str, Any]]] = [
+    ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
+    ("rule_nested_labels", {**sel("moe", "mlp")}),
+    ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "unfused"}),
+]
+
+
+def _without(rules: list[Any], name: str) -> list[Any]:
+    return [r for r in rules if r.__name__ != name]
+
+
+@pytest.mark.parametrize("rule, settings_, field, phrase", FAILING, ids=[c[0] for c in FAILING])
+def test_rule_rejects(rule: str, settings_: dict[str, Any], field: str, phrase: str,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert has(problems_of(settings_), field, phrase)
+    # The named rule, and no other, reports it.
+    monkeypatch.setattr(config, "RULES", _without(RULES, rule))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematWarning)
+        try:
+            RecomputeConfig.from_megatron(settings_)
+        except ConfigError as err:
+            assert not has(err.problems, field, phrase)
+
+
+@pytest.mark.parametrize("rule, settings_", PASSING, ids=[c[0] for c in PASSING])
+def test_rule_accepts(rule: str, settings_: dict[str, Any]) -> None:
+    build_quietly(settings_)
+
+
+@pytest.mark.parametrize("rule, settings_, field, phrase", WARNING_CASES, ids=[c[0] for c in WARNING_CASES])
+def test_warning_rule_warns(rule: str, settings_: dict[str, Any], field: str, phrase: str,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.warns(RematWarning, match=phrase) as record:
+        RecomputeConfig.from_megatron(settings_)
+    assert any(str(w.message).startswith(f"{field}: ") for w in record)
+    monkeypatch.setattr(config, "WARNING_RULES", _without(WARNING_RULES, rule))
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        RecomputeConfig.from_megatron(settings_)
+    assert not any(phrase in str(w.message) for w in quiet)
+
+
+@pytest.mark.parametrize("rule, settings_", QUIET, ids=[c[0] for c in QUIET])
+def test_warning_rule_quiet(rule: str, settings_: dict[str, Any]) -> None:
+    build_quietly(settings_)
+
+
+def test_every_rule_has_failing_and_passing_cases() -> None:
+    assert {r.__name__ for r in RULES} == {c[0] for c in FAILING} == {c[0] for c in PASSING}
+    assert {r.__name__ for r in WARNING_RULES} == {c[0] for c in WARNING_CASES} == {c[0] for c in QUIET}
+
+
+def test_warning_points_at_caller() -> None:
+    with pytest.warns(RematWarning) as record:
+        RecomputeConfig(recompute_method="block")
+    assert record[0].filename == __file__
+
+
+# ---------------------------------------------------------------------------------------------
+# Types, defaults, errors
+
+
+@pytest.mark.parametrize("field, value", [
+    ("recompute_num_layers", "abc"),
+    ("distribute_saved_activations", 3),
+    ("recompute_modules", 5),
+    ("recompute_modules", ["mlp", 1]),
+    ("recompute_granularity", ["full"]),
+    ("min_offloaded_tensor_size", 1.5),
+    ("tensor_model_parallel_size", 1.5),
+    ("num_layers", True),
+    ("sequence_parallel", "yes"),
+    ("attention_dropout", "x"),
+    ("cuda_graph_scope", {"attn": 1}),
+    ("fp8", 8),
+])
+def test_type_errors_are_problems(field: str, value: Any) -> None:
+    assert has(problems_of({field: value}), field, "set it to")
+
+
+def test_type_error_is_not_repeated_by_rules() -> None:
+    problems = problems_of({**FULL, "recompute_num_layers": "abc"})
+    assert [p.field for p in problems] == ["recompute_num_layers"]
+
+
+def test_facts_must_be_training_facts() -> None:
+    with pytest.raises(ConfigError) as info:
+        RecomputeConfig(facts={"num_layers": 4})  # type: ignore[arg-type]
+    assert has(info.value.problems, "facts", "TrainingFacts")
+
+
+def test_all_problems_reported_at_once() -> None:
+    problems = problems_of({"recompute_granularity": "full", "cpu_offloading": True,
+                            "tensor_model_parallel_size": 0, "offload_modules": ["bogus"], "bogus_key": 1})
+    fields = {p.field for p in problems}
+    assert {"recompute_method", "recompute_num_layers", "cpu_offloading", "tensor_model_parallel_size",
+            "offload_modules", "bogus_key"} <= fields
+
+
+def test_config_error_lists_one_problem_per_line() -> None:
+    err = ConfigError([Problem("a", "first"), Problem("b", "second")])
+    assert str(err) == "a: first\nb: second"
+    assert isinstance(err, ValueError) and len(err.problems) == 2
+
+
+def test_selective_defaults_to_core_attn() -> None:
+    assert RecomputeConfig(recompute_granularity="selective").recompute_modules == ["core_attn"]
+    assert RecomputeConfig().recompute_modules is None
+
+
+def test_validation_does_not_mutate_inputs() -> None:
+    modules = ["mlp"]
+    facts = TrainingFacts(cuda_graph_scope="attn")  # type: ignore[arg-type]
+    c = RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts)
+    c.recompute_modules.append("core_attn")  # type: ignore[union-attr]
+    assert modules == ["mlp"] and facts.cuda_graph_scope == "attn" and c.facts.cuda_graph_scope == ["attn"]
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (TrainingFacts(), None),
+    (TrainingFacts(num_layers=32), 32),
+    (TrainingFacts(num_layers=32, pipeline_model_parallel_size=4), 8),
+    (TrainingFacts(num_layers=32, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), 4),
+    (TrainingFacts(num_layers=6, pipeline_model_parallel_size=4), None),
+])
+def test_layers_per_virtual_stage(facts: TrainingFacts, expected: int | None) -> None:
+    assert facts.layers_per_virtual_stage == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# from_megatron, files, round trip, describe
+
+
+def test_from_megatron_model_prefix_and_nested() -> None:
+    expected = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"],
+                               facts=TrainingFacts(num_layers=4))
+    prefixed = {"model.recompute_granularity": "selective", "model.recompute_modules": ["mlp"], "model.num_layers": 4}
+    nested = {"model": {"recompute_granularity": "selective", "recompute_modules": ["mlp"], "num_layers": 4}}
+    mixed = {"recompute_granularity": "selective", "model": {"recompute_modules": ["mlp"]}, "model.num_layers": 4}
+    for d in (prefixed, nested, mixed):
+        assert RecomputeConfig.from_megatron(d) == expected
+
+
+@pytest.mark.parametrize("value", ["core_attn,mlp", "[core_attn, mlp]", "['core_attn', 'mlp']", " core_attn , mlp ",
+                                   ["core_attn", "mlp"], ("core_attn", "mlp")])
+def test_list_fields_accept_strings(value: Any) -> None:
+    c = RecomputeConfig.from_megatron({"recompute_granularity": "selective", "recompute_modules": value})
+    assert c.recompute_modules == ["core_attn", "mlp"]
+
+
+def test_single_label_string() -> None:
+    c = RecomputeConfig.from_megatron({**sel(), "recompute_modules": "mlp", "cuda_graph_scope": "attn",
+                                       "offload_modules": "[]"})
+    assert (c.recompute_modules, c.facts.cuda_graph_scope, c.offload_modules) == (["mlp"], ["attn"], [])
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    problems = problems_of({"model.recompute_granularty": "full"})
+    assert has(problems, "model.recompute_granularty", "did you mean 'recompute_granularity'")
+    assert has(problems_of({"zzz_qqq": 1}), "zzz_qqq", "not a setting remat reads")
+
+
+def test_shape_keys_are_ignored() -> None:
+    c = RecomputeConfig.from_megatron({"hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32,
+                                       "num_query_groups": 8, "seq_length": 8192, "vocab_size": 128256,
+                                       "kv_channels": 128, "normalization": "RMSNorm"})
+    assert c == RecomputeConfig()
+
+
+@pytest.mark.parametrize("d, field, phrase", [
+    ({"recompute_granularity": "full", "model.recompute_granularity": "full"}, "model.recompute_granularity", "twice"),
+    ({"model": 3}, "model", "mapping"),
+    ({1: "x"}, "1", "strings"),
+])
+def test_from_megatron_key_problems(d: dict[Any, Any], field: str, phrase: str) -> None:
+    assert has(problems_of(d), field, phrase)
+
+
+def test_from_megatron_needs_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="mapping"):
+        RecomputeConfig.from_megatron(["recompute_granularity"])  # type: ignore[arg-type]
+
+
+def test_moe_layer_recompute_converts_with_warning() -> None:
+    with pytest.warns(RematWarning, match="deprecated"):
+        c = RecomputeConfig.from_megatron({"moe_layer_recompute": True})
+    assert (c.recompute_granularity, c.recompute_modules) == ("selective", ["core_attn", "moe"])
+    with pytest.warns(RematWarning, match="deprecated"):
+        c = RecomputeConfig.from_megatron({**sel("mlp"), "moe_layer_recompute": True})
+    assert c.recompute_modules == ["mlp", "moe"]
+    assert build_quietly({"moe_layer_recompute": False}) == RecomputeConfig()
+
+
+@pytest.mark.parametrize("d, phrase", [
+    ({**FULL, "moe_layer_recompute": True}, "recompute_granularity='full'"),
+    ({"moe_layer_recompute": "yes"}, "true or false"),
+])
+def test_moe_layer_recompute_problems(d: dict[str, Any], phrase: str) -> None:
+    assert has(problems_of(d), "moe_layer_recompute", phrase)
+
+
+RICH = {**FULL, "recompute_method": "block", "recompute_num_layers": 2, "num_layers": 8,
+        "pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2, "distribute_saved_activations": True,
+        "cuda_graph_impl": "full_iteration", "fp8": "hybrid", "fp8_recipe": "tensorwise", "num_moe_experts": 8}
+
+
+@pytest.mark.parametrize("d", [
+    {},
+    RICH,
+    {**sel("core_attn", "mlp"), "attention_backend": "unfused"},
+    {**sel("mla_up_proj", "moe_act"), "multi_latent_attention": True, "moe_grouped_gemm": True,
+     "fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "attn_proj"],
+     "min_offloaded_tensor_size": 0},
+    {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "num_layers": 4},
+])
+def test_to_megatron_round_trip(d: dict[str, Any], tmp_path: Any) -> None:
+    c = build_quietly(d)
+    flat = c.to_megatron()
+    assert RecomputeConfig.from_megatron(flat) == c
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(flat))
+    assert RecomputeConfig.from_file(path) == c
+
+
+def test_to_megatron_covers_every_field() -> None:
+    names = {f.name for f in dataclasses.fields(RecomputeConfig) if f.name != "facts"}
+    names |= {f.name for f in dataclasses.fields(TrainingFacts)}
+    assert set(RecomputeConfig().to_megatron()) == names
+
+
+@pytest.mark.parametrize("suffix, dump", [(".yaml", yaml.safe_dump), (".yml", yaml.safe_dump), (".json", json.dumps)])
+def test_files_load_like_the_dict(suffix: str, dump: Any, tmp_path: Any) -> None:
+    d = {"model": {**sel("core_attn", "mlp"), "num_layers": 4, "cuda_graph_scope": "attn", "attention_dropout": 0}}
+    path = tmp_path / f"c{suffix}"
+    path.write_text(dump(d))
+    assert RecomputeConfig.from_file(path) == RecomputeConfig.from_megatron(d)
+
+
+@pytest.mark.parametrize("name, text, phrase", [
+    ("missing.yaml", None, "cannot read"),
+    ("bad.yaml", "a: [1, 2", "not valid YAML"),
+    ("bad.json", "{'a': 1}", "not valid JSON"),
+    ("list.yaml", "- 1\n- 2\n", "mapping"),
+    ("empty.yml", "", "mapping"),
+    ("c.toml", "a = 1", "unsupported file type"),
+    ("typo.json", '{"recompute_granularty": "full"}', "did you mean"),
+])
+def test_file_problems(name: str, text: str | None, phrase: str, tmp_path: Any) -> None:
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=phrase):
+        RecomputeConfig.from_file(path)
+
+
+def test_describe() -> None:
+    text = RecomputeConfig.from_megatron(RICH).describe()
+    assert "full, block: the first 2 layers" in text and "(4 layers per virtual stage)" in text
+    assert "TP 2, PP 2" in text and "fp8 hybrid" in text and "full iteration" in text
+    assert "recompute: off" in RecomputeConfig().describe()
+    assert "selective" in RecomputeConfig(recompute_granularity="selective").describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# check_model
+
+DENSE = frozenset({"core_attn", "layernorm", "mlp"})
+LAYOUT = ModelLayout(labels=(DENSE,) * 4)
+
+
+def test_check_model_accepts() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematWarning)
+        check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]), LAYOUT)
+        check_model(RecomputeConfig.from_megatron({**FULL, "recompute_num_layers": 2,
+                                                   "pipeline_model_parallel_size": 2, "num_layers": 4}), LAYOUT)
+        check_model(RecomputeConfig(), ModelLayout(labels=(), has_layer_sites=False))
+
+
+@pytest.mark.parametrize("d, layout, field, phrase", [
+    (sel("moe"), LAYOUT, "recompute_modules", "matches no site in this model (its sites: core_attn, layernorm, mlp)"),
+    (FULL, ModelLayout(labels=(DENSE,) * 4, has_layer_sites=False), "recompute_granularity", "no 'layer' sites"),
+    ({**FULL, "recompute_num_layers": 3, "pipeline_model_parallel_size": 2}, LAYOUT,
+     "recompute_num_layers", "between 1 and 2"),
+    ({"num_layers": 8}, LAYOUT, "num_layers", "the model has 4 layers"),
+    ({"pipeline_model_parallel_size": 3}, LAYOUT, "num_layers", "split evenly"),
+    ({"cpu_offloading": True}, LAYOUT, "cpu_offloading", "offload is not available yet"),
+    ({"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}, LAYOUT,
+     "fine_grained_activation_offloading", "offload is not available yet"),
+])
+def test_check_model_rejects(d: dict[str, Any], layout: ModelLayout, field: str, phrase: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_model(RecomputeConfig.from_megatron(d), layout)
+    assert has(info.value.problems, field, phrase)
+
+
+def test_check_model_warns_on_fused_core_attn() -> None:
+    fused = ModelLayout(labels=(DENSE,) * 4, fused=frozenset({"core_attn"}))
+    with pytest.warns(RematWarning, match="saves almost nothing"):
+        check_model(RecomputeConfig(recompute_granularity="selective"), fused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematWarning)
+        check_model(RecomputeConfig(recompute_granularity="selective"), LAYOUT)
+        check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), fused)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_plan
+
+KEEP = {"core_attn": "keep", "layernorm": "keep", "mlp": "keep"}
+
+
+def plan_problems(layers: list[Any], full: list[Any], layout: ModelLayout = LAYOUT) -> list[Problem]:
+    with pytest.raises(ConfigError) as info:
+        check_plan(layers, full, layout)
+    return info.value.problems
+
+
+def test_check_plan_accepts() -> None:
+    layers = [KEEP, KEEP, {"mlp": "recompute", "layernorm": "discard"}, {"core_attn": "recompute"}]
+    check_plan(layers, [(0, 1), [1, 2]], LAYOUT)
+    check_plan([{"mlp": "recompute"}] * 2, [], ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False))
+
+
+@pytest.mark.parametrize("layers, full, field, phrase", [
+    ([KEEP] * 3, [], "layers", "the plan has 3 layers but the model has 4"),
+    ([KEEP, {"moe": "recompute"}, KEEP, KEEP], [], "layers[1].moe", "no 'moe' site"),
+    ([KEEP, KEEP, {"mlp": "recompte"}, KEEP], [], "layers[2].mlp", "did you mean 'recompute'"),
+    ([KEEP, KEEP, {"mlp": 3}, KEEP], [], "layers[2].mlp", "unknown action 3"),
+    ([KEEP, KEEP, KEEP, "keep"], [], "layers[3]", "map each site label"),
+    ([KEEP] * 4, [(2, 5)], "full_recompute[0]", "outside the model's layers [0, 4)"),
+    ([KEEP] * 4, [(-1, 2)], "full_recompute[0]", "outside"),
+    ([KEEP] * 4, [(2, 2)], "full_recompute[0]", "empty"),
+    ([KEEP] * 4, [(3, 1)], "full_recompute[0]", "empty"),
+    ([KEEP] * 4, [(2, 3), (0, 1)], "full_recompute[1]", "comes before full_recompute[0]"),
+    ([KEEP] * 4, [(0, 2), (1, 3)], "full_recompute[1]", "overlaps full_recompute[0]"),
+    ([KEEP] * 4, [(0,)], "full_recompute[0]", "[start, end) pair"),
+    ([KEEP] * 4, ["ab"], "full_recompute[0]", "[start, end) pair"),
+    ([KEEP] * 4, [(True, 2)], "full_recompute[0]", "[start, end) pair"),
+    ([KEEP, {"mlp": "recompute"}, KEEP, KEEP], [(0, 2)], "layers[1].mlp", "inside full_recompute[0] [0, 2)"),
+])
+def test_check_plan_rejects(layers: list[Any], full: list[Any], field: str, phrase: str) -> None:
+    assert has(plan_problems(layers, full), field, phrase)
+
+
+def test_check_plan_without_layer_sites() -> None:
+    layout = ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False)
+    problems = plan_problems([{"layernorm": "discard"}, KEEP], [(0, 1)], layout)
+    assert has(problems, "full_recompute", "no 'layer' sites")
+    assert has(problems, "layers[0].layernorm", "needs the enclosing 'layer' site")
+
+
+def test_check_plan_reports_everything() -> None:
+    problems = plan_problems([{"moe": "offlaod"}], [(0, 9)])
+    assert {p.field for p in problems} == {"layers", "layers[0].moe", "full_recompute[0]"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: from_megatron never fails with anything but ConfigError.
+
+KNOWN_KEYS = sorted(config._KNOWN_KEYS)
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True),
+    st.sampled_from([*RECOMPUTE_MODULES, *config.OFFLOAD_MODULES, *config.CUDA_GRAPH_IMPLS, *config.METHODS,
+                     *config.GRANULARITIES, "e4m3", "delayed", "flash", "core_attn,mlp", "[mlp]", ""]),
+    st.text(max_size=8),
+    st.lists(st.one_of(st.sampled_from(RECOMPUTE_MODULES), st.text(max_size=5), st.integers()), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+KEYS = st.one_of(st.sampled_from(KNOWN_KEYS), st.sampled_from(KNOWN_KEYS).map("model.{}".format),
+                 st.text(max_size=12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(d=st.one_of(st.dictionaries(KEYS, VALUES, max_size=12),
+                   st.dictionaries(KEYS, VALUES, max_size=6).map(lambda inner: {"model": inner})))
+def test_from_megatron_only_raises_config_error(d: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematWarning)
+        try:
+            c = RecomputeConfig.from_megatron(d)
+        except ConfigError as err:
+            assert err.problems and all(isinstance(p, Problem) for p in err.problems)
+        else:
+            assert isinstance(c, RecomputeConfig)
+            assert RecomputeConfig.from_megatron(c.to_megatron()) == c
