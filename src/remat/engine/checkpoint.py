@@ -1,0 +1,253 @@
+"""Non-reentrant, RNG-exact checkpointing with output discarding, built on saved-tensor hooks.
+
+A `Region` runs one or more calls (one site, or a group of consecutive layers) with the autograd
+graph built as usual, but every tensor autograd saves inside it is replaced by a slot number.
+The first time backward asks for a slot, the region replays its calls once, with the RNG and
+autocast state of the forward, and fills every slot. Because the original graph is used,
+parameters get gradients even when no input requires grad, and `torch.autograd.grad` works.
+
+A `DiscardScope` (entered around a whole layer) goes one step further for a region whose
+*output* is itself saved by the ops that consume it (norm -> linear): the consumers save a
+reference to the region instead of the tensor, and the region's single replay rebuilds the output
+for all of them. Matching is by storage, so views of the output are caught too.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from remat.engine.rng import ReplayState, forked_rng
+
+_local = threading.local()
+
+
+def _scopes() -> list["DiscardScope"]:
+    if not hasattr(_local, "scopes"):
+        _local.scopes = []
+    return _local.scopes
+
+
+def current_scope() -> "DiscardScope | None":
+    scopes = _scopes()
+    return scopes[-1] if scopes else None
+
+
+def _flatten(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+@dataclass(frozen=True)
+class _Link:
+    """An argument that is output `index` of the previous call of the same region."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """An argument kept for the replay (possibly as a reference to a discarded output)."""
+
+    packed: Any
+    requires_grad: bool
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: ReplayState
+
+
+class Region:
+    """A checkpointed unit: saved tensors are dropped in forward and rebuilt by one replay."""
+
+    def __init__(self) -> None:
+        self._calls: list[_Call] = []
+        self._num_saved = 0
+        self._slots: dict[int, torch.Tensor] = {}
+        self._last_outputs: list[torch.Tensor] = []  # forward outputs of the latest call, for linking
+        self._rebuilt: dict[int, torch.Tensor] = {}  # replayed outputs awaiting consumers
+        self._output_refs: dict[int, int] = {}  # consumer references still to be unpacked
+
+    # ---- forward -------------------------------------------------------------------------
+    def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Run `fn(*args, **kwargs)` as the next call of this region and return its output."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        self._calls.append(
+            _Call(fn, tuple(self._keep(a) for a in args),
+                  {k: self._keep(v) for k, v in kwargs.items()}, ReplayState.capture(tensors))
+        )
+        with saved_tensors_hooks(self._pack, self._unpack):
+            out = fn(*args, **kwargs)
+        self._last_outputs = _flatten(out)
+        return out
+
+    def close(self) -> None:
+        """The region's forward is over: let go of the outputs kept for linking calls."""
+        self._last_outputs = []
+
+    def _keep(self, arg: Any) -> Any:
+        if not isinstance(arg, torch.Tensor):
+            return arg
+        for i, out in enumerate(self._last_outputs):
+            if arg is out:
+                return _Link(i)
+        scope = current_scope()
+        packed = scope.pack(arg) if scope is not None else arg
+        if isinstance(packed, torch.Tensor) and _views_larger_buffer(packed):
+            # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
+            packed = packed.detach().clone()
+        return _Stored(packed, arg.requires_grad)
+
+    def _pack(self, _tensor: torch.Tensor) -> int:
+        slot = self._num_saved
+        self._num_saved += 1
+        return slot
+
+    # ---- backward ------------------------------------------------------------------------
+    def _unpack(self, slot: int) -> torch.Tensor:
+        if slot not in self._slots:
+            self._replay(keep=set())
+        return self._slots.pop(slot)
+
+    def add_output_ref(self, index: int) -> None:
+        self._output_refs[index] = self._output_refs.get(index, 0) + 1
+
+    def take_output(self, index: int) -> torch.Tensor:
+        """A rebuilt output for one consumer; dropped once its last consumer has it."""
+        if index not in self._rebuilt:
+            self._replay(keep={index})
+        out = self._rebuilt[index]
+        self._output_refs[index] -= 1
+        if self._output_refs[index] <= 0:
+            del self._rebuilt[index]
+        return out
+
+    def _replay(self, keep: set[int]) -> None:
+        slots: dict[int, torch.Tensor] = {}
+
+        def pack(t: torch.Tensor) -> None:
+            slots[len(slots)] = t.detach()
+
+        outputs: list[torch.Tensor] = []
+        devices = sorted({d for c in self._calls for d in c.state.devices})
+        with forked_rng(devices), torch.enable_grad():
+            for call in self._calls:
+                call.state.restore_rng()
+                args = tuple(self._restore(a, outputs) for a in call.args)
+                kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}
+                with call.state.autocast_context(), saved_tensors_hooks(pack, _never_unpacked):
+                    outputs = _flatten(call.fn(*args, **kwargs))
+        if len(slots) != self._num_saved:
+            raise RuntimeError(
+                f"recompute saved {len(slots)} tensors where the forward saved {self._num_saved}: "
+                "the recomputed code took a different path (data-dependent control flow or state "
+                "changed between forward and backward); keep this site instead of recomputing it"
+            )
+        self._slots = slots
+        # Keep only outputs that consumers will still ask for; a plain recompute keeps none.
+        keep = keep | {i for i, n in self._output_refs.items() if n > 0}
+        self._rebuilt = {i: outputs[i].detach() for i in keep}
+
+    @staticmethod
+    def _restore(arg: Any, previous: list[torch.Tensor]) -> Any:
+        if isinstance(arg, _Link):
+            return previous[arg.index]
+        if isinstance(arg, _Stored):
+            value = DiscardScope.unpack(arg.packed)
+            return value.detach().requires_grad_(arg.requires_grad)
+        return arg
+
+
+def _views_larger_buffer(t: torch.Tensor) -> bool:
+    # Only activations (they require grad): a view of a buffer or constant is alive anyway.
+    return t.requires_grad and t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size()
+
+
+def _never_unpacked(_packed: None) -> torch.Tensor:
+    raise RuntimeError("the graph built by a recompute is internal and never run backward")
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `fn` keeping only its inputs; rebuild what backward needs by one RNG-exact replay."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    region = Region()
+    out = region.call(fn, args, kwargs)
+    region.close()
+    return out
+
+
+@dataclass(frozen=True)
+class _OutputRef:
+    """What a consumer saves instead of a discarded output (or a view of it)."""
+
+    region: Region
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the output's own
+
+
+@dataclass(frozen=True)
+class _Registered:
+    region: Region
+    index: int
+    tensor: torch.Tensor  # held only while the scope is open, so the storage key stays unique
+
+
+class DiscardScope:
+    """Saved-tensor hooks around a layer: consumers of a discarded output save a reference."""
+
+    def __init__(self) -> None:
+        self._registered: dict[tuple[torch.device, int], _Registered] = {}
+        self._hooks = saved_tensors_hooks(self.pack, DiscardScope.unpack)
+
+    def __enter__(self) -> "DiscardScope":
+        _scopes().append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        _scopes().pop()
+        self._registered.clear()
+
+    def discard(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Run `fn` as a checkpointed region whose outputs consumers in this scope will not keep."""
+        region = Region()
+        out = region.call(fn, args, kwargs)
+        region.close()
+        for index, tensor in enumerate(_flatten(out)):
+            if tensor.untyped_storage().data_ptr() == 0:
+                continue  # empty storage: nothing to free, and its key is not unique
+            self._registered[_storage_key(tensor)] = _Registered(region, index, tensor)
+        return out
+
+    def pack(self, t: torch.Tensor) -> Any:
+        entry = self._registered.get(_storage_key(t))
+        if entry is None or entry.tensor.dtype != t.dtype:
+            return t
+        entry.region.add_output_ref(entry.index)
+        return _OutputRef(entry.region, entry.index, tuple(t.size()), tuple(t.stride()),
+                          t.storage_offset() - entry.tensor.storage_offset())
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _OutputRef):
+            return packed
+        out = packed.region.take_output(packed.index)
+        return out.as_strided(packed.size, packed.stride, out.storage_offset() + packed.offset)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())

@@ -1,0 +1,150 @@
+"""The engine alone, on small functions: exact replay, no-grad inputs, .grad(), discard, groups."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat.engine import DiscardScope, Region, checkpoint
+
+torch.use_deterministic_algorithms(True)
+
+
+def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 16, dtype=torch.float64, generator=g).requires_grad_()
+    n = torch.rand(16, dtype=torch.float64, generator=g).add_(0.5).requires_grad_()
+    return w, n
+
+
+def _block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # dropout twice, so a wrong RNG restore changes the masks
+    return F.dropout(torch.tanh(F.dropout(x, 0.3, True) @ w), 0.5, True)
+
+
+def _grads(loss: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
+    loss.backward()
+    out = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+def test_checkpoint_replays_dropout_exactly_and_frees_nothing_needed() -> None:
+    w, _ = _weights()
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    results = []
+    for use in (False, True):
+        torch.manual_seed(7)
+        y = checkpoint(_block, x, w) if use else _block(x, w)
+        after = torch.rand(3)  # the forward's RNG stream continues unchanged
+        results.append((y.detach(), after, *_grads((y * y).sum(), x, w)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_gives_parameter_grads_when_no_input_requires_grad() -> None:
+    # Frozen embeddings / LoRA: the reentrant design silently loses these gradients.
+    w, _ = _weights()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    torch.manual_seed(3)
+    expected = _grads(_block(x, w).sum(), w)
+    torch.manual_seed(3)
+    y = checkpoint(_block, x, w)
+    assert y.requires_grad
+    assert torch.equal(_grads(y.sum(), w)[0], expected[0])
+
+
+def test_checkpoint_supports_autograd_grad() -> None:
+    w, _ = _weights()
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(5)
+    ref = torch.autograd.grad(_block(x, w).sum(), (x, w))
+    torch.manual_seed(5)
+    got = torch.autograd.grad(checkpoint(_block, x, w).sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert w.grad is None
+
+
+def test_checkpoint_passes_through_without_grad() -> None:
+    w, _ = _weights()
+    with torch.no_grad():
+        y = checkpoint(_block, torch.ones(2, 16, dtype=torch.float64), w)
+    assert not y.requires_grad
+
+
+def _norm_then_consumers(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, discard: bool,
+                         calls: list[int]) -> torch.Tensor:
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.rms_norm(t, (16,), n)
+
+    with DiscardScope() as scope:
+        h = scope.discard(norm, (x,), {}) if discard else norm(x)
+        # three consumers save the output, one through a strided view
+        return (torch.tanh(h @ w) + torch.sigmoid(h.t()[:4].t() @ w[:4]) + h * h).sum()
+
+
+def test_discard_rebuilds_the_output_once_for_all_consumers() -> None:
+    w, n = _weights()
+    x0 = torch.randn(8, 16, dtype=torch.float64)
+    results, counts = [], []
+    for discard in (False, True):
+        calls: list[int] = []
+        x = x0.clone().requires_grad_()
+        loss = _norm_then_consumers(x, w, n, discard, calls)
+        results.append(_grads(loss, x, w, n))
+        counts.append(len(calls))
+    assert counts == [1, 2]  # forward, plus exactly one replay shared by every consumer
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("discard", [False, True])
+def test_discarded_output_storage_is_freed_after_forward(discard: bool) -> None:
+    w, n = _weights()
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    with DiscardScope() as scope:
+        norm = lambda t: F.rms_norm(t, (16,), n)  # noqa: E731
+        h = scope.discard(norm, (x,), {}) if discard else norm(x)
+        y = torch.tanh(h @ w)
+    storage = weakref.ref(h.untyped_storage())
+    del h
+    gc.collect()
+    assert (storage() is None) == discard
+    y.sum().backward()  # and the graph still runs
+
+
+def test_region_links_consecutive_calls_and_replays_them_in_order() -> None:
+    w, n = _weights()
+    x0 = torch.randn(8, 16, dtype=torch.float64)
+    results = []
+    for grouped in (False, True):
+        torch.manual_seed(11)
+        x = x0.clone().requires_grad_()
+        region = Region()
+        h = x
+        for _ in range(3):
+            h = region.call(_block, (h, w), {}) if grouped else _block(h, w)
+            h = F.rms_norm(h, (16,), n)  # between calls: runs outside the region
+        region.close()
+        results.append(_grads(h.sum(), x, w, n))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_replay_that_takes_another_path_is_an_error() -> None:
+    w, _ = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    flag = {"on": True}
+
+    def branchy(t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t @ w) if flag["on"] else t * 2
+
+    y = checkpoint(branchy, x)
+    flag["on"] = False
+    with pytest.raises(RuntimeError, match="different path"):
+        y.sum().backward()
