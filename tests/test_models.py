@@ -1,0 +1,216 @@
+"""Reference Llama model, recipes and the chunked loss head (CPU, float64 where exactness matters)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat.models import (
+    LlamaConfig, LlamaModel, TransformerLayer, build, chunked_linear_cross_entropy, recipe_config,
+    recipes,
+)
+from remat.sites import Site
+
+
+def _loss_inputs(n: int = 11, hidden: int = 6, vocab: int = 9, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[[1, 4, 7]] = -100
+    return h, w, labels
+
+
+def _grads(loss_fn, h, w, labels, need_h=True, need_w=True):
+    h, w = h.clone().requires_grad_(need_h), w.clone().requires_grad_(need_w)
+    loss = loss_fn(h, w, labels)
+    (loss * 3.0).backward()  # a grad_output other than 1 checks the backward scaling
+    return loss.detach(), h.grad, w.grad
+
+
+def _reference(h, w, labels):
+    return F.cross_entropy(h @ w.T, labels, ignore_index=-100)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 11, 64])
+def test_chunked_loss_matches_full_logits(chunk_size):
+    h, w, labels = _loss_inputs()
+    ref = _grads(_reference, h, w, labels)
+    got = _grads(lambda *a: chunked_linear_cross_entropy(*a, chunk_size), h, w, labels)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("need_h,need_w", [(True, False), (False, True)])
+def test_chunked_loss_frozen_input_gets_no_grad(need_h, need_w):
+    h, w, labels = _loss_inputs()
+    ref = _grads(_reference, h, w, labels, need_h, need_w)
+    got = _grads(lambda *a: chunked_linear_cross_entropy(*a, 4), h, w, labels, need_h, need_w)
+    torch.testing.assert_close(got[0], ref[0])
+    assert (got[1] is None) == (not need_h) and (got[2] is None) == (not need_w)
+    torch.testing.assert_close(got[1] if need_h else got[2], ref[1] if need_h else ref[2])
+
+
+def test_chunked_loss_float32_and_no_grad():
+    h, w, labels = (t.float() if t.is_floating_point() else t for t in _loss_inputs())
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(h, w, labels, 5)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, _reference(h, w, labels))
+
+
+def test_chunked_loss_rejects_bad_shapes():
+    h, w, labels = _loss_inputs()
+    with pytest.raises(ValueError, match="same h"):
+        chunked_linear_cross_entropy(h, w[:, :3], labels, 4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_linear_cross_entropy(h, w, labels, 0)
+
+
+def _batch(config: LlamaConfig, batch: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, config.seq_length), generator=g)
+    labels = torch.randint(0, config.vocab_size, (batch, config.seq_length), generator=g)
+    labels[:, -3:] = -100
+    return ids, labels
+
+
+def test_loss_at_init_is_near_uniform():
+    torch.manual_seed(0)
+    model = build("llama3_tiny")
+    loss = model(*_batch(model.config))
+    assert loss.dim() == 0
+    assert abs(loss.item() - math.log(model.config.vocab_size)) < 0.1
+
+
+def test_init_is_deterministic_from_global_seed():
+    torch.manual_seed(3)
+    a = build("llama3_tiny", num_layers=1)
+    torch.manual_seed(3)
+    b = build("llama3_tiny", num_layers=1)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+def _loss_and_grads(model: LlamaModel, ids, labels):
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_eager_and_sdpa_attention_agree_in_float64():
+    torch.manual_seed(0)
+    sdpa = build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16, loss_chunk_size=7)
+    eager = build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16,
+                  attention_backend="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    batch = _batch(sdpa.config)
+    loss_s, grads_s = _loss_and_grads(sdpa, *batch)
+    loss_e, grads_e = _loss_and_grads(eager, *batch)
+    torch.testing.assert_close(loss_e, loss_s, rtol=1e-12, atol=1e-12)
+    for name, grad in grads_s.items():
+        torch.testing.assert_close(grads_e[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_dropout_only_in_train_mode(backend):
+    torch.manual_seed(0)
+    model = build("llama3_tiny", dtype=torch.float64, attention_dropout=0.2, hidden_dropout=0.2,
+                  attention_backend=backend)
+    plain = build("llama3_tiny", dtype=torch.float64, attention_backend=backend)
+    plain.load_state_dict(model.state_dict())
+    batch = _batch(model.config)
+    reference = plain(*batch)
+    model.eval()
+    assert torch.equal(model(*batch), reference)
+    model.train()
+    assert not torch.allclose(model(*batch), reference)
+
+
+def test_build_dtype_and_sequence_limit():
+    model = build("llama3_tiny", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary_pos_emb.cos.dtype == torch.bfloat16
+    ids = torch.zeros(1, model.config.seq_length + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="seq_length"):
+        model(ids, ids)
+
+
+def test_recipes_and_overrides():
+    names = recipes()
+    assert {"llama3_8b", "llama3_70b", "llama31_405b", "llama3_tiny"} <= set(names)
+    assert any("tiny" in n for n in names)
+    config = recipe_config("llama3_8b", num_layers=8, seq_length=4096, attention_backend="eager")
+    assert (config.num_layers, config.seq_length, config.hidden_size) == (8, 4096, 4096)
+    assert build("llama3_tiny", num_layers=2).config.num_layers == 2
+
+
+def test_unknown_names_suggest_the_valid_ones():
+    with pytest.raises(ValueError, match=r"did you mean 'num_layers'.*valid: .*hidden_size"):
+        recipe_config("llama3_tiny", num_layer=2)
+    with pytest.raises(ValueError, match=r"did you mean 'llama3_8b'.*valid: .*llama3_70b"):
+        build("llama3-8b")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(hidden_size=65), "divisible by num_attention_heads"),
+    (dict(num_query_groups=3), "divisible by num_query_groups"),
+    (dict(hidden_size=60, num_attention_heads=4, num_query_groups=4), "even"),
+    (dict(num_layers=0), "num_layers must be a positive integer"),
+    (dict(attention_dropout=1.0), r"attention_dropout must be in \[0, 1\)"),
+    (dict(attention_backend="flash"), "attention_backend must be one of sdpa, eager"),
+])
+def test_invalid_shapes_say_what_to_change(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_config("llama3_tiny", **overrides)
+
+
+def test_meta_build_of_large_recipes():
+    assert build("llama3_8b", device="meta").num_parameters() == 8_030_261_248
+    model = build("llama31_405b", device="meta", dtype=torch.bfloat16)
+    assert next(model.parameters()).is_meta
+    assert model.num_parameters() == 405_853_388_800
+
+
+def _site_map(layer: TransformerLayer) -> dict[str, tuple[str, bool]]:
+    return {name: (m.label, m.fused) for name, m in layer.named_modules() if isinstance(m, Site)}
+
+
+@pytest.mark.parametrize("backend,fused", [("sdpa", True), ("eager", False)])
+def test_every_layer_has_exactly_the_megatron_sites(backend, fused):
+    model = build("llama3_tiny", attention_backend=backend)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == model.config.num_layers
+    for layer in layers:
+        assert _site_map(layer) == {
+            "layer_site": ("layer", False),
+            "input_norm_site": ("layernorm", False),
+            "pre_mlp_norm_site": ("layernorm", False),
+            "mlp_site": ("mlp", False),
+            "self_attention.core_attn_site": ("core_attn", fused),
+        }
+    sites_outside_layers = sum(isinstance(m, Site) for m in model.modules()) - 5 * len(layers)
+    assert sites_outside_layers == 0
+
+
+def test_megatron_module_names():
+    names = set(dict(build("llama3_tiny", num_layers=1).named_parameters()))
+    assert names == {
+        "embedding.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+        *(f"decoder.layers.0.{n}.weight" for n in (
+            "input_layernorm", "self_attention.linear_qkv", "self_attention.linear_proj",
+            "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")),
+    }
+
+
+def test_meta_then_to_empty_and_init_weights_equals_direct_build():
+    torch.manual_seed(5)
+    direct = build("llama3_tiny", num_layers=1)
+    deferred = build("llama3_tiny", num_layers=1, device="meta").to_empty(device="cpu")
+    torch.manual_seed(5)
+    deferred.init_weights()
+    for name, tensor in direct.state_dict().items():
+        assert torch.equal(tensor, deferred.state_dict()[name]), name
+    assert torch.equal(direct.rotary_pos_emb.cos, deferred.rotary_pos_emb.cos)
