@@ -1,0 +1,139 @@
+"""apply(model, plan): find a model's Sites, check the plan against them, install the actions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from remat.config import LAYER, ModelLayout, RecomputeConfig, check_model, check_plan
+from remat.engine import DiscardScope, Region, checkpoint, current_scope
+from remat.plans import Plan
+from remat.sites import Site
+
+
+@dataclass(frozen=True)
+class SiteMap:
+    """The Sites of a model, by layer: `layers[i]` is layer i's site, `inner[i]` the sites in it."""
+
+    layers: list[Site]
+    inner: list[list[Site]]
+
+    @property
+    def layout(self) -> ModelLayout:
+        all_sites = [s for group in self.inner for s in group]
+        return ModelLayout(
+            labels=tuple(frozenset(s.label for s in group) for group in self.inner),
+            fused=frozenset(s.label for s in all_sites if s.fused),
+            has_layer_sites=bool(self.layers),
+        )
+
+
+def find_sites(model: nn.Module) -> SiteMap:
+    """Group a model's Sites by the transformer layer (the module holding a `layer` Site) they sit in."""
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, Site)]
+    prefixes = [n.rsplit(".", 1)[0] + "." if "." in n else "" for n, s in named if s.label == LAYER]
+    layers = [s for _, s in named if s.label == LAYER]
+    inner: list[list[Site]] = [[] for _ in layers]
+    loose = []
+    for name, site in named:
+        if site.label == LAYER:
+            continue
+        owner = [i for i, p in enumerate(prefixes) if name.startswith(p)]
+        if owner:
+            inner[max(owner, key=lambda i: len(prefixes[i]))].append(site)
+        else:
+            loose.append(site)
+    if not layers:  # a model without layer Sites: treat it as one layer holding every site
+        inner = [loose] if loose else []
+    return SiteMap(layers, inner)
+
+
+def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
+    """Set every Site of `model` to the actions of `plan`; returns the per-layer plan in force.
+
+    `plan` is a Megatron-style RecomputeConfig, a per-layer Plan, or None for no recompute.
+    Call again to change the plan; raises ConfigError (nothing changed) if it does not fit.
+    """
+    sites = find_sites(model)
+    layout = sites.layout
+    if plan is None:
+        resolved = Plan.none(layout.num_layers)
+    elif isinstance(plan, RecomputeConfig):
+        check_model(plan, layout)
+        resolved = Plan.from_config(plan, layout)
+    else:
+        check_plan(plan.layers, plan.full_recompute, layout)
+        resolved = plan
+    _install(sites, resolved)
+    return resolved
+
+
+def _install(sites: SiteMap, plan: Plan) -> None:
+    for site in [*sites.layers, *(s for group in sites.inner for s in group)]:
+        site.action = None
+    grouped: set[int] = set()
+    for start, end in plan.full_recompute:
+        group = _LayerGroup(end - start)
+        for position, i in enumerate(range(start, end)):
+            sites.layers[i].action = _GroupMember(group, position)
+            grouped.add(i)
+    for i, group_sites in enumerate(sites.inner):
+        if i in grouped:
+            continue
+        actions = plan.layers[i]
+        for site in group_sites:
+            site.action = _ACTIONS[actions.get(site.label, "keep")]
+        if sites.layers and "discard" in actions.values():
+            sites.layers[i].action = _discard_scope
+
+
+def _recompute(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return checkpoint(fn, *args, **kwargs)
+
+
+def _discard(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    scope = current_scope()
+    if scope is None:
+        raise RuntimeError(f"site {site.label!r} is set to discard but was called outside its "
+                           "layer Site; place the layer Site around the layer's forward")
+    return scope.discard(fn, args, kwargs)
+
+
+def _discard_scope(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    with DiscardScope():
+        return fn(*args, **kwargs)
+
+
+_ACTIONS: dict[str, Callable[..., Any] | None] = {
+    "keep": None, "recompute": _recompute, "discard": _discard,
+}
+
+
+class _LayerGroup:
+    """Consecutive layers recomputed as one unit: one Region spans their calls."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.region: Region | None = None
+        self.next = 0
+
+
+@dataclass(frozen=True)
+class _GroupMember:
+    group: _LayerGroup
+    position: int
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        group = self.group
+        if self.position == 0:
+            group.region, group.next = Region(), 0
+        if group.region is None or group.next != self.position:
+            raise RuntimeError("the layers of a full-recompute group were called out of order; "
+                               "full recompute needs layers called once each, first to last")
+        out = group.region.call(fn, args, kwargs)
+        group.next += 1
+        if group.next == group.size:
+            group.region.close()
+            group.region = None
+        return out

@@ -1,0 +1,128 @@
+"""Per-layer plans: an action for every site of every layer, plus full-recompute layer ranges.
+
+`RecomputeConfig` (Megatron's fields) is the uniform way to say what to recompute; a `Plan` is
+what it lowers to on a given model, and what remat's planner writes when layers differ.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from remat.config import DISCARD_MODULES, ConfigError, ModelLayout, Problem, RecomputeConfig
+
+PLAN_FORMAT = 1
+
+
+@dataclass
+class Plan:
+    """`layers[i]` maps a site label to its action in layer i (labels left out are kept);
+    `full_recompute` lists half-open layer ranges [start, end) recomputed as one unit."""
+
+    layers: list[dict[str, str]]
+    full_recompute: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def none(cls, num_layers: int) -> "Plan":
+        return cls([{} for _ in range(num_layers)])
+
+    @classmethod
+    def from_config(cls, config: RecomputeConfig, layout: ModelLayout) -> "Plan":
+        """Lower a Megatron-style config onto a model with `layout`."""
+        plan = cls.none(layout.num_layers)
+        if config.recompute_granularity == "selective":
+            for labels, actions in zip(layout.labels, plan.layers):
+                for label in config.recompute_modules or []:
+                    if label in labels:
+                        actions[label] = "discard" if label in DISCARD_MODULES else "recompute"
+        elif config.recompute_granularity == "full":
+            plan.full_recompute = _full_ranges(config, layout.num_layers)
+        return plan
+
+    # ---- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "remat_plan": PLAN_FORMAT,
+            "layers": [dict(sorted(a.items())) for a in self.layers],
+            "full_recompute": [list(r) for r in self.full_recompute],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        problems = []
+        if data.get("remat_plan") != PLAN_FORMAT:
+            problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
+                                    "of a plan file; is this a RecomputeConfig instead?"))
+        layers = data.get("layers")
+        if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
+            problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
+        ranges = data.get("full_recompute", [])
+        if not isinstance(ranges, list) or not all(
+            isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(i, int) for i in r)
+            for r in ranges
+        ):
+            problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
+        unknown = sorted(set(data) - {"remat_plan", "layers", "full_recompute"})
+        if unknown:
+            problems.append(Problem(", ".join(unknown), "unknown plan keys; a plan has remat_plan, "
+                                    "layers and full_recompute"))
+        if problems:
+            raise ConfigError(problems)
+        return cls([dict(a) for a in layers], [(int(s), int(e)) for s, e in ranges])
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = (json.dumps(self.to_dict(), indent=1) if path.suffix == ".json"
+                else yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(_read_mapping(Path(path)))
+
+    def describe(self) -> str:
+        lines = []
+        for start, end in self.full_recompute:
+            lines.append(f"layers {start}-{end - 1}: full recompute as one unit")
+        in_full = {i for s, e in self.full_recompute for i in range(s, e)}
+        for i, actions in enumerate(self.layers):
+            if i not in in_full:
+                shown = ", ".join(f"{k}={v}" for k, v in sorted(actions.items()) if v != "keep")
+                lines.append(f"layer {i}: {shown or 'keep everything'}")
+        return "\n".join(lines)
+
+
+def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
+    """Megatron's uniform/block methods, applied to each (virtual) pipeline stage's chunk of layers."""
+    facts = config.facts
+    chunks = facts.pipeline_model_parallel_size * (facts.virtual_pipeline_model_parallel_size or 1)
+    per_chunk = num_layers // chunks
+    k = config.recompute_num_layers or 0
+    ranges: list[tuple[int, int]] = []
+    for first in range(0, num_layers, per_chunk):
+        end = first + per_chunk
+        if config.recompute_method == "uniform":
+            ranges += [(s, min(s + k, end)) for s in range(first, end, k)]
+        else:  # block: the first k layers of the chunk, one by one
+            ranges += [(s, s + 1) for s in range(first, min(first + k, end))]
+    return ranges
+
+
+def _read_mapping(path: Path) -> Mapping[str, Any]:
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError([Problem(str(path), f"cannot read plan file: {e}")]) from e
+    if not isinstance(data, Mapping):
+        raise ConfigError([Problem(str(path), "a plan file holds a mapping at the top level")])
+    return data
+
+
+def load_plan_or_config(path: str | Path) -> "Plan | RecomputeConfig":
+    """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
+    data = _read_mapping(Path(path))
+    return Plan.from_dict(data) if "remat_plan" in data else RecomputeConfig.from_megatron(data)

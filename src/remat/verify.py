@@ -1,0 +1,64 @@
+"""verify(): run one step with and without a plan; compare loss and gradients, count saved bytes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from remat.apply import apply
+from remat.config import RecomputeConfig
+from remat.memory import SavedMemory, measure_saved
+from remat.plans import Plan
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    saved: SavedMemory
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """A plan's step against the no-recompute step on the same batch and RNG seed."""
+
+    plan: Plan
+    baseline: StepResult
+    candidate: StepResult
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.baseline.saved.bytes - self.candidate.saved.bytes
+
+    @property
+    def max_grad_diff(self) -> float:
+        return max((float((self.baseline.grads[n] - g).abs().max())
+                    for n, g in self.candidate.grads.items()), default=0.0)
+
+    @property
+    def bit_identical(self) -> bool:
+        return torch.equal(self.baseline.loss, self.candidate.loss) and all(
+            torch.equal(self.baseline.grads[n], g) for n, g in self.candidate.grads.items())
+
+
+def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, seed: int) -> StepResult:
+    """Forward (counting what it leaves alive for backward) and backward from a fixed RNG seed."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss, saved = measure_saved(lambda: model(input_ids, labels))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return StepResult(loss.detach(), grads, saved)
+
+
+def verify(model: nn.Module, plan: RecomputeConfig | Plan, input_ids: torch.Tensor,
+           labels: torch.Tensor, seed: int = 0) -> VerifyReport:
+    """Run the batch without recompute, then with `plan` (left applied to `model`)."""
+    model.train()
+    apply(model, None)
+    baseline = run_step(model, input_ids, labels, seed)
+    resolved = apply(model, plan)
+    candidate = run_step(model, input_ids, labels, seed)
+    return VerifyReport(resolved, baseline, candidate)
