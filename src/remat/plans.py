@@ -84,15 +84,21 @@ class Plan:
         return cls.from_dict(_read_mapping(Path(path)))
 
     def describe(self) -> str:
-        lines = []
-        for start, end in self.full_recompute:
-            lines.append(f"layers {start}-{end - 1}: full recompute as one unit")
-        in_full = {i for s, e in self.full_recompute for i in range(s, e)}
+        """One line per run of consecutive layers that do the same thing."""
+        in_full = {i: (s, e) for s, e in self.full_recompute for i in range(s, e)}
+        rows: list[tuple[int, int, str]] = []  # first layer, last layer, what they do
         for i, actions in enumerate(self.layers):
-            if i not in in_full:
+            if i in in_full:
+                start, end = in_full[i]
+                what = f"full recompute, groups of {end - start}"
+            else:
                 shown = ", ".join(f"{k}={v}" for k, v in sorted(actions.items()) if v != "keep")
-                lines.append(f"layer {i}: {shown or 'keep everything'}")
-        return "\n".join(lines)
+                what = shown or "keep everything"
+            if rows and rows[-1][2] == what and rows[-1][1] == i - 1:
+                rows[-1] = (rows[-1][0], i, what)
+            else:
+                rows.append((i, i, what))
+        return "\n".join(f"layer {a}: {w}" if a == b else f"layers {a}-{b}: {w}" for a, b, w in rows)
 
 
 def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:

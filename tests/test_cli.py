@@ -1,0 +1,92 @@
+"""The `remat` command: flags map to Megatron keys, errors exit 1 listing every problem."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from remat.cli import build_parser, main, megatron_overrides
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_flags_map_to_megatron_keys_like_bridge() -> None:
+    args = build_parser().parse_args(["validate", "-rl", "2", "-ol", "3", "-tp", "2",
+                                      "--sequence_parallel", "--cuda_graph_scope", "attn,mlp"])
+    assert megatron_overrides(args) == {
+        "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2,
+        "cpu_offloading": True, "cpu_offloading_num_layers": 3, "tensor_model_parallel_size": 2,
+        "sequence_parallel": True, "cuda_graph_scope": "attn,mlp",
+    }
+    args = build_parser().parse_args(["validate", "-rl", "2", "--recompute_method", "uniform"])
+    assert megatron_overrides(args)["recompute_method"] == "uniform"
+
+
+def test_validate_prints_the_resolved_config_and_plan(capsys) -> None:
+    code, out, _ = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "mlp,layernorm")
+    assert code == 0
+    assert "selective" in out and "layers 0-3: layernorm=discard, mlp=recompute" in out
+
+
+def test_validate_lists_every_problem_and_exits_1(capsys) -> None:
+    code, _, err = _run(capsys, "validate", "--num_layers", "8", "-rl", "0", "-pp", "3",
+                        "--recompute_method", "uniform", "--cuda_graph_impl", "local",
+                        "--cuda_graph_scope", "mlp")
+    assert code == 1
+    assert "recompute_num_layers" in err and "cuda graph" in err.lower()
+    assert "num_layers: 8 layers do not split evenly" in err
+
+
+def test_validate_rejects_both_rl_and_modules(capsys) -> None:
+    code, _, err = _run(capsys, "validate", "-rl", "1", "--recompute_modules", "mlp")
+    assert code == 1 and "pass one of them" in err
+
+
+def test_validate_checks_labels_against_the_recipe(capsys) -> None:
+    code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules",
+                        "mla_up_proj", "--config", "/nonexistent.yaml")
+    assert code == 1 and "/nonexistent.yaml" in err
+
+
+def test_validate_reads_a_per_layer_plan(capsys, tmp_path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("remat_plan: 1\nlayers: [{}, {mlp: recompute}, {}, {}]\nfull_recompute: [[2, 4]]\n")
+    code, out, _ = _run(capsys, "validate", "-mr", "llama3_tiny", "--config", str(plan))
+    assert code == 0 and "layer 1: mlp=recompute" in out
+    code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--config", str(plan), "-rl", "1")
+    assert code == 1 and "drop the recompute" in err
+    plan.write_text("remat_plan: 1\nlayers: [{mlp: recompte}, {}, {}, {}]\n")
+    code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--config", str(plan))
+    assert code == 1 and "recompute" in err
+
+
+def test_unknown_recipe_is_a_clear_error(capsys) -> None:
+    code, _, err = _run(capsys, "validate", "-mr", "llama3_8", "--recompute_modules", "mlp")
+    assert code == 1 and "llama3_8b" in err
+
+
+def test_verify_runs_a_tiny_step_and_reports_bit_identical(capsys) -> None:
+    code, out, _ = _run(capsys, "verify", "--num_layers", "2", "-sl", "16", "--hidden_dropout",
+                        "0.1", "--recompute_modules", "layernorm,mlp")
+    assert code == 0
+    assert "bit-identical: True" in out and "gradients match" in out
+
+
+def test_verify_refuses_cuda_without_a_gpu(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = _run(capsys, "verify", "--device", "cuda", "--recompute_modules", "mlp")
+    assert code == 1 and "no CUDA GPU" in err
+
+
+def test_console_script_help() -> None:
+    result = subprocess.run([sys.executable, "-m", "remat.cli", "validate", "--help"],
+                            capture_output=True, text=True, check=True)
+    assert "--recompute_modules" in result.stdout and "-rl" in result.stdout
