@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from remat.engine import DiscardScope, Region, checkpoint
 
 torch.use_deterministic_algorithms(True)
@@ -148,3 +150,31 @@ def test_replay_that_takes_another_path_is_an_error() -> None:
     flag["on"] = False
     with pytest.raises(RuntimeError, match="different path"):
         y.sum().backward()
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_replay_stops_before_the_last_op_when_no_output_is_needed() -> None:
+    w, _ = _weights()
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+
+    def two_matmuls(t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t @ w) @ w
+
+    def backward_matmuls(use: bool) -> int:
+        y = checkpoint(two_matmuls, x) if use else two_matmuls(x)
+        with _CountMatmuls() as counter:
+            y.sum().backward()
+        return counter.count
+
+    # the replay recomputes the first matmul and tanh; the second matmul's input is saved
+    # before it runs, so the replay ends there
+    assert backward_matmuls(True) == backward_matmuls(False) + 1

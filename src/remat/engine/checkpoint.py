@@ -133,20 +133,30 @@ class Region:
         return out
 
     def _replay(self, keep: set[int]) -> None:
+        keep = keep | {i for i, n in self._output_refs.items() if n > 0}
+        # Without outputs to rebuild, stop as soon as the last saved tensor is back: autograd
+        # saves an op's inputs before running it, so the region's last op (e.g. an MLP's down
+        # projection) is not recomputed at all.
+        stop_early = not keep
         slots: dict[int, torch.Tensor] = {}
 
         def pack(t: torch.Tensor) -> None:
             slots[len(slots)] = t.detach()
+            if stop_early and len(slots) == self._num_saved:
+                raise _ReplayDone
 
         outputs: list[torch.Tensor] = []
         devices = sorted({d for c in self._calls for d in c.state.devices})
         with forked_rng(devices), torch.enable_grad():
-            for call in self._calls:
-                call.state.restore_rng()
-                args = tuple(self._restore(a, outputs) for a in call.args)
-                kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}
-                with call.state.autocast_context(), saved_tensors_hooks(pack, _never_unpacked):
-                    outputs = _flatten(call.fn(*args, **kwargs))
+            try:
+                for call in self._calls:
+                    call.state.restore_rng()
+                    args = tuple(self._restore(a, outputs) for a in call.args)
+                    kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}
+                    with call.state.autocast_context(), saved_tensors_hooks(pack, _never_unpacked):
+                        outputs = _flatten(call.fn(*args, **kwargs))
+            except _ReplayDone:
+                pass
         if len(slots) != self._num_saved:
             raise RuntimeError(
                 f"recompute saved {len(slots)} tensors where the forward saved {self._num_saved}: "
@@ -154,8 +164,6 @@ class Region:
                 "changed between forward and backward); keep this site instead of recomputing it"
             )
         self._slots = slots
-        # Keep only outputs that consumers will still ask for; a plain recompute keeps none.
-        keep = keep | {i for i, n in self._output_refs.items() if n > 0}
         self._rebuilt = {i: outputs[i].detach() for i in keep}
 
     @staticmethod
@@ -166,6 +174,10 @@ class Region:
             value = DiscardScope.unpack(arg.packed)
             return value.detach().requires_grad_(arg.requires_grad)
         return arg
+
+
+class _ReplayDone(Exception):
+    """Raised inside a replay once every saved tensor is back."""
 
 
 def _views_larger_buffer(t: torch.Tensor) -> bool:
