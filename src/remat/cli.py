@@ -13,6 +13,9 @@ from remat.plans import Plan, load_plan_or_config
 
 _console = Console(highlight=False, soft_wrap=True)
 _errors = Console(stderr=True, highlight=False, soft_wrap=True)
+for _c in (_console, _errors):
+    if not _c.is_terminal:
+        _c.width = 160  # logs and pipes: keep table columns whole
 
 
 def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
@@ -33,6 +36,7 @@ def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-tp", "--tensor_model_parallel_size", type=int, metavar="N")
     g.add_argument("-pp", "--pipeline_model_parallel_size", type=int, metavar="N")
     g.add_argument("-vp", "--virtual_pipeline_model_parallel_size", type=int, metavar="N")
+    g.add_argument("-cp", "--context_parallel_size", type=int, metavar="N")
     g.add_argument("--sequence_parallel", action="store_true", default=None)
     g.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine", "full_iteration"])
     g.add_argument("--cuda_graph_scope", metavar="A,B",
@@ -53,6 +57,7 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
         keys.update(cpu_offloading=True, cpu_offloading_num_layers=args.activation_offload_layers)
     for name in ("recompute_granularity", "recompute_method", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "context_parallel_size",
                  "sequence_parallel", "cuda_graph_impl", "cuda_graph_scope"):
         value = getattr(args, name)
         if value is not None:
@@ -165,6 +170,153 @@ def _bytes(n: int) -> str:
     raise AssertionError
 
 
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Model, batch and run flags of Megatron Bridge's performance scripts."""
+    g = p.add_argument_group("model and run (Megatron Bridge names)")
+    g.add_argument("-m", "--model_family_name", default="llama", choices=["llama"])
+    g.add_argument("-mr", "--model_recipe_name", default="llama3_tiny", metavar="RECIPE",
+                   help="see `remat recipes` (default llama3_tiny, which runs on CPU)")
+    g.add_argument("--task", default="pretrain", help="pretrain or sft (labels of the first quarter masked)")
+    g.add_argument("-g", "--gpu", help="GPU label, checked against the device (h100, h200, b200, ...)")
+    g.add_argument("-c", "--compute_dtype", default="bf16", help="bf16 (fp8 variants not supported yet)")
+    g.add_argument("-ng", "--num_gpus", type=int, default=1)
+    g.add_argument("-sl", "--seq_length", type=int, metavar="N")
+    g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
+    g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
+    g.add_argument("--num_layers", type=int, metavar="N")
+    g.add_argument("--hidden_size", type=int, metavar="N")
+    g.add_argument("-ms", "--max_steps", type=int, default=10, metavar="N")
+    g.add_argument("--warmup_steps", type=int, default=3, metavar="N")
+    g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each layer's attention and MLP")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar")
+    g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
+                                                   "~/.cache/remat/history.sqlite)")
+    g.add_argument("--no_history", action="store_true", help="do not record the run")
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    from remat.bench import BenchSpec
+
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
+                 if getattr(args, k) is not None}
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    return BenchSpec(recipe=args.model_recipe_name, overrides=overrides,
+                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                     max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
+                     compute_dtype=args.compute_dtype, device=device, compile=args.compile,
+                     gpu=args.gpu, num_gpus=args.num_gpus)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _model_facts(spec: Any) -> dict[str, Any]:
+    from remat.models import recipe_config
+
+    cfg = recipe_config(spec.recipe, **spec.overrides)
+    return {"num_layers": cfg.num_layers, "attention_dropout": cfg.attention_dropout,
+            "hidden_dropout": cfg.hidden_dropout}
+
+
+def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
+    from remat.bench.history import append
+
+    if not args.no_history:
+        for result in results:
+            append(result, args.history)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from remat.apply import apply
+    from remat.bench import plan_name, run_bench
+    from remat.bench.golden import compare, golden_failed, load_golden, mismatch_notes, save_golden
+    from remat.bench.report import checks_table, memory_table, results_table
+    from remat.bench.run import progress_bar
+    from remat.config import check_parallel_execution
+    from remat.models import build
+
+    spec = _spec(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        plan = resolve_config(args, _model_facts(spec))
+        if isinstance(plan, RecomputeConfig):
+            check_parallel_execution(plan.facts)
+        resolved = apply(build(spec.recipe, device="meta", **spec.overrides), plan)
+    for w in caught:
+        _errors.print(f"[yellow]warning:[/] {w.message}")
+    golden = load_golden(args.golden) if args.golden else None
+    if args.dryrun:
+        _console.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
+                       f"{spec.micro_batches} micro-batches a step, {spec.max_steps} steps "
+                       f"({spec.warmup_steps} warm-up), {spec.compute_dtype}")
+        if isinstance(plan, RecomputeConfig):
+            _console.print(plan.describe())
+        _console.print(resolved.describe())
+        return 0
+    with progress_bar(not args.no_progress) as bar:
+        result = run_bench(spec, plan, name=plan_name(plan), progress=bar)
+    _console.print(results_table([result], title=f"remat bench: {spec.recipe}"))
+    if result.memory is not None:
+        _console.print(memory_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    _record([result], args)
+    if args.save_golden:
+        save_golden(result, args.save_golden)
+    if golden is None:
+        return 0 if result.status == "ok" else 1
+    for note in mismatch_notes(result, golden):
+        _errors.print(f"[yellow]note:[/] {note}")
+    checks = compare(result, golden, args.threshold)
+    _console.print(checks_table(checks))
+    return 1 if golden_failed(checks) else 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import json
+
+    from remat.apply import find_sites
+    from remat.bench import sweep
+    from remat.bench.plot import pareto_plot
+    from remat.bench.presets import megatron_presets, parse_entry
+    from remat.bench.report import results_table
+    from remat.models import build
+
+    spec = _spec(args)
+    layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
+    entries = args.configs or megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
+    facts = _model_facts(spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        plans = [parse_entry(e, facts) for e in entries]
+    for w in caught:
+        _errors.print(f"[yellow]warning:[/] {w.message}")
+    if args.dryrun:
+        for name, _ in plans:
+            _console.print(name)
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        results = sweep(spec, plans, progress=not args.no_progress)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        _errors.print(f"[yellow]warning:[/] {message}")
+    _console.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=1)
+    _record(results, args)
+    path = pareto_plot(results, args.plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
+    _console.print(f"Pareto plot: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Activation recompute for PyTorch transformer training.")
@@ -196,6 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest |gradient difference| accepted (default 0: bit-identical)")
     _add_recompute_flags(p)
     p.set_defaults(func=_cmd_verify)
+    p = sub.add_parser("bench", help="train a recipe under a recompute config and measure it",
+                       description="Run real training steps (forward, backward, AdamW) of a recipe "
+                                   "under a recompute config on mock data; report step time, TFLOP/s "
+                                   "per GPU, tokens/s, peak memory and its breakdown, loss per step.")
+    _add_run_flags(p)
+    _add_recompute_flags(p)
+    p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--golden", metavar="FILE", help="compare with a stored result; exit 1 on a difference")
+    p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
+    p.add_argument("--threshold", type=float, default=0.05,
+                   help="relative difference that fails a golden comparison, both ways (default 0.05)")
+    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
+                       description="Bench many configs on one model in one process. Entries: none, "
+                                   "a label list (mlp+core_attn), full_uniform_K, full_block_K, or a "
+                                   "YAML/JSON config or plan file. Default: Megatron's usual presets.")
+    _add_run_flags(p)
+    p.add_argument("--configs", nargs="+", metavar="ENTRY")
+    p.add_argument("--plot", default="pareto.png", metavar="PNG")
+    p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
+    p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
+    p.set_defaults(func=_cmd_sweep)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

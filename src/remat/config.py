@@ -1049,3 +1049,92 @@ def check_plan(
     problems += _plan_inside_full(layers, ranges)
     if problems:
         raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark settings (`remat bench`, `remat sweep`).
+
+BRIDGE_COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
+SUPPORTED_COMPUTE_DTYPES: tuple[str, ...] = ("bf16",)
+TASKS: tuple[str, ...] = ("pretrain", "sft")
+GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
+# Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
+CPU_MAX_PARAMETERS = 300_000_000
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The run settings `check_bench` validates (the recompute config is checked on its own)."""
+
+    compute_dtype: str = "bf16"
+    device: str = "cpu"
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    max_steps: int = 10
+    warmup_steps: int = 3
+    task: str = "pretrain"
+    num_parameters: int | None = None
+    gpu: str | None = None
+    num_gpus: int = 1
+    compile: bool = False
+
+
+def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
+    if s.compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+        known = s.compute_dtype in BRIDGE_COMPUTE_DTYPES
+        yield Problem("compute_dtype", f"{s.compute_dtype!r} is " + (
+            "not supported yet" if known else f"not a compute dtype{_did_you_mean(s.compute_dtype, BRIDGE_COMPUTE_DTYPES)}"
+        ) + "; use -c bf16")
+    if s.task not in TASKS:
+        yield Problem("task", f"{s.task!r} is not a task; use one of {_one_of(TASKS)}")
+    if s.gpu is not None and s.gpu not in GPUS:
+        yield Problem("gpu", f"{s.gpu!r} is not a GPU name{_did_you_mean(s.gpu, GPUS)}; use one of {_one_of(GPUS)}")
+    if s.micro_batch_size < 1:
+        yield Problem("micro_batch_size", f"is {s.micro_batch_size}; use at least 1")
+    elif s.global_batch_size is not None and (
+        s.global_batch_size < s.micro_batch_size or s.global_batch_size % s.micro_batch_size
+    ):
+        yield Problem("global_batch_size", f"{s.global_batch_size} is not a multiple of the micro-batch size"
+                                           f" {s.micro_batch_size}; use a multiple of it")
+    if s.warmup_steps < 0 or s.max_steps <= s.warmup_steps:
+        yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
+                                   f" steps; use -ms {s.warmup_steps + 2} or more")
+    if s.num_gpus != 1:
+        yield Problem("num_gpus", f"is {s.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
+                                  " through torchrun arrive with the parallel issue); use -ng 1")
+    yield from _device_problems(s)
+
+
+def _device_problems(s: BenchSettings) -> Iterator[Problem]:
+    import torch  # config stays importable without touching torch until a bench is checked
+
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        yield Problem("device", "a CUDA GPU was asked for but this machine has none; run on CPU with a"
+                                " tiny recipe (remat recipes lists them)")
+    if s.device == "cpu" and s.num_parameters is not None and s.num_parameters > CPU_MAX_PARAMETERS:
+        yield Problem("device", f"{s.num_parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
+                                " recipe or shrink it (--num_layers, --hidden_size)")
+    if s.device == "cpu" and s.gpu is not None:
+        yield Problem("gpu", f"-g {s.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
+
+
+def check_parallel_execution(facts: TrainingFacts) -> None:
+    """Parallel sizes are validated with the recompute rules; running them needs torchrun."""
+    sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": facts.pipeline_model_parallel_size,
+             "context_parallel_size": facts.context_parallel_size}
+    problems = [Problem(name, f"is {size}; this bench runs one GPU without model parallelism for now"
+                              " (parallel execution arrives with its own issue); use 1")
+                for name, size in sizes.items() if size != 1]
+    if facts.virtual_pipeline_model_parallel_size is not None:
+        problems.append(Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which"
+                                " this bench does not run yet; drop -vp"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_bench(settings: BenchSettings) -> None:
+    """Raise ConfigError listing every problem with a benchmark's run settings."""
+    problems = list(_bench_problems(settings))
+    if problems:
+        raise ConfigError(problems)

@@ -1,4 +1,4 @@
 """Memory accounting: what a forward leaves alive for backward."""
-from remat.memory.live import SavedMemory, measure_saved
+from remat.memory.live import SavedMemory, measure_saved, peak_during
 
-__all__ = ["SavedMemory", "measure_saved"]
+__all__ = ["SavedMemory", "measure_saved", "peak_during"]

@@ -296,5 +296,15 @@ class LlamaModel(nn.Module):
             self.config.loss_chunk_size,
         )
 
+    def compile_regions(self) -> None:
+        """torch.compile each layer's attention block and MLP in place.
+
+        Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
+        composes with them (a compiled region's saved tensors go through the Site's hooks).
+        """
+        for layer in self.decoder.layers:
+            layer.self_attention.compile()
+            layer.mlp.compile()
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

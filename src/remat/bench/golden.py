@@ -1,0 +1,161 @@
+"""Compare a run with a stored golden run the way Megatron Bridge's perf evaluator does.
+
+A relative difference beyond the threshold fails in both directions: a slower or bigger run is a REGRESSION, and a
+faster or smaller one is an UNEXPECTED IMPROVEMENT, since it usually means the run measured something other than
+the golden did (and if it is real, the golden should be updated).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from remat.bench.result import BenchResult
+
+Verdict = Literal["ok", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
+OK: Verdict = "ok"
+REGRESSION: Verdict = "REGRESSION"
+UNEXPECTED_IMPROVEMENT: Verdict = "UNEXPECTED IMPROVEMENT"
+
+DEFAULT_THRESHOLD = 0.05  # Bridge's --timing_threshold and --memory_threshold
+# Numeric values of the `status` pseudo-metric: an OOM run delivers none of the golden's throughput.
+STATUS_VALUES: dict[str, float] = {"ok": 1.0, "oom": 0.0}
+# Lets a difference of exactly the threshold pass although the subtraction rounds.
+_ROUNDING_SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class MetricCheck:
+    """One metric of a run against the golden; rel_diff is signed, (current - golden) / |golden|."""
+
+    metric: str
+    golden: float
+    current: float
+    rel_diff: float
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class _Metric:
+    name: str
+    read: Callable[[BenchResult], float | None]
+    higher_is_worse: bool
+
+
+def _last_loss(result: BenchResult) -> float | None:
+    return result.losses[-1] if result.losses else None
+
+
+METRICS: tuple[_Metric, ...] = (
+    _Metric("tflops_per_gpu", lambda r: r.tflops_per_gpu, higher_is_worse=False),
+    _Metric("peak_allocated_bytes", lambda r: r.peak_allocated_bytes, higher_is_worse=True),
+    _Metric("peak_reserved_bytes", lambda r: r.peak_reserved_bytes, higher_is_worse=True),
+    _Metric("loss", _last_loss, higher_is_worse=True),
+)
+
+
+def _relative_diff(current: float, golden: float) -> float:
+    if golden == 0:
+        return 0.0 if current == 0 else math.copysign(math.inf, current)
+    return (current - golden) / abs(golden)
+
+
+def _verdict(rel_diff: float, *, higher_is_worse: bool, threshold: float) -> Verdict:
+    if math.isnan(rel_diff):  # a NaN loss (or golden) cannot be vouched for
+        return REGRESSION
+    if abs(rel_diff) <= threshold + _ROUNDING_SLACK:
+        return OK
+    worse = rel_diff > 0 if higher_is_worse else rel_diff < 0
+    return REGRESSION if worse else UNEXPECTED_IMPROVEMENT
+
+
+def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, threshold: float) -> MetricCheck:
+    rel = _relative_diff(current, golden)
+    verdict = _verdict(rel, higher_is_worse=higher_is_worse, threshold=threshold)
+    return MetricCheck(name, float(golden), float(current), rel, verdict)
+
+
+def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAULT_THRESHOLD) -> list[MetricCheck]:
+    """Check every metric present on both sides. When the statuses differ only the `status` pseudo-metric is
+    reported: an OOM run's partial numbers say nothing about the configuration's steady state."""
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    if current.status != golden.status:
+        return [
+            _check(
+                "status",
+                STATUS_VALUES[current.status],
+                STATUS_VALUES[golden.status],
+                higher_is_worse=False,
+                threshold=threshold,
+            )
+        ]
+    checks = []
+    for metric in METRICS:
+        golden_value, current_value = metric.read(golden), metric.read(current)
+        if golden_value is None or current_value is None:
+            continue
+        checks.append(
+            _check(
+                metric.name, current_value, golden_value, higher_is_worse=metric.higher_is_worse, threshold=threshold
+            )
+        )
+    return checks
+
+
+def golden_failed(checks: Sequence[MetricCheck]) -> bool:
+    return any(check.verdict != OK for check in checks)
+
+
+_ABSENT = "<absent>"
+
+
+def _dict_notes(label: str, golden: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [
+        f"{label}.{key} differs: golden {golden.get(key, _ABSENT)!r}, current {current.get(key, _ABSENT)!r}"
+        for key in sorted(set(golden) | set(current))
+        if golden.get(key, _ABSENT) != current.get(key, _ABSENT)
+    ]
+
+
+def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
+    """Differences that make the comparison not like for like (recipe, GPU, shape, recompute config)."""
+    notes = [
+        f"{field} differs: golden {getattr(golden, field)!r}, current {getattr(current, field)!r}"
+        for field in ("recipe", "gpu")
+        if getattr(golden, field) != getattr(current, field)
+    ]
+    notes += _dict_notes("shape", golden.shape, current.shape)
+    notes += _dict_notes("config", golden.config, current.config)
+    return notes
+
+
+def save_golden(result: BenchResult, path: str | os.PathLike[str]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return out
+
+
+def load_golden(path: str | os.PathLike[str]) -> BenchResult:
+    """Read a golden written by save_golden; any problem with the file is a ValueError naming it."""
+    source = Path(path)
+    try:
+        data = json.loads(source.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read golden file {source}: {err}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"golden file {source} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"golden file {source} must hold a JSON object, got {type(data).__name__}")
+    try:
+        result = BenchResult.from_dict(data)
+    except TypeError as err:
+        raise ValueError(f"golden file {source} is not a remat bench result: {err}") from err
+    if result.status not in STATUS_VALUES:
+        raise ValueError(f"golden file {source} has unknown status {result.status!r}")
+    return result

@@ -1,0 +1,106 @@
+"""Memory-versus-throughput plot of benchmark runs with their Pareto frontier.
+
+Uses a bare Figure on an Agg canvas rather than pyplot, so plotting never touches a user's interactive backend.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from remat.bench.result import BenchResult
+
+_GIB = 1 << 30
+Point = tuple[float, float]  # (peak memory GiB, TFLOP/s)
+Anchor = tuple[str, float, float]  # (label, peak memory GiB, TFLOP/s)
+
+
+def pareto_frontier(points: Iterable[Point]) -> list[Point]:
+    """The points that no other point beats on throughput with at most as much memory, by memory ascending."""
+    frontier: list[Point] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not frontier or y > frontier[-1][1]:
+            frontier.append((x, y))
+    return frontier
+
+
+def _uses_fwd_bwd(ok_runs: Sequence[BenchResult]) -> bool:
+    # fwd+bwd throughput is the anchors' measure, but mixing it with whole-step numbers would mislead.
+    return all(r.tflops_fwd_bwd is not None for r in ok_runs)
+
+
+def _ok_points(ok_runs: Sequence[BenchResult], fwd_bwd: bool) -> list[tuple[str, float, float]]:
+    points = []
+    for run in ok_runs:
+        tflops = run.tflops_fwd_bwd if fwd_bwd else run.tflops_per_gpu
+        if run.peak_allocated_bytes is not None and tflops is not None:
+            points.append((run.name, run.peak_allocated_bytes / _GIB, tflops))
+    return points
+
+
+def _oom_points(results: Sequence[BenchResult]) -> list[tuple[str, float]]:
+    return [(r.name, r.oom.allocated_bytes / _GIB) for r in results if r.status == "oom" and r.oom is not None]
+
+
+def _label(ax: Axes, text: str, x: float, y: float) -> None:
+    ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+
+
+def _draw_frontier(ax: Axes, frontier: list[Point]) -> None:
+    if frontier:
+        xs, ys = zip(*frontier)
+        ax.step(xs, ys, where="post", color="tab:blue", alpha=0.5, linewidth=1.5, label="Pareto frontier")
+
+
+def pareto_plot(
+    results: Sequence[BenchResult],
+    path: str | os.PathLike[str],
+    *,
+    anchors: Sequence[Anchor] = (),
+    title: str = "",
+) -> Path:
+    """Write a PNG of peak allocated memory against TFLOP/s per GPU and return its path."""
+    ok_runs = [r for r in results if r.status == "ok"]
+    fwd_bwd = _uses_fwd_bwd(ok_runs)
+    ok_points = _ok_points(ok_runs, fwd_bwd)
+    oom_points = _oom_points(results)
+
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+
+    _draw_frontier(ax, pareto_frontier((x, y) for _, x, y in ok_points))
+    if ok_points:
+        ax.scatter([p[1] for p in ok_points], [p[2] for p in ok_points], color="tab:blue", zorder=3, label="runs")
+    for name, x, y in ok_points:
+        _label(ax, name, x, y)
+    if oom_points:
+        ax.scatter([x for _, x in oom_points], [0.0] * len(oom_points), color="red", marker="x", s=60, zorder=3,
+                   clip_on=False, label="OOM (allocated at failure)")
+    for name, x in oom_points:
+        _label(ax, f"{name} (OOM)", x, 0.0)
+    if anchors:
+        ax.scatter([a[1] for a in anchors], [a[2] for a in anchors], color="grey", marker="D", zorder=3,
+                   label="reference")
+    for label, x, y in anchors:
+        _label(ax, label, x, y)
+
+    measure = "forward+backward" if fwd_bwd else "whole step"
+    ax.set_xlabel("peak allocated memory (GiB)")
+    ax.set_ylabel(f"TFLOP/s per GPU ({measure})")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)  # keeps the OOM markers at y = 0 in view
+    ax.grid(True, alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=150)
+    return out

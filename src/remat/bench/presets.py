@@ -1,0 +1,39 @@
+"""Sweep entries: Megatron's usual recompute presets, by name, or config/plan files."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from remat.config import RECOMPUTE_MODULES, RecomputeConfig
+from remat.plans import Plan, load_plan_or_config
+
+PlanLike = RecomputeConfig | Plan | None
+
+
+def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:
+    """none, each label the model has alone, mlp+core_attn, core_attn+layernorm, full uniform 1
+    and full block over half the layers."""
+    singles = [label for label in RECOMPUTE_MODULES if label in labels]
+    pairs = [p for p in ("mlp+core_attn", "core_attn+layernorm") if set(p.split("+")) <= labels]
+    return ["none", *singles, *pairs, "full_uniform_1", f"full_block_{max(num_layers // 2, 1)}"]
+
+
+def parse_entry(text: str, facts: dict[str, Any]) -> tuple[str, PlanLike]:
+    """`none`, `mlp+core_attn` (or `mlp,core_attn`), `full_uniform_2`, `full_block_4`, or a
+    YAML/JSON file holding Megatron keys or a per-layer plan. `facts` are Megatron keys
+    (num_layers, ...) the config's rules need."""
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml", ".json"):
+        loaded = load_plan_or_config(path)
+        if isinstance(loaded, RecomputeConfig):
+            loaded = RecomputeConfig.from_megatron({**loaded.to_megatron(), **facts})
+        return path.stem, loaded
+    if text == "none":
+        return text, None
+    if text.startswith("full_"):
+        _, method, k = (text.split("_") + ["", ""])[:3]
+        keys = {"recompute_granularity": "full", "recompute_method": method,
+                "recompute_num_layers": int(k) if k.isdigit() else k}
+    else:
+        keys = {"recompute_granularity": "selective", "recompute_modules": text.replace("+", ",")}
+    return text, RecomputeConfig.from_megatron({**keys, **facts})

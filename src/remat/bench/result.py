@@ -1,0 +1,68 @@
+"""What one benchmark run measured, as a plain serializable record."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Status = Literal["ok", "oom"]
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes allocated at the step's peak, by owner. `activations` is the rest of the peak:
+    saved activations, recompute transients, the loss head and allocator-visible workspaces."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int | None  # None where the device reports no allocator statistics (CPU)
+
+
+@dataclass
+class OomInfo:
+    """Where an out-of-memory run stopped."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    message: str
+
+
+@dataclass
+class BenchResult:
+    """One configuration's run: timings are medians over the steady steps after warm-up."""
+
+    name: str  # short label of the recompute config, e.g. "none", "mlp", "full_block_2"
+    recipe: str
+    status: Status
+    config: dict[str, Any]  # Megatron keys of the recompute config, or a per-layer plan
+    shape: dict[str, Any]  # num_layers, hidden_size, seq_length, micro/global batch size, ...
+    device: str  # "cuda" or "cpu"
+    gpu: str  # device name ("cpu" on CPU)
+    torch: str
+    date: str  # ISO 8601, UTC
+    command: str
+    step_time_s: float | None = None  # whole step: all micro-batches and the optimizer
+    fwd_bwd_time_s: float | None = None  # forward+backward of all micro-batches of a step
+    tflops_per_gpu: float | None = None  # model FLOPs / step_time_s
+    tflops_fwd_bwd: float | None = None  # model FLOPs / fwd_bwd_time_s (the anchor's measure)
+    tokens_per_s_per_gpu: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    memory: MemoryBreakdown | None = None
+    losses: list[float] = field(default_factory=list)  # one per step, warm-up included
+    harness_overhead: float | None = None  # fraction of wall time spent outside measured steps
+    oom: OomInfo | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BenchResult":
+        data = dict(data)
+        if data.get("memory") is not None:
+            data["memory"] = MemoryBreakdown(**data["memory"])
+        if data.get("oom") is not None:
+            data["oom"] = OomInfo(**data["oom"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

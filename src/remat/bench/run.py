@@ -1,0 +1,288 @@
+"""Run real training steps of a recipe under a recompute plan and measure them.
+
+A step is Megatron's iteration: global_batch_size / micro_batch_size micro-batches of forward and
+backward (gradients accumulate), then an AdamW step. Timings are CUDA-event medians over the
+steps after warm-up; memory peaks are taken over those steps, once the optimizer state exists.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import shlex
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+
+from remat.apply import apply
+from remat.bench.flops import model_flops
+from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
+from remat.config import BenchSettings, RecomputeConfig, check_bench
+from remat.memory import peak_during
+from remat.models import LlamaModel, build
+from remat.plans import Plan
+
+PlanLike = RecomputeConfig | Plan | None
+_DTYPES = {"bf16": torch.bfloat16}
+
+
+@dataclass
+class BenchSpec:
+    """What to run: a recipe with overrides, batch sizes, steps, device. Validated on creation."""
+
+    recipe: str = "llama3_tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)  # Megatron model keys
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: one micro-batch per step
+    max_steps: int = 10
+    warmup_steps: int = 3
+    task: str = "pretrain"  # "sft" masks the first quarter of each sequence's labels (the prompt)
+    compute_dtype: str = "bf16"
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    compile: bool = False  # torch.compile each layer's attention and MLP regions
+    seed: int = 1234
+    gpu: str | None = None  # Bridge's -g label, checked against the device
+    num_gpus: int = 1
+    # False: forward+backward only, gradients accumulating across steps, as the anchor measures
+    optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        model = build(self.recipe, device="meta", **self.overrides)
+        check_bench(BenchSettings(
+            self.compute_dtype, self.device, self.micro_batch_size, self.global_batch_size,
+            self.max_steps, self.warmup_steps, self.task, model.num_parameters(), self.gpu,
+            self.num_gpus, self.compile))
+
+    @property
+    def micro_batches(self) -> int:
+        return (self.global_batch_size or self.micro_batch_size) // self.micro_batch_size
+
+
+def plan_name(plan: PlanLike) -> str:
+    """A short label: none, mlp, core_attn+layernorm, full_uniform_1, plan."""
+    if plan is None or (isinstance(plan, RecomputeConfig) and plan.recompute_granularity is None):
+        return "none"
+    if isinstance(plan, Plan):
+        return "plan"
+    if plan.recompute_granularity == "selective":
+        return "+".join(plan.recompute_modules or [])
+    return f"full_{plan.recompute_method}_{plan.recompute_num_layers}"
+
+
+def _plan_record(plan: PlanLike) -> dict[str, Any]:
+    if plan is None:
+        return {}
+    return plan.to_dict() if isinstance(plan, Plan) else plan.to_megatron()
+
+
+def build_model(spec: BenchSpec) -> LlamaModel:
+    torch.manual_seed(spec.seed)
+    model = build(spec.recipe, dtype=_DTYPES[spec.compute_dtype], device=spec.device, **spec.overrides)
+    if spec.compile:
+        model.compile_regions()
+    return model
+
+
+class MockData:
+    """Random tokens, a fresh batch per micro-batch, generated on the device (no host copies)."""
+
+    def __init__(self, spec: BenchSpec, vocab_size: int, seq_length: int) -> None:
+        self.spec, self.vocab, self.seq = spec, vocab_size, seq_length
+        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab, (self.spec.micro_batch_size, self.seq + 1),
+                               device=self.spec.device, generator=self.generator)
+        labels = tokens[:, 1:].clone()
+        if self.spec.task == "sft":
+            labels[:, : self.seq // 4] = -100
+        return tokens[:, :-1], labels
+
+
+class _Clock:
+    """CUDA events on GPU (no sync inside a step); wall clock on CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+@dataclass
+class _Steps:
+    step: list[float] = field(default_factory=list)
+    fwd_bwd: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    cpu_peak: int | None = None  # counted tensor bytes, where there is no CUDA allocator
+
+
+def _step(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.optim.Optimizer | None,
+          clock: _Clock) -> tuple[torch.Tensor, Any, Any, Any]:
+    """One iteration: every micro-batch's forward and backward, then the optimizer. Returns the
+    loss (on the device, unsynchronized) and the clock marks at start, after backward, at end."""
+    start = clock.mark()
+    total = torch.zeros((), device=spec.device)
+    for _ in range(spec.micro_batches):
+        loss = model(*data.batch()) / spec.micro_batches
+        loss.backward()
+        total += loss.detach()
+    mid = clock.mark()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return total, start, mid, clock.mark()
+
+
+def _train(model: nn.Module, spec: BenchSpec,
+           on_step: Callable[[int, float], None]) -> tuple[_Steps, torch.optim.Optimizer | None]:
+    data = MockData(spec, model.config.vocab_size, model.config.seq_length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=spec.device.startswith("cuda")) if spec.optimizer else None
+    clock, steps = _Clock(spec.device), _Steps()
+    cuda = spec.device.startswith("cuda")
+    for step in range(spec.max_steps):
+        if step == spec.warmup_steps and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        wall0 = time.perf_counter()
+        total, start, mid, end = _step(model, spec, data, optimizer, clock)
+        steps.losses.append(total.item())  # the one host sync of a step
+        steps.wall.append(time.perf_counter() - wall0)
+        steps.step.append(clock.seconds(start, end))
+        steps.fwd_bwd.append(clock.seconds(start, mid))
+        on_step(step, steps.losses[-1])
+    if not cuda:  # no allocator statistics: one more step with every tensor counted
+        static = _tensor_bytes(model.parameters()) + _tensor_bytes(
+            p.grad for p in model.parameters() if p.grad is not None) + _optimizer_bytes(optimizer)
+        steps.cpu_peak = static + peak_during(lambda: _step(model, spec, data, optimizer, clock))[1]
+    return steps, optimizer
+
+
+def _median(xs: Sequence[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[len(ordered) // 2]
+
+
+def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    # moments (exp_avg, exp_avg_sq); the per-parameter step counters are scalars
+    states = optimizer.state.values() if optimizer is not None else []
+    return _tensor_bytes(v for s in states for k, v in s.items()
+                         if isinstance(v, torch.Tensor) and k != "step")
+
+
+def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, peak: int | None) -> MemoryBreakdown:
+    weights = _tensor_bytes(model.parameters())
+    grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    optim = _optimizer_bytes(optimizer)
+    activations = None if peak is None else max(peak - weights - grads - optim, 0)
+    return MemoryBreakdown(weights, grads, optim, activations)
+
+
+def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str | None) -> dict[str, Any]:
+    cfg = model.config
+    gpu = torch.cuda.get_device_name() if spec.device.startswith("cuda") else "cpu"
+    return dict(
+        name=name or plan_name(plan), recipe=spec.recipe, config=_plan_record(plan),
+        shape=dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                   ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length,
+                   vocab_size=cfg.vocab_size, micro_batch_size=spec.micro_batch_size,
+                   global_batch_size=spec.global_batch_size or spec.micro_batch_size,
+                   task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile),
+        device=spec.device.split(":")[0], gpu=gpu, torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=shlex.join(sys.argv),
+    )
+
+
+def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | None = None,
+              name: str | None = None, progress: Progress | None = None) -> BenchResult:
+    """Train `spec.max_steps` steps under `plan` and measure them. An out-of-memory error is a
+    result (status "oom"), after which the memory it held is released."""
+    model = model or build_model(spec)
+    torch.manual_seed(spec.seed)
+    model.init_weights()  # every run of a sweep starts from the same weights
+    model.train()
+    apply(model, plan)
+    record = _base_record(spec, model, plan, name)
+    task = progress.add_task(record["name"], total=spec.max_steps, loss="") if progress else None
+
+    def on_step(step: int, loss: float) -> None:
+        if progress is not None and task is not None:
+            progress.update(task, advance=1, loss=f"loss {loss:.4f}")
+
+    cuda = spec.device.startswith("cuda")
+    oom: OomInfo | None = None
+    try:
+        steps, optimizer = _train(model, spec, on_step)
+    except torch.cuda.OutOfMemoryError as e:
+        # measured while the failed step's tensors are still referenced by the traceback
+        oom = OomInfo(torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), str(e).split("\n")[0])
+    if oom is not None:
+        release_memory(model)  # outside the except block, so the traceback's frames are gone
+        if progress is not None and task is not None:
+            progress.update(task, loss="[red]OOM[/]")
+        return BenchResult(status="oom", oom=oom, **record)
+    steady = slice(spec.warmup_steps, None)
+    step_s, fwd_bwd_s = _median(steps.step[steady]), _median(steps.fwd_bwd[steady])
+    flops = model_flops(model.config, model.config.seq_length,
+                        spec.micro_batch_size * spec.micro_batches)
+    peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak
+    result = BenchResult(
+        status="ok", step_time_s=step_s, fwd_bwd_time_s=fwd_bwd_s,
+        tflops_per_gpu=flops / step_s / 1e12, tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
+        tokens_per_s_per_gpu=spec.micro_batch_size * spec.micro_batches * model.config.seq_length / step_s,
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
+        memory=_breakdown(model, optimizer, peak), losses=steps.losses,
+        harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
+        **record,
+    )
+    del optimizer
+    release_memory(model)
+    return result
+
+
+def release_memory(model: nn.Module) -> None:
+    """Drop gradients and cached blocks so the next run starts from the weights alone."""
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def progress_bar(enabled: bool = True) -> Progress | nullcontext:
+    if not enabled:
+        return nullcontext()
+    return Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[loss]}"), TimeElapsedColumn())
+
+
+def sweep(spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *, progress: bool = True) -> list[BenchResult]:
+    """Run every (name, plan) on one model in one process; OOMs are results, the rest go on."""
+    model = build_model(spec)
+    results = []
+    with progress_bar(progress) as bar:
+        for name, plan in plans:
+            results.append(run_bench(spec, plan, model=model, name=name,
+                                     progress=bar))
+    return results

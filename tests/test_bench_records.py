@@ -1,0 +1,316 @@
+"""Tests for the bench records: golden comparison, run history, Pareto plot and report tables."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from remat.bench import history
+from remat.bench.golden import MetricCheck, compare, golden_failed, load_golden, mismatch_notes, save_golden
+from remat.bench.plot import pareto_frontier, pareto_plot
+from remat.bench.report import checks_table, format_gib, memory_table, results_table
+from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
+
+GIB = 1 << 30
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def make_result(**overrides: Any) -> BenchResult:
+    fields: dict[str, Any] = dict(
+        name="mlp",
+        recipe="llama3_8b",
+        status="ok",
+        config={"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+        shape={"num_layers": 4, "hidden_size": 1024, "seq_length": 2048, "micro_batch_size": 1},
+        device="cuda",
+        gpu="NVIDIA H200",
+        torch="2.13.0",
+        date="2026-01-01T00:00:00+00:00",
+        command="remat bench --recipe llama3_8b",
+        step_time_s=0.5,
+        fwd_bwd_time_s=0.45,
+        tflops_per_gpu=100.0,
+        tflops_fwd_bwd=110.0,
+        tokens_per_s_per_gpu=4096.0,
+        peak_allocated_bytes=1000 * GIB // 100,
+        peak_reserved_bytes=1200 * GIB // 100,
+        memory=MemoryBreakdown(weights=2 * GIB, grads=2 * GIB, optimizer=4 * GIB, activations=2 * GIB),
+        losses=[10.0, 9.0, 8.0],
+    )
+    fields.update(overrides)
+    return BenchResult(**fields)
+
+
+def oom_result(name: str = "none", allocated: int = 20 * GIB) -> BenchResult:
+    return make_result(
+        name=name, status="oom", step_time_s=None, fwd_bwd_time_s=None, tflops_per_gpu=None, tflops_fwd_bwd=None,
+        tokens_per_s_per_gpu=None, peak_allocated_bytes=None, peak_reserved_bytes=None, memory=None, losses=[],
+        oom=OomInfo(allocated_bytes=allocated, reserved_bytes=allocated + GIB, message="CUDA out of memory"),
+    )
+
+
+def render(table: Table) -> str:
+    console = Console(record=True, width=200)
+    console.print(table)
+    return console.export_text()
+
+
+# --- golden comparison ---------------------------------------------------------------------------------------------
+
+# (metric, golden value, whether a higher current value is a regression)
+METRICS = [
+    ("tflops_per_gpu", 100.0, False),
+    ("peak_allocated_bytes", 1000, True),
+    ("peak_reserved_bytes", 2000, True),
+    ("loss", 2.0, True),
+]
+
+
+def with_metric(metric: str, value: float) -> BenchResult:
+    if metric == "loss":
+        return make_result(losses=[9.0, value])  # only the last step's loss counts
+    return make_result(**{metric: value})
+
+
+def check_of(metric: str, golden_value: float, current_value: float, **kwargs: float) -> MetricCheck:
+    checks = compare(with_metric(metric, current_value), with_metric(metric, golden_value), **kwargs)
+    return next(c for c in checks if c.metric == metric)
+
+
+@pytest.mark.parametrize(("metric", "base", "higher_is_worse"), METRICS)
+@pytest.mark.parametrize(("threshold", "factor_at", "factor_beyond"), [(None, 1.05, 1.06), (0.1, 1.1, 1.11)])
+def test_compare_fails_both_directions_beyond_threshold(
+    metric: str, base: float, higher_is_worse: bool, threshold: float | None, factor_at: float, factor_beyond: float
+) -> None:
+    kwargs = {} if threshold is None else {"threshold": threshold}
+    for factor in (factor_at, 2 - factor_at):  # exactly at the threshold, either way, passes
+        assert check_of(metric, base, base * factor, **kwargs).verdict == "ok"
+    higher = check_of(metric, base, base * factor_beyond, **kwargs)
+    lower = check_of(metric, base, base * (2 - factor_beyond), **kwargs)
+    assert higher.rel_diff == pytest.approx(factor_beyond - 1)
+    assert lower.rel_diff == pytest.approx(1 - factor_beyond)
+    worse, better = (higher, lower) if higher_is_worse else (lower, higher)
+    assert worse.verdict == "REGRESSION"
+    assert better.verdict == "UNEXPECTED IMPROVEMENT"
+    assert golden_failed([worse]) and golden_failed([better])
+
+
+def test_compare_identical_runs_all_ok() -> None:
+    checks = compare(make_result(), make_result())
+    assert [c.metric for c in checks] == ["tflops_per_gpu", "peak_allocated_bytes", "peak_reserved_bytes", "loss"]
+    assert all(c.verdict == "ok" and c.rel_diff == 0 for c in checks)
+    assert not golden_failed(checks)
+
+
+def test_compare_reports_values() -> None:
+    check = check_of("tflops_per_gpu", 100.0, 90.0)
+    assert (check.golden, check.current, check.verdict) == (100.0, 90.0, "REGRESSION")
+
+
+def test_oom_against_ok_golden_is_status_regression() -> None:
+    checks = compare(oom_result(), make_result())
+    assert [(c.metric, c.verdict) for c in checks] == [("status", "REGRESSION")]
+    assert golden_failed(checks)
+
+
+def test_ok_against_oom_golden_is_unexpected_improvement() -> None:
+    checks = compare(make_result(), oom_result())
+    assert [(c.metric, c.verdict) for c in checks] == [("status", "UNEXPECTED IMPROVEMENT")]
+
+
+def test_missing_metrics_are_skipped() -> None:
+    current = make_result(tflops_per_gpu=None, losses=[])
+    gold = make_result(peak_reserved_bytes=None)
+    assert [c.metric for c in compare(current, gold)] == ["peak_allocated_bytes"]
+    assert compare(oom_result(), oom_result()) == []
+
+
+def test_nan_loss_is_regression() -> None:
+    assert check_of("loss", 2.0, float("nan")).verdict == "REGRESSION"
+
+
+def test_zero_golden_compares_without_dividing_by_zero() -> None:
+    assert check_of("peak_reserved_bytes", 0, 0).verdict == "ok"
+    assert check_of("peak_reserved_bytes", 0, 10).verdict == "REGRESSION"
+
+
+def test_negative_threshold_rejected() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        compare(make_result(), make_result(), threshold=-0.1)
+
+
+def test_mismatch_notes() -> None:
+    gold = make_result()
+    assert mismatch_notes(make_result(), gold) == []
+    current = make_result(
+        recipe="qwen3_8b", shape={**gold.shape, "seq_length": 4096}, config={"recompute_granularity": "full"}
+    )
+    notes = mismatch_notes(current, gold)
+    assert notes[0] == "recipe differs: golden 'llama3_8b', current 'qwen3_8b'"
+    assert "shape.seq_length differs: golden 2048, current 4096" in notes
+    assert "config.recompute_granularity differs: golden 'selective', current 'full'" in notes
+    assert "config.recompute_modules differs: golden ['mlp'], current '<absent>'" in notes
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    for result in (make_result(), oom_result()):
+        path = save_golden(result, tmp_path / "goldens" / f"{result.name}.json")
+        assert path.read_text().startswith("{\n  ")  # pretty-printed for reviewable diffs
+        assert load_golden(path) == result
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"name": "x"}', "not a remat bench result"),
+        (json.dumps({**make_result().to_dict(), "status": "maybe"}), "unknown status"),
+    ],
+)
+def test_load_golden_invalid(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "golden.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_golden(path)
+
+
+# --- history -------------------------------------------------------------------------------------------------------
+
+
+def test_history_round_trip_newest_first(tmp_path: Path) -> None:
+    db = tmp_path / "nested" / "history.sqlite"
+    older = make_result(name="older", date="2026-01-01T00:00:00+00:00")
+    newer = oom_result(name="newer")
+    newer = dataclasses.replace(newer, date="2026-01-02T00:00:00+00:00")
+    first = history.append(newer, db)  # inserted first, yet newest by date
+    second = history.append(older, db)
+    assert second == first + 1
+    assert history.recent(path=db) == [newer, older]
+    assert history.recent(limit=1, path=db) == [newer]
+
+
+def test_history_columns(tmp_path: Path) -> None:
+    db = tmp_path / "history.sqlite"
+    history.append(make_result(), db)
+    with closing(sqlite3.connect(db)) as conn:
+        row = conn.execute("SELECT name, status, tflops_per_gpu, peak_allocated_bytes, config FROM runs").fetchone()
+    assert row == ("mlp", "ok", 100.0, 10 * GIB, json.dumps(make_result().config, sort_keys=True))
+
+
+def test_history_env_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "env" / "runs.sqlite"
+    monkeypatch.setenv("REMAT_HISTORY", str(db))
+    assert history.default_history_path() == db
+    assert history.recent() == []
+    assert not db.exists()  # reading does not create a history
+    history.append(make_result())
+    assert db.exists()
+    assert [r.name for r in history.recent()] == ["mlp"]
+
+
+def test_history_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("REMAT_HISTORY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert history.default_history_path() == tmp_path / ".cache" / "remat" / "history.sqlite"
+
+
+def test_history_concurrent_writers(tmp_path: Path) -> None:
+    db = tmp_path / "history.sqlite"
+    ids: list[int] = []
+    lock = threading.Lock()
+
+    def write(i: int) -> None:
+        row_id = history.append(make_result(name=f"run{i}"), db)
+        with lock:
+            ids.append(row_id)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(ids) == list(range(1, 9))
+    assert len(history.recent(limit=100, path=db)) == 8
+
+
+# --- plot ----------------------------------------------------------------------------------------------------------
+
+
+def test_pareto_frontier() -> None:
+    points = [(4.0, 90.0), (2.0, 50.0), (3.0, 40.0), (2.0, 60.0), (5.0, 80.0), (6.0, 95.0), (1.0, 10.0)]
+    assert pareto_frontier(points) == [(1.0, 10.0), (2.0, 60.0), (4.0, 90.0), (6.0, 95.0)]
+    assert pareto_frontier([]) == []
+
+
+def test_pareto_plot_writes_png(tmp_path: Path) -> None:
+    backend = matplotlib.get_backend()
+    results = [
+        make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_fwd_bwd=400.0),
+        make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_fwd_bwd=300.0),
+        make_result(name="worse", peak_allocated_bytes=35 * GIB, tflops_fwd_bwd=350.0),
+        oom_result(name="none", allocated=140 * GIB),
+    ]
+    path = pareto_plot(results, tmp_path / "plots" / "pareto.png", anchors=[("torch", 25.0, 380.0)], title="t")
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 10_000
+    assert matplotlib.get_backend() == backend  # the user's backend is untouched
+
+
+def test_pareto_plot_whole_step_fallback_and_empty(tmp_path: Path) -> None:
+    mixed = [make_result(tflops_fwd_bwd=None), make_result(name="full")]
+    assert pareto_plot(mixed, tmp_path / "mixed.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert pareto_plot([], tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+# --- report --------------------------------------------------------------------------------------------------------
+
+
+def test_format_gib() -> None:
+    assert format_gib(3 * GIB // 2) == "1.50 GiB"
+    assert format_gib(None) == "-"
+
+
+def test_results_table_renders() -> None:
+    text = render(results_table([make_result(name="selective"), oom_result(name="none")], title="llama3_8b"))
+    for expected in ("llama3_8b", "selective", "none", "oom", "500.0", "100.0", "110.0", "4,096", "10.00 GiB",
+                     "12.00 GiB", "20.00 GiB at OOM", "21.00 GiB at OOM", "fwd+bwd TFLOP/s"):
+        assert expected in text
+
+
+def test_results_table_hides_fwd_bwd_when_absent() -> None:
+    assert "fwd+bwd" not in render(results_table([make_result(tflops_fwd_bwd=None)]))
+
+
+def test_memory_table_renders() -> None:
+    text = render(memory_table(make_result()))
+    for expected in ("weights", "grads", "optimizer state", "activations", "peak allocated", "peak reserved",
+                     "4.00 GiB", "40.0%", "12.00 GiB"):
+        assert expected in text
+    assert "20.00 GiB at OOM" in render(memory_table(oom_result()))
+
+
+def test_checks_table_renders() -> None:
+    checks = [
+        check_of("tflops_per_gpu", 100.0, 80.0),
+        check_of("peak_allocated_bytes", 10 * GIB, 8 * GIB),
+        check_of("loss", 2.0, 2.0),
+        *compare(oom_result(), make_result()),
+    ]
+    text = render(checks_table(checks))
+    for expected in ("golden comparison", "REGRESSION", "UNEXPECTED IMPROVEMENT", "-20.0%", "10.00 GiB", "8.00 GiB",
+                     "2.0000", "status", "oom"):
+        assert expected in text
+
