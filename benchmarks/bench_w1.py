@@ -3,10 +3,12 @@ the anchor measures it: forward+backward, no optimizer, gradients accumulating. 
 (benchmarks/anchors/torch_baseline.py, a verbatim copy of shared/anchors) first in a subprocess,
 then remat's Megatron presets, eager and with compiled regions, in this process.
 
-  PYTHONPATH=src python benchmarks/bench_w1.py [ANCHOR_MODES]     writes $OUT/w1.json
+  PYTHONPATH=src python benchmarks/bench_w1.py [--anchor MODES] [--remat eager,compiled]
+  writes $OUT/w1.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -58,8 +60,14 @@ def run_remat(compile_regions: bool) -> list[dict]:
 
 
 def main() -> None:
-    anchor = run_anchor(sys.argv[1] if len(sys.argv) > 1 else ANCHOR_MODES)
-    remat_rows = run_remat(False) + run_remat(True)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--anchor", default=ANCHOR_MODES, help="anchor modes ('' to skip)")
+    parser.add_argument("--remat", default="eager,compiled", help="eager and/or compiled")
+    args = parser.parse_args()
+    anchor = run_anchor(args.anchor) if args.anchor else []
+    variants = args.remat.split(",")
+    remat_rows = (run_remat(False) if "eager" in variants else []) + (
+        run_remat(True) if "compiled" in variants else [])
     by_mode = {a["mode"]: a for a in anchor}
     comparisons = []
     for mode, preset in SAME_PRESET.items():

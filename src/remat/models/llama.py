@@ -139,6 +139,28 @@ def _expand_kv(x: Tensor, num_heads: int) -> Tensor:
     return x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
+def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+                num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused QKV projection and RoPE: x [b, s, h] -> q [b, heads, s, d], k and v [b, groups, s, d].
+
+    Megatron's fused layout: per query group, its query heads then one key and one value head.
+    A pure function of tensors, so one compiled copy serves every layer.
+    """
+    b, s, _ = x.shape
+    heads_per_group, head_dim = num_heads // num_groups, cos.shape[-1]
+    qkv = F.linear(x, weight).view(b, s, num_groups, heads_per_group + 2, head_dim)
+    q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
+    q = q.reshape(b, s, num_heads, head_dim).transpose(1, 2)
+    k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def merge_heads(o: Tensor) -> Tensor:
+    """[b, heads, s, d] -> [b, s, heads * d]."""
+    b, n, s, d = o.shape
+    return o.transpose(1, 2).reshape(b, s, n * d)
+
+
 class SelfAttention(nn.Module):
     """Grouped-query causal self-attention with Megatron's fused ``linear_qkv`` and ``linear_proj``."""
 
@@ -155,18 +177,14 @@ class SelfAttention(nn.Module):
                                      **_factory(dtype, device))
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
+        # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
+        self.project_qkv = project_qkv
+        self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        heads_per_group = self.num_heads // self.num_groups
-        # Megatron's fused layout: per query group, its query heads then one key and one value head.
-        qkv = self.linear_qkv(x).view(b, s, self.num_groups, heads_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.project_qkv(x, self.linear_qkv.weight, cos, sin, self.num_heads, self.num_groups)
         o = self.core_attn_site(self.core_attention, q, k, v)
-        return self.linear_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.linear_proj(self.merge_heads(o))
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """softmax(causal(QK^T / sqrt(d))) V with dropout: the only place s x s scores exist.
@@ -189,6 +207,12 @@ class SelfAttention(nn.Module):
         return F.dropout(probs, dropout_p, self.training) @ v
 
 
+def swiglu(x: Tensor, fc1_weight: Tensor, fc2_weight: Tensor) -> Tensor:
+    """SwiGLU feed-forward with a fused gate/up projection; a pure function, compiled once."""
+    gate, up = F.linear(x, fc1_weight).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, fc2_weight)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with Megatron's fused gate/up ``linear_fc1`` and ``linear_fc2``."""
 
@@ -199,10 +223,10 @@ class MLP(nn.Module):
                                     **_factory(dtype, device))
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
+        self.swiglu = swiglu  # swapped for a compiled version by LlamaModel.compile_regions
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        return self.swiglu(x, self.linear_fc1.weight, self.linear_fc2.weight)
 
 
 class TransformerLayer(nn.Module):
@@ -297,14 +321,18 @@ class LlamaModel(nn.Module):
         )
 
     def compile_regions(self) -> None:
-        """torch.compile each layer's attention block and MLP in place.
+        """torch.compile the pure functions around each layer's Sites: QKV projection with RoPE,
+        the head merge, and the SwiGLU MLP; one compiled copy of each serves every layer.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
         """
+        compiled_qkv, compiled_merge, compiled_mlp = (
+            torch.compile(project_qkv), torch.compile(merge_heads), torch.compile(swiglu))
         for layer in self.decoder.layers:
-            layer.self_attention.compile()
-            layer.mlp.compile()
+            layer.self_attention.project_qkv = compiled_qkv
+            layer.self_attention.merge_heads = compiled_merge
+            layer.mlp.swiglu = compiled_mlp
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
