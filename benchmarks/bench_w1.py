@@ -65,21 +65,25 @@ def main() -> None:
     parser.add_argument("--remat", default="eager,compiled", help="eager and/or compiled")
     args = parser.parse_args()
     anchor = run_anchor(args.anchor) if args.anchor else []
-    variants = args.remat.split(",")
-    remat_rows = (run_remat(False) if "eager" in variants else []) + (
-        run_remat(True) if "compiled" in variants else [])
+    remat_rows: list[dict] = []
+    for variant in args.remat.split(","):
+        try:
+            remat_rows += run_remat(variant == "compiled")
+        except Exception as e:  # keep the other variant's and the anchor's numbers
+            print(f"{variant} failed: {e!r}"[:2000], flush=True)
+            remat_rows.append(dict(mode="*", compiled=variant == "compiled", status=f"error: {e!r}"[:500]))
     by_mode = {a["mode"]: a for a in anchor}
     comparisons = []
     for mode, preset in SAME_PRESET.items():
         if mode not in by_mode:
             continue
-        for row in (r for r in remat_rows if r["mode"] == preset and r["tflops"]):
+        for row in (r for r in remat_rows if r["mode"] == preset and r.get("tflops")):
             comparisons.append(dict(preset=preset, compiled=row["compiled"], remat_tflops=row["tflops"],
                                     anchor_eager_tflops=by_mode[mode]["tflops"],
                                     ratio=round(row["tflops"] / by_mode[mode]["tflops"], 3),
                                     remat_peak_gib=row["peak_gib"], anchor_peak_gib=by_mode[mode]["peak_gib"]))
     if "compile:1.0" in by_mode:
-        for row in (r for r in remat_rows if r["mode"] == "none" and r["tflops"]):
+        for row in (r for r in remat_rows if r["mode"] == "none" and r.get("tflops")):
             comparisons.append(dict(preset="none vs compile:1.0", compiled=row["compiled"],
                                     remat_tflops=row["tflops"], anchor_tflops=by_mode["compile:1.0"]["tflops"],
                                     ratio=round(row["tflops"] / by_mode["compile:1.0"]["tflops"], 3),
