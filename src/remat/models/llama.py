@@ -207,10 +207,10 @@ class SelfAttention(nn.Module):
         return F.dropout(probs, dropout_p, self.training) @ v
 
 
-def swiglu(x: Tensor, fc1_weight: Tensor, fc2_weight: Tensor) -> Tensor:
-    """SwiGLU feed-forward with a fused gate/up projection; a pure function, compiled once."""
-    gate, up = F.linear(x, fc1_weight).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, fc2_weight)
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's activation on the fused gate/up projection; elementwise, so compiling fuses it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -223,10 +223,12 @@ class MLP(nn.Module):
                                     **_factory(dtype, device))
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
-        self.swiglu = swiglu  # swapped for a compiled version by LlamaModel.compile_regions
+        self.silu_mul = silu_mul  # swapped for a compiled version by LlamaModel.compile_regions
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.swiglu(x, self.linear_fc1.weight, self.linear_fc2.weight)
+        # The matmuls stay outside compiled code: a recompute replay then stops before
+        # linear_fc2, whose input is saved before it runs.
+        return self.linear_fc2(self.silu_mul(self.linear_fc1(x)))
 
 
 class TransformerLayer(nn.Module):
@@ -297,6 +299,7 @@ class LlamaModel(nn.Module):
         self.decoder = TransformerBlock(config, dtype=dtype, device=meta)
         self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                       **_factory(dtype, meta))
+        self.compiled_loss = False  # set by compile_regions
         self.to_empty(device=target)
         self.init_weights()
 
@@ -317,22 +320,24 @@ class LlamaModel(nn.Module):
         x = self.decoder(x, cos, sin)
         return chunked_linear_cross_entropy(
             x.reshape(-1, x.shape[-1]), self.output_layer.weight, labels.reshape(-1),
-            self.config.loss_chunk_size,
+            self.config.loss_chunk_size, compiled=self.compiled_loss,
         )
 
     def compile_regions(self) -> None:
-        """torch.compile the pure functions around each layer's Sites: QKV projection with RoPE,
-        the head merge, and the SwiGLU MLP; one compiled copy of each serves every layer.
+        """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
+        the head merge, the SwiGLU activation) and the loss head's per-chunk softmax; one compiled
+        copy of each serves every layer.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
         """
-        compiled_qkv, compiled_merge, compiled_mlp = (
-            torch.compile(project_qkv), torch.compile(merge_heads), torch.compile(swiglu))
+        compiled_qkv, compiled_merge, compiled_act = (
+            torch.compile(project_qkv), torch.compile(merge_heads), torch.compile(silu_mul))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
-            layer.mlp.swiglu = compiled_mlp
+            layer.mlp.silu_mul = compiled_act
+        self.compiled_loss = True
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

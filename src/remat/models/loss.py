@@ -7,8 +7,49 @@ backward pass only scales them.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+
+ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
+
+
+def chunk_loss_in_place(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
+                        need_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk's summed token losses and d loss/d logits, built in place in one fp32 buffer."""
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits32 = logits.to(compute_dtype)
+    lse = torch.logsumexp(logits32, dim=-1)
+    target = logits32.gather(1, labels[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0).sum()
+    if not need_grad:
+        return loss, None
+    # (softmax - onehot) * row_scale
+    d_logits = logits32.sub_(lse[:, None]).exp_()
+    d_logits[torch.arange(len(labels), device=d_logits.device), labels] -= 1.0
+    return loss, d_logits.mul_(row_scale[:, None]).to(logits.dtype)
+
+
+def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
+                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """The same as a pure function, which torch.compile fuses into a few passes over the logits."""
+    logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(logits32, dim=-1)
+    target = logits32.gather(1, labels[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0).sum()
+    if not need_grad:
+        return loss, None
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
+    d_logits = ((logits32 - lse[:, None]).exp() - onehot.to(logits32.dtype)) * row_scale[:, None]
+    return loss, d_logits.to(logits.dtype)
+
+
+@functools.cache
+def compiled_chunk_loss() -> ChunkFn:
+    return torch.compile(chunk_loss_fusable)
 
 
 def _loss_and_grads(
@@ -19,6 +60,7 @@ def _loss_and_grads(
     ignore_index: int,
     need_hidden: bool,
     need_weight: bool,
+    chunk_fn: ChunkFn,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Mean cross-entropy of ``hidden @ weight.T`` and, if asked, its gradients (for grad_output 1)."""
     n_tokens = hidden.shape[0]
@@ -35,22 +77,15 @@ def _loss_and_grads(
     grad_weight = (
         torch.zeros(weight.shape, dtype=compute_dtype, device=weight.device) if need_weight else None
     )
+    need_grad = need_hidden or need_weight
     for start in range(0, n_tokens, chunk_size):
         end = min(start + chunk_size, n_tokens)
         h, chunk_labels = hidden[start:end], safe_labels[start:end]
         # Matmul in the input dtype (tensor cores), softmax statistics in compute_dtype.
-        logits = (h @ weight.t()).to(compute_dtype)
-        lse = torch.logsumexp(logits, dim=-1)
-        target = logits.gather(1, chunk_labels[:, None]).squeeze(1)
-        loss_sum += torch.where(valid[start:end], lse - target, 0.0).sum()
-        if not (need_hidden or need_weight):
-            continue
-        # d loss / d logits = (softmax - onehot) / n_valid, built in place in the logits buffer.
-        d_logits = logits.sub_(lse[:, None]).exp_()
-        d_logits[torch.arange(end - start, device=d_logits.device), chunk_labels] -= 1.0
-        d_logits.mul_(row_scale[start:end, None])
-        d_low = d_logits.to(weight.dtype)
-        del logits, d_logits  # free the fp32 chunk before the two matmuls allocate
+        logits = h @ weight.t()
+        part, d_low = chunk_fn(logits, chunk_labels, valid[start:end], row_scale[start:end], need_grad)
+        loss_sum += part
+        del logits
         if grad_hidden is not None:
             grad_hidden[start:end] = d_low @ weight
         if grad_weight is not None:
@@ -68,10 +103,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         labels: Tensor,
         chunk_size: int,
         ignore_index: int,
+        chunk_fn: ChunkFn,
     ) -> Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
         loss, grad_hidden, grad_weight = _loss_and_grads(
-            hidden, weight, labels, chunk_size, ignore_index, need_hidden, need_weight
+            hidden, weight, labels, chunk_size, ignore_index, need_hidden, need_weight, chunk_fn
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
@@ -81,7 +117,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
-        return _scaled(grad_hidden, grad_output), _scaled(grad_weight, grad_output), None, None, None
+        return _scaled(grad_hidden, grad_output), _scaled(grad_weight, grad_output), None, None, None, None
 
 
 def _scaled(grad: Tensor | None, grad_output: Tensor) -> Tensor | None:
@@ -89,13 +125,16 @@ def _scaled(grad: Tensor | None, grad_output: Tensor) -> Tensor | None:
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, ignore_index: int = -100
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, ignore_index: int = -100,
+    *, compiled: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` (mean), in chunks.
 
     hidden [N, h], weight [V, h], labels [N] (int64). At most ``chunk_size`` x V logits exist at a
     time; gradients are computed in the forward pass only for inputs that require grad.
+    `compiled` fuses each chunk's softmax and gradient with torch.compile (fewer memory passes).
     """
+    chunk_fn = compiled_chunk_loss() if compiled else chunk_loss_in_place
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"need hidden [N, h] and weight [V, h] with the same h; got {tuple(hidden.shape)} "
@@ -106,6 +145,6 @@ def chunked_linear_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, chunk_fn)
     # Under no_grad the Function would still report needs_input_grad and compute gradients.
-    return _loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, False, False)[0]
+    return _loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, False, False, chunk_fn)[0]
