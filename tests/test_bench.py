@@ -155,9 +155,6 @@ def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) 
         assert f"  {field}:" in err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: run settings, recompute config and parallel sizes are checked in separate stages; "
-                          "the first failing stage hides the others' problems")
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_problems_of_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "-tp", "2", "-rl", "3")
@@ -178,9 +175,6 @@ def test_sweep_rejects_bad_settings_and_entries(capsys: pytest.CaptureFixture[st
     assert not plot.exists()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: sweep entries are not checked against the model before running, so "
-                          "`sweep -d --configs moe` passes and a real sweep dies at that entry")
 def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
@@ -199,25 +193,17 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: CUDA graph flags are validated and recorded in the result's config, but the bench "
-                          "runs without CUDA graphs (not rejected like -tp/-pp/-cp/-vp)")
 @pytest.mark.usefixtures("no_steps")
 def test_bench_rejects_cuda_graphs_it_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--cuda_graph_impl", "local")
     assert code == 1 and "cuda_graph_impl" in err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: --device is not validated; `-d` accepts --device foo and a real run dies with "
-                          "torch's RuntimeError traceback instead of a listed problem")
 def test_bench_rejects_an_unknown_device(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--device", "foo", "-d")
     assert code == 1 and "device" in err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: a negative --threshold is only rejected by compare(), after the whole run")
 @pytest.mark.usefixtures("no_steps")
 def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.CaptureFixture[str],
                                                            tmp_path: Path) -> None:
@@ -234,9 +220,6 @@ def run_bench_free_golden() -> dict[str, Any]:
                        tflops_per_gpu=1.0, losses=[6.0]).to_dict()
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception),
-                   reason="bug: -g is only checked to be a known name (and not on CPU), not against the GPU "
-                          "actually present, though the help says 'checked against the device'")
 def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import warnings
 from typing import Any, Sequence
@@ -105,8 +106,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             raise ConfigError([Problem("--config", "a per-layer plan is checked against a model: "
                                        "pass -mr RECIPE")])
         plan = apply(model, config) if model is not None else None
-    for w in caught:
-        _errors.print(f"[yellow]warning:[/] {w.message}")
+    _print_warnings(caught)
     if isinstance(config, RecomputeConfig):
         _console.print(config.describe())
     if plan is not None:
@@ -139,8 +139,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                                        "attention_dropout": model.config.attention_dropout,
                                        "hidden_dropout": model.config.hidden_dropout})
         report = verify(model, config, ids[:, :-1], ids[:, 1:], seed=args.seed)
-    for w in caught:
-        _errors.print(f"[yellow]warning:[/] {w.message}")
+    _print_warnings(caught)
     _console.print(report.plan.describe())
     _console.print(_verify_table(report, args))
     ok = report.bit_identical or report.max_grad_diff <= args.tolerance
@@ -195,17 +194,44 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no_history", action="store_true", help="do not record the run")
 
 
+class _Problems:
+    """Problems from independent checking stages, reported together rather than first-found."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def run(self, fn: Any, *fn_args: Any, field: str = "", prefix: str = "") -> Any:
+        """fn(*fn_args), or None after recording why it failed."""
+        try:
+            return fn(*fn_args)
+        except ConfigError as e:
+            self.problems += [Problem(prefix + p.field, p.message) for p in e.problems]
+        except ValueError as e:  # an unknown recipe or shape override
+            self.problems.append(Problem(prefix + field, str(e)))
+        return None
+
+    def add(self, problems: Any) -> None:
+        self.problems += list(problems)
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise ConfigError(list(dict.fromkeys(self.problems)))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
+            if getattr(args, k) is not None}
+
+
 def _spec(args: argparse.Namespace) -> Any:
     from remat.bench import BenchSpec
 
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
-                 if getattr(args, k) is not None}
     device = args.device or ("cuda" if _cuda_available() else "cpu")
-    return BenchSpec(recipe=args.model_recipe_name, overrides=overrides,
+    return BenchSpec(recipe=args.model_recipe_name, overrides=_overrides(args),
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=args.compile,
-                     gpu=args.gpu, num_gpus=args.num_gpus)
+                     gpu=args.gpu, num_gpus=args.num_gpus, command=args.command_line)
 
 
 def _cuda_available() -> bool:
@@ -214,12 +240,36 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _model_facts(spec: Any) -> dict[str, Any]:
+def _model_facts(args: argparse.Namespace) -> dict[str, Any]:
+    """The Megatron keys a recipe's model fixes for the recompute rules."""
     from remat.models import recipe_config
 
-    cfg = recipe_config(spec.recipe, **spec.overrides)
+    cfg = recipe_config(args.model_recipe_name, **_overrides(args))
     return {"num_layers": cfg.num_layers, "attention_dropout": cfg.attention_dropout,
             "hidden_dropout": cfg.hidden_dropout}
+
+
+def _meta_model(args: argparse.Namespace) -> Any:
+    from remat.models import build
+
+    return build(args.model_recipe_name, device="meta", **_overrides(args))
+
+
+def _flag_facts(args: argparse.Namespace) -> Any:
+    from remat.config import TrainingFacts
+
+    scope = args.cuda_graph_scope.split(",") if args.cuda_graph_scope else []
+    return TrainingFacts(
+        tensor_model_parallel_size=args.tensor_model_parallel_size or 1,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size or 1,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size or 1,
+        cuda_graph_impl=args.cuda_graph_impl or "none", cuda_graph_scope=scope)
+
+
+def _print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        _errors.print(f"[yellow]warning:[/] {message}")
 
 
 def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
@@ -230,27 +280,41 @@ def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
             append(result, args.history)
 
 
+def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """Every problem of a bench command line, from every stage, before anything runs."""
+    from remat.apply import apply
+    from remat.bench.golden import load_golden
+    from remat.config import execution_problems, threshold_problems
+
+    found = _Problems()
+    spec = found.run(_spec, args, field="model_recipe_name")
+    facts = found.run(_model_facts, args, field="model_recipe_name")
+    found.add(execution_problems(_flag_facts(args)))
+    found.add(threshold_problems(args.threshold))
+    plan = resolved = None
+    if facts is not None:
+        plan = found.run(resolve_config, args, facts)
+    if isinstance(plan, RecomputeConfig):
+        found.add(execution_problems(plan.facts))
+    if plan is not None or (facts is not None and not found.problems):
+        resolved = found.run(apply, _meta_model(args), plan)
+    golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
+    found.raise_if_any()
+    return spec, plan, resolved, golden
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from remat.apply import apply
     from remat.bench import plan_name, run_bench
-    from remat.bench.golden import compare, golden_failed, load_golden, mismatch_notes, save_golden
+    from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden
     from remat.bench.report import checks_table, memory_table, results_table
     from remat.bench.run import progress_bar
-    from remat.config import check_parallel_execution
-    from remat.models import build
 
-    spec = _spec(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        plan = resolve_config(args, _model_facts(spec))
-        if isinstance(plan, RecomputeConfig):
-            check_parallel_execution(plan.facts)
-        resolved = apply(build(spec.recipe, device="meta", **spec.overrides), plan)
-    for w in caught:
-        _errors.print(f"[yellow]warning:[/] {w.message}")
-    golden = load_golden(args.golden) if args.golden else None
+        spec, plan, resolved, golden = _check_bench(args)
+    _print_warnings(caught)
     if args.dryrun:
         _console.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
                        f"{spec.micro_batches} micro-batches a step, {spec.max_steps} steps "
@@ -279,34 +343,49 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if golden_failed(checks) else 0
 
 
+def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
+    """Every problem of a sweep, each entry checked against the model, before anything runs."""
+    from remat.apply import apply, find_sites
+    from remat.bench.presets import megatron_presets, parse_entry
+    from remat.config import execution_problems
+
+    found = _Problems()
+    spec = found.run(_spec, args, field="model_recipe_name")
+    facts = found.run(_model_facts, args, field="model_recipe_name")
+    plans: list[tuple[str, Any]] = []
+    if facts is not None:
+        model = _meta_model(args)
+        layout = find_sites(model).layout
+        entries = args.configs or megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
+        for entry in entries:
+            parsed = found.run(parse_entry, entry, facts, prefix=f"{entry}: ")
+            if parsed is not None:
+                if isinstance(parsed[1], RecomputeConfig):
+                    found.add(Problem(f"{entry}: {p.field}", p.message)
+                              for p in execution_problems(parsed[1].facts))
+                if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
+                    plans.append(parsed)
+    found.raise_if_any()
+    return spec, plans
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import json
 
-    from remat.apply import find_sites
     from remat.bench import sweep
     from remat.bench.plot import pareto_plot
-    from remat.bench.presets import megatron_presets, parse_entry
     from remat.bench.report import results_table
-    from remat.models import build
 
-    spec = _spec(args)
-    layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
-    entries = args.configs or megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
-    facts = _model_facts(spec)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        plans = [parse_entry(e, facts) for e in entries]
-    for w in caught:
-        _errors.print(f"[yellow]warning:[/] {w.message}")
+        spec, plans = _check_sweep(args)
+        if not args.dryrun:
+            results = sweep(spec, plans, progress=not args.no_progress)
+    _print_warnings(caught)
     if args.dryrun:
         for name, _ in plans:
             _console.print(name)
         return 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RematWarning)
-        results = sweep(spec, plans, progress=not args.no_progress)
-    for message in dict.fromkeys(str(w.message) for w in caught):
-        _errors.print(f"[yellow]warning:[/] {message}")
     _console.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
     if args.json:
         with open(args.json, "w") as f:
@@ -385,7 +464,9 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["remat", *argv])  # recorded with each result
     try:
         return args.func(args)
     except ConfigError as e:

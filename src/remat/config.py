@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1108,6 +1109,9 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
 def _device_problems(s: BenchSettings) -> Iterator[Problem]:
     import torch  # config stays importable without touching torch until a bench is checked
 
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", s.device):
+        yield Problem("device", f"{s.device!r} is not a device; use cpu, cuda or cuda:N")
+        return
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         yield Problem("device", "a CUDA GPU was asked for but this machine has none; run on CPU with a"
                                 " tiny recipe (remat recipes lists them)")
@@ -1116,21 +1120,33 @@ def _device_problems(s: BenchSettings) -> Iterator[Problem]:
                                 " recipe or shrink it (--num_layers, --hidden_size)")
     if s.device == "cpu" and s.gpu is not None:
         yield Problem("gpu", f"-g {s.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
+    elif s.gpu in GPUS and s.device.startswith("cuda") and torch.cuda.is_available():
+        present = torch.cuda.get_device_name(s.device)
+        if s.gpu not in present.lower():
+            yield Problem("gpu", f"-g {s.gpu} but this machine's GPU is {present}; fix -g or drop it")
 
 
-def check_parallel_execution(facts: TrainingFacts) -> None:
-    """Parallel sizes are validated with the recompute rules; running them needs torchrun."""
+def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
+    """What the recompute rules accept but this one-GPU bench does not run (yet)."""
     sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
              "pipeline_model_parallel_size": facts.pipeline_model_parallel_size,
              "context_parallel_size": facts.context_parallel_size}
-    problems = [Problem(name, f"is {size}; this bench runs one GPU without model parallelism for now"
-                              " (parallel execution arrives with its own issue); use 1")
-                for name, size in sizes.items() if size != 1]
+    for name, size in sizes.items():
+        if size != 1:
+            yield Problem(name, f"is {size}; this bench runs one GPU without model parallelism for now"
+                                " (parallel execution arrives with its own issue); use 1")
     if facts.virtual_pipeline_model_parallel_size is not None:
-        problems.append(Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which"
-                                " this bench does not run yet; drop -vp"))
-    if problems:
-        raise ConfigError(problems)
+        yield Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which this bench"
+                                                              " does not run yet; drop -vp")
+    if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
+        yield Problem("cuda_graph_impl", "this bench runs without CUDA graphs; drop --cuda_graph_impl and"
+                                         " --cuda_graph_scope")
+
+
+def threshold_problems(threshold: float) -> Iterator[Problem]:
+    if not threshold >= 0:
+        yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"
+                                   " e.g. 0.05")
 
 
 def check_bench(settings: BenchSettings) -> None:

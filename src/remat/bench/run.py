@@ -50,6 +50,7 @@ class BenchSpec:
     num_gpus: int = 1
     # False: forward+backward only, gradients accumulating across steps, as the anchor measures
     optimizer: bool = True
+    command: str = field(default_factory=lambda: shlex.join(sys.argv))  # recorded with results
 
     def __post_init__(self) -> None:
         model = build(self.recipe, device="meta", **self.overrides)
@@ -208,7 +209,7 @@ def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str |
                    task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile),
         device=spec.device.split(":")[0], gpu=gpu, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=shlex.join(sys.argv),
+        command=spec.command,
     )
 
 
