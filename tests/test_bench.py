@@ -658,3 +658,11 @@ def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
         tiny_spec(compute_dtype="fp8_cs", max_steps=1)
     assert {p.field for p in info.value.problems} == {"compute_dtype", "max_steps"}
+
+
+def test_the_benchmark_anchor_is_a_verbatim_copy_of_the_shared_one() -> None:
+    shared = Path(__file__).parents[2] / "shared" / "anchors" / "torch_baseline.py"
+    if not shared.exists():
+        pytest.skip("shared/ is not beside this checkout")
+    copy = Path(__file__).parents[1] / "benchmarks" / "anchors" / "torch_baseline.py"
+    assert copy.read_bytes() == shared.read_bytes()
