@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from remat.cli import build_parser, main, megatron_overrides
 
@@ -77,11 +78,8 @@ def test_verify_runs_a_tiny_step_and_reports_bit_identical(capsys) -> None:
     assert "bit-identical: True" in out and "gradients match" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_verify_refuses_cuda_without_a_gpu(capsys) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
     code, _, err = _run(capsys, "verify", "--device", "cuda", "--recompute_modules", "mlp")
     assert code == 1 and "no CUDA GPU" in err
 
