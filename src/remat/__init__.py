@@ -3,16 +3,18 @@
 Models place `Site`s; `apply(model, plan)` sets what each site does, where `plan` is a
 Megatron-style `RecomputeConfig`, a per-layer `Plan`, or None.
 """
+from remat import models
 from remat.apply import apply, find_sites
 from remat.config import ConfigError, RecomputeConfig, RematWarning, TrainingFacts
 from remat.engine import checkpoint
 from remat.memory import measure_saved
+from remat.memory.trace import Trace, trace
 from remat.plans import Plan
 from remat.sites import Site
 from remat.verify import verify
 
 __all__ = [
-    "ConfigError", "Plan", "RecomputeConfig", "RematWarning", "Site", "TrainingFacts",
-    "apply", "checkpoint", "find_sites", "measure_saved", "verify",
+    "ConfigError", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
+    "apply", "checkpoint", "find_sites", "measure_saved", "models", "trace", "verify",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""trace(): per-layer effects of every action, composed into exact saved-byte predictions."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import remat
+from remat.plans import Plan
+from remat.verify import run_step
+
+LAYERS = 4
+LABELS = ("core_attn", "layernorm", "mlp")
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def traced(request):
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
+                               attention_backend=request.param, hidden_dropout=0.1, attention_dropout=0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = ids[:, :-1], ids[:, 1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        return model, batch, remat.trace(model, *batch)
+
+
+def _measured(model, batch, plan) -> int:
+    """The independent count: run the plan and count the storages the forward left alive."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(model, plan)
+    return run_step(model, *batch, seed=0).saved.bytes
+
+
+@st.composite
+def plans(draw) -> Plan:
+    layers = [{label: draw(st.sampled_from(["keep", "recompute", "discard"]))
+               for label in draw(st.sets(st.sampled_from(LABELS)))} for _ in range(LAYERS)]
+    groups, i = [], 0
+    while i < LAYERS:
+        if draw(st.booleans()):
+            end = draw(st.integers(i + 1, LAYERS))
+            groups.append((i, end))
+            for j in range(i, end):
+                layers[j] = {}
+            i = end
+        else:
+            i += 1
+    return Plan(layers, groups)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans())
+def test_predicted_saved_bytes_equal_the_counted_ones_for_random_plans(traced, plan) -> None:
+    model, batch, trace = traced
+    assert trace.predict(plan).saved_bytes == _measured(model, batch, plan)
+
+
+def test_megatron_configs_predict_exactly_and_none_is_the_baseline(traced) -> None:
+    model, batch, trace = traced
+    assert trace.predict(None).saved_bytes == trace.baseline_saved_bytes == _measured(model, batch, None)
+    for config in (remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]),
+                   remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=3)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat.RematWarning)
+            assert trace.predict(config).saved_bytes == _measured(model, batch, config)
+
+
+def test_predict_rejects_plans_that_do_not_fit_the_model(traced) -> None:
+    _, _, trace = traced
+    with pytest.raises(remat.ConfigError, match="moe"):
+        trace.predict(Plan([{"moe": "recompute"}] + [{}] * (LAYERS - 1)))
+    with pytest.raises(remat.ConfigError, match="full_recompute"):
+        trace.predict(Plan([{}] * LAYERS, [(2, 9)]))
+
+
+def test_trace_leaves_the_model_without_a_plan() -> None:
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=1, seq_length=8)
+    remat.apply(model, remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    trace = remat.trace(model, ids[:, :-1], ids[:, 1:])
+    assert all(s.action is None for group in remat.find_sites(model).inner for s in group)
+    assert trace.layers[0].input_bytes == 0  # one layer: no multi-layer group to measure it with
