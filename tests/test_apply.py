@@ -216,3 +216,33 @@ def test_eval_and_no_grad_run_plain() -> None:
     with torch.no_grad():
         loss = model(ids, labels)
     assert not loss.requires_grad
+
+
+def test_an_aborted_forward_leaves_no_full_recompute_group_open() -> None:
+    model = _model()
+    remat.apply(model, _full("uniform", 2))
+    batch = _batch(model)
+    expected = run_step(model, *batch, seed=0)
+    layer = model.decoder.layers[1]
+    real = layer.mlp.forward
+    layer.mlp.forward = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("simulated"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        model(*batch)
+    layer.mlp.forward = real
+    groups = {id(s.action.group): s.action.group for s in find_sites(model).layers}
+    assert all(g.region is None for g in groups.values())
+    again = run_step(model, *batch, seed=0)
+    assert torch.equal(again.loss, expected.loss) and again.saved == expected.saved
+
+
+def test_verify_reports_a_lost_gradient_as_a_difference() -> None:
+    from remat.verify import VerifyReport
+
+    model = _model()
+    report = verify(model, _selective("mlp"), *_batch(model))
+    lost = next(iter(report.candidate.grads))
+    crippled = type(report.candidate)(report.candidate.loss,
+                                      {n: g for n, g in report.candidate.grads.items() if n != lost},
+                                      report.candidate.saved)
+    broken = VerifyReport(report.plan, report.baseline, crippled)
+    assert not broken.bit_identical and broken.max_grad_diff == float("inf")

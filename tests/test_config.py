@@ -604,3 +604,20 @@ def test_from_megatron_only_raises_config_error(d: dict[str, Any]) -> None:
         else:
             assert isinstance(c, RecomputeConfig)
             assert RecomputeConfig.from_megatron(c.to_megatron()) == c
+
+
+def test_check_model_rejects_discard_labels_without_layer_sites() -> None:
+    layout = ModelLayout(labels=(frozenset({"layernorm", "mlp"}),), has_layer_sites=False)
+    config = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+    with pytest.raises(ConfigError, match="output-discarding"):
+        check_model(config, layout)
+    check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), layout)
+
+
+def test_check_model_rejects_distributed_saved_activations_until_they_run() -> None:
+    layout = ModelLayout(labels=(frozenset({"mlp"}),) * 2)
+    config = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                             distribute_saved_activations=True,
+                             facts=TrainingFacts(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="distribute_saved_activations"):
+        check_model(config, layout)

@@ -178,3 +178,93 @@ def test_replay_stops_before_the_last_op_when_no_output_is_needed() -> None:
     # the replay recomputes the first matmul and tanh; the second matmul's input is saved
     # before it runs, so the replay ends there
     assert backward_matmuls(True) == backward_matmuls(False) + 1
+
+
+def test_in_place_change_of_a_checkpoint_input_is_an_error_not_a_wrong_gradient() -> None:
+    w, _ = _weights()
+    a = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    x = a * 1.0
+    y = checkpoint(lambda t: torch.tanh(t @ w), x)
+    x.mul_(3)
+    with pytest.raises(RuntimeError, match="in-place"):
+        y.sum().backward()
+
+
+def test_in_place_change_of_a_discarded_output_after_a_consumer_saved_it_is_an_error() -> None:
+    w, n = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="in-place"):
+        with DiscardScope() as scope:
+            h = scope.discard(lambda t: F.rms_norm(t, (16,), n), (x,), {})
+            y = h @ w  # saves a reference to h
+            h.mul_(3)
+    # changed before any consumer saved it: the consumer keeps the real tensor, gradients exact
+    results = []
+    for discard in (False, True):
+        with DiscardScope() as scope:
+            norm = lambda t: F.rms_norm(t, (16,), n)  # noqa: E731
+            h = scope.discard(norm, (x,), {}) if discard else norm(x)
+            h = h * 1.0 if not discard else h
+            h.mul_(3)
+            y = h @ w
+        results.append(_grads(y.sum(), x, w, n))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b)
+
+
+def test_in_place_change_between_grouped_calls_is_replayed_from_the_changed_value() -> None:
+    w, _ = _weights()
+    x0 = torch.randn(8, 16, dtype=torch.float64)
+    results = []
+    for grouped in (False, True):
+        torch.manual_seed(2)
+        x = x0.clone().requires_grad_()
+        region = Region()
+        h = region.call(_block, (x, w), {}) if grouped else _block(x, w)
+        h = h * 1.0
+        h.add_(1.0)
+        h = region.call(_block, (h, w), {}) if grouped else _block(h, w)
+        region.close()
+        results.append(_grads(h.sum(), x, w))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_a_forward_without_backward_frees_everything_inside_a_discard_scope() -> None:
+    # Saved outputs (tanh saves its result) must not form a reference cycle through the hooks.
+    w, n = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with DiscardScope() as scope:
+        h = scope.discard(lambda t: F.rms_norm(t, (16,), n), (x,), {})
+        y = torch.tanh(h @ w)
+    storage = weakref.ref(y.untyped_storage())
+    del h, y
+    assert storage() is None  # freed by reference counting alone, no gc needed
+
+
+def test_sites_nested_in_a_region_just_run() -> None:
+    from remat.sites import Site
+
+    inner = Site("moe_act")
+    calls: list[str] = []
+    inner.action = lambda site, fn, args, kwargs: calls.append("inner action") or fn(*args)
+    w, _ = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = checkpoint(lambda t: inner(torch.tanh, t @ w), x)
+    y.sum().backward()
+    assert calls == []  # the outer region recomputes everything in it
+    assert inner(torch.tanh, x).requires_grad and calls == ["inner action"]
+
+
+def test_replay_stop_is_not_caught_by_user_fallbacks() -> None:
+    w, _ = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+
+    def with_fallback(t: torch.Tensor) -> torch.Tensor:
+        try:
+            return torch.tanh(t @ w) @ w
+        except Exception:  # a user's "fused kernel failed, use eager" path
+            return (t @ w) @ w
+
+    ref = torch.autograd.grad(with_fallback(x).sum(), x)[0]
+    assert torch.equal(torch.autograd.grad(checkpoint(with_fallback, x).sum(), x)[0], ref)

@@ -131,7 +131,11 @@ class _GroupMember:
         if group.region is None or group.next != self.position:
             raise RuntimeError("the layers of a full-recompute group were called out of order; "
                                "full recompute needs layers called once each, first to last")
-        out = group.region.call(fn, args, kwargs)
+        try:
+            out = group.region.call(fn, args, kwargs)
+        except BaseException:
+            group.region = None  # an aborted forward (e.g. OOM) must not keep the group's tensors
+            raise
         group.next += 1
         if group.next == group.size:
             group.region.close()

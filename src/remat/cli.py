@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from rich.console import Console
 
 from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning
+from remat.bench.golden import DEFAULT_THRESHOLD
 from remat.plans import Plan, load_plan_or_config
 
 _console = Console(highlight=False, soft_wrap=True)
@@ -150,23 +151,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _verify_table(report: Any, args: argparse.Namespace) -> Any:
     from rich.table import Table
 
+    from remat.bench.report import format_gib
+
     table = Table(title=f"{args.model_recipe_name}, micro-batch {args.micro_batch_size}, "
                         f"{args.dtype} on {args.device}")
     for column in ("run", "loss", "saved for backward", "storages"):
         table.add_column(column, justify="right" if column != "run" else "left")
     for name, step in (("no recompute", report.baseline), ("with config", report.candidate)):
-        table.add_row(name, f"{step.loss.item():.6f}", _bytes(step.saved.bytes), str(step.saved.storages))
-    table.caption = (f"freed {_bytes(report.freed_bytes)}; bit-identical: {report.bit_identical}; "
+        table.add_row(name, f"{step.loss.item():.6f}", format_gib(step.saved.bytes), str(step.saved.storages))
+    table.caption = (f"freed {format_gib(report.freed_bytes)}; bit-identical: {report.bit_identical}; "
                      f"max |grad diff| {report.max_grad_diff:.3g}")
     return table
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -437,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--golden", metavar="FILE", help="compare with a stored result; exit 1 on a difference")
     p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
-    p.add_argument("--threshold", type=float, default=0.05,
-                   help="relative difference that fails a golden comparison, both ways (default 0.05)")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"relative difference that fails a golden comparison, both ways (default {DEFAULT_THRESHOLD})")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
                        description="Bench many configs on one model in one process. Entries: none, "

@@ -916,6 +916,18 @@ def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]
         if getattr(c, name):
             yield Problem(name, "offload is not available yet; set it to False and lower memory with"
                                 " recompute for now")
+    if c.distribute_saved_activations:
+        yield Problem("distribute_saved_activations", "splitting saved inputs over tensor-parallel ranks"
+                                                      " is not available yet (it needs the parallel"
+                                                      " runtime); set it to False")
+
+
+def _model_discard_scope(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
+    discarding = [label for label in _selected(c) if label in DISCARD_MODULES]
+    if discarding and not layout.has_layer_sites:
+        yield Problem("recompute_modules", f"{', '.join(map(repr, discarding))} use output-discarding"
+                                           " recompute, which needs the model's 'layer' sites as its scope"
+                                           " and this model marks none; add layer sites or drop them")
 
 
 def _model_selected_labels(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
@@ -955,7 +967,8 @@ def _model_recompute_num_layers(c: RecomputeConfig, layout: ModelLayout) -> Iter
 
 
 _MODEL_CHECKS: tuple[Callable[[RecomputeConfig, ModelLayout], Iterator[Problem]], ...] = (
-    _model_offload, _model_selected_labels, _model_layer_sites, _model_layer_count, _model_recompute_num_layers,
+    _model_offload, _model_discard_scope, _model_selected_labels, _model_layer_sites, _model_layer_count,
+    _model_recompute_num_layers,
 )
 
 
@@ -1095,8 +1108,8 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     elif s.global_batch_size is not None and (
         s.global_batch_size < s.micro_batch_size or s.global_batch_size % s.micro_batch_size
     ):
-        yield Problem("global_batch_size", f"{s.global_batch_size} is not a multiple of the micro-batch size"
-                                           f" {s.micro_batch_size}; use a multiple of it")
+        yield Problem("global_batch_size", f"{s.global_batch_size} is not a positive multiple of the"
+                                           f" micro-batch size {s.micro_batch_size}; use a multiple of it")
     if s.warmup_steps < 0 or s.max_steps <= s.warmup_steps:
         yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
                                    f" steps; use -ms {s.warmup_steps + 2} or more")

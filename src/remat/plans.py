@@ -128,6 +128,9 @@ def _read_mapping(path: Path) -> Mapping[str, Any]:
     return data
 
 
+PlanLike = RecomputeConfig | Plan | None  # what apply() takes
+
+
 def load_plan_or_config(path: str | Path) -> "Plan | RecomputeConfig":
     """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
     data = _read_mapping(Path(path))

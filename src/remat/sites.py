@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from remat.config import SITE_LABELS
+from remat.engine import inside_region
 
 
 class SiteAction(Protocol):
@@ -34,7 +35,7 @@ class Site(nn.Module):
         self.action: SiteAction | None = None
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.action is None or not torch.is_grad_enabled():
+        if self.action is None or not torch.is_grad_enabled() or inside_region():
             return fn(*args, **kwargs)
         return self.action(self, fn, args, kwargs)
 

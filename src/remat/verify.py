@@ -32,13 +32,20 @@ class VerifyReport:
         return self.baseline.saved.bytes - self.candidate.saved.bytes
 
     @property
+    def same_parameters_have_grads(self) -> bool:
+        return self.baseline.grads.keys() == self.candidate.grads.keys()
+
+    @property
     def max_grad_diff(self) -> float:
-        return max((float((self.baseline.grads[n] - g).abs().max())
-                    for n, g in self.candidate.grads.items()), default=0.0)
+        """Largest |difference| over the loss and every gradient; inf if a gradient is missing."""
+        if not self.same_parameters_have_grads:
+            return float("inf")
+        diffs = [(self.baseline.grads[n] - g).abs().max() for n, g in self.candidate.grads.items()]
+        return float(max([(self.baseline.loss - self.candidate.loss).abs(), *diffs]))
 
     @property
     def bit_identical(self) -> bool:
-        return torch.equal(self.baseline.loss, self.candidate.loss) and all(
+        return self.same_parameters_have_grads and torch.equal(self.baseline.loss, self.candidate.loss) and all(
             torch.equal(self.baseline.grads[n], g) for n, g in self.candidate.grads.items())
 
 

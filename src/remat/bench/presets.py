@@ -5,9 +5,8 @@ from pathlib import Path
 from typing import Any
 
 from remat.config import RECOMPUTE_MODULES, RecomputeConfig
-from remat.plans import Plan, load_plan_or_config
+from remat.plans import PlanLike, load_plan_or_config
 
-PlanLike = RecomputeConfig | Plan | None
 
 
 def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:

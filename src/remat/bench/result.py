@@ -10,8 +10,9 @@ Status = Literal["ok", "oom"]
 
 @dataclass
 class MemoryBreakdown:
-    """Bytes allocated at the step's peak, by owner. `activations` is the rest of the peak:
-    saved activations, recompute transients, the loss head and allocator-visible workspaces."""
+    """Bytes by owner. `activations` is the rest of the step's peak: saved activations, recompute
+    transients, the loss head, workspaces, and the gradients being built when they do not
+    persist across the step (one micro-batch with an optimizer step)."""
 
     weights: int
     grads: int

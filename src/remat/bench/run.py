@@ -25,9 +25,8 @@ from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.config import BenchSettings, RecomputeConfig, check_bench
 from remat.memory import peak_during
 from remat.models import LlamaModel, build
-from remat.plans import Plan
+from remat.plans import Plan, PlanLike
 
-PlanLike = RecomputeConfig | Plan | None
 _DTYPES = {"bf16": torch.bfloat16}
 
 
@@ -189,11 +188,16 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                          if isinstance(v, torch.Tensor) and k != "step")
 
 
-def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, peak: int | None) -> MemoryBreakdown:
+def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: BenchSpec,
+               peak: int | None) -> MemoryBreakdown:
     weights = _tensor_bytes(model.parameters())
     grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
     optim = _optimizer_bytes(optimizer)
-    activations = None if peak is None else max(peak - weights - grads - optim, 0)
+    # Gradients outlive the step's forward only when they accumulate (no optimizer step that
+    # frees them, or several micro-batches); otherwise they are built during backward and are
+    # part of what the rest of the peak holds.
+    persistent_grads = grads if optimizer is None or spec.micro_batches > 1 else 0
+    activations = None if peak is None else max(peak - weights - optim - persistent_grads, 0)
     return MemoryBreakdown(weights, grads, optim, activations)
 
 
@@ -252,7 +256,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
         tokens_per_s_per_gpu=spec.micro_batch_size * spec.micro_batches * model.config.seq_length / step_s,
         peak_allocated_bytes=peak,
         peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
-        memory=_breakdown(model, optimizer, peak), losses=steps.losses,
+        memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses,
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
     )

@@ -13,9 +13,10 @@ for all of them. Matching is by storage, so views of the output are caught too.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -29,6 +30,31 @@ def _scopes() -> list["DiscardScope"]:
     if not hasattr(_local, "scopes"):
         _local.scopes = []
     return _local.scopes
+
+
+def inside_region() -> bool:
+    """True while a Region runs or replays: Sites inside it then just call their function
+    (a region already recomputes everything in it; nested actions would only pin memory)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _region_running() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+_INPLACE = ("one of the tensors a recompute needs was modified by an in-place operation after "
+            "it was saved (forward version {saved}, now {now}); clone it before modifying it, or "
+            "keep this site instead of recomputing it")
+
+
+def _check_version(t: torch.Tensor, version: int) -> None:
+    if t._version != version:
+        raise RuntimeError(_INPLACE.format(saved=version, now=t._version))
 
 
 def current_scope() -> "DiscardScope | None":
@@ -57,6 +83,7 @@ class _Stored:
 
     packed: Any
     requires_grad: bool
+    version: int | None  # the tensor's version when kept; None for a private copy or a reference
 
 
 @dataclass
@@ -75,6 +102,7 @@ class Region:
         self._num_saved = 0
         self._slots: dict[int, torch.Tensor] = {}
         self._last_outputs: list[torch.Tensor] = []  # forward outputs of the latest call, for linking
+        self._last_versions: list[int] = []
         self._rebuilt: dict[int, torch.Tensor] = {}  # replayed outputs awaiting consumers
         self._output_refs: dict[int, int] = {}  # consumer references still to be unpacked
 
@@ -86,9 +114,10 @@ class Region:
             _Call(fn, tuple(self._keep(a) for a in args),
                   {k: self._keep(v) for k, v in kwargs.items()}, ReplayState.capture(tensors))
         )
-        with saved_tensors_hooks(self._pack, self._unpack):
+        with _region_running(), saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*args, **kwargs)
         self._last_outputs = _flatten(out)
+        self._last_versions = [t._version for t in self._last_outputs]
         return out
 
     def close(self) -> None:
@@ -99,14 +128,16 @@ class Region:
         if not isinstance(arg, torch.Tensor):
             return arg
         for i, out in enumerate(self._last_outputs):
-            if arg is out:
+            if arg is out and arg._version == self._last_versions[i]:  # not modified in between
                 return _Link(i)
         scope = current_scope()
-        packed = scope.pack(arg) if scope is not None else arg
-        if isinstance(packed, torch.Tensor) and _views_larger_buffer(packed):
-            # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
-            packed = packed.detach().clone()
-        return _Stored(packed, arg.requires_grad)
+        packed = scope.pack(arg) if scope is not None else _Kept(arg.detach(), arg._version)
+        if isinstance(packed, _Kept):
+            if _views_larger_buffer(arg):
+                # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
+                return _Stored(arg.detach().clone(), arg.requires_grad, None)
+            return _Stored(packed.tensor, arg.requires_grad, packed.version)
+        return _Stored(packed, arg.requires_grad, None)
 
     def _pack(self, _tensor: torch.Tensor) -> int:
         slot = self._num_saved
@@ -118,6 +149,9 @@ class Region:
         if slot not in self._slots:
             self._replay(keep=set())
         return self._slots.pop(slot)
+
+    def has_output_refs(self, index: int) -> bool:
+        return self._output_refs.get(index, 0) > 0
 
     def add_output_ref(self, index: int) -> None:
         self._output_refs[index] = self._output_refs.get(index, 0) + 1
@@ -147,7 +181,7 @@ class Region:
 
         outputs: list[torch.Tensor] = []
         devices = sorted({d for c in self._calls for d in c.state.devices})
-        with forked_rng(devices), torch.enable_grad():
+        with forked_rng(devices), torch.enable_grad(), _region_running():
             try:
                 for call in self._calls:
                     call.state.restore_rng()
@@ -172,11 +206,13 @@ class Region:
             return previous[arg.index]
         if isinstance(arg, _Stored):
             value = DiscardScope.unpack(arg.packed)
+            if arg.version is not None:
+                _check_version(value, arg.version)
             return value.detach().requires_grad_(arg.requires_grad)
         return arg
 
 
-class _ReplayDone(Exception):
+class _ReplayDone(BaseException):  # not an Exception: user fallbacks must not catch it
     """Raised inside a replay once every saved tensor is back."""
 
 
@@ -215,6 +251,16 @@ class _Registered:
     region: Region
     index: int
     tensor: torch.Tensor  # held only while the scope is open, so the storage key stays unique
+    version: int
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A tensor saved as itself: detached (no reference cycle through its own grad_fn when a
+    node saves its output) and with its version, so in-place changes are still caught."""
+
+    tensor: torch.Tensor
+    version: int
 
 
 class DiscardScope:
@@ -229,10 +275,16 @@ class DiscardScope:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._hooks.__exit__(exc_type, *exc)
         _scopes().pop()
-        self._registered.clear()
+        registered, self._registered = self._registered, {}
+        if exc_type is None:
+            for entry in registered.values():
+                if entry.region.has_output_refs(entry.index):
+                    # a consumer saved a reference, then the output changed: the replay would
+                    # rebuild the value from before the change
+                    _check_version(entry.tensor, entry.version)
 
     def discard(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Run `fn` as a checkpointed region whose outputs consumers in this scope will not keep."""
@@ -242,24 +294,28 @@ class DiscardScope:
         for index, tensor in enumerate(_flatten(out)):
             if tensor.untyped_storage().data_ptr() == 0:
                 continue  # empty storage: nothing to free, and its key is not unique
-            self._registered[_storage_key(tensor)] = _Registered(region, index, tensor)
+            self._registered[storage_key(tensor)] = _Registered(region, index, tensor, tensor._version)
         return out
 
     def pack(self, t: torch.Tensor) -> Any:
-        entry = self._registered.get(_storage_key(t))
-        if entry is None or entry.tensor.dtype != t.dtype:
-            return t
+        entry = self._registered.get(storage_key(t)) if self._registered else None
+        if entry is None or entry.tensor.dtype != t.dtype or entry.tensor._version != entry.version:
+            return _Kept(t.detach(), t._version)
         entry.region.add_output_ref(entry.index)
         return _OutputRef(entry.region, entry.index, tuple(t.size()), tuple(t.stride()),
                           t.storage_offset() - entry.tensor.storage_offset())
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            _check_version(packed.tensor, packed.version)
+            return packed.tensor
         if not isinstance(packed, _OutputRef):
             return packed
         out = packed.region.take_output(packed.index)
         return out.as_strided(packed.size, packed.stride, out.storage_offset() + packed.offset)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Identifies a tensor's storage (views of one storage share the key) while it is alive."""
     return (t.device, t.untyped_storage().data_ptr())
