@@ -268,3 +268,24 @@ def test_replay_stop_is_not_caught_by_user_fallbacks() -> None:
 
     ref = torch.autograd.grad(with_fallback(x).sum(), x)[0]
     assert torch.equal(torch.autograd.grad(checkpoint(with_fallback, x).sum(), x)[0], ref)
+
+
+@pytest.mark.parametrize("mechanism", ["checkpoint", "discard"])
+def test_double_backward_through_a_region_matches_eager(mechanism: str) -> None:
+    w, n = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+
+    def second_order(use: bool) -> tuple[torch.Tensor, ...]:
+        with DiscardScope() as scope:
+            if mechanism == "discard":
+                norm = lambda t: F.rms_norm(t, (16,), n)  # noqa: E731
+                h = scope.discard(norm, (x,), {}) if use else norm(x)
+                y = torch.tanh(h @ w).pow(2).sum()
+            else:
+                body = lambda t: torch.tanh(t @ w)  # noqa: E731
+                y = (checkpoint(body, x) if use else body(x)).pow(2).sum()
+        gx, = torch.autograd.grad(y, x, create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), (x, w))
+
+    for a, b in zip(second_order(False), second_order(True)):
+        assert torch.equal(a, b)
