@@ -75,29 +75,31 @@ def solve(problem: PlanningProblem, budget_bytes: int) -> Solution:
     raise NoPlanFits(budget_bytes, lowest)
 
 
+_UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit below HiGHS' tolerances
+
+
 def _milp(problem: PlanningProblem, budget: int | None, minimize_memory: bool) -> Solution | None:
     choices = list(problem.choices)
     n = len(choices)
-    # variables: one binary per choice, then T = the largest transient among the chosen
+    # variables: one binary per choice, then T = the largest transient among the chosen (MiB)
     cover = np.zeros((problem.num_layers, n + 1))
     for j, c in enumerate(choices):
         cover[c.start:c.end, j] = 1
     constraints = [LinearConstraint(cover, 1, 1)]
     transient = np.zeros((n, n + 1))
     for j, c in enumerate(choices):
-        transient[j, j], transient[j, n] = c.transient_bytes, -1  # T >= transient_j * x_j
+        transient[j, j], transient[j, n] = c.transient_bytes / _UNIT, -1  # T >= transient_j * x_j
     constraints.append(LinearConstraint(transient, -np.inf, 0))
-    memory = np.array([-c.freed_bytes for c in choices] + [1.0])  # saved - baseline + T
+    memory = np.array([-c.freed_bytes / _UNIT for c in choices] + [1.0])  # saved - baseline + T
     if budget is not None:
-        constraints.append(LinearConstraint(
-            memory[None, :], -np.inf, budget - problem.fixed_bytes - problem.baseline_saved_bytes))
+        room = (budget - problem.fixed_bytes - problem.baseline_saved_bytes) / _UNIT
+        constraints.append(LinearConstraint(memory[None, :], -np.inf, room))
     time = np.array([c.added_time_s for c in choices] + [0.0])
-    # the secondary term breaks ties towards less memory without trading any time for it
-    scale = max(float(np.abs(memory).max()), 1.0)
-    objective = memory / scale if minimize_memory else time + 1e-9 * memory / scale
-    integrality = np.array([1] * n + [0])
-    result = milp(objective, constraints=constraints, integrality=integrality,
-                  bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf]))
+    # the secondary term only breaks ties between equally fast plans, towards less memory
+    objective = memory if minimize_memory else time + 1e-9 * memory
+    result = milp(objective, constraints=constraints, integrality=np.array([1] * n + [0]),
+                  bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf]),
+                  options={"mip_rel_gap": 0.0})  # exact: the default stops within 0.01%
     if result.x is None:
         return None
     chosen = tuple(c for c, x in zip(choices, result.x[:n]) if x > 0.5)
