@@ -122,7 +122,7 @@ class Region:
 
     def close(self) -> None:
         """The region's forward is over: let go of the outputs kept for linking calls."""
-        self._last_outputs = []
+        self._last_outputs, self._last_versions = [], []
 
     def _keep(self, arg: Any) -> Any:
         if not isinstance(arg, torch.Tensor):
