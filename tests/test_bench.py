@@ -668,3 +668,11 @@ def test_the_benchmark_anchor_is_a_verbatim_copy_of_the_shared_one() -> None:
     shared = SHARED_ANCHOR
     copy = Path(__file__).parents[1] / "benchmarks" / "anchors" / "torch_baseline.py"
     assert copy.read_bytes() == shared.read_bytes()
+
+
+def test_no_optimizer_measures_forward_and_backward_with_gradients_accumulating(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", *TINY, "--no_history", "--no_progress", "--no_optimizer", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["memory"]["optimizer"] == 0
+    assert result["step_time_s"] == pytest.approx(result["fwd_bwd_time_s"], rel=0.5)

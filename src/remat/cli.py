@@ -182,7 +182,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ms", "--max_steps", type=int, default=10, metavar="N")
     g.add_argument("--warmup_steps", type=int, default=3, metavar="N")
     g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
-    g.add_argument("--compile", action="store_true", help="torch.compile each layer's attention and MLP")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model's regions between Sites (QKV+RoPE, SwiGLU, loss softmax)")
+    g.add_argument("--no_optimizer", action="store_true",
+                   help="forward+backward only, gradients accumulating, as the torch anchor measures")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
                                                    "~/.cache/remat/history.sqlite)")
@@ -226,7 +229,8 @@ def _spec(args: argparse.Namespace) -> Any:
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=args.compile,
-                     gpu=args.gpu, num_gpus=args.num_gpus, command=args.command_line)
+                     gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
+                     command=args.command_line)
 
 
 def _cuda_available() -> bool:
