@@ -316,7 +316,7 @@ class RecomputeConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> RecomputeConfig:
         """Build from a YAML (.yaml, .yml) or JSON (.json) file holding Megatron settings."""
-        return cls.from_megatron(_load_mapping(Path(path)))
+        return cls.from_megatron(load_mapping(Path(path)))
 
     def to_megatron(self) -> dict[str, Any]:
         """A flat dict of Megatron keys that `from_megatron` turns back into an equal config."""
@@ -411,7 +411,8 @@ def _convert_moe_layer_recompute(settings: dict[str, Any]) -> list[Problem]:
     return []
 
 
-def _load_mapping(path: Path) -> Any:
+def load_mapping(path: Path) -> Mapping[str, Any]:
+    """The top-level mapping of a YAML or JSON file; ConfigError saying what is wrong otherwise."""
     loaders: dict[str, Callable[[str], Any]] = {".json": json.loads, ".yaml": yaml.safe_load, ".yml": yaml.safe_load}
     load = loaders.get(path.suffix.lower())
     if load is None:
@@ -426,8 +427,8 @@ def _load_mapping(path: Path) -> Any:
         kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
         raise ConfigError([Problem(str(path), f"is not valid {kind} ({err}); fix the syntax")]) from None
     if not isinstance(data, Mapping):
-        raise ConfigError([Problem(str(path), "must hold a mapping of Megatron settings at the top level,"
-                                              " e.g. 'recompute_granularity: selective'")])
+        raise ConfigError([Problem(str(path), "must hold a mapping at the top level, e.g."
+                                              " 'recompute_granularity: selective' or 'remat_plan: 1'")])
     return data
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from remat.config import DISCARD_MODULES, ConfigError, ModelLayout, Problem, RecomputeConfig
+from remat.config import DISCARD_MODULES, ConfigError, ModelLayout, Problem, RecomputeConfig, load_mapping
 
 PLAN_FORMAT = 1
 
@@ -81,7 +81,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_dict(_read_mapping(Path(path)))
+        return cls.from_dict(load_mapping(Path(path)))
 
     def describe(self) -> str:
         """One line per run of consecutive layers that do the same thing."""
@@ -117,21 +117,10 @@ def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, in
     return ranges
 
 
-def _read_mapping(path: Path) -> Mapping[str, Any]:
-    try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise ConfigError([Problem(str(path), f"cannot read plan file: {e}")]) from e
-    if not isinstance(data, Mapping):
-        raise ConfigError([Problem(str(path), "a plan file holds a mapping at the top level")])
-    return data
-
-
 PlanLike = RecomputeConfig | Plan | None  # what apply() takes
 
 
 def load_plan_or_config(path: str | Path) -> "Plan | RecomputeConfig":
     """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
-    data = _read_mapping(Path(path))
+    data = load_mapping(Path(path))
     return Plan.from_dict(data) if "remat_plan" in data else RecomputeConfig.from_megatron(data)
