@@ -79,7 +79,7 @@ def test_mixed_per_layer_plan_is_bit_identical_and_round_trips(tmp_path) -> None
     model = _model("eager", 0.1)
     plan = Plan(
         layers=[{}, {}, {"core_attn": "recompute", "layernorm": "discard"},
-                {"mlp": "discard", "layernorm": "recompute"}],
+                {"mlp": "recompute", "layernorm": "recompute"}],
         full_recompute=[(0, 2)],
     )
     for suffix in (".yaml", ".json"):

@@ -547,6 +547,7 @@ def test_check_plan_accepts() -> None:
     ([KEEP, {"moe": "recompute"}, KEEP, KEEP], [], "layers[1].moe", "no 'moe' site"),
     ([KEEP, KEEP, {"mlp": "recompte"}, KEEP], [], "layers[2].mlp", "did you mean 'recompute'"),
     ([KEEP, KEEP, {"mlp": 3}, KEEP], [], "layers[2].mlp", "unknown action 3"),
+    ([KEEP, KEEP, {"mlp": "discard"}, KEEP], [], "layers[2].mlp", "use 'recompute' for 'mlp'"),
     ([KEEP, KEEP, KEEP, "keep"], [], "layers[3]", "map each site label"),
     ([KEEP] * 4, [(2, 5)], "full_recompute[0]", "outside the model's layers [0, 4)"),
     ([KEEP] * 4, [(-1, 2)], "full_recompute[0]", "outside"),

@@ -8,9 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.planner import Choice, NoPlanFits, PlanningProblem, solve
+from remat.planner import Choice, NoPlanFits, PlanningProblem, Window, solve
 
 MiB = 2**20
+
+
+def _windows(layers: int, base: list[int]) -> list[Window]:
+    """The windows of a step: each layer's forward, the loss head, each layer's backward."""
+    names = ([(f"fwd{i}", i, i) for i in range(layers)] + [("head", None, layers)]
+             + [(f"bwd{i}", i, i) for i in reversed(range(layers))])
+    return [Window(name, layer, holds, b * MiB) for (name, layer, holds), b in zip(names, base)]
+
+
+def _own(start: int, end: int, draw, low: int, high: int) -> dict[str, int]:
+    return {f"{phase}{i}": draw(st.integers(low, high)) * MiB for i in range(start, end) for phase in ("fwd", "bwd")}
 
 
 def _covers(problem: PlanningProblem) -> list[tuple[Choice, ...]]:
@@ -34,19 +45,25 @@ def problems(draw) -> PlanningProblem:
     for i in range(layers):
         choices.append(Choice(i, i + 1, {}, 0, 0.0))  # keep: always possible
         for k in range(draw(st.integers(0, 3))):
-            choices.append(Choice(i, i + 1, {"mlp": "recompute", "k": str(k)},
-                                  draw(st.integers(1, 64)) * MiB, draw(st.floats(0.001, 0.05)),
-                                  draw(st.integers(0, 8)) * MiB))
+            choices.append(Choice(i, i + 1, {"mlp": "recompute", "k": str(k)}, draw(st.integers(1, 64)) * MiB,
+                                  draw(st.floats(0.001, 0.05)), _own(i, i + 1, draw, -64, 8)))
     for start, end in itertools.combinations(range(layers + 1), 2):
         if draw(st.booleans()):
             choices.append(Choice(start, end, None, draw(st.integers(1, 128)) * (end - start) * MiB,
-                                  draw(st.floats(0.01, 0.1)) * (end - start),
-                                  draw(st.integers(1, 32)) * (end - start) * MiB))
-    return PlanningProblem(layers, choices, baseline_saved_bytes=512 * MiB, fixed_bytes=100 * MiB)
+                                  draw(st.floats(0.01, 0.1)) * (end - start), _own(start, end, draw, -128, 32)))
+    base = draw(st.lists(st.integers(100, 700), min_size=2 * layers + 1, max_size=2 * layers + 1))
+    return PlanningProblem(layers, choices, _windows(layers, base))
+
+
+def test_a_choice_changes_its_own_windows_and_the_windows_that_hold_it() -> None:
+    windows = {w.name: w for w in _windows(3, [0] * 7)}
+    choice = Choice(1, 2, {"mlp": "recompute"}, 10, 0.0, {"fwd1": -4, "bwd1": 3})
+    assert [choice.delta(windows[n]) for n in ("fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0")] == [
+        0, -4, -10, -10, -10, 3, 0]
 
 
 @settings(max_examples=60, deadline=None)
-@given(problem=problems(), budget_mib=st.integers(200, 700))
+@given(problem=problems(), budget_mib=st.integers(50, 800))
 def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_mib: int) -> None:
     budget = budget_mib * MiB
     feasible = [c for c in _covers(problem) if problem.peak(c) <= budget]
@@ -64,20 +81,22 @@ def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_m
 
 
 def test_plan_of_the_solution_matches_its_choices() -> None:
-    choices = [Choice(0, 2, None, 300 * MiB, 0.2, 40 * MiB), Choice(2, 3, {"mlp": "recompute"}, 50 * MiB, 0.05),
+    windows = _windows(3, [100, 200, 300, 600, 550, 250, 200])
+    choices = [Choice(0, 2, None, 300 * MiB, 0.2, {"bwd1": 10 * MiB}),
+               Choice(2, 3, {"mlp": "recompute"}, 50 * MiB, 0.05),
                *(Choice(i, i + 1, {}, 0, 0.0) for i in range(3))]
-    problem = PlanningProblem(3, choices, baseline_saved_bytes=600 * MiB)
-    solution = solve(problem, 300 * MiB)
+    problem = PlanningProblem(3, choices, windows)
+    solution = solve(problem, 280 * MiB)
     assert solution.plan.full_recompute == [(0, 2)] and solution.plan.layers[2] == {"mlp": "recompute"}
-    assert solution.peak_bytes == 600 * MiB - 350 * MiB + 40 * MiB
-    assert solve(problem, 10**12).plan.full_recompute == []  # a roomy budget recomputes nothing
+    assert (solution.peak_bytes, solution.peak_window) == (260 * MiB, "bwd1")
+    roomy = solve(problem, 10**12)
+    assert roomy.plan.full_recompute == [] and roomy.peak_bytes == 600 * MiB  # recomputes nothing
 
 
 def test_no_plan_fits_says_by_how_much_and_what_to_change() -> None:
     problem = PlanningProblem(2, [Choice(i, i + 1, {}, 0, 0.0) for i in range(2)]
-                              + [Choice(0, 2, None, 100 * MiB, 0.1, 10 * MiB)],
-                              baseline_saved_bytes=400 * MiB, fixed_bytes=1024 * MiB)
-    with pytest.raises(NoPlanFits, match="1.30 GiB.*0.30 GiB more.*micro-batch"):
+                              + [Choice(0, 2, None, 100 * MiB, 0.1)], _windows(2, [900, 1000, 1432, 1200, 900]))
+    with pytest.raises(NoPlanFits, match=r"1\.30 GiB.*0\.30 GiB more, in window head.*micro-batch"):
         solve(problem, 1024 * MiB)
 
 
@@ -85,12 +104,14 @@ def test_128_layers_solve_in_seconds() -> None:
     layers, choices = 128, []
     for i in range(layers):
         for k, (freed, cost) in enumerate([(0, 0.0), (40, 0.004), (90, 0.011), (100, 0.016), (120, 0.02)]):
-            choices.append(Choice(i, i + 1, {"variant": str(k)}, freed * MiB, cost, k * MiB))
-        for size in (2, 4):
+            choices.append(Choice(i, i + 1, {"variant": str(k)}, freed * MiB, cost, {f"bwd{i}": -k * MiB}))
+        for size in range(2, 9):
             if i + size <= layers:
-                choices.append(Choice(i, i + size, None, (125 * size + 20 * (size - 1)) * MiB,
-                                      0.025 * size, 150 * size * MiB))
-    problem = PlanningProblem(layers, choices, baseline_saved_bytes=layers * 130 * MiB, fixed_bytes=0)
+                choices.append(Choice(i, i + size, None, (125 * size + 20 * (size - 1)) * MiB, 0.025 * size,
+                                      {f"bwd{j}": 150 * MiB for j in range(i, i + size)}))
+    base = [130 * i + 1000 for i in range(layers)] + [130 * layers + 2000] + [
+        130 * i + 1200 for i in reversed(range(layers))]
+    problem = PlanningProblem(layers, choices, _windows(layers, base))
     start = time.perf_counter()
     solution = solve(problem, layers * 60 * MiB)
     assert time.perf_counter() - start < 30

@@ -998,6 +998,9 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
         elif action == "discard" and not has_layer_sites:
             yield Problem(name, "'discard' needs the enclosing 'layer' site as its scope and this model marks"
                                 " none; use 'recompute' or add layer sites")
+        elif action == "discard" and label not in DISCARD_MODULES:
+            yield Problem(name, f"only {_one_of(sorted(DISCARD_MODULES))} outputs are discarded (their "
+                                f"consumers save them anyway); use 'recompute' for {label!r}")
 
 
 def _is_index(value: Any) -> bool:

@@ -1,15 +1,16 @@
 """The exact solver behind the planner: the fastest cover of the layers by choices under a budget.
 
 A choice runs a range of layers one way: a single layer with some site actions, or a range
-recomputed whole. Every layer is covered by exactly one choice. Memory is the bytes the forward
-leaves saved (a baseline minus what the chosen actions free) plus the largest transient a choice
-adds while its backward recomputes; time is the recompute the choices add. A mixed-integer
-program (scipy's HiGHS) finds the optimum in seconds for hundreds of layers.
+recomputed whole. Every layer is covered by exactly one choice. Memory is tracked per window of
+the step (each layer's forward and backward, the loss head, the optimizer step): a window's peak
+is its no-recompute peak, plus what the choices covering its layer add in it, minus what every
+choice whose saved tensors it still holds frees. The step's peak is the largest window; time is
+the recompute the choices add. A mixed-integer program (scipy's HiGHS) finds the optimum.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -19,24 +20,43 @@ from remat.plans import Plan
 
 
 @dataclass(frozen=True)
+class Window:
+    """A stretch of the step with its own peak: `layer`'s forward or backward (None for the loss
+    head, the tail of backward, the optimizer step), in which layers [0, holds) keep their saved
+    tensors; `base_bytes` is its peak allocated when every layer keeps everything."""
+
+    name: str
+    layer: int | None
+    holds: int
+    base_bytes: int
+
+
+@dataclass(frozen=True)
 class Choice:
     """Run layers [start, end) one way: `actions` for a single layer, or None to recompute the
-    range whole. `freed_bytes` is what it frees against keeping everything."""
+    range whole. `freed_bytes` is what it leaves unsaved after the forward against keeping
+    everything; `window_bytes` what it adds to the peaks of its own layers' windows, by name."""
 
     start: int
     end: int
     actions: dict[str, str] | None
     freed_bytes: int
     added_time_s: float
-    transient_bytes: int = 0  # alive only while this choice's backward recomputes
+    window_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def delta(self, window: Window) -> int:
+        """Bytes this choice adds to (or, negative, removes from) the window's peak."""
+        if window.layer is not None and self.start <= window.layer < self.end:
+            return self.window_bytes.get(window.name, 0)
+        return -self.freed_bytes if self.end <= window.holds else 0
 
 
 @dataclass(frozen=True)
 class Solution:
     plan: Plan
     choices: tuple[Choice, ...]
-    saved_bytes: int  # left saved after the forward
-    peak_bytes: int  # fixed + saved + the largest transient
+    peak_bytes: int
+    peak_window: str
     added_time_s: float
 
 
@@ -44,24 +64,27 @@ class Solution:
 class PlanningProblem:
     num_layers: int
     choices: Sequence[Choice]
-    baseline_saved_bytes: int  # saved after the forward when everything is kept
-    fixed_bytes: int = 0  # weights, gradients, optimizer state, the loss head's peak
+    windows: Sequence[Window]
+
+    def peak_and_window(self, chosen: Sequence[Choice]) -> tuple[int, str]:
+        peaks = [(w.base_bytes + sum(c.delta(w) for c in chosen), w.name) for w in self.windows]
+        return max(peaks)
 
     def peak(self, chosen: Sequence[Choice]) -> int:
-        saved = self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen)
-        return self.fixed_bytes + saved + max((c.transient_bytes for c in chosen), default=0)
+        return self.peak_and_window(chosen)[0]
 
 
 class NoPlanFits(ConfigError):
-    """The budget is below the smallest peak any plan reaches; `lowest_peak_bytes` says by how much."""
+    """The budget is below the smallest peak any plan reaches; `lowest` is that plan."""
 
     def __init__(self, budget: int, lowest: Solution) -> None:
         self.lowest = lowest
         short = lowest.peak_bytes - budget
         super().__init__([Problem("memory_budget", (
             f"no plan fits {budget / 2**30:.2f} GiB: the lowest peak any plan reaches is "
-            f"{lowest.peak_bytes / 2**30:.2f} GiB ({short / 2**30:.2f} GiB more); raise the budget, "
-            "lower the micro-batch size or spread the model over more GPUs"))])
+            f"{lowest.peak_bytes / 2**30:.2f} GiB ({short / 2**30:.2f} GiB more, in window "
+            f"{lowest.peak_window}); raise the budget, lower the micro-batch size or spread the "
+            "model over more GPUs (tensor or pipeline parallel)"))])
 
 
 def solve(problem: PlanningProblem, budget_bytes: int) -> Solution:
@@ -79,39 +102,36 @@ _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit bel
 
 
 def _milp(problem: PlanningProblem, budget: int | None, minimize_memory: bool) -> Solution | None:
-    choices = list(problem.choices)
+    choices, windows = list(problem.choices), list(problem.windows)
     n = len(choices)
-    # variables: one binary per choice, then T = the largest transient among the chosen (MiB)
+    # variables: one binary per choice, then P = the step's peak (MiB)
     cover = np.zeros((problem.num_layers, n + 1))
     for j, c in enumerate(choices):
         cover[c.start:c.end, j] = 1
-    constraints = [LinearConstraint(cover, 1, 1)]
-    transient = np.zeros((n, n + 1))
-    for j, c in enumerate(choices):
-        transient[j, j], transient[j, n] = c.transient_bytes / _UNIT, -1  # T >= transient_j * x_j
-    constraints.append(LinearConstraint(transient, -np.inf, 0))
-    memory = np.array([-c.freed_bytes / _UNIT for c in choices] + [1.0])  # saved - baseline + T
-    if budget is not None:
-        room = (budget - problem.fixed_bytes - problem.baseline_saved_bytes) / _UNIT
-        constraints.append(LinearConstraint(memory[None, :], -np.inf, room))
+    # every window: base + sum_j delta_j x_j <= P
+    peaks = np.array([[c.delta(w) / _UNIT for c in choices] + [-1.0] for w in windows])
+    base = np.array([w.base_bytes / _UNIT for w in windows])
+    constraints = [LinearConstraint(cover, 1, 1), LinearConstraint(peaks, -np.inf, -base)]
+    upper = np.inf if budget is None else budget / _UNIT
     time = np.array([c.added_time_s for c in choices] + [0.0])
     # the secondary term only breaks ties between equally fast plans, towards less memory
-    objective = memory if minimize_memory else time + 1e-9 * memory
-    result = milp(objective, constraints=constraints, integrality=np.array([1] * n + [0]),
-                  bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf]),
+    objective = np.r_[np.zeros(n), 1.0] if minimize_memory else time + np.r_[np.zeros(n), 1e-9]
+    result = milp(objective, constraints=constraints, integrality=np.r_[np.ones(n), 0],
+                  bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), upper]),
                   options={"mip_rel_gap": 0.0})  # exact: the default stops within 0.01%
     if result.x is None:
         return None
     chosen = tuple(c for c, x in zip(choices, result.x[:n]) if x > 0.5)
-    return _solution(problem, chosen)
+    return solution(problem, chosen)
 
 
-def _solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
+def solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
     plan = Plan.none(problem.num_layers)
     for c in sorted(chosen, key=lambda c: c.start):
         if c.actions is None:
             plan.full_recompute.append((c.start, c.end))
         else:
             plan.layers[c.start] = dict(c.actions)
-    saved = problem.baseline_saved_bytes - sum(c.freed_bytes for c in chosen)
-    return Solution(plan, tuple(chosen), saved, problem.peak(chosen), sum(c.added_time_s for c in chosen))
+    peak, window = problem.peak_and_window(chosen)
+    return Solution(plan, tuple(sorted(chosen, key=lambda c: c.start)), peak, window,
+                    sum(c.added_time_s for c in chosen))

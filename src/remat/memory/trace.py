@@ -1,61 +1,134 @@
-"""trace(): measure what each site's action frees, per layer, and predict any plan's saved bytes.
+"""trace(): measure what every site action saves and costs, per layer; predict any plan's memory.
 
-A layer's sites interact (a discarded norm output is also the MLP's input), so the trace measures
-every combination of actions in a layer, not each site alone; layers interact only through the
-residual stream, so per-layer effects add up. Layers of the same structure (site labels and
-parameter shapes) are measured once, on a representative layer.
+One instrumented training step per action, on one representative layer of each kind, records
+the bytes the forward leaves saved and the peak of every memory window of the step: the forward
+and the backward of each layer, the loss head between them, the rest of the backward and the
+optimizer step. Layers interact only through the residual stream, so an action changes the
+windows of its own layers by what was measured, every later window that still holds its saved
+tensors by the bytes it frees, and nothing else. Summing those effects predicts any plan, and
+the planner optimizes over the same sums.
+
+A layer's sites do interact (a discarded norm output is also the MLP's input), so every
+combination of actions in a layer is measured, not each site alone. Recompute cost is the step
+time added when every layer of the kind runs the combination, per layer.
 """
 from __future__ import annotations
 
+import gc
 import itertools
-from dataclasses import dataclass
-from typing import Any
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from remat.apply import apply, find_sites
-from remat.config import ModelLayout, RecomputeConfig, check_model, check_plan
-from remat.memory.live import measure_saved
+from remat.config import (
+    DISCARD_MODULES,
+    ConfigError,
+    ModelLayout,
+    Problem,
+    RecomputeConfig,
+    check_model,
+    check_plan,
+)
+from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
+from remat.planner import Choice, PlanningProblem, Window
 from remat.plans import Plan
+from remat.sites import Site
 
 Combo = frozenset[tuple[str, str]]  # (label, action) pairs that differ from keep
+Offset = tuple[str, int]  # ("fwd" | "bwd", layer index relative to the first layer of a choice)
+MEASURED_GROUP_SIZES = (1, 2, 3)  # full-recompute group sizes measured; longer ones extrapolate
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """What a plan is predicted to leave alive after the forward pass, without running it."""
+class Effect:
+    """What running one layer one way (or a range of layers as one recompute group) changes
+    against keeping everything: bytes freed after the forward, extra peak bytes in the windows of
+    its own layers, step time added."""
 
-    saved_bytes: int
+    freed_bytes: int
+    window_bytes: dict[Offset, int]
+    added_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class LayerEffects:
-    """Bytes a layer frees under each combination of site actions, and under full recompute."""
+    combos: dict[Combo, Effect]  # one layer's site actions
+    groups: dict[int, Effect]  # full recompute of `size` layers ending at this layer's kind
+    input_bytes: int  # the layer's input, freed too when the layer sits inside a larger group
+    layer_time_s: float  # step time one layer's full recompute adds
 
-    freed: dict[Combo, int]
-    full_freed: int  # recomputing this layer alone as a group (its input kept)
-    input_bytes: int  # the layer's input, freed too when the layer is inside a larger group
+    def group(self, size: int) -> Effect:
+        """A group of `size` layers; beyond the measured sizes, windows extrapolate: forward
+        windows drop by one layer's saved bytes per position, backward ones stay level."""
+        largest = max(self.groups)
+        if size <= largest:
+            return self.groups[size]
+        m = self.groups[largest]
+        fwd_step = m.window_bytes[("fwd", largest - 1)] - m.window_bytes[("fwd", largest - 2)]
+        windows: dict[Offset, int] = {}
+        for q in range(size):
+            source = min(q, largest - 2) if q < size - 1 else largest - 1
+            windows[("bwd", q)] = m.window_bytes[("bwd", source)]
+            windows[("fwd", q)] = m.window_bytes[("fwd", source)] + (q - source) * fwd_step
+        freed = m.freed_bytes + (size - largest) * (self.groups[1].freed_bytes + self.input_bytes)
+        return Effect(freed, windows, size * self.layer_time_s)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted memory and time, without running it."""
+
+    saved_bytes: int  # allocated by the forward and still held when it returns
+    peak_bytes: int  # max allocated over the whole step
+    step_time_s: float
+    peak_window: str  # where the peak falls: "bwd7", "head", "optimizer", ...
 
 
 @dataclass(frozen=True)
 class Trace:
     layout: ModelLayout
-    baseline_saved_bytes: int  # no recompute
+    baseline_saved_bytes: int
+    base_step_time_s: float
+    windows: tuple[Window, ...]  # peaks of the no-recompute step, in step order
     layers: tuple[LayerEffects, ...]
+    max_group: int = 16  # longest full-recompute group the planner considers
+
+    def choice(self, start: int, end: int, actions: dict[str, str] | None) -> Choice:
+        """Layers [start, end) run one way: `actions` for one layer, None for a recompute group."""
+        if actions is None:
+            effect = self.layers[end - 1].group(end - start)
+        else:
+            effect = self.layers[start].combos[_combo(actions)]
+        windows = {f"{phase}{start + q}": b for (phase, q), b in effect.window_bytes.items()}
+        return Choice(start, end, None if actions is None else dict(actions), effect.freed_bytes,
+                      effect.added_time_s, windows)
+
+    def choices(self) -> list[Choice]:
+        """Every way to run every layer: each site combination, each recompute group."""
+        n = self.layout.num_layers
+        out = [self.choice(i, i + 1, dict(combo)) for i in range(n) for combo in self.layers[i].combos]
+        if self.layout.has_layer_sites:
+            out += [self.choice(s, e, None) for s in range(n)
+                    for e in range(s + 1, min(n, s + self.max_group) + 1)]
+        return out
+
+    def problem(self) -> PlanningProblem:
+        return PlanningProblem(self.layout.num_layers, self.choices(), self.windows)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
-        freed = 0
-        grouped: set[int] = set()
-        for start, end in resolved.full_recompute:
-            freed += sum(self.layers[i].full_freed for i in range(start, end))
-            freed += sum(self.layers[i].input_bytes for i in range(start + 1, end))
-            grouped.update(range(start, end))
-        for i, actions in enumerate(resolved.layers):
-            if i not in grouped:
-                freed += self.layers[i].freed[_combo(actions)]
-        return Prediction(self.baseline_saved_bytes - freed)
+        grouped = {i for s, e in resolved.full_recompute for i in range(s, e)}
+        chosen = [self.choice(s, e, None) for s, e in resolved.full_recompute]
+        chosen += [self.choice(i, i + 1, a) for i, a in enumerate(resolved.layers) if i not in grouped]
+        problem = PlanningProblem(self.layout.num_layers, chosen, self.windows)
+        peak, window = problem.peak_and_window(chosen)
+        return Prediction(self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen), peak,
+                          self.base_step_time_s + sum(c.added_time_s for c in chosen), window)
 
 
 def _combo(actions: dict[str, str]) -> Combo:
@@ -72,70 +145,237 @@ def _resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
     return plan
 
 
-def _signature(model: nn.Module, layer_index: int, layout: ModelLayout) -> tuple[Any, ...]:
-    """Layers with equal signatures free equal bytes: same site labels, same parameter shapes."""
-    site = find_sites(model).layers[layer_index] if layout.has_layer_sites else None
-    owner = _owner_module(model, site)
-    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in owner.named_parameters()) if owner else ()
-    return layout.labels[layer_index], shapes
-
-
-def _owner_module(model: nn.Module, site: nn.Module | None) -> nn.Module | None:
-    if site is None:
-        return None
-    for module in model.modules():
-        if any(child is site for child in module.children()):
-            return module
-    return None
-
-
-def _combos(labels: frozenset[str], has_layer_sites: bool) -> list[Combo]:
-    actions = ("keep", "recompute", "discard") if has_layer_sites else ("keep", "recompute")
+def _combos(labels: frozenset[str]) -> list[Combo]:
+    """Keep or recompute every label; discard too where Megatron discards outputs (layernorm...)."""
     ordered = sorted(labels)
-    return [_combo(dict(zip(ordered, choice))) for choice in itertools.product(actions, repeat=len(ordered))]
+    options = [("keep", "recompute", "discard") if label in DISCARD_MODULES else ("keep", "recompute")
+               for label in ordered]
+    return [_combo(dict(zip(ordered, choice))) for choice in itertools.product(*options)]
 
 
-def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> Trace:
-    """Measure, with forward passes on this batch, what every action frees in every layer.
+def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[Any, ...]:
+    """Layers with equal signatures behave alike: same site labels, same parameter shapes."""
+    owner = next(m for m in model.modules() if any(child is site for child in m.children()))
+    return labels, tuple((n, tuple(p.shape), p.dtype) for n, p in owner.named_parameters())
 
-    The model's plan is restored afterwards (to no recompute). Dropout draws the same masks in
-    every pass (fixed seed), so the passes differ only in what they keep.
-    """
-    layout = find_sites(model).layout
-    n = layout.num_layers
 
-    def saved(plan: Plan) -> int:
-        apply(model, plan)
-        torch.manual_seed(seed)
-        loss, memory = measure_saved(lambda: model(input_ids, labels))
+# ---- one instrumented step ------------------------------------------------------------------
+
+@dataclass
+class _Record:
+    saved_bytes: int = 0
+    peaks: dict[str, int] = field(default_factory=dict)
+
+
+class _Windows:
+    """Marks the windows of a step with hooks on the layer Sites and on the layers' activations."""
+
+    def __init__(self, meter: Meter, layer_sites: list[Site]) -> None:
+        self.meter, self.last = meter, len(layer_sites) - 1
+        self.record = _Record()
+        self.current = "pre"
+        self.backward = False  # once backward runs, forwards are recompute replays: not windows
+        self.handles = [h for i, site in enumerate(layer_sites) for h in (
+            site.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args[1])),
+            site.register_forward_hook(lambda m, args, out, i=i: self._exit(i, out)))]
+
+    def mark(self, name: str) -> None:
+        self.record.peaks[self.current] = max(self.record.peaks.get(self.current, 0), self.meter.take_peak())
+        self.current = name
+
+    def _on_grad(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.backward = True
+            self.mark(name)
+        return hook
+
+    def _enter(self, i: int, x: Any) -> None:
+        if self.backward:
+            return
+        self.mark(f"fwd{i}")
+        if isinstance(x, torch.Tensor) and x.requires_grad:  # its gradient ends layer i's backward
+            x.register_hook(self._on_grad(f"bwd{i - 1}" if i else "tail"))
+
+    def _exit(self, i: int, out: Any) -> None:
+        if self.backward or i != self.last:
+            return
+        self.mark("head")
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._on_grad(f"bwd{i}"))
+
+    def close(self) -> _Record:
+        for h in self.handles:
+            h.remove()
+        return self.record
+
+
+@dataclass
+class _Stepper:
+    """Runs the training step the trace measures, the way `remat bench` runs it: forward,
+    backward, then the optimizer step (its learning rate held at 0 so weights do not move)."""
+
+    model: nn.Module
+    batch: tuple[torch.Tensor, torch.Tensor]
+    optimizer: torch.optim.Optimizer | None
+    grads_persist: bool  # no optimizer, or several micro-batches: gradients exist at step start
+    seed: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.batch[0].device.type == "cuda"
+
+    def step(self, windows: _Windows | None = None, meter: Meter | None = None) -> None:
+        torch.manual_seed(self.seed)
+        before = meter.now() if meter else 0
+        loss = self.model(*self.batch)
+        if windows and meter:
+            gc.collect()
+            windows.record.saved_bytes = meter.now() - before
+        loss.backward()
         del loss
-        return memory.bytes
+        if windows:
+            windows.mark("optimizer")
+        if self.optimizer is not None:
+            self.optimizer.step()
+            if not self.grads_persist:
+                self.optimizer.zero_grad(set_to_none=True)
+        if windows:
+            windows.mark("end")
 
-    baseline = saved(Plan.none(n))
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i in range(n):
-        groups.setdefault(_signature(model, i, layout), []).append(i)
-    effects: dict[int, LayerEffects] = {}
-    for indices in groups.values():
-        # the last layer of the kind has a predecessor to measure a two-layer group with
-        measured = _measure_layer(saved, baseline, n, max(indices), layout)
-        effects.update((i, measured) for i in indices)
-    apply(model, None)
-    return Trace(layout, baseline, tuple(effects[i] for i in range(n)))
+    def measure(self, plan: Plan) -> _Record:
+        apply(self.model, plan)
+        if self.cuda:  # a warm-up step: compiled regions compile, lazily allocated state appears
+            self.step()
+            torch.cuda.synchronize()
+            meter: Any = CudaMeter(self.batch[0].device)
+            context: Any = nullcontext()
+        else:
+            meter = context = CpuMeter(held_tensors(self.model, self.optimizer))
+        sites = find_sites(self.model).layers
+        with context:
+            windows = _Windows(meter, sites)
+            meter.take_peak()
+            try:
+                self.step(windows, meter)
+            finally:
+                record = windows.close()
+        record.peaks.pop("end", None)
+        return record
+
+    def seconds(self, plan: Plan, repeats: int) -> float:
+        """Median step time under `plan` (CUDA events on GPU, wall clock on CPU)."""
+        apply(self.model, plan)
+        if self.cuda:
+            self.step()
+        times = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                self.step()
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
 
 
-def _measure_layer(saved: Any, baseline: int, n: int, i: int, layout: ModelLayout) -> LayerEffects:
-    freed = {}
-    for combo in _combos(layout.labels[i], layout.has_layer_sites):
+def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
+          optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
+          timing_repeats: int = 3, seed: int = 0,
+          progress: Callable[[str], None] | None = None) -> Trace:
+    """Measure, with training steps on this batch, what every action saves and costs in every layer.
+
+    The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
+    across steps, as `bench --no_optimizer` runs). The optimizer's learning rate is 0 while
+    tracing, so the weights do not change (its moments do). The model is left with no plan.
+    """
+    sites = find_sites(model)
+    layout = sites.layout
+    if not layout.has_layer_sites:
+        raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
+                                            "to tell one layer's memory from the next; add layer Sites")])
+    note = progress or (lambda message: None)
+    n = layout.num_layers
+    rates = [group["lr"] for group in optimizer.param_groups] if optimizer else []
+    for group in optimizer.param_groups if optimizer else []:
+        group["lr"] = 0.0
+    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
+    try:
+        stepper.step()  # the state a steady step starts from: gradients, optimizer moments
+        note("baseline")
+        base = stepper.measure(Plan.none(n))
+        base_time = stepper.seconds(Plan.none(n), timing_repeats)
+        kinds: dict[tuple[Any, ...], list[int]] = {}
+        for i in range(n):
+            kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
+        effects: dict[int, LayerEffects] = {}
+        for indices in kinds.values():
+            measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, note)
+            effects.update((i, measured) for i in indices)
+    finally:
+        apply(model, None)
+        for group, rate in zip(optimizer.param_groups if optimizer else [], rates):
+            group["lr"] = rate
+    windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
+    return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)))
+
+
+def _window_place(name: str, n: int) -> tuple[int | None, int]:
+    """(the layer whose forward or backward runs in the window, how many layers' saved tensors it holds)."""
+    for phase in ("fwd", "bwd"):
+        if name.startswith(phase):
+            layer = int(name[len(phase):])
+            return layer, layer
+    return None, n if name == "head" else 0
+
+
+def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: list[int],
+                  layout: ModelLayout, repeats: int, note: Callable[[str], None]) -> LayerEffects:
+    n, r = layout.num_layers, max(indices)  # the last layer of the kind has predecessors to group with
+
+    def effect(plan: Plan, start: int, end: int) -> Effect:
+        run = stepper.measure(plan)
+        windows = {(phase, j - start): run.peaks[f"{phase}{j}"] - base.peaks[f"{phase}{j}"]
+                   for j in range(start, end) for phase in ("fwd", "bwd")}
+        return Effect(base.saved_bytes - run.saved_bytes, windows)
+
+    def added_time(plan: Plan) -> float:  # every layer of the kind at once: a signal above the noise
+        return max(0.0, stepper.seconds(plan, repeats) - base_time) / len(indices)
+
+    combos: dict[Combo, Effect] = {}
+    for combo in _combos(layout.labels[r]):
+        note(f"layer {r}: " + (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep"))
         plan = Plan.none(n)
-        plan.layers[i] = dict(combo)
-        freed[combo] = baseline - saved(plan)
-    full_freed = input_bytes = 0
-    if layout.has_layer_sites:
-        def group_freed(start: int, end: int) -> int:
-            return baseline - saved(Plan(Plan.none(n).layers, [(start, end)]))
+        plan.layers[r] = dict(combo)
+        measured = effect(plan, r, r + 1)
+        if combo:
+            everywhere = Plan.none(n)
+            for i in indices:
+                everywhere.layers[i] = dict(combo)
+            measured = Effect(measured.freed_bytes, measured.window_bytes, added_time(everywhere))
+        combos[combo] = measured
+    note(f"layer {r}: full recompute")
+    layer_time = added_time(Plan(Plan.none(n).layers, [(i, i + 1) for i in indices]))
+    groups = {size: effect(Plan(Plan.none(n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1)
+              for size in MEASURED_GROUP_SIZES if size <= r + 1}
+    groups = {size: Effect(e.freed_bytes, e.window_bytes, size * layer_time) for size, e in groups.items()}
+    # one group over layers r-1 and r frees layer r's input as well
+    input_bytes = groups[2].freed_bytes - 2 * groups[1].freed_bytes if 2 in groups else 0
+    return LayerEffects(combos, groups, input_bytes, layer_time)
 
-        full_freed = group_freed(i, i + 1)
-        if i > 0:  # one group over layers i-1 and i frees layer i's input as well
-            input_bytes = group_freed(i - 1, i + 1) - full_freed - group_freed(i - 1, i)
-    return LayerEffects(freed, full_freed, input_bytes)
+
+def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
+    """(combination, bytes freed per layer, ms added per layer) for the first layer of each kind."""
+    seen: set[int] = set()
+    for effects in trace.layers:
+        if id(effects) in seen:
+            continue
+        seen.add(id(effects))
+        for combo, effect in effects.combos.items():
+            yield (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep", effect.freed_bytes,
+                   effect.added_time_s * 1e3)
+        yield "full recompute", effects.groups[1].freed_bytes, effects.layer_time_s * 1e3

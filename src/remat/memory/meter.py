@@ -1,0 +1,69 @@
+"""Meters: the bytes a device holds now and at its peak, with the peak reset at each mark.
+
+On CUDA the caching allocator's own counters (what `max_memory_allocated` reports); on CPU the
+storages ops create, counted by a dispatch mode, on top of the model's and optimizer's tensors.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Iterable, Protocol
+
+import torch
+
+from remat.memory.live import _Live, _NewStorages
+
+
+class Meter(Protocol):
+    def now(self) -> int: ...
+
+    def take_peak(self) -> int:
+        """The peak since the previous call (or the start); the next peak starts from now."""
+        ...
+
+
+class CudaMeter:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def take_peak(self) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+class CpuMeter(AbstractContextManager):
+    """Counts `static` tensors (weights, gradients, optimizer state that exist before) plus every
+    storage created while the meter is entered and still alive."""
+
+    def __init__(self, static: Iterable[torch.Tensor]) -> None:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in static}
+        self.static = sum(storages.values())
+        self.live = _Live()
+        self._mode = _NewStorages(self.live.created)
+
+    def __enter__(self) -> "CpuMeter":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def now(self) -> int:
+        return self.static + self.live.bytes
+
+    def take_peak(self) -> int:
+        peak = self.static + self.live.peak
+        self.live.peak = self.live.bytes
+        return peak
+
+
+def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """What a step starts with: parameters, existing gradients, optimizer state."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return tensors
