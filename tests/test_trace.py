@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import remat
 from remat.memory import peak_during
-from remat.memory.meter import held_tensors
+from remat.memory.meter import held_tensors, storage_bytes
 from remat.plans import Plan
 from remat.verify import run_step
 
@@ -43,9 +43,7 @@ def _measured_peak(model, batch, plan, optimizer=None) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in held_tensors(model, optimizer)}
-    return sum(held.values()) + peak_during(step)[1]
+    return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
 
 
 def _measured(model, batch, plan) -> int:

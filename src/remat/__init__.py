@@ -9,12 +9,13 @@ from remat.config import ConfigError, RecomputeConfig, RematWarning, TrainingFac
 from remat.engine import checkpoint
 from remat.memory import measure_saved
 from remat.memory.trace import Trace, trace
+from remat.planning import PlanResult, plan
 from remat.plans import Plan
 from remat.sites import Site
 from remat.verify import verify
 
 __all__ = [
     "ConfigError", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
-    "apply", "checkpoint", "find_sites", "measure_saved", "models", "trace", "verify",
+    "PlanResult", "apply", "checkpoint", "find_sites", "measure_saved", "models", "plan", "trace", "verify",
 ]
 __version__ = "0.1.0"

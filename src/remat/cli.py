@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import warnings
@@ -395,6 +396,105 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from remat.bench.run import progress_bar, run_bench, trace_spec
+    from remat.planning import parse_bytes, plan_from_trace
+
+    found = _Problems()
+    spec = found.run(_spec, args, field="model_recipe_name")
+    budget = found.run(parse_bytes, args.memory_budget, field="memory_budget")
+    found.raise_if_any()
+    with progress_bar(not args.no_progress) as bar:
+        task = bar.add_task("trace", total=None, loss="") if bar is not None else None
+        model, measured = trace_spec(
+            spec, progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
+    measured = dataclasses.replace(measured, max_group=args.max_group)
+    _console.print(_trace_table(measured))
+    result = plan_from_trace(measured, budget)
+    _console.print(_plan_table(result))
+    if result.config is not None:
+        keys = {k: v for k, v in result.config.to_megatron().items()
+                if k.startswith("recompute_") and v is not None}
+        _write_mapping(keys, args.output)
+        _console.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
+    else:
+        result.plan.save(args.output)
+    _console.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
+    record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(),
+                              "predicted": dataclasses.asdict(result.prediction)}
+    if args.verify:
+        with progress_bar(not args.no_progress) as bar:
+            bench = run_bench(spec, result.config or result.plan, model=model, name="plan", progress=bar)
+        _console.print(_verify_plan_table(result, bench, spec))
+        record["measured"] = bench.to_dict()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+def _write_mapping(keys: dict[str, Any], path: str) -> None:
+    import json
+
+    import yaml
+
+    with open(path, "w") as f:
+        f.write(json.dumps(keys, indent=1) if path.endswith(".json") else yaml.safe_dump(keys, sort_keys=False))
+
+
+def _trace_table(measured: Any) -> Any:
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+    from remat.memory.trace import describe
+
+    table = Table(title="what each action saves and costs, per layer")
+    for column in ("action", "frees", "adds"):
+        table.add_column(column, justify="left" if column == "action" else "right")
+    for what, freed, ms in describe(measured):
+        table.add_row(what, format_gib(freed), f"{ms:.2f} ms")
+    table.caption = f"no-recompute step: {measured.base_step_time_s * 1e3:.1f} ms"
+    return table
+
+
+def _plan_table(result: Any) -> Any:
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+
+    table = Table(title=f"fastest plan under {format_gib(result.budget_bytes)}")
+    for column in ("layers", "action", "frees / layer", "adds / layer"):
+        table.add_column(column, justify="right" if column.startswith(("frees", "adds")) else "left")
+    for layers, what, freed, seconds in result.explain():
+        table.add_row(layers, what, format_gib(freed), f"{seconds * 1e3:.2f} ms")
+    p = result.prediction
+    table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}), "
+                     f"step {p.step_time_s * 1e3:.1f} ms; every layer not listed keeps everything")
+    return table
+
+
+def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+
+    table = Table(title="predicted vs measured")
+    for column in ("", "predicted", "measured", "error"):
+        table.add_column(column, justify="right" if column else "left")
+    if bench.status != "ok":
+        table.add_row("peak allocated", format_gib(result.prediction.peak_bytes), "OOM", "")
+        return table
+    rows = [("peak allocated", result.prediction.peak_bytes, bench.peak_allocated_bytes, format_gib)]
+    if spec.micro_batches == 1:
+        rows.append(("step time", result.prediction.step_time_s, bench.step_time_s,
+                     lambda s: f"{s * 1e3:.1f} ms"))
+    for name, predicted, measured, fmt in rows:
+        table.add_row(name, fmt(predicted), fmt(measured), f"{(predicted - measured) / measured:+.1%}")
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Activation recompute for PyTorch transformer training.")
@@ -449,6 +549,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
     p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
     p.set_defaults(func=_cmd_sweep)
+    p = sub.add_parser("plan", help="choose the fastest recompute plan that fits a memory budget",
+                       description="Trace one training step per action on the recipe (what each site "
+                                   "saves and what recomputing it costs), then solve for the fastest "
+                                   "per-layer plan whose predicted peak allocated memory fits the budget. "
+                                   "Writes a Megatron config when one expresses the plan, else a plan file.")
+    _add_run_flags(p)
+    p.add_argument("--memory-budget", "--memory_budget", dest="memory_budget", required=True, metavar="SIZE",
+                   help="peak allocated memory to fit, like 60GiB, 80GB or 512MiB (a bare number is GiB)")
+    p.add_argument("-o", "--output", default="remat_plan.yaml", metavar="FILE",
+                   help="where to write the plan (.yaml or .json; default remat_plan.yaml)")
+    p.add_argument("--max_group", type=int, default=16, metavar="N",
+                   help="longest run of layers recomputed as one unit that the planner considers")
+    p.add_argument("--verify", action="store_true",
+                   help="bench the chosen plan and print predicted against measured")
+    p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
+    p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

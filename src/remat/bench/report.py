@@ -8,6 +8,7 @@ from rich.text import Text
 
 from remat.bench.golden import OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
 from remat.bench.result import BenchResult
+from remat.planner import format_bytes
 
 _GIB = 1 << 30
 _MISSING = "-"
@@ -24,9 +25,7 @@ _BREAKDOWN = (
 
 def format_gib(n_bytes: float | None) -> str:
     """GiB, or MiB below a tenth of a GiB (tiny CPU recipes)."""
-    if n_bytes is None:
-        return _MISSING
-    return f"{n_bytes / _GIB:.2f} GiB" if n_bytes >= _GIB / 10 else f"{n_bytes / 2**20:.2f} MiB"
+    return _MISSING if n_bytes is None else format_bytes(n_bytes)
 
 
 def _tflops(value: float | None) -> str:

@@ -24,6 +24,8 @@ from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.config import BenchSettings, RecomputeConfig, check_bench
 from remat.memory import peak_during
+from remat.memory.meter import held_tensors, storage_bytes
+from remat.memory.trace import Trace, trace
 from remat.models import LlamaModel, build
 from remat.plans import Plan, PlanLike
 
@@ -147,11 +149,18 @@ def _step(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.op
     return total, start, mid, clock.mark()
 
 
+def make_optimizer(model: nn.Module, spec: BenchSpec) -> torch.optim.Optimizer | None:
+    """AdamW as Megatron's recipes set it (fused on GPU), or None for forward+backward runs."""
+    if not spec.optimizer:
+        return None
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                             fused=spec.device.startswith("cuda"))
+
+
 def _train(model: nn.Module, spec: BenchSpec,
            on_step: Callable[[int, float], None]) -> tuple[_Steps, torch.optim.Optimizer | None]:
     data = MockData(spec, model.config.vocab_size, model.config.seq_length)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=spec.device.startswith("cuda")) if spec.optimizer else None
+    optimizer = make_optimizer(model, spec)
     clock, steps = _Clock(spec.device), _Steps()
     cuda = spec.device.startswith("cuda")
     for step in range(spec.max_steps):
@@ -166,8 +175,7 @@ def _train(model: nn.Module, spec: BenchSpec,
         steps.fwd_bwd.append(clock.seconds(start, mid))
         on_step(step, steps.losses[-1])
     if not cuda:  # no allocator statistics: one more step with every tensor counted
-        static = _tensor_bytes(model.parameters()) + _tensor_bytes(
-            p.grad for p in model.parameters() if p.grad is not None) + _optimizer_bytes(optimizer)
+        static = storage_bytes(held_tensors(model, optimizer))
         steps.cpu_peak = static + peak_during(lambda: _step(model, spec, data, optimizer, clock))[1]
     return steps, optimizer
 
@@ -263,6 +271,21 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
     del optimizer
     release_memory(model)
     return result
+
+
+def trace_spec(spec: BenchSpec, model: LlamaModel | None = None,
+               progress: Callable[[str], None] | None = None) -> tuple[LlamaModel, Trace]:
+    """Trace the step `run_bench` would run: same model, batch shape, optimizer, micro-batches."""
+    model = model or build_model(spec)
+    torch.manual_seed(spec.seed)
+    model.init_weights()
+    model.train()
+    batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
+    optimizer = make_optimizer(model, spec)
+    measured = trace(model, *batch, optimizer=optimizer, micro_batches=spec.micro_batches, progress=progress)
+    del optimizer, batch
+    release_memory(model)
+    return model, measured
 
 
 def release_memory(model: nn.Module) -> None:

@@ -40,8 +40,7 @@ class CpuMeter(AbstractContextManager):
     storage created while the meter is entered and still alive."""
 
     def __init__(self, static: Iterable[torch.Tensor]) -> None:
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in static}
-        self.static = sum(storages.values())
+        self.static = storage_bytes(static)
         self.live = _Live()
         self._mode = _NewStorages(self.live.created)
 
@@ -67,3 +66,9 @@ def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the unique storages behind `tensors`."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

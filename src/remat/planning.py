@@ -1,0 +1,107 @@
+"""remat.plan(): the fastest plan whose predicted peak fits a memory budget, explained.
+
+The trace measures; the solver chooses; this module joins them and says what it chose in
+Megatron's terms when it can (a uniform plan is a RecomputeConfig) and per layer otherwise.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning, TrainingFacts
+from remat.memory.trace import Prediction, Trace, trace
+from remat.planner import Choice, PlanningProblem, solve
+from remat.plans import Plan
+
+_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number is GiB."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError([Problem("memory_budget", f"cannot read {text!r} as a memory size; write "
+                                   "it like 60GiB, 80GB or 512MiB (a bare number means GiB)")])
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    budget_bytes: int
+    plan: Plan
+    config: RecomputeConfig | None  # the same plan as a Megatron config, when one expresses it
+    prediction: Prediction
+    choices: tuple[Choice, ...]
+
+    def explain(self) -> Iterator[tuple[str, str, int, float]]:
+        """(layers, action, bytes freed per layer, seconds added per layer) for runs of layers
+        doing the same; layers that keep everything are left out."""
+        rows: list[tuple[int, int, str, int, float]] = []
+        for c in self.choices:
+            if c.actions is None:
+                what = f"full recompute, group of {c.end - c.start}"
+            else:
+                what = ", ".join(f"{k}={v}" for k, v in sorted(c.actions.items()) if v != "keep")
+            if not what:
+                continue
+            per = c.end - c.start
+            if rows and rows[-1][2] == what and rows[-1][1] == c.start - 1:
+                rows[-1] = (rows[-1][0], c.end - 1, *rows[-1][2:])
+            else:
+                rows.append((c.start, c.end - 1, what, c.freed_bytes // per, c.added_time_s / per))
+        for first, last, what, freed, seconds in rows:
+            yield (str(first) if first == last else f"{first}-{last}", what, freed, seconds)
+
+
+def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
+    """The Megatron config that lowers to exactly `plan` on this model, if there is one."""
+    layout = trace_.layout
+    n = layout.num_layers
+    if plan == Plan.none(n):
+        return RecomputeConfig()
+    labels = sorted(frozenset().union(*layout.labels))
+    facts = TrainingFacts(num_layers=n)
+    candidates = [dict(recompute_granularity="selective",
+                       recompute_modules=[x for i, x in enumerate(labels) if mask >> i & 1])
+                  for mask in range(1, 2 ** len(labels))]
+    candidates += [dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
+                   for method in ("uniform", "block") for k in range(1, n + 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematWarning)
+        for keys in candidates:
+            config = RecomputeConfig(**keys, facts=facts)
+            if Plan.from_config(config, layout) == plan:
+                return config
+    return None
+
+
+def _frees_something(choice: Choice) -> bool:
+    return choice.freed_bytes > 0 or any(b < 0 for b in choice.window_bytes.values())
+
+
+def plan_from_trace(trace_: Trace, budget: int | str) -> PlanResult:
+    """Solve over a trace's measurements; NoPlanFits (a ConfigError) says by how much it misses."""
+    budget_bytes = parse_bytes(budget)
+    # a choice that frees nothing and lowers no window only costs time: never worth choosing
+    useful = [c for c in trace_.choices() if not c.actions or _frees_something(c)]
+    solution = solve(PlanningProblem(trace_.layout.num_layers, useful, trace_.windows), budget_bytes)
+    return PlanResult(budget_bytes, solution.plan, uniform_config(solution.plan, trace_),
+                      trace_.predict(solution.plan), solution.choices)
+
+
+def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.Tensor], *,
+         optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1) -> PlanResult:
+    """Trace `model` on `batch` (one step per action, see `remat.trace`) and return the fastest
+    plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB')."""
+    budget_bytes = parse_bytes(budget)
+    return plan_from_trace(trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches),
+                           budget_bytes)

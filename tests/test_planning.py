@@ -1,0 +1,132 @@
+"""remat.plan: budgets read, plans that fit (measured), Megatron configs when uniform, the CLI."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat.cli import main
+from remat.memory import peak_during
+from remat.memory.meter import held_tensors, storage_bytes
+from remat.config import ModelLayout
+from remat.memory.trace import Effect, LayerEffects, Trace
+from remat.planner import NoPlanFits, Window
+from remat.planning import parse_bytes, plan_from_trace, uniform_config
+from remat.plans import Plan, load_plan_or_config
+
+MiB, GiB = 2**20, 2**30
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("60GiB", 60 * GiB), ("60 GB", 60 * 10**9), ("512MiB", 512 * MiB), ("1.5", int(1.5 * GiB)),
+    (1234, 1234), ("2tib", 2 * 2**40)])
+def test_parse_bytes(text, expected) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "60XB", "-3GiB", "0", "1e3GB"])
+def test_parse_bytes_rejects_with_an_example(text) -> None:
+    with pytest.raises(remat.ConfigError, match="like 60GiB"):
+        parse_bytes(text)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=4, seq_length=32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    batch = ids[:, :-1], ids[:, 1:]
+    return model, batch, remat.trace(model, *batch, timing_repeats=1)
+
+
+def _measured_peak(model, batch, plan) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(model, plan)
+
+    def step() -> None:
+        torch.manual_seed(0)
+        model(*batch).backward()
+
+    return storage_bytes(held_tensors(model, None)) + peak_during(step)[1]
+
+
+def test_plans_fit_their_budget_when_run(traced) -> None:
+    model, batch, trace = traced
+    highest = trace.predict(None).peak_bytes
+    lowest = trace.predict(Plan(Plan.none(4).layers, [(0, 4)])).peak_bytes
+    for fraction in (1.0, 0.9, 0.8, 0.7):
+        budget = int(lowest + fraction * (highest - lowest))
+        result = plan_from_trace(trace, budget)
+        assert result.prediction.peak_bytes <= budget
+        assert _measured_peak(model, batch, result.config or result.plan) == result.prediction.peak_bytes
+    roomy = plan_from_trace(trace, "1GiB")
+    assert roomy.plan == Plan.none(4) and roomy.config == remat.RecomputeConfig()
+    assert list(roomy.explain()) == []
+
+
+def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
+    _, _, trace = traced
+    with pytest.raises(NoPlanFits, match="more, in window") as info:
+        plan_from_trace(trace, 1024)
+    assert info.value.lowest.peak_bytes > 1024
+
+
+def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
+    _, _, trace = traced
+    mlp = uniform_config(Plan([{"mlp": "recompute"}] * 4), trace)
+    assert mlp.recompute_granularity == "selective" and mlp.recompute_modules == ["mlp"]
+    ln = uniform_config(Plan([{"layernorm": "discard", "core_attn": "recompute"}] * 4), trace)
+    assert ln.recompute_modules == ["core_attn", "layernorm"]
+    full = uniform_config(Plan(Plan.none(4).layers, [(0, 2), (2, 4)]), trace)
+    assert (full.recompute_method, full.recompute_num_layers) == ("uniform", 2)
+    block = uniform_config(Plan(Plan.none(4).layers, [(0, 1)]), trace)
+    assert (block.recompute_method, block.recompute_num_layers) == ("block", 1)
+    assert uniform_config(Plan([{"mlp": "recompute"}, {}, {}, {}]), trace) is None
+
+
+def _synthetic(attn_freed: int) -> Trace:
+    """Two layers; core_attn recompute frees `attn_freed` and costs nothing; mlp frees 10 MiB at 1 ms."""
+    none = Effect(0, {("fwd", 0): 0, ("bwd", 0): 0})
+    combos = {frozenset(): none,
+              frozenset({("core_attn", "recompute")}): Effect(attn_freed, {}, 0.0),
+              frozenset({("mlp", "recompute")}): Effect(10 * MiB, {}, 0.001)}
+    effects = LayerEffects(combos, {1: Effect(20 * MiB, {}, 0.01), 2: Effect(40 * MiB, {}, 0.02)}, 0, 0.01)
+    windows = (Window("fwd0", 0, 0, 50 * MiB), Window("fwd1", 1, 1, 60 * MiB), Window("head", None, 2, 100 * MiB),
+               Window("bwd1", 1, 1, 90 * MiB), Window("bwd0", 0, 0, 70 * MiB))
+    return Trace(ModelLayout(labels=(frozenset({"core_attn", "mlp"}),) * 2, has_layer_sites=True), 0, 0.1,
+                 windows, (effects, effects))
+
+
+def test_a_site_that_frees_nothing_is_never_chosen() -> None:
+    result = plan_from_trace(_synthetic(0), 85 * MiB)
+    assert all("core_attn" not in a for a in result.plan.layers)
+    assert result.plan.layers == [{"mlp": "recompute"}, {"mlp": "recompute"}]
+    free = plan_from_trace(_synthetic(10 * MiB), 85 * MiB)  # the same saving for free is taken
+    assert free.plan.layers == [{"core_attn": "recompute"}, {"core_attn": "recompute"}]
+
+
+def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) -> None:
+    out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
+    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--no_progress", "--no_history",
+            "--memory-budget", "2.2MiB", "-o", str(out), "--verify", "--json", str(record), "-ms", "2",
+            "--warmup_steps", "1"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fastest plan under 2.20 MiB" in text and "predicted vs measured" in text
+    data = json.loads(record.read_text())
+    assert data["predicted"]["peak_bytes"] <= 2.2 * MiB
+    # bench also allocates each step's tokens and a loss total: a few hundred bytes more
+    assert data["measured"]["peak_allocated_bytes"] == pytest.approx(data["predicted"]["peak_bytes"], rel=1e-3)
+    loaded = load_plan_or_config(out)
+    assert loaded == (Plan.from_dict(data["plan"]) if isinstance(loaded, Plan) else loaded)
+    assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--config", str(out),
+                 "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
+
+
+def test_cli_plan_rejects_a_bad_budget_before_tracing(capsys) -> None:
+    assert main(["plan", "--memory-budget", "lots"]) == 1
+    assert "cannot read 'lots'" in capsys.readouterr().err
