@@ -45,8 +45,11 @@ PARETO_MODES = "none,mlp,mlp+core_attn,full,sac_mm,compile:0.5,compile:0.2"
 def _row(name: str, plan, prediction, result) -> dict:
     ok = result.status == "ok"
     measured = result.peak_allocated_bytes if ok else None
-    config = {k: v for k, v in plan.to_megatron().items() if k.startswith("recompute_") and v} if plan else {}
-    return dict(name=name, plan=plan.to_dict() if isinstance(plan, Plan) else config,
+    if isinstance(plan, Plan):
+        written = plan.to_dict()
+    else:
+        written = {k: v for k, v in plan.to_megatron().items() if k.startswith("recompute_") and v} if plan else {}
+    return dict(name=name, plan=written,
                 status=result.status, predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
                 measured_peak_gib=round(measured / GIB, 3) if ok else None,
                 peak_error=round((prediction.peak_bytes - measured) / measured, 4) if ok else None,
