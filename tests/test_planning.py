@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
 
 import remat
 from remat.cli import main
-from remat.memory import peak_during
-from remat.memory.meter import held_tensors, storage_bytes
 from remat.config import ModelLayout
 from remat.memory.trace import Effect, LayerEffects, Trace
 from remat.planner import NoPlanFits, Window
@@ -42,19 +39,7 @@ def traced():
     return model, batch, remat.trace(model, *batch, timing_repeats=1)
 
 
-def _measured_peak(model, batch, plan) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", remat.RematWarning)
-        remat.apply(model, plan)
-
-    def step() -> None:
-        torch.manual_seed(0)
-        model(*batch).backward()
-
-    return storage_bytes(held_tensors(model, None)) + peak_during(step)[1]
-
-
-def test_plans_fit_their_budget_when_run(traced) -> None:
+def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
     model, batch, trace = traced
     highest = trace.predict(None).peak_bytes
     lowest = trace.predict(Plan(Plan.none(4).layers, [(0, 4)])).peak_bytes
@@ -62,7 +47,7 @@ def test_plans_fit_their_budget_when_run(traced) -> None:
         budget = int(lowest + fraction * (highest - lowest))
         result = plan_from_trace(trace, budget)
         assert result.prediction.peak_bytes <= budget
-        assert _measured_peak(model, batch, result.config or result.plan) == result.prediction.peak_bytes
+        assert measured_peak(model, batch, result.config or result.plan) == result.prediction.peak_bytes
     roomy = plan_from_trace(trace, "1GiB")
     assert roomy.plan == Plan.none(4) and roomy.config == remat.RecomputeConfig()
     assert list(roomy.explain()) == []

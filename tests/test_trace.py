@@ -9,8 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remat
-from remat.memory import peak_during
-from remat.memory.meter import held_tensors, storage_bytes
 from remat.plans import Plan
 from remat.verify import run_step
 
@@ -28,22 +26,6 @@ def traced(request):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         return model, batch, remat.trace(model, *batch, timing_repeats=1)
-
-
-def _measured_peak(model, batch, plan, optimizer=None) -> int:
-    """The independent count: the step's peak of every storage, on top of what it starts with."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", remat.RematWarning)
-        remat.apply(model, plan)
-
-    def step() -> None:
-        torch.manual_seed(0)
-        model(*batch).backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
 
 
 def _measured(model, batch, plan) -> int:
@@ -81,14 +63,14 @@ def test_predicted_saved_bytes_equal_the_counted_ones_for_random_plans(traced, p
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
-def test_predicted_peak_equals_the_measured_peak_for_random_plans(traced, plan) -> None:
+def test_predicted_peak_equals_the_measured_peak_for_random_plans(traced, measured_peak, plan) -> None:
     model, batch, trace = traced
     prediction = trace.predict(plan)
-    assert prediction.peak_bytes == _measured_peak(model, batch, plan)
+    assert prediction.peak_bytes == measured_peak(model, batch, plan)
     assert prediction.step_time_s >= trace.base_step_time_s
 
 
-def test_peak_with_an_optimizer_step_is_predicted_exactly() -> None:
+def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None:
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=3, seq_length=8)
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
@@ -102,7 +84,7 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly() -> None:
         "pre", "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
     for plan in (None, Plan([{"mlp": "recompute"}, {"layernorm": "discard"}, {}]),
                  Plan([{}, {}, {}], [(0, 3)])):
-        assert trace.predict(plan).peak_bytes == _measured_peak(model, batch, plan, optimizer)
+        assert trace.predict(plan).peak_bytes == measured_peak(model, batch, plan, optimizer)
 
 
 def test_megatron_configs_predict_exactly_and_none_is_the_baseline(traced) -> None:

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from rich.console import Console
 
-from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning
 from remat.bench.golden import DEFAULT_THRESHOLD
+from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning
 from remat.plans import Plan, load_plan_or_config
 
 _console = Console(highlight=False, soft_wrap=True)

@@ -13,7 +13,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning, TrainingFacts
+from remat.config import (
+    ConfigError,
+    Problem,
+    RecomputeConfig,
+    RematWarning,
+    TrainingFacts,
+)
 from remat.memory.trace import Prediction, Trace, trace
 from remat.planner import Choice, PlanningProblem, solve
 from remat.plans import Plan

@@ -1,0 +1,33 @@
+"""Shared test helpers."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat.memory import peak_during
+from remat.memory.meter import held_tensors, storage_bytes
+
+
+def measure_peak(model, batch, plan, optimizer=None) -> int:
+    """The independent count of a step's peak: every storage alive at once, on top of the weights,
+    gradients and optimizer state the step starts with."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(model, plan)
+
+    def step() -> None:
+        torch.manual_seed(0)
+        model(*batch).backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
+
+
+@pytest.fixture
+def measured_peak():
+    return measure_peak
