@@ -84,6 +84,11 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def format_bytes(n: float) -> str:
+    """GiB, or MiB below a tenth of a GiB (tiny CPU models), for messages and tables."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
+
+
 def _one_of(choices: Iterable[str]) -> str:
     return ", ".join(repr(c) for c in choices)
 

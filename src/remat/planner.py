@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat.config import ConfigError, Problem
+from remat.config import ConfigError, Problem, format_bytes
 from remat.plans import Plan
 
 
@@ -90,10 +90,6 @@ class NoPlanFits(ConfigError):
             f"{lowest.peak_window}); raise the budget, or {advice}"))])
 
 
-def format_bytes(n: float) -> str:
-    """GiB, or MiB below a tenth of a GiB (tiny CPU models)."""
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
-
 
 def solve(problem: PlanningProblem, budget_bytes: int) -> Solution:
     """The plan with the least added time whose peak fits the budget; NoPlanFits otherwise."""
@@ -133,10 +129,10 @@ def _milp(problem: PlanningProblem, budget: int | None, minimize_memory: bool) -
     if result.x is None:
         return None
     chosen = tuple(c for c, x in zip(choices, result.x[:n]) if x > 0.5)
-    return solution(problem, chosen)
+    return _solution(problem, chosen)
 
 
-def solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
+def _solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
     plan = Plan.none(problem.num_layers)
     for c in sorted(chosen, key=lambda c: c.start):
         if c.actions is None:

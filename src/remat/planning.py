@@ -21,7 +21,7 @@ from remat.config import (
     TrainingFacts,
 )
 from remat.memory.trace import Prediction, Trace, trace
-from remat.planner import Choice, PlanningProblem, solve
+from remat.planner import Choice, solve
 from remat.plans import Plan
 
 _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -90,16 +90,10 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     return None
 
 
-def _frees_something(choice: Choice) -> bool:
-    return choice.freed_bytes > 0 or any(b < 0 for b in choice.window_bytes.values())
-
-
 def plan_from_trace(trace_: Trace, budget: int | str) -> PlanResult:
     """Solve over a trace's measurements; NoPlanFits (a ConfigError) says by how much it misses."""
     budget_bytes = parse_bytes(budget)
-    # a choice that frees nothing and lowers no window only costs time: never worth choosing
-    useful = [c for c in trace_.choices() if not c.actions or _frees_something(c)]
-    solution = solve(PlanningProblem(trace_.layout.num_layers, useful, trace_.windows), budget_bytes)
+    solution = solve(trace_.problem(), budget_bytes)
     return PlanResult(budget_bytes, solution.plan, uniform_config(solution.plan, trace_),
                       trace_.predict(solution.plan), solution.choices)
 

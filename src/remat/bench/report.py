@@ -8,9 +8,8 @@ from rich.text import Text
 
 from remat.bench.golden import OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
 from remat.bench.result import BenchResult
-from remat.planner import format_bytes
+from remat.config import format_bytes
 
-_GIB = 1 << 30
 _MISSING = "-"
 _STATUS_STYLES = {"ok": "green", "oom": "bold red"}
 _VERDICT_STYLES = {OK: "green", REGRESSION: "bold red", UNEXPECTED_IMPROVEMENT: "yellow"}

@@ -118,7 +118,10 @@ class Trace:
         return out
 
     def problem(self) -> PlanningProblem:
-        return PlanningProblem(self.layout.num_layers, self.choices(), self.windows)
+        """What the planner solves: every choice worth making (one that frees nothing and lowers
+        no window only costs time, so it is never offered), over this step's windows."""
+        useful = [c for c in self.choices() if not c.actions or _frees_something(c)]
+        return PlanningProblem(self.layout.num_layers, useful, self.windows)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
@@ -129,6 +132,10 @@ class Trace:
         peak, window = problem.peak_and_window(chosen)
         return Prediction(self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen), peak,
                           self.base_step_time_s + sum(c.added_time_s for c in chosen), window)
+
+
+def _frees_something(choice: Choice) -> bool:
+    return choice.freed_bytes > 0 or any(b < 0 for b in choice.window_bytes.values())
 
 
 def _combo(actions: dict[str, str]) -> Combo:
