@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.engine import DiscardScope, Region, checkpoint
@@ -289,3 +290,21 @@ def test_double_backward_through_a_region_matches_eager(mechanism: str) -> None:
 
     for a, b in zip(second_order(False), second_order(True)):
         assert torch.equal(a, b)
+
+
+class _TanhAsSin(TorchFunctionMode):
+    """A torch-function mode that changes what a call computes (as remat estimate's kernels do)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {})) if func is not torch.tanh else torch.sin(*args)
+
+
+def test_replay_runs_under_the_torch_function_modes_of_the_forward() -> None:
+    """Autograd runs backward without function modes; a replay restores them, or it would take
+    another path (here: tanh, which saves its output, for sin, which saves its input)."""
+    w, _ = _weights()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with _TanhAsSin():
+        checkpoint(lambda t: torch.tanh(t @ w), x).sum().backward()
+        expected = torch.autograd.grad(torch.sin(x @ w).sum(), x)[0]
+    assert torch.equal(x.grad, expected)

@@ -187,7 +187,7 @@ class Region:
                     call.state.restore_rng()
                     args = tuple(self._restore(a, outputs) for a in call.args)
                     kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}
-                    with call.state.autocast_context(), saved_tensors_hooks(pack, _never_unpacked):
+                    with call.state.replay_context(), saved_tensors_hooks(pack, _never_unpacked):
                         outputs = _flatten(call.fn(*args, **kwargs))
             except _ReplayDone:
                 pass
@@ -292,8 +292,8 @@ class DiscardScope:
         out = region.call(fn, args, kwargs)
         region.close()
         for index, tensor in enumerate(_flatten(out)):
-            if tensor.untyped_storage().data_ptr() == 0:
-                continue  # empty storage: nothing to free, and its key is not unique
+            if tensor.untyped_storage().nbytes() == 0:
+                continue  # empty storage: nothing to free
             self._registered[storage_key(tensor)] = _Registered(region, index, tensor, tensor._version)
         return out
 
@@ -316,6 +316,9 @@ class DiscardScope:
         return out.as_strided(packed.size, packed.stride, out.storage_offset() + packed.offset)
 
 
-def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    """Identifies a tensor's storage (views of one storage share the key) while it is alive."""
-    return (t.device, t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage (views of one storage share the key) while it is alive.
+
+    The storage object's own address, not its data pointer: meta tensors (shape-only traces)
+    and empty storages all have data pointer 0."""
+    return t.untyped_storage()._cdata

@@ -1,4 +1,5 @@
-"""Capture and restore the state a recompute must replay exactly: RNG streams and autocast."""
+"""Capture and restore the state a recompute must replay exactly: RNG streams, autocast and
+torch-function modes (autograd runs backward, hence the replay, without them)."""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 
 def _cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -17,11 +19,13 @@ def _cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 @dataclass(frozen=True)
 class ReplayState:
-    """CPU and CUDA generator states plus the autocast settings in force when a call ran."""
+    """CPU and CUDA generator states, autocast settings and torch-function modes in force when a
+    call ran."""
 
     cpu_rng: torch.Tensor
     cuda_rng: tuple[tuple[int, torch.Tensor], ...]
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    function_modes: tuple[TorchFunctionMode, ...] = ()
 
     @classmethod
     def capture(cls, tensors: Iterable[torch.Tensor]) -> "ReplayState":
@@ -31,7 +35,7 @@ class ReplayState:
         autocast = tuple(
             (k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds
         )
-        return cls(torch.get_rng_state(), cuda_rng, autocast)
+        return cls(torch.get_rng_state(), cuda_rng, autocast, tuple(_get_current_function_mode_stack()))
 
     @property
     def devices(self) -> list[int]:
@@ -43,10 +47,13 @@ class ReplayState:
             torch.cuda.set_rng_state(state, device)
 
     @contextlib.contextmanager
-    def autocast_context(self) -> Iterator[None]:
+    def replay_context(self) -> Iterator[None]:
+        """Autocast and function modes as the forward had them."""
         with contextlib.ExitStack() as stack:
             for kind, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            for mode in self.function_modes:
+                stack.enter_context(mode)
             yield
 
 

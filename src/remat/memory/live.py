@@ -30,7 +30,7 @@ class _NewStorages(TorchDispatchMode):
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             # an output sharing an input's storage (a view, an in-place op) allocated nothing
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and storage_key(t) not in inputs:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
                 storage = t.untyped_storage()
                 if storage not in self.seen:
                     self.seen.add(storage)

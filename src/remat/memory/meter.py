@@ -10,6 +10,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from remat.engine import storage_key
 from remat.memory.live import _Live, _NewStorages
 
 
@@ -70,5 +71,5 @@ def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the unique storages behind `tensors`."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
