@@ -248,3 +248,35 @@ def test_compiled_regions_compose_with_recompute_bit_identically() -> None:
             report = verify(model, config, ids[:, :-1], ids[:, 1:])
         assert report.bit_identical
     assert torch.allclose(report.baseline.loss, eager.loss, rtol=1e-5)
+
+
+def test_pipeline_stages_chained_equal_the_whole_model() -> None:
+    """Megatron's pre_process/post_process stages: embedding first, final norm and head last."""
+    torch.manual_seed(0)
+    whole = build("llama3_tiny", dtype=torch.float64, num_layers=4)
+    config = recipe_config("llama3_tiny", num_layers=2)
+    first = LlamaModel(config, dtype=torch.float64, post_process=False)
+    last = LlamaModel(config, dtype=torch.float64, pre_process=False)
+    assert first.output_layer is None and first.decoder.final_layernorm is None and last.embedding is None
+    state = whole.state_dict()
+    first.load_state_dict({k: v for k, v in state.items() if not k.startswith(("output_layer", "decoder.final"))
+                           and not k.startswith(("decoder.layers.2", "decoder.layers.3"))})
+    last.load_state_dict({k.replace("layers.2", "layers.0").replace("layers.3", "layers.1"): v
+                          for k, v in state.items() if not k.startswith("embedding")
+                          and not k.startswith(("decoder.layers.0", "decoder.layers.1"))})
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    hidden = first(ids, ids)
+    assert hidden.shape == (2, 16, config.hidden_size)
+    assert torch.equal(last(hidden, ids), whole(ids, ids))
+
+
+def test_kv_channels_sets_the_head_dim_apart_from_the_hidden_size() -> None:
+    """A tensor-parallel shard: fewer heads of the same head dim."""
+    model = build("llama3_tiny", dtype=torch.float64, num_attention_heads=2, num_query_groups=1, kv_channels=16)
+    attention = model.decoder.layers[0].self_attention
+    assert attention.linear_qkv.weight.shape == ((2 + 2) * 16, 64)
+    assert attention.linear_proj.weight.shape == (64, 2 * 16)
+    ids = torch.randint(0, 512, (2, 8))
+    model(ids, ids).backward()
+    with pytest.raises(ValueError, match="kv_channels"):
+        recipe_config("llama3_tiny", kv_channels=0)

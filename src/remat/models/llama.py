@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models.loss import chunked_linear_cross_entropy
+from remat.models.loss import ChunkFn, chunk_loss_in_place, chunked_linear_cross_entropy, compiled_chunk_loss
 from remat.sites import Site
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
@@ -37,6 +37,9 @@ class LlamaConfig:
     init_method_std: float = 0.02
     # Tokens per chunk of the loss head: a chunk's fp32 logits take loss_chunk_size x vocab x 4 B.
     loss_chunk_size: int = 4096
+    # Head dim; None: hidden_size / num_attention_heads. A tensor-parallel shard keeps the head
+    # dim with fewer heads, so its attention width differs from hidden_size.
+    kv_channels: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -55,7 +58,10 @@ class LlamaConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (isinstance(self.kv_channels, bool) or not isinstance(
+                self.kv_channels, int) or self.kv_channels < 1):
+            raise ValueError(f"kv_channels must be a positive integer or None, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}); change one so that the head dim is an integer"
@@ -67,13 +73,18 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"head dim hidden_size / num_attention_heads = {self.head_dim} must be even for "
-                f"rotary embeddings; change hidden_size or num_attention_heads"
+                f"head dim {self.head_dim} must be even for rotary embeddings; change kv_channels, "
+                f"or hidden_size or num_attention_heads"
             )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the merged attention heads: linear_proj's input."""
+        return self.num_attention_heads * self.head_dim
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -173,7 +184,7 @@ class SelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=False, **_factory(dtype, device))
-        self.linear_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False,
+        self.linear_proj = nn.Linear(config.attention_width, config.hidden_size, bias=False,
                                      **_factory(dtype, device))
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
@@ -264,17 +275,17 @@ class TransformerBlock(nn.Module):
     """The decoder stack: ``layers`` then ``final_layernorm``."""
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, final_layernorm: bool = True) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
             TransformerLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
         )
-        self.final_layernorm = _rms_norm(config, dtype, device)
+        self.final_layernorm = _rms_norm(config, dtype, device) if final_layernorm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.final_layernorm(x)
+        return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
 class LlamaModel(nn.Module):
@@ -283,23 +294,30 @@ class LlamaModel(nn.Module):
     Parameters are initialized from the global torch seed; on ``device="meta"`` nothing is
     allocated: after ``to_empty(device=...)`` call ``init_weights()`` to fill parameters and the
     RoPE tables, which gives the same values as building on that device directly.
+
+    As in Megatron, a pipeline stage other than the first has no embedding (``pre_process=False``:
+    forward takes the previous stage's hidden states) and one other than the last no final norm
+    and loss head (``post_process=False``: forward returns hidden states).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, pre_process: bool = True,
+                 post_process: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
         # Resolves None through any active `with torch.device(...)` context.
         target = torch.empty(0, device=device).device
         # Built on meta, then allocated and filled once by init_weights(): torch's default inits
         # would cost time on big models and consume RNG that a meta-then-to_empty build does not.
         meta = torch.device("meta")
-        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size, **_factory(dtype, meta))
+        self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size, **_factory(dtype, meta))
+                          if pre_process else None)
         self.rotary_pos_emb = RotaryEmbedding(config, dtype=dtype, device=meta)
-        self.decoder = TransformerBlock(config, dtype=dtype, device=meta)
-        self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                      **_factory(dtype, meta))
-        self.compiled_loss = False  # set by compile_regions
+        self.decoder = TransformerBlock(config, dtype=dtype, device=meta, final_layernorm=post_process)
+        self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                       **_factory(dtype, meta)) if post_process else None)
+        self.loss_chunk_fn: ChunkFn = chunk_loss_in_place  # compile_regions compiles it
         self.to_empty(device=target)
         self.init_weights()
 
@@ -314,30 +332,40 @@ class LlamaModel(nn.Module):
         self.rotary_pos_emb.reset_buffers()
 
     def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy over labels != -100; input_ids, labels [b, s], labels already shifted."""
+        """Mean cross-entropy over labels != -100; input_ids, labels [b, s], labels already shifted.
+
+        Without pre_process `input_ids` is the previous stage's hidden states [b, s, h]; without
+        post_process the result is this stage's hidden states, and labels are unused."""
         cos, sin = self.rotary_pos_emb(input_ids.shape[1])
-        x = F.dropout(self.embedding(input_ids), self.config.hidden_dropout, self.training)
+        x = input_ids
+        if self.embedding is not None:
+            x = F.dropout(self.embedding(input_ids), self.config.hidden_dropout, self.training)
         x = self.decoder(x, cos, sin)
+        if self.output_layer is None:
+            return x
         return chunked_linear_cross_entropy(
             x.reshape(-1, x.shape[-1]), self.output_layer.weight, labels.reshape(-1),
-            self.config.loss_chunk_size, compiled=self.compiled_loss,
+            self.config.loss_chunk_size, chunk_fn=self.loss_chunk_fn,
         )
 
-    def compile_regions(self) -> None:
+    def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
         the head merge, the SwiGLU activation) and the loss head's per-chunk softmax; one compiled
         copy of each serves every layer.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
+        `backend` is torch.compile's; on meta tensors remat's estimate uses
+        "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
         compiled_qkv, compiled_merge, compiled_act = (
-            torch.compile(project_qkv), torch.compile(merge_heads), torch.compile(silu_mul))
+            torch.compile(project_qkv, backend=backend), torch.compile(merge_heads, backend=backend),
+            torch.compile(silu_mul, backend=backend))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.silu_mul = compiled_act
-        self.compiled_loss = True
+        self.loss_chunk_fn = compiled_chunk_loss(backend)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -48,8 +48,8 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
 
 
 @functools.cache
-def compiled_chunk_loss() -> ChunkFn:
-    return torch.compile(chunk_loss_fusable)
+def compiled_chunk_loss(backend: str = "inductor") -> ChunkFn:
+    return torch.compile(chunk_loss_fusable, backend=backend)
 
 
 def _loss_and_grads(
@@ -126,15 +126,15 @@ def _scaled(grad: Tensor | None, grad_output: Tensor) -> Tensor | None:
 
 def chunked_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, ignore_index: int = -100,
-    *, compiled: bool = False,
+    *, chunk_fn: ChunkFn = chunk_loss_in_place,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` (mean), in chunks.
 
     hidden [N, h], weight [V, h], labels [N] (int64). At most ``chunk_size`` x V logits exist at a
     time; gradients are computed in the forward pass only for inputs that require grad.
-    `compiled` fuses each chunk's softmax and gradient with torch.compile (fewer memory passes).
+    `chunk_fn` computes a chunk's loss and logit gradients: in place (eager), or
+    `compiled_chunk_loss()`, which fuses them into a few passes over the logits.
     """
-    chunk_fn = compiled_chunk_loss() if compiled else chunk_loss_in_place
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"need hidden [N, h] and weight [V, h] with the same h; got {tuple(hidden.shape)} "
