@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from remat.apply import apply, find_sites
 from remat.config import (
@@ -226,6 +227,7 @@ class _Stepper:
     optimizer: torch.optim.Optimizer | None
     grads_persist: bool  # no optimizer, or several micro-batches: gradients exist at step start
     seed: int
+    flops_per_s: float | None = None  # the rate that times a step on the meta device
 
     @property
     def cuda(self) -> bool:
@@ -234,12 +236,13 @@ class _Stepper:
     def step(self, windows: _Windows | None = None, meter: Meter | None = None) -> None:
         torch.manual_seed(self.seed)
         before = meter.now() if meter else 0
-        loss = self.model(*self.batch)
+        out = self.model(*self.batch)
         if windows and meter:
             gc.collect()
             windows.record.saved_bytes = meter.now() - before
-        loss.backward()
-        del loss
+        # a pipeline stage before the last returns hidden states: the next stage sends their gradient
+        out.backward(None if out.dim() == 0 else torch.ones_like(out))
+        del out
         if windows:
             windows.mark("optimizer")
         if self.optimizer is not None:
@@ -270,8 +273,15 @@ class _Stepper:
         return record
 
     def seconds(self, plan: Plan, repeats: int) -> float:
-        """Median step time under `plan` (CUDA events on GPU, wall clock on CPU)."""
+        """Median step time under `plan` (CUDA events on GPU, wall clock on CPU); on the meta
+        device, where nothing runs, the step's counted FLOPs at `flops_per_s`."""
         apply(self.model, plan)
+        if self.batch[0].device.type == "meta":
+            if self.flops_per_s is None:
+                raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
+            with FlopCounterMode(display=False) as counter:
+                self.step()
+            return counter.get_total_flops() / self.flops_per_s
         if self.cuda:
             self.step()
         times = []
@@ -292,13 +302,15 @@ class _Stepper:
 
 def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
           optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
-          timing_repeats: int = 3, seed: int = 0,
+          timing_repeats: int = 3, seed: int = 0, flops_per_s: float | None = None,
           progress: Callable[[str], None] | None = None) -> Trace:
     """Measure, with training steps on this batch, what every action saves and costs in every layer.
 
     The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
     across steps, as `bench --no_optimizer` runs). The optimizer's learning rate is 0 while
     tracing, so the weights do not change (its moments do). The model is left with no plan.
+    On the meta device (shapes only) memory is counted by storage and time is FLOPs / flops_per_s.
+    A model that returns hidden states rather than a loss (a pipeline stage) gets their gradient.
     """
     sites = find_sites(model)
     layout = sites.layout
@@ -310,7 +322,10 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     rates = [group["lr"] for group in optimizer.param_groups] if optimizer else []
     for group in optimizer.param_groups if optimizer else []:
         group["lr"] = 0.0
-    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
+    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
+                       flops_per_s)
+    gc.collect()
+    gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
         stepper.step()  # the state a steady step starts from: gradients, optimizer moments
         note("baseline")
@@ -324,6 +339,7 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
             measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, note)
             effects.update((i, measured) for i in indices)
     finally:
+        gc.unfreeze()
         apply(model, None)
         for group, rate in zip(optimizer.param_groups if optimizer else [], rates):
             group["lr"] = rate
