@@ -12,6 +12,7 @@ from rich.console import Console
 
 from remat.bench.golden import DEFAULT_THRESHOLD
 from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning
+from remat.estimating import DEFAULT_TFLOPS
 from remat.plans import Plan, load_plan_or_config
 
 _console = Console(highlight=False, soft_wrap=True)
@@ -165,28 +166,34 @@ def _verify_table(report: Any, args: argparse.Namespace) -> Any:
     return table
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Model, batch and run flags of Megatron Bridge's performance scripts."""
+def _add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Model and batch flags of Megatron Bridge's performance scripts."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
     g.add_argument("-m", "--model_family_name", default="llama", choices=["llama"])
     g.add_argument("-mr", "--model_recipe_name", default="llama3_tiny", metavar="RECIPE",
                    help="see `remat recipes` (default llama3_tiny, which runs on CPU)")
-    g.add_argument("--task", default="pretrain", help="pretrain or sft (labels of the first quarter masked)")
-    g.add_argument("-g", "--gpu", help="GPU label, checked against the device (h100, h200, b200, ...)")
-    g.add_argument("-c", "--compute_dtype", default="bf16", help="bf16 (fp8 variants not supported yet)")
     g.add_argument("-ng", "--num_gpus", type=int, default=1)
     g.add_argument("-sl", "--seq_length", type=int, metavar="N")
     g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
     g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
     g.add_argument("--num_layers", type=int, metavar="N")
     g.add_argument("--hidden_size", type=int, metavar="N")
-    g.add_argument("-ms", "--max_steps", type=int, default=10, metavar="N")
-    g.add_argument("--warmup_steps", type=int, default=3, metavar="N")
-    g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model's regions between Sites (QKV+RoPE, SwiGLU, loss softmax)")
     g.add_argument("--no_optimizer", action="store_true",
                    help="forward+backward only, gradients accumulating, as the torch anchor measures")
+    return g
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Model, batch and run flags of Megatron Bridge's performance scripts."""
+    g = _add_model_flags(p)
+    g.add_argument("--task", default="pretrain", help="pretrain or sft (labels of the first quarter masked)")
+    g.add_argument("-g", "--gpu", help="GPU label, checked against the device (h100, h200, b200, ...)")
+    g.add_argument("-c", "--compute_dtype", default="bf16", help="bf16 (fp8 variants not supported yet)")
+    g.add_argument("-ms", "--max_steps", type=int, default=10, metavar="N")
+    g.add_argument("--warmup_steps", type=int, default=3, metavar="N")
+    g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
                                                    "~/.cache/remat/history.sqlite)")
@@ -263,7 +270,7 @@ def _flag_facts(args: argparse.Namespace) -> Any:
         tensor_model_parallel_size=args.tensor_model_parallel_size or 1,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size or 1,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size or 1,
+        context_parallel_size=args.context_parallel_size or 1, sequence_parallel=bool(args.sequence_parallel),
         cuda_graph_impl=args.cuda_graph_impl or "none", cuda_graph_scope=scope)
 
 
@@ -435,6 +442,94 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
+    """The spec and the configs of an estimate command line, every problem reported together."""
+    from remat.apply import apply, find_sites
+    from remat.bench import plan_name
+    from remat.bench.presets import megatron_presets, parse_entry
+    from remat.config import batch_split_problems
+    from remat.estimating import EstimateSpec
+
+    found = _Problems()
+    keys = found.run(_model_facts, args, field="model_recipe_name")
+    flags = found.run(resolve_config, args, keys) if keys is not None else None
+    found.raise_if_any()
+    facts = flags.facts if isinstance(flags, RecomputeConfig) else _flag_facts(args)
+    model = _meta_model(args)
+    plans: list[tuple[str, Any]] = []
+    if args.configs:
+        layout = find_sites(model).layout
+        parallel = {k: v for k, v in dataclasses.asdict(facts).items()
+                    if k.endswith("_size") or k == "sequence_parallel"}
+        entries = (megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
+                   if args.configs == ["presets"] else args.configs)
+        for entry in entries:
+            parsed = found.run(parse_entry, entry, {**keys, **parallel}, prefix=f"{entry}: ")
+            if parsed is not None and found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
+                plans.append(parsed)
+    elif found.run(apply, model, flags) is not None:
+        plans.append((plan_name(flags), flags))
+    found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
+    found.raise_if_any()
+    data_parallel = args.num_gpus // (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
+                                      * facts.context_parallel_size)
+    micro_batches = (args.global_batch_size // (args.micro_batch_size * data_parallel)
+                     if args.global_batch_size else facts.pipeline_model_parallel_size)
+    spec = found.run(lambda: EstimateSpec(
+        args.model_recipe_name, _overrides(args), facts, args.micro_batch_size, micro_batches,
+        optimizer=not args.no_optimizer, target=args.target, compile=args.compile, tflops=args.tflops))
+    found.raise_if_any()
+    return spec, plans
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from remat.bench.run import progress_bar
+    from remat.estimating import estimate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        spec, plans = _check_estimate(args)
+        with progress_bar(not args.no_progress) as bar:
+            task = bar.add_task("trace on meta", total=None, loss="") if bar is not None else None
+            results = estimate(spec, plans, progress=(
+                lambda what: bar.update(task, loss=what) if bar is not None else None))
+    _print_warnings(caught)
+    _console.print(_estimate_table(spec, results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=1)
+    return 0
+
+
+def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+
+    f = spec.facts
+    title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if f.sequence_parallel else ''}, "
+             f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
+             f"cp {f.context_parallel_size}, micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
+    table = Table(title=f"estimated peak memory per GPU, {title}")
+    columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",
+               "other", "peak", "peak in", "step")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("config", "peak in") else "right")
+    for result in results:
+        for s in result.stages:
+            first = s.stage == 0
+            table.add_row(result.name if first else "", str(s.stage), str(s.layers), f"{s.in_flight:g}",
+                          *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
+                                                    s.other, s.peak)),
+                          s.peak_window, f"{result.step_time_s * 1e3:.4g} ms" if first else "")
+    table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); other: the "
+                     f"peak window's working memory; step: counted FLOPs at {spec.tflops:g} TFLOP/s, "
+                     f"{spec.target} kernels{', compiled regions' if spec.compile else ''}")
+    return table
+
+
 def _write_mapping(keys: dict[str, Any], path: str) -> None:
     import json
 
@@ -565,6 +660,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench the chosen plan and print predicted against measured")
     p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
     p.set_defaults(func=_cmd_plan)
+    p = sub.add_parser("estimate", help="predict peak memory per GPU and pipeline stage from shapes alone",
+                       description="Trace one training step per action of one rank's shard of the recipe "
+                                   "on the meta device (shapes only: no GPU, seconds on a CPU), with the "
+                                   "tensor, sequence, context and pipeline parallel sizes given, then "
+                                   "predict each config's peak allocated memory per pipeline stage, by "
+                                   "component, and its step time.")
+    _add_model_flags(p)
+    _add_recompute_flags(p)
+    p.add_argument("--configs", nargs="+", metavar="ENTRY",
+                   help="estimate these instead of the flags' config: none, mlp+core_attn, full_uniform_1, "
+                        "full_block_K, a config or plan file, or `presets` for Megatron's usual ones")
+    p.add_argument("--target", choices=["cuda", "cpu"], default="cuda",
+                   help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
+    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",
+                   help=f"sustained TFLOP/s per GPU that times a step (default {DEFAULT_TFLOPS:g})")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
+    p.set_defaults(func=_cmd_estimate)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

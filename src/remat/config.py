@@ -1165,6 +1165,42 @@ def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
                                          " --cuda_graph_scope")
 
 
+def parallel_shape_problems(facts: TrainingFacts, *, num_attention_heads: int, num_query_groups: int,
+                            ffn_hidden_size: int, seq_length: int) -> Iterator[Problem]:
+    """What a model's shapes need to split across tensor- and context-parallel ranks."""
+    tp, cp = facts.tensor_model_parallel_size, facts.context_parallel_size
+    for name, size in (("num_attention_heads", num_attention_heads), ("num_query_groups", num_query_groups),
+                       ("ffn_hidden_size", ffn_hidden_size)):
+        if tp >= 1 and size % tp:
+            yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
+                                                        f" ranks; use a tensor-parallel size that divides it")
+    # causal load balancing gives each context-parallel rank two chunks of the sequence
+    chunks = 2 * cp if cp > 1 else 1
+    if cp >= 1 and seq_length % chunks:
+        yield Problem("context_parallel_size", f"seq_length={seq_length} does not split into {chunks} chunks"
+                                               f" for {cp} context-parallel ranks; use a sequence length that"
+                                               f" is a multiple of {chunks}")
+    elif facts.sequence_parallel and tp > 1 and cp >= 1 and (seq_length // cp) % tp:
+        yield Problem("sequence_parallel", f"each rank's {seq_length // cp} tokens do not split over {tp}"
+                                           f" tensor-parallel ranks; use a sequence length that is a multiple"
+                                           f" of {tp * cp}, or turn sequence parallelism off")
+
+
+def batch_split_problems(facts: TrainingFacts, num_gpus: int, micro_batch_size: int,
+                         global_batch_size: int | None) -> Iterator[Problem]:
+    """GPUs = data parallel x tp x pp x cp, and the global batch = micro-batches x mb x data parallel."""
+    model_parallel = (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
+                      * facts.context_parallel_size)
+    if num_gpus < 1 or model_parallel < 1 or num_gpus % model_parallel:
+        yield Problem("num_gpus", f"{num_gpus} GPUs do not split into data-parallel groups of tp x pp x cp ="
+                                  f" {model_parallel}; use a multiple of {model_parallel}")
+    elif global_batch_size is not None and micro_batch_size >= 1:
+        per_step = micro_batch_size * (num_gpus // model_parallel)
+        if global_batch_size < per_step or global_batch_size % per_step:
+            yield Problem("global_batch_size", f"{global_batch_size} is not a multiple of micro-batch x data"
+                                               f" parallel = {per_step}; use a multiple of it")
+
+
 def threshold_problems(threshold: float) -> Iterator[Problem]:
     if not threshold >= 0:
         yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"

@@ -1,0 +1,161 @@
+"""remat estimate: shapes-only predictions on the meta device, against the trace and the layouts
+of tensor, sequence, context and pipeline parallelism."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat.cli import main
+from remat.config import ConfigError, RecomputeConfig, TrainingFacts, batch_split_problems, parallel_shape_problems
+from remat.estimating import EstimateSpec, estimate, in_flight
+from remat.plans import Plan
+
+SHAPE = dict(num_layers=4, seq_length=32)
+SMALL = dict(num_layers=2, seq_length=32)  # where a trace per case is enough
+MB = 2
+LAYER_INPUT = MB * SHAPE["seq_length"] * 64 * 4  # [b, s, h] fp32
+FULL = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+PLANS = [
+    ("none", None),
+    ("mlp", RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])),
+    ("layernorm", RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm"])),
+    ("full_uniform_2", RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
+                                       recompute_num_layers=2)),
+    ("mixed", Plan([{"mlp": "recompute"}, {"layernorm": "discard", "core_attn": "recompute"}, {}, {}],
+                   [(2, 4)])),
+]
+
+
+def _spec(**kw) -> EstimateSpec:
+    base = dict(recipe="llama3_tiny", overrides=dict(SMALL), micro_batch_size=MB, optimizer=False,
+                dtype=torch.float32, target="cpu")
+    return EstimateSpec(**{**base, **kw})
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_estimate_agrees_exactly_with_the_trace_of_a_cpu_model(backend) -> None:
+    """The same step on meta tensors (shapes only) and on real CPU tensors: equal bytes for every plan."""
+    overrides = {**SHAPE, "attention_backend": backend, "hidden_dropout": 0.1}
+    estimates = _quiet(estimate, _spec(overrides=overrides), PLANS)  # 4 layers: the mixed plan
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float32, **overrides)
+    ids = torch.randint(0, model.config.vocab_size, (MB, SHAPE["seq_length"] + 1))
+    # contiguous labels, as the bench's data gives (a strided view would be copied by the loss)
+    traced = _quiet(remat.trace, model, ids[:, :-1], ids[:, 1:].contiguous(), timing_repeats=1)
+    for (name, plan), est in zip(PLANS, estimates):
+        predicted = _quiet(traced.predict, plan)
+        (stage,) = est.stages
+        assert (stage.activations, stage.peak, stage.peak_window) == (
+            predicted.saved_bytes, predicted.peak_bytes, predicted.peak_window), name
+
+
+def test_optimizer_state_and_weights_are_those_of_adamw() -> None:
+    (est,) = _quiet(estimate, _spec(optimizer=True, micro_batches=2))
+    model = remat.models.build("llama3_tiny", dtype=torch.float32, **SMALL)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    (stage,) = est.stages
+    assert (stage.weights, stage.grads, stage.optimizer_state) == (weights, weights, 2 * weights)
+
+
+def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_flight() -> None:
+    (whole,) = _quiet(estimate, _spec(optimizer=True))
+    facts = TrainingFacts(pipeline_model_parallel_size=2)
+    (split,) = _quiet(estimate, _spec(optimizer=True, facts=facts, micro_batches=4), [("full", FULL)])
+    first, last = split.stages
+    assert first.weights + last.weights == whole.stages[0].weights  # embedding first, head last
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    # full recompute of single layers keeps each layer's input, for each micro-batch in flight
+    assert first.activations == 2 * LAYER_INPUT
+
+
+@pytest.mark.parametrize("sp, cp, kept", [(False, 1, 1.0), (True, 1, 0.5), (True, 2, 0.25)])
+def test_sequence_and_context_parallel_shard_the_kept_layer_inputs(sp, cp, kept) -> None:
+    facts = TrainingFacts(tensor_model_parallel_size=2, sequence_parallel=sp, context_parallel_size=cp,
+                          pipeline_model_parallel_size=2)
+    (est,) = _quiet(estimate, _spec(facts=facts, micro_batches=1), [("full", FULL)])
+    assert est.stages[0].activations == kept * LAYER_INPUT  # the first stage's one layer
+
+
+def test_tensor_parallel_divides_the_layer_weights() -> None:
+    (one,) = _quiet(estimate, _spec())
+    (two,) = _quiet(estimate, _spec(facts=TrainingFacts(tensor_model_parallel_size=2)))
+    model = remat.models.build("llama3_tiny", dtype=torch.float32, **SMALL)
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "layernorm" in n)
+    vocab = model.config.vocab_size  # 512: already a multiple of 128 x 2, so no padding
+    assert vocab % 256 == 0
+    assert two.stages[0].weights == (one.stages[0].weights - norms) // 2 + norms
+
+
+@pytest.mark.parametrize("pp, vpp, stage, micro_batches, expected", [
+    (4, None, 0, 8, 4), (4, None, 3, 8, 1), (4, None, 0, 2, 2),
+    # Megatron's interleaved warm-up: (pp - rank - 1) * 2 + (vpp - 1) * pp chunks, plus one
+    (4, 2, 0, 8, (3 * 2 + 4 + 1) / 2), (4, 2, 3, 8, (0 + 4 + 1) / 2), (2, 2, 0, 1, 1)])
+def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, stage, micro_batches, expected) -> None:
+    facts = TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    assert in_flight(stage, facts, micro_batches) == expected
+
+
+def test_step_time_counts_the_recompute_flops() -> None:
+    none, full = _quiet(estimate, _spec(tflops=1.0), [("none", None), ("full", FULL)])
+    assert full.step_time_s > none.step_time_s > 0
+
+
+@pytest.mark.parametrize("facts, shapes, field", [
+    (TrainingFacts(tensor_model_parallel_size=3), {}, "tensor_model_parallel_size"),
+    (TrainingFacts(context_parallel_size=3), {}, "context_parallel_size"),
+    (TrainingFacts(tensor_model_parallel_size=3, sequence_parallel=True),
+     {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96}, "sequence_parallel"),
+])
+def test_parallel_shape_rules_fail_and_pass(facts, shapes, field) -> None:
+    model = dict(num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160, seq_length=32)
+    assert {p.field for p in parallel_shape_problems(facts, **{**model, **shapes})} == {field}
+    assert not list(parallel_shape_problems(TrainingFacts(tensor_model_parallel_size=2), **model))
+
+
+def test_batch_split_rules_fail_and_pass() -> None:
+    facts = TrainingFacts(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert [p.field for p in batch_split_problems(facts, 6, 1, None)] == ["num_gpus"]
+    assert [p.field for p in batch_split_problems(facts, 8, 2, 6)] == ["global_batch_size"]
+    assert not list(batch_split_problems(facts, 8, 2, 8))
+
+
+def test_a_spec_reports_every_problem_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        _spec(target="tpu", tflops=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
+    fields = {p.field for p in err.value.problems}
+    assert {"target", "tflops", "num_layers"} <= fields
+
+
+def test_a_plan_range_across_a_stage_boundary_is_refused() -> None:
+    facts = TrainingFacts(pipeline_model_parallel_size=2)
+    plan = Plan([{}] * 2, [(0, 2)])
+    with pytest.raises(ConfigError, match="cross the boundary"):
+        _quiet(estimate, _spec(facts=facts), [("plan", plan)])
+
+
+def test_cli_estimates_presets_per_stage_as_json(tmp_path, capsys) -> None:
+    out = tmp_path / "estimate.json"
+    code = main(["estimate", "--num_layers", "2", "-sl", "32", "-mb", "2", "-pp", "2", "-ng", "2", "-gb", "8",
+                 "--configs", "none", "full_uniform_1", "--target", "cpu", "--no_progress", "--json", str(out)])
+    assert code == 0
+    assert "estimated peak memory per GPU" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [d["name"] for d in data] == ["none", "full_uniform_1"]
+    assert [len(d["stages"]) for d in data] == [2, 2]
+    assert data[1]["peak_bytes"] < data[0]["peak_bytes"]
+    assert data[0]["stages"][0]["in_flight"] == 2  # 4 micro-batches of 2 on one data-parallel rank
+
+
+def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
+    assert main(["estimate", "-tp", "3", "-ng", "3", "--no_progress"]) == 1
+    assert "tensor_model_parallel_size" in capsys.readouterr().err
