@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from torch import nn
+from torch import Tensor, nn
 
 from remat.config import LAYER, ModelLayout, RecomputeConfig, check_model, check_plan
 from remat.engine import (
@@ -74,7 +75,8 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     else:
         check_plan(plan.layers, plan.full_recompute, layout)
         resolved = plan
-    offloader = Offloader(resolved.min_offloaded_tensor_size) if resolved.offloads() else None
+    offloader = (Offloader(resolved.min_offloaded_tensor_size, resident=_module_tensors(weakref.ref(model)))
+                 if resolved.offloads() else None)
     _install(sites, resolved, offloader)
     if offloader is None:
         _offloaders.pop(model, None)
@@ -90,6 +92,17 @@ _offloaders: weakref.WeakKeyDictionary[nn.Module, Offloader] = weakref.WeakKeyDi
 def offloader_of(model: nn.Module) -> Offloader | None:
     """The offloader `apply` installed on `model` (None when its plan offloads nothing)."""
     return _offloaders.get(model)
+
+
+def _module_tensors(model: weakref.ref[nn.Module]) -> Callable[[], Iterator[Tensor]]:
+    """A model's parameters and buffers, for the offloader to keep on the device (weakly held:
+    the model owns the offloader, not the other way round)."""
+
+    def tensors() -> Iterator[Tensor]:
+        module = model()
+        return itertools.chain(module.parameters(), module.buffers()) if module is not None else iter(())
+
+    return tensors
 
 
 def _install(sites: SiteMap, plan: Plan, offloader: Offloader | None) -> None:

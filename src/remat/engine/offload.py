@@ -9,7 +9,8 @@ Only events order the streams: nothing synchronizes the compute stream.
 
 Views are offloaded by storage: a storage saved several times (a tensor saved twice, q, k and v
 sliced from one fused output) is copied once, and each saved view is rebuilt with its own size,
-stride and offset. Small storages, parameters and leaves that require grad stay on the device.
+stride and offset. Small storages, parameters, leaves that require grad and the `resident`
+tensors (a model's buffers) stay on the device: copying them would free nothing.
 
 Without CUDA the same code runs with plain CPU copies and no streams, so every rule above can be
 tested on a CPU.
@@ -21,7 +22,7 @@ import threading
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -191,16 +192,25 @@ def _owned_by_module(t: torch.Tensor) -> bool:
     return isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
 class Offloader:
     """Moves saved tensors to host memory inside its groups; one per model, reused across steps.
 
     `min_numel`: storages with fewer elements (of the saved tensor's dtype) stay on the device.
     `device_type`: where offloaded tensors live, "cuda" (pinned host buffers, side streams) or
     "cpu" (plain copies into pooled CPU buffers: the same logic, for tests).
+    `resident`: tensors that live on anyway (a model's parameters and buffers), asked for again
+    at each new group, since a model may replace its buffers.
     """
 
-    def __init__(self, min_numel: int, device_type: str | None = None) -> None:
+    def __init__(self, min_numel: int, device_type: str | None = None,
+                 resident: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         self.min_numel = min_numel
+        self._resident = resident
+        self._resident_keys: set[tuple[torch.device, int]] = set()
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pool = HostPool(pinned=self.device_type == "cuda")
         self._streams: dict[torch.device, _Streams] = {}
@@ -217,6 +227,8 @@ class Offloader:
         """Make this the active offloader; groups entered in a row with one key are one group."""
         if self._group is None or self._group.key != key or self._group.backward_started:
             self._group = _Group(key, self._group)
+            if self._resident is not None:
+                self._resident_keys = {_storage_key(t) for t in self._resident()}
         stack = _local.__dict__.setdefault("offloaders", [])
         stack.append(self)
         try:
@@ -228,8 +240,8 @@ class Offloader:
         """Whether `t` goes to host: a large enough dense tensor that no module owns."""
         if t.device.type != self.device_type or t.layout != torch.strided or _owned_by_module(t):
             return False
-        if type(t) is not torch.Tensor:  # fake, functional and other subclasses stay
-            return False
+        if type(t) is not torch.Tensor or _storage_key(t) in self._resident_keys:
+            return False  # fake, functional and other subclasses stay too
         nbytes = t.untyped_storage().nbytes()
         if nbytes == 0 or nbytes % t.element_size():
             return False
@@ -240,7 +252,7 @@ class Offloader:
         if self._group is None or not self.offloads(t):
             return None
         storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
+        key = _storage_key(t)
         copy = self._by_storage.get(key)
         if copy is None or copy.storage() is not storage or copy.version != t._version:
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
