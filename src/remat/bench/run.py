@@ -22,7 +22,7 @@ from torch import nn
 from remat.apply import apply, offloader_of
 from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
-from remat.config import BenchSettings, RecomputeConfig, check_bench
+from remat.config import BenchSettings, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.memory.trace import Trace, trace
