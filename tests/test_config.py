@@ -87,8 +87,6 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
      "cpu_offloading_num_layers", "0 or more"),
     ("rule_cpu_offload_not_with_pipeline", {"cpu_offloading": True, "pipeline_model_parallel_size": 2},
      "cpu_offloading", "pipeline parallelism"),
-    ("rule_cpu_offload_not_with_recompute", {"cpu_offloading": True, **sel("core_attn")},
-     "cpu_offloading", "cannot be combined with recompute"),
     ("rule_cpu_offload_graphs", {"cpu_offloading": True, "cuda_graph_impl": "local"},
      "cpu_offloading", "per-layer CUDA graphs"),
     ("rule_moe_act_needs_grouped_gemm", sel("moe_act"), "recompute_modules", "moe_grouped_gemm=True"),
@@ -128,6 +126,13 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
                                                   "offload_modules": ["moe_act"]},
      "offload_modules", "nothing to offload"),
     ("rule_min_offload_size", {"min_offloaded_tensor_size": -1}, "min_offloaded_tensor_size", "0 or more"),
+    ("rule_offloaded_site_not_recomputed", {**sel("core_attn"), "fine_grained_activation_offloading": True,
+                                            "offload_modules": ["core_attn"]}, "offload_modules", "also recomputed"),
+    ("rule_norm_offload_together", {"fine_grained_activation_offloading": True, "offload_modules": ["attn_norm"]},
+     "offload_modules", "offloads 'mlp_norm' too"),
+    ("rule_fine_grained_not_with_uniform_full", {**FULL, "fine_grained_activation_offloading": True,
+                                                 "offload_modules": ["core_attn"]},
+     "fine_grained_activation_offloading", "nothing per module to offload"),
     ("rule_positive_sizes", {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size", "1 or more"),
     ("rule_positive_sizes", {"pipeline_model_parallel_size": -1}, "pipeline_model_parallel_size", "1 or more"),
     ("rule_positive_sizes", {"context_parallel_size": 0}, "context_parallel_size", "1 or more"),
@@ -170,7 +175,6 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_full_recompute_graph_scope", {**FULL, "cuda_graph_impl": "full_iteration"}),
     ("rule_cpu_offload_layer_count", {"cpu_offloading": True, "cpu_offloading_num_layers": 3, "num_layers": 4}),
     ("rule_cpu_offload_not_with_pipeline", {"cpu_offloading": True, "tensor_model_parallel_size": 2}),
-    ("rule_cpu_offload_not_with_recompute", {"cpu_offloading": True}),
     ("rule_cpu_offload_graphs", {"cpu_offloading": True, "cuda_graph_impl": "full_iteration"}),
     ("rule_moe_act_needs_grouped_gemm", {**sel("moe_act"), "moe_grouped_gemm": True}),
     ("rule_mla_up_proj_needs_mla", {**sel("mla_up_proj"), "multi_latent_attention": True}),
@@ -185,7 +189,7 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_ep_overlap_limits", {**sel("moe_act"), "moe_grouped_gemm": True, "overlap_moe_expert_parallel_comm": True}),
     ("rule_fine_grained_not_with_cpu_offload", {"fine_grained_activation_offloading": True,
                                                 "offload_modules": ["core_attn"]}),
-    ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True, "offload_modules": "mlp_norm"}),
+    ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True, "offload_modules": "core_attn"}),
     ("rule_known_offload_modules", {"fine_grained_activation_offloading": True,
                                     "offload_modules": list(config.OFFLOAD_MODULES)}),
     ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
@@ -193,6 +197,13 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
                                                   "offload_modules": ["core_attn"]}),
     ("rule_min_offload_size", {"min_offloaded_tensor_size": 0}),
+    ("rule_offloaded_site_not_recomputed", {**sel("layernorm"), "fine_grained_activation_offloading": True,
+                                            "offload_modules": ["core_attn"]}),
+    ("rule_norm_offload_together", {"fine_grained_activation_offloading": True,
+                                    "offload_modules": ["attn_norm", "mlp_norm"]}),
+    ("rule_fine_grained_not_with_uniform_full", {**FULL, "recompute_method": "block",
+                                                 "fine_grained_activation_offloading": True,
+                                                 "offload_modules": ["core_attn"]}),
     ("rule_positive_sizes", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                              "virtual_pipeline_model_parallel_size": 2, "context_parallel_size": 2, "num_layers": 4}),
     ("rule_virtual_pipeline_needs_pipeline", {"pipeline_model_parallel_size": 2,
@@ -310,7 +321,7 @@ def test_facts_must_be_training_facts() -> None:
 
 
 def test_all_problems_reported_at_once() -> None:
-    problems = problems_of({"recompute_granularity": "full", "cpu_offloading": True,
+    problems = problems_of({"recompute_granularity": "full", "cpu_offloading": True, "pipeline_model_parallel_size": 2,
                             "tensor_model_parallel_size": 0, "offload_modules": ["bogus"], "bogus_key": 1})
     fields = {p.field for p in problems}
     assert {"recompute_method", "recompute_num_layers", "cpu_offloading", "tensor_model_parallel_size",
@@ -495,6 +506,10 @@ def test_check_model_accepts() -> None:
         check_model(RecomputeConfig.from_megatron({**FULL, "recompute_num_layers": 2,
                                                    "pipeline_model_parallel_size": 2, "num_layers": 4}), LAYOUT)
         check_model(RecomputeConfig(), ModelLayout(labels=(), has_layer_sites=False))
+        check_model(RecomputeConfig.from_megatron({**FULL, "cpu_offloading": True, "cpu_offloading_num_layers": 3}),
+                    LAYOUT)
+        check_model(RecomputeConfig.from_megatron({**sel("mlp"), "fine_grained_activation_offloading": True,
+                                                   "offload_modules": ["attn_norm", "core_attn", "mlp_norm"]}), LAYOUT)
 
 
 @pytest.mark.parametrize("d, layout, field, phrase", [
@@ -504,9 +519,14 @@ def test_check_model_accepts() -> None:
      "recompute_num_layers", "between 1 and 2"),
     ({"num_layers": 8}, LAYOUT, "num_layers", "the model has 4 layers"),
     ({"pipeline_model_parallel_size": 3}, LAYOUT, "num_layers", "split evenly"),
-    ({"cpu_offloading": True}, LAYOUT, "cpu_offloading", "offload is not available yet"),
-    ({"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}, LAYOUT,
-     "fine_grained_activation_offloading", "offload is not available yet"),
+    ({"cpu_offloading": True, "cpu_offloading_num_layers": 4}, LAYOUT, "cpu_offloading_num_layers",
+     "not fewer than the model's 4 layers"),
+    ({"cpu_offloading": True, "cpu_offloading_num_layers": 1}, ModelLayout(labels=(DENSE,) * 4, has_layer_sites=False),
+     "cpu_offloading", "no 'layer' sites"),
+    ({"fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "qkv_linear"]}, LAYOUT,
+     "offload_modules", "'qkv_linear' matches no site in this model (it can offload: attn_norm, core_attn, mlp_norm)"),
+    ({"fine_grained_activation_offloading": True, "offload_modules": ["moe_act"], "moe_grouped_gemm": True}, LAYOUT,
+     "offload_modules", "'moe_act' matches no site"),
 ])
 def test_check_model_rejects(d: dict[str, Any], layout: ModelLayout, field: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -539,6 +559,8 @@ def plan_problems(layers: list[Any], full: list[Any], layout: ModelLayout = LAYO
 def test_check_plan_accepts() -> None:
     layers = [KEEP, KEEP, {"mlp": "recompute", "layernorm": "discard"}, {"core_attn": "recompute"}]
     check_plan(layers, [(0, 1), [1, 2]], LAYOUT)
+    offloads = [{"layer": "offload"}, {"layer": "keep"}, {"layer": "offload", "mlp": "recompute"}, {"core_attn": "offload"}]
+    check_plan(offloads, [(0, 2)], LAYOUT)
     check_plan([{"mlp": "recompute"}] * 2, [], ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False))
 
 
@@ -559,6 +581,9 @@ def test_check_plan_accepts() -> None:
     ([KEEP] * 4, ["ab"], "full_recompute[0]", "[start, end) pair"),
     ([KEEP] * 4, [(True, 2)], "full_recompute[0]", "[start, end) pair"),
     ([KEEP, {"mlp": "recompute"}, KEEP, KEEP], [(0, 2)], "layers[1].mlp", "inside full_recompute[0] [0, 2)"),
+    ([KEEP, {"mlp": "offload"}, KEEP, KEEP], [(0, 2)], "layers[1].mlp", "inside full_recompute[0] [0, 2)"),
+    ([KEEP, {"layer": "offload"}, KEEP, KEEP], [(0, 2)], "layers[1].layer", "set layers[0].layer"),
+    ([KEEP, {"layer": "recompute"}, KEEP, KEEP], [], "layers[1].layer", "full_recompute ranges"),
 ])
 def test_check_plan_rejects(layers: list[Any], full: list[Any], field: str, phrase: str) -> None:
     assert has(plan_problems(layers, full), field, phrase)
@@ -566,7 +591,8 @@ def test_check_plan_rejects(layers: list[Any], full: list[Any], field: str, phra
 
 def test_check_plan_without_layer_sites() -> None:
     layout = ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False)
-    problems = plan_problems([{"layernorm": "discard"}, KEEP], [(0, 1)], layout)
+    problems = plan_problems([{"layernorm": "discard", "layer": "offload"}, KEEP], [(0, 1)], layout)
+    assert has(problems, "layers[0].layer", "no 'layer' sites")
     assert has(problems, "full_recompute", "no 'layer' sites")
     assert has(problems, "layers[0].layernorm", "needs the enclosing 'layer' site")
 

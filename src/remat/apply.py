@@ -1,13 +1,23 @@
 """apply(model, plan): find a model's Sites, check the plan against them, install the actions."""
 from __future__ import annotations
 
+import contextlib
+import itertools
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from torch import nn
+from torch import Tensor, nn
 
 from remat.config import LAYER, ModelLayout, RecomputeConfig, check_model, check_plan
-from remat.engine import DiscardScope, Region, checkpoint, current_scope
+from remat.engine import (
+    DiscardScope,
+    Offloader,
+    Region,
+    checkpoint,
+    current_scope,
+    offloading,
+)
 from remat.plans import Plan
 from remat.sites import Site
 
@@ -65,16 +75,43 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     else:
         check_plan(plan.layers, plan.full_recompute, layout)
         resolved = plan
-    _install(sites, resolved)
+    offloader = (Offloader(resolved.min_offloaded_tensor_size, resident=_module_tensors(weakref.ref(model)))
+                 if resolved.offloads() else None)
+    _install(sites, resolved, offloader)
+    if offloader is None:
+        _offloaders.pop(model, None)
+    else:
+        _offloaders[model] = offloader
     return resolved
 
 
-def _install(sites: SiteMap, plan: Plan) -> None:
+# The offloader of each model whose plan offloads, for its byte counters.
+_offloaders: weakref.WeakKeyDictionary[nn.Module, Offloader] = weakref.WeakKeyDictionary()
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    """The offloader `apply` installed on `model` (None when its plan offloads nothing)."""
+    return _offloaders.get(model)
+
+
+def _module_tensors(model: weakref.ref[nn.Module]) -> Callable[[], Iterator[Tensor]]:
+    """A model's parameters and buffers, for the offloader to keep on the device (weakly held:
+    the model owns the offloader, not the other way round)."""
+
+    def tensors() -> Iterator[Tensor]:
+        module = model()
+        return itertools.chain(module.parameters(), module.buffers()) if module is not None else iter(())
+
+    return tensors
+
+
+def _install(sites: SiteMap, plan: Plan, offloader: Offloader | None) -> None:
     for site in [*sites.layers, *(s for group in sites.inner for s in group)]:
         site.action = None
     grouped: set[int] = set()
     for start, end in plan.full_recompute:
-        group = _LayerGroup(end - start)
+        offload = _Offload(offloader, start) if plan.layers[start].get(LAYER) == "offload" else None
+        group = _LayerGroup(end - start, offload)
         for position, i in enumerate(range(start, end)):
             sites.layers[i].action = _GroupMember(group, position)
             grouped.add(i)
@@ -82,10 +119,13 @@ def _install(sites: SiteMap, plan: Plan) -> None:
         if i in grouped:
             continue
         actions = plan.layers[i]
+        offload = _Offload(offloader, i) if offloader is not None else None
         for site in group_sites:
-            site.action = _ACTIONS[actions.get(site.label, "keep")]
-        if sites.layers and "discard" in actions.values():
-            sites.layers[i].action = _discard_scope
+            action = actions.get(site.label, "keep")
+            site.action = offload if action == "offload" else _ACTIONS[action]
+        layer_offload = offload if actions.get(LAYER) == "offload" else None
+        if sites.layers and ("discard" in actions.values() or layer_offload is not None):
+            sites.layers[i].action = _LayerScope("discard" in actions.values(), layer_offload)
 
 
 def _recompute(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -100,21 +140,49 @@ def _discard(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> A
     return scope.discard(fn, args, kwargs)
 
 
-def _discard_scope(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    with DiscardScope():
-        return fn(*args, **kwargs)
-
-
 _ACTIONS: dict[str, Callable[..., Any] | None] = {
     "keep": None, "recompute": _recompute, "discard": _discard,
 }
 
 
-class _LayerGroup:
-    """Consecutive layers recomputed as one unit: one Region spans their calls."""
+@dataclass(frozen=True)
+class _Offload:
+    """What the call saves goes to host, in the offload group of layer `key`."""
 
-    def __init__(self, size: int) -> None:
+    offloader: Offloader
+    key: int
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        return offloading(self.offloader, self.key)
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with self.context():
+            return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _LayerScope:
+    """A layer Site's action: the discard scope its discarding sites need, and/or its offload."""
+
+    discard: bool
+    offload: _Offload | None
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with contextlib.ExitStack() as stack:
+            if self.discard:
+                stack.enter_context(DiscardScope())
+            if self.offload is not None:  # inside the scope: discarded outputs stay references
+                stack.enter_context(self.offload.context())
+            return fn(*args, **kwargs)
+
+
+class _LayerGroup:
+    """Consecutive layers recomputed as one unit: one Region spans their calls; with `offload`,
+    what the region keeps (the first layer's input) goes to host."""
+
+    def __init__(self, size: int, offload: _Offload | None) -> None:
         self.size = size
+        self.offload = offload
         self.region: Region | None = None
         self.next = 0
 
@@ -132,7 +200,8 @@ class _GroupMember:
             raise RuntimeError("the layers of a full-recompute group were called out of order; "
                                "full recompute needs layers called once each, first to last")
         try:
-            out = group.region.call(fn, args, kwargs)
+            with group.offload.context() if group.offload is not None else contextlib.nullcontext():
+                out = group.region.call(fn, args, kwargs)
         except BaseException:
             group.region = None  # an aborted forward (e.g. OOM) must not keep the group's tensors
             raise

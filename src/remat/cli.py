@@ -35,7 +35,10 @@ def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
                         "and, unless --recompute_method says otherwise, the block method")
     g.add_argument("--recompute_method", choices=["uniform", "block"])
     g.add_argument("-ol", "--activation_offload_layers", type=int, metavar="N",
-                   help="offload the activations of N layers to host memory (cpu_offloading)")
+                   help="offload what the first N layers save to host memory (cpu_offloading); with "
+                        "full recompute, the inputs its groups keep")
+    g.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
+                   help="tensors of fewer elements stay on the GPU (default 1048576)")
     g = p.add_argument_group("parallelism and CUDA graphs")
     g.add_argument("-tp", "--tensor_model_parallel_size", type=int, metavar="N")
     g.add_argument("-pp", "--pipeline_model_parallel_size", type=int, metavar="N")
@@ -59,6 +62,8 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
         keys.update(recompute_granularity="selective", recompute_modules=args.recompute_modules)
     if args.activation_offload_layers:
         keys.update(cpu_offloading=True, cpu_offloading_num_layers=args.activation_offload_layers)
+    if args.min_offloaded_tensor_size is not None:
+        keys.update(min_offloaded_tensor_size=args.min_offloaded_tensor_size)
     for name in ("recompute_granularity", "recompute_method", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                  "context_parallel_size",
@@ -121,6 +126,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
+    from remat.apply import offloader_of
+    from remat.config import format_bytes
     from remat.models import build
     from remat.verify import verify
 
@@ -145,6 +152,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     _print_warnings(caught)
     _console.print(report.plan.describe())
     _console.print(_verify_table(report, args))
+    offloader = offloader_of(model)
+    if offloader is not None:
+        stats = offloader.stats()
+        _console.print(f"offloaded to host: {format_bytes(stats.offloaded_bytes)} a step"
+                       f" (peak host {format_bytes(stats.peak_host_bytes)})")
     ok = report.bit_identical or report.max_grad_diff <= args.tolerance
     _console.print("[green]gradients match[/]" if ok else "[red]gradients differ[/]")
     return 0 if ok else 1

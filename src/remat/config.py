@@ -31,7 +31,7 @@ DISCARD_MODULES: frozenset[str] = frozenset({"layernorm", "moe_act", "mla_up_pro
 LAYER = "layer"
 SITE_LABELS: tuple[str, ...] = RECOMPUTE_MODULES + (LAYER,)
 # What a plan may do at a site.
-ACTIONS: tuple[str, ...] = ("keep", "recompute", "discard")
+ACTIONS: tuple[str, ...] = ("keep", "recompute", "discard", "offload")
 
 GRANULARITIES: tuple[str, ...] = ("full", "selective")
 METHODS: tuple[str, ...] = ("uniform", "block")
@@ -39,6 +39,14 @@ METHODS: tuple[str, ...] = ("uniform", "block")
 OFFLOAD_MODULES: tuple[str, ...] = (
     "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
 )
+# The site whose saved tensors (its input among them) each offload module sends to host; None
+# where remat marks no site around that submodule.
+OFFLOAD_SITES: dict[str, str | None] = {
+    "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
+    "qkv_linear": None, "attn_proj": None, "expert_fc1": None,
+}
+# Megatron's default min_offloaded_tensor_size, in elements: smaller tensors stay on the device.
+MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
 CUDA_GRAPH_IMPLS: tuple[str, ...] = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_SCOPES: tuple[str, ...] = (
     "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
@@ -275,7 +283,7 @@ class RecomputeConfig:
     cpu_offloading_num_layers: int = 0
     fine_grained_activation_offloading: bool = False
     offload_modules: list[str] = field(default_factory=list)
-    min_offloaded_tensor_size: int = 1024 * 1024
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
     facts: TrainingFacts = field(default_factory=TrainingFacts)
 
     def __post_init__(self) -> None:
@@ -600,11 +608,8 @@ def rule_cpu_offload_not_with_pipeline(c: RecomputeConfig) -> Iterator[Problem]:
                                         " set pipeline_model_parallel_size=1 or cpu_offloading=False")
 
 
-@_rule
-def rule_cpu_offload_not_with_recompute(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R3
-    if c.cpu_offloading and c.recompute_granularity is not None:
-        yield Problem("cpu_offloading", "layer-level CPU offloading cannot be combined with recompute; set"
-                                        " cpu_offloading=False or recompute_granularity to null")
+# Megatron R3 (no CPU offloading with recompute) is not a remat rule: remat offloads what a layer
+# still saves under selective recompute, and each full-recompute group's input under full recompute.
 
 
 @_rule
@@ -725,6 +730,38 @@ def rule_moe_recompute_blocks_expert_offload(c: RecomputeConfig) -> Iterator[Pro
             yield Problem("offload_modules", f"'moe' recompute keeps nothing inside the MoE layer, so {label!r}"
                                              f" has nothing to offload; drop {label!r} or drop 'moe' from"
                                              " recompute_modules")
+
+
+@_rule
+def rule_offloaded_site_not_recomputed(c: RecomputeConfig) -> Iterator[Problem]:  # remat: one action a site
+    if not c.fine_grained_activation_offloading:
+        return
+    for label in c.offload_modules:
+        site = OFFLOAD_SITES.get(label)
+        if site is not None and site in _selected(c):
+            yield Problem("offload_modules", f"{label!r} offloads what the {site!r} site saves, and {site!r} is"
+                                             " also recomputed, which saves (almost) nothing there; drop"
+                                             f" {label!r} or drop {site!r} from recompute_modules")
+
+
+@_rule
+def rule_norm_offload_together(c: RecomputeConfig) -> Iterator[Problem]:  # remat: one 'layernorm' site label
+    if not c.fine_grained_activation_offloading:
+        return
+    norms = [m for m in ("attn_norm", "mlp_norm") if m in c.offload_modules]
+    if len(norms) == 1:
+        other = "mlp_norm" if norms == ["attn_norm"] else "attn_norm"
+        yield Problem("offload_modules", f"remat marks both norms of a layer with one 'layernorm' site, so"
+                                         f" {norms[0]!r} offloads {other!r} too; list both")
+
+
+@_rule
+def rule_fine_grained_not_with_uniform_full(c: RecomputeConfig) -> Iterator[Problem]:  # remat
+    if c.fine_grained_activation_offloading and c.recompute_granularity == "full" and c.recompute_method == "uniform":
+        yield Problem("fine_grained_activation_offloading", "uniform full recompute saves nothing inside any"
+                                                            " layer, so there is nothing per module to offload;"
+                                                            " offload each group's input with cpu_offloading"
+                                                            " instead, or use the block method")
 
 
 @_rule
@@ -918,10 +955,24 @@ def _model_labels(layout: ModelLayout) -> frozenset[str]:
 
 
 def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
-    for name in ("cpu_offloading", "fine_grained_activation_offloading"):
-        if getattr(c, name):
-            yield Problem(name, "offload is not available yet; set it to False and lower memory with"
-                                " recompute for now")
+    if c.cpu_offloading and not layout.has_layer_sites:
+        yield Problem("cpu_offloading", "offloads whole layers, and this model marks no 'layer' sites; add layer"
+                                        " sites or use fine_grained_activation_offloading")
+    elif c.cpu_offloading and c.cpu_offloading_num_layers >= layout.num_layers:
+        yield Problem("cpu_offloading_num_layers", f"{c.cpu_offloading_num_layers} is not fewer than the model's"
+                                                   f" {layout.num_layers} layers (the last layer's backward"
+                                                   f" comes at once); set it below {layout.num_layers}")
+    if c.fine_grained_activation_offloading:
+        present = _model_labels(layout)
+        offloadable = [m for m in OFFLOAD_MODULES if OFFLOAD_SITES[m] in present]
+        for label in c.offload_modules:
+            if OFFLOAD_SITES.get(label) not in present:
+                yield Problem("offload_modules", f"{label!r} matches no site in this model (it can offload:"
+                                                 f" {', '.join(offloadable) or 'none'}); drop {label!r}, or"
+                                                 " offload whole layers with cpu_offloading")
+
+
+def _model_distribute(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
     if c.distribute_saved_activations:
         yield Problem("distribute_saved_activations", "splitting saved inputs over tensor-parallel ranks"
                                                       " is not available yet (it needs the parallel"
@@ -973,7 +1024,7 @@ def _model_recompute_num_layers(c: RecomputeConfig, layout: ModelLayout) -> Iter
 
 
 _MODEL_CHECKS: tuple[Callable[[RecomputeConfig, ModelLayout], Iterator[Problem]], ...] = (
-    _model_offload, _model_discard_scope, _model_selected_labels, _model_layer_sites, _model_layer_count,
+    _model_offload, _model_distribute, _model_discard_scope, _model_selected_labels, _model_layer_sites, _model_layer_count,
     _model_recompute_num_layers,
 )
 
@@ -994,6 +1045,9 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
         return
     for label, action in actions.items():
         name = f"layers[{i}].{label}"
+        if label == LAYER:
+            yield from _plan_layer_site(name, action, has_layer_sites)
+            continue
         if label not in labels:
             yield Problem(name, f"layer {i} has no {label!r} site (its sites: {', '.join(sorted(labels)) or 'none'});"
                                 " remove it")
@@ -1006,6 +1060,14 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
         elif action == "discard" and label not in DISCARD_MODULES:
             yield Problem(name, f"only {_one_of(sorted(DISCARD_MODULES))} outputs are discarded (their "
                                 f"consumers save them anyway); use 'recompute' for {label!r}")
+
+
+def _plan_layer_site(name: str, action: Any, has_layer_sites: bool) -> Iterator[Problem]:
+    if not has_layer_sites:
+        yield Problem(name, "this model marks no 'layer' sites; offload the sites inside its layers instead")
+    elif action not in ("keep", "offload"):
+        yield Problem(name, f"a whole layer can be kept or offloaded here (got {action!r}); recompute whole"
+                            " layers with full_recompute ranges")
 
 
 def _is_index(value: Any) -> bool:
@@ -1048,7 +1110,10 @@ def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]])
             if not isinstance(layers[i], Mapping):
                 continue
             for label, action in layers[i].items():
-                if action != "keep":
+                if label == LAYER and action == "offload" and i != start:
+                    yield Problem(f"layers[{i}].{label}", f"only the first layer of full_recompute[{k}] [{start}, {end})"
+                                                          f" keeps an input to offload; set layers[{start}].layer")
+                elif action != "keep" and not (label == LAYER and action == "offload"):
                     yield Problem(f"layers[{i}].{label}", f"layer {i} is inside full_recompute[{k}] [{start}, {end}),"
                                                           " which recomputes the whole layer; set it to 'keep'")
 

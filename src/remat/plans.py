@@ -12,7 +12,17 @@ from typing import Any, Mapping
 
 import yaml
 
-from remat.config import DISCARD_MODULES, ConfigError, ModelLayout, Problem, RecomputeConfig, load_mapping
+from remat.config import (
+    DISCARD_MODULES,
+    LAYER,
+    MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_SITES,
+    ConfigError,
+    ModelLayout,
+    Problem,
+    RecomputeConfig,
+    load_mapping,
+)
 
 PLAN_FORMAT = 1
 
@@ -20,10 +30,15 @@ PLAN_FORMAT = 1
 @dataclass
 class Plan:
     """`layers[i]` maps a site label to its action in layer i (labels left out are kept);
-    `full_recompute` lists half-open layer ranges [start, end) recomputed as one unit."""
+    `full_recompute` lists half-open layer ranges [start, end) recomputed as one unit.
+
+    `layers[i]["layer"] = "offload"` offloads everything layer i saves (what its recomputed sites
+    keep included); on the first layer of a full-recompute range, the input the range keeps.
+    `min_offloaded_tensor_size`: storages with fewer elements stay on the device."""
 
     layers: list[dict[str, str]]
     full_recompute: list[tuple[int, int]] = field(default_factory=list)
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
 
     @classmethod
     def none(cls, num_layers: int) -> "Plan":
@@ -40,15 +55,34 @@ class Plan:
                         actions[label] = "discard" if label in DISCARD_MODULES else "recompute"
         elif config.recompute_granularity == "full":
             plan.full_recompute = _full_ranges(config, layout.num_layers)
+        plan.min_offloaded_tensor_size = config.min_offloaded_tensor_size
+        in_full = {i for s, e in plan.full_recompute for i in range(s, e)}
+        starts = {s for s, _ in plan.full_recompute}
+        if config.cpu_offloading:  # Megatron offloads the first N layers (N < num_layers)
+            for i in range(config.cpu_offloading_num_layers):
+                if i in starts or i not in in_full:
+                    plan.layers[i][LAYER] = "offload"
+        if config.fine_grained_activation_offloading:
+            labels = {OFFLOAD_SITES[m] for m in config.offload_modules} - {None}
+            # the last layer's backward comes right after the forward: nothing to hide its copies
+            for i in range(layout.num_layers - 1):
+                if i not in in_full:
+                    plan.layers[i].update({label: "offload" for label in labels if label in layout.labels[i]})
         return plan
+
+    def offloads(self) -> bool:
+        return any(a == "offload" for actions in self.layers for a in actions.values())
 
     # ---- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "remat_plan": PLAN_FORMAT,
             "layers": [dict(sorted(a.items())) for a in self.layers],
             "full_recompute": [list(r) for r in self.full_recompute],
         }
+        if self.offloads() or self.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE:
+            data["min_offloaded_tensor_size"] = self.min_offloaded_tensor_size
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
@@ -65,13 +99,17 @@ class Plan:
             for r in ranges
         ):
             problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
-        unknown = sorted(set(data) - {"remat_plan", "layers", "full_recompute"})
+        min_size = data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE)
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
+                                    " of elements, 0 or more"))
+        unknown = sorted(set(data) - {"remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size"})
         if unknown:
             problems.append(Problem(", ".join(unknown), "unknown plan keys; a plan has remat_plan, "
-                                    "layers and full_recompute"))
+                                    "layers, full_recompute and min_offloaded_tensor_size"))
         if problems:
             raise ConfigError(problems)
-        return cls([dict(a) for a in layers], [(int(s), int(e)) for s, e in ranges])
+        return cls([dict(a) for a in layers], [(int(s), int(e)) for s, e in ranges], min_size)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -91,6 +129,8 @@ class Plan:
             if i in in_full:
                 start, end = in_full[i]
                 what = f"full recompute, groups of {end - start}"
+                if self.layers[start].get(LAYER) == "offload":
+                    what += ", inputs offloaded"
             else:
                 shown = ", ".join(f"{k}={v}" for k, v in sorted(actions.items()) if v != "keep")
                 what = shown or "keep everything"

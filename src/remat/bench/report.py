@@ -45,11 +45,12 @@ def _peak_cells(result: BenchResult) -> tuple[str, str]:
 
 def results_table(results: Sequence[BenchResult], *, title: str = "") -> Table:
     show_fwd_bwd = any(r.tflops_fwd_bwd is not None for r in results)
+    show_host = any(r.peak_host_bytes is not None for r in results)
     table = Table(title=title or None)
     table.add_column("name")
     table.add_column("status")
     for header in ("step (ms)", "TFLOP/s/GPU", *(["fwd+bwd TFLOP/s"] if show_fwd_bwd else []), "tokens/s/GPU",
-                   "peak allocated", "peak reserved"):
+                   "peak allocated", "peak reserved", *(["peak host"] if show_host else [])):
         table.add_column(header, justify="right")
     for r in results:
         fwd_bwd = [_tflops(r.tflops_fwd_bwd)] if show_fwd_bwd else []
@@ -61,6 +62,7 @@ def results_table(results: Sequence[BenchResult], *, title: str = "") -> Table:
             *fwd_bwd,
             _number(r.tokens_per_s_per_gpu, ",.0f"),
             *_peak_cells(r),
+            *([format_gib(r.peak_host_bytes)] if show_host else []),
         )
     return table
 
@@ -79,6 +81,8 @@ def memory_table(result: BenchResult) -> Table:
     allocated, reserved = _peak_cells(result)
     table.add_row("peak allocated", allocated, "")
     table.add_row("peak reserved", reserved, "")
+    if result.peak_host_bytes is not None:
+        table.add_row("peak host (offloaded)", format_gib(result.peak_host_bytes), "")
     return table
 
 

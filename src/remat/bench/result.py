@@ -50,6 +50,7 @@ class BenchResult:
     tokens_per_s_per_gpu: float | None = None
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    peak_host_bytes: int | None = None  # host memory holding offloaded activations (None: no offload)
     memory: MemoryBreakdown | None = None
     losses: list[float] = field(default_factory=list)  # one per step, warm-up included
     harness_overhead: float | None = None  # fraction of wall time spent outside measured steps

@@ -19,10 +19,10 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-from remat.apply import apply
+from remat.apply import apply, offloader_of
 from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
-from remat.config import BenchSettings, RecomputeConfig, check_bench
+from remat.config import BenchSettings, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.memory.trace import Trace, trace
@@ -67,13 +67,21 @@ class BenchSpec:
 
 def plan_name(plan: PlanLike) -> str:
     """A short label: none, mlp, core_attn+layernorm, full_uniform_1, plan."""
-    if plan is None or (isinstance(plan, RecomputeConfig) and plan.recompute_granularity is None):
+    if plan is None:
         return "none"
     if isinstance(plan, Plan):
         return "plan"
     if plan.recompute_granularity == "selective":
-        return "+".join(plan.recompute_modules or [])
-    return f"full_{plan.recompute_method}_{plan.recompute_num_layers}"
+        name = "+".join(plan.recompute_modules or [])
+    elif plan.recompute_granularity == "full":
+        name = f"full_{plan.recompute_method}_{plan.recompute_num_layers}"
+    else:
+        name = "none"
+    if plan.cpu_offloading:
+        return f"{name}+offload_{plan.cpu_offloading_num_layers}"
+    if plan.fine_grained_activation_offloading:
+        return f"{name}+offload_{'+'.join(plan.offload_modules)}"
+    return name
 
 
 def _plan_record(plan: PlanLike) -> dict[str, Any]:
@@ -130,6 +138,7 @@ class _Steps:
     wall: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     cpu_peak: int | None = None  # counted tensor bytes, where there is no CUDA allocator
+    host_peak: int | None = None  # offloaded bytes held on the host at once, over the steady steps
 
 
 def _step(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.optim.Optimizer | None,
@@ -163,10 +172,13 @@ def _train(model: nn.Module, spec: BenchSpec,
     optimizer = make_optimizer(model, spec)
     clock, steps = _Clock(spec.device), _Steps()
     cuda = spec.device.startswith("cuda")
+    offloader = offloader_of(model)
     for step in range(spec.max_steps):
         if step == spec.warmup_steps and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        if step == spec.warmup_steps and offloader is not None:
+            offloader.reset_stats()
         wall0 = time.perf_counter()
         total, start, mid, end = _step(model, spec, data, optimizer, clock)
         steps.losses.append(total.item())  # the one host sync of a step
@@ -177,6 +189,8 @@ def _train(model: nn.Module, spec: BenchSpec,
     if not cuda:  # no allocator statistics: one more step with every tensor counted
         static = storage_bytes(held_tensors(model, optimizer))
         steps.cpu_peak = static + peak_during(lambda: _step(model, spec, data, optimizer, clock))[1]
+    if offloader is not None:
+        steps.host_peak = offloader.stats().peak_host_bytes
     return steps, optimizer
 
 
@@ -264,6 +278,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
         tokens_per_s_per_gpu=spec.micro_batch_size * spec.micro_batches * model.config.seq_length / step_s,
         peak_allocated_bytes=peak,
         peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
+        peak_host_bytes=steps.host_peak,
         memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses,
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,

@@ -1,6 +1,14 @@
-"""Model-agnostic mechanisms: RNG-exact checkpoint regions and output discarding."""
+"""Model-agnostic mechanisms: RNG-exact checkpoint regions, output discarding, offloading."""
 from remat.engine.checkpoint import (
-    DiscardScope, Region, checkpoint, current_scope, inside_region, storage_key,
+    DiscardScope,
+    Region,
+    checkpoint,
+    current_scope,
+    inside_region,
+    offloading,
+    storage_key,
 )
+from remat.engine.offload import HostPool, Offloader, OffloadStats
 
-__all__ = ["DiscardScope", "Region", "checkpoint", "current_scope", "inside_region", "storage_key"]
+__all__ = ["DiscardScope", "HostPool", "OffloadStats", "Offloader", "Region",
+           "checkpoint", "current_scope", "inside_region", "offloading", "storage_key"]

@@ -10,6 +10,9 @@ A `DiscardScope` (entered around a whole layer) goes one step further for a regi
 *output* is itself saved by the ops that consume it (norm -> linear): the consumers save a
 reference to the region instead of the tensor, and the region's single replay rebuilds the output
 for all of them. Matching is by storage, so views of the output are caught too.
+
+Inside `offloading(...)`, what would be kept on the device (saved tensors, a region's inputs)
+goes to host through an `Offloader` instead (engine/offload.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from remat.engine.offload import Offloaded, Offloader, active_offloader
 from remat.engine.rng import ReplayState, forked_rng
 
 _local = threading.local()
@@ -79,11 +83,10 @@ class _Link:
 
 @dataclass(frozen=True)
 class _Stored:
-    """An argument kept for the replay (possibly as a reference to a discarded output)."""
+    """An argument kept for the replay: kept as itself, offloaded, or a discarded output's reference."""
 
     packed: Any
     requires_grad: bool
-    version: int | None  # the tensor's version when kept; None for a private copy or a reference
 
 
 @dataclass
@@ -131,13 +134,13 @@ class Region:
             if arg is out and arg._version == self._last_versions[i]:  # not modified in between
                 return _Link(i)
         scope = current_scope()
-        packed = scope.pack(arg) if scope is not None else _Kept(arg.detach(), arg._version)
-        if isinstance(packed, _Kept):
-            if _views_larger_buffer(arg):
-                # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
-                return _Stored(arg.detach().clone(), arg.requires_grad, None)
-            return _Stored(packed.tensor, arg.requires_grad, packed.version)
-        return _Stored(packed, arg.requires_grad, None)
+        ref = scope.reference(arg) if scope is not None else None
+        if ref is not None:
+            return _Stored(ref, arg.requires_grad)
+        if _views_larger_buffer(arg):
+            # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
+            return _Stored(_keep_tensor(arg.detach().clone()), arg.requires_grad)
+        return _Stored(_keep_tensor(arg), arg.requires_grad)
 
     def _pack(self, _tensor: torch.Tensor) -> int:
         slot = self._num_saved
@@ -205,10 +208,7 @@ class Region:
         if isinstance(arg, _Link):
             return previous[arg.index]
         if isinstance(arg, _Stored):
-            value = DiscardScope.unpack(arg.packed)
-            if arg.version is not None:
-                _check_version(value, arg.version)
-            return value.detach().requires_grad_(arg.requires_grad)
+            return unpack_saved(arg.packed).detach().requires_grad_(arg.requires_grad)
         return arg
 
 
@@ -268,7 +268,7 @@ class DiscardScope:
 
     def __init__(self) -> None:
         self._registered: dict[tuple[torch.device, int], _Registered] = {}
-        self._hooks = saved_tensors_hooks(self.pack, DiscardScope.unpack)
+        self._hooks = saved_tensors_hooks(self.pack, unpack_saved)
 
     def __enter__(self) -> "DiscardScope":
         _scopes().append(self)
@@ -297,23 +297,52 @@ class DiscardScope:
             self._registered[storage_key(tensor)] = _Registered(region, index, tensor, tensor._version)
         return out
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def reference(self, t: torch.Tensor) -> "_OutputRef | None":
+        """What a consumer saves instead of `t` if `t` is (a view of) a discarded output."""
         entry = self._registered.get(storage_key(t)) if self._registered else None
         if entry is None or entry.tensor.dtype != t.dtype or entry.tensor._version != entry.version:
-            return _Kept(t.detach(), t._version)
+            return None
         entry.region.add_output_ref(entry.index)
         return _OutputRef(entry.region, entry.index, tuple(t.size()), tuple(t.stride()),
                           t.storage_offset() - entry.tensor.storage_offset())
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Kept):
-            _check_version(packed.tensor, packed.version)
-            return packed.tensor
-        if not isinstance(packed, _OutputRef):
-            return packed
-        out = packed.region.take_output(packed.index)
-        return out.as_strided(packed.size, packed.stride, out.storage_offset() + packed.offset)
+    def pack(self, t: torch.Tensor) -> Any:
+        ref = self.reference(t)
+        return ref if ref is not None else _keep_tensor(t)
+
+
+def _keep_tensor(t: torch.Tensor) -> Any:
+    """A saved tensor kept as itself: to host inside an offload group, else on the device."""
+    offloader = active_offloader()
+    offloaded = offloader.pack(t) if offloader is not None else None
+    return offloaded if offloaded is not None else _Kept(t.detach(), t._version)
+
+
+def unpack_saved(packed: Any) -> torch.Tensor:
+    """The tensor behind whatever `DiscardScope.pack`, `_pack_saved` or a region kept."""
+    if isinstance(packed, _Kept):
+        _check_version(packed.tensor, packed.version)
+        return packed.tensor
+    if isinstance(packed, Offloaded):
+        return packed.unpack()
+    if not isinstance(packed, _OutputRef):
+        return packed
+    out = packed.region.take_output(packed.index)
+    return out.as_strided(packed.size, packed.stride, out.storage_offset() + packed.offset)
+
+
+def _pack_saved(t: torch.Tensor) -> Any:
+    scope = current_scope()
+    return scope.pack(t) if scope is not None else _keep_tensor(t)
+
+
+@contextlib.contextmanager
+def offloading(offloader: Offloader, key: int) -> Iterator[None]:
+    """What autograd saves inside goes to host through `offloader`, in its group `key` (calls
+    in a row with one key, e.g. the sites of one layer, are one group). A region entered inside
+    offloads the inputs it keeps; consumers of a discarded output still save a reference."""
+    with offloader.group(key), saved_tensors_hooks(_pack_saved, unpack_saved):
+        yield
 
 
 def storage_key(t: torch.Tensor) -> int:
