@@ -7,7 +7,6 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -10,7 +10,13 @@ import torch
 
 import remat
 from remat.cli import main
-from remat.config import ConfigError, RecomputeConfig, TrainingFacts, batch_split_problems, parallel_shape_problems
+from remat.config import (
+    ConfigError,
+    RecomputeConfig,
+    TrainingFacts,
+    batch_split_problems,
+    parallel_shape_problems,
+)
 from remat.estimating import EstimateSpec, estimate, in_flight
 from remat.plans import Plan
 

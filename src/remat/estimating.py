@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from remat.config import ConfigError, Problem, RecomputeConfig, TrainingFacts, parallel_shape_problems
+from remat.config import (
+    ConfigError,
+    Problem,
+    RecomputeConfig,
+    TrainingFacts,
+    parallel_shape_problems,
+)
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace
 from remat.models import LlamaConfig, LlamaModel, recipe_config

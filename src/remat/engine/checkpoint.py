@@ -26,6 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from remat.engine.offload import Offloaded, Offloader, active_offloader
 from remat.engine.rng import ReplayState, forked_rng
+from remat.engine.storage import storage_key
 
 _local = threading.local()
 
@@ -344,10 +345,3 @@ def offloading(offloader: Offloader, key: int) -> Iterator[None]:
     with offloader.group(key), saved_tensors_hooks(_pack_saved, unpack_saved):
         yield
 
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identifies a tensor's storage (views of one storage share the key) while it is alive.
-
-    The storage object's own address, not its data pointer: meta tensors (shape-only traces)
-    and empty storages all have data pointer 0."""
-    return t.untyped_storage()._cdata

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from remat.engine.storage import storage_key
+
 _local = threading.local()
 
 
@@ -192,10 +194,6 @@ def _owned_by_module(t: torch.Tensor) -> bool:
     return isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
 class Offloader:
     """Moves saved tensors to host memory inside its groups; one per model, reused across steps.
 
@@ -210,11 +208,11 @@ class Offloader:
                  resident: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         self.min_numel = min_numel
         self._resident = resident
-        self._resident_keys: set[tuple[torch.device, int]] = set()
+        self._resident_keys: set[int] = set()
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pool = HostPool(pinned=self.device_type == "cuda")
         self._streams: dict[torch.device, _Streams] = {}
-        self._by_storage: weakref.WeakValueDictionary[tuple[torch.device, int], _HostCopy] = (
+        self._by_storage: weakref.WeakValueDictionary[int, _HostCopy] = (
             weakref.WeakValueDictionary())
         self._group: _Group | None = None
         self.offloaded_bytes = 0
@@ -228,7 +226,7 @@ class Offloader:
         if self._group is None or self._group.key != key or self._group.backward_started:
             self._group = _Group(key, self._group)
             if self._resident is not None:
-                self._resident_keys = {_storage_key(t) for t in self._resident()}
+                self._resident_keys = {storage_key(t) for t in self._resident()}
         stack = _local.__dict__.setdefault("offloaders", [])
         stack.append(self)
         try:
@@ -240,7 +238,7 @@ class Offloader:
         """Whether `t` goes to host: a large enough dense tensor that no module owns."""
         if t.device.type != self.device_type or t.layout != torch.strided or _owned_by_module(t):
             return False
-        if type(t) is not torch.Tensor or _storage_key(t) in self._resident_keys:
+        if type(t) is not torch.Tensor or storage_key(t) in self._resident_keys:
             return False  # fake, functional and other subclasses stay too
         nbytes = t.untyped_storage().nbytes()
         if nbytes == 0 or nbytes % t.element_size():
@@ -252,7 +250,7 @@ class Offloader:
         if self._group is None or not self.offloads(t):
             return None
         storage = t.untyped_storage()
-        key = _storage_key(t)
+        key = storage_key(t)
         copy = self._by_storage.get(key)
         if copy is None or copy.storage() is not storage or copy.version != t._version:
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)

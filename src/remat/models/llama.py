@@ -12,7 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models.loss import ChunkFn, chunk_loss_in_place, chunked_linear_cross_entropy, compiled_chunk_loss
+from remat.models.loss import (
+    ChunkFn,
+    chunk_loss_in_place,
+    chunked_linear_cross_entropy,
+    compiled_chunk_loss,
+)
 from remat.sites import Site
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
