@@ -7,7 +7,7 @@
   (c) the lowest-memory plans (full recompute + offload, selective + layer or per-site offload):
       the lowest W1 peak at >= 450 TFLOP/s.
 
-  PYTHONPATH=src python benchmarks/bench_offload.py [--eager] [--min_tflops 450]
+  PYTHONPATH=src python benchmarks/bench_offload.py [--eager] [--min_tflops 450] [--anchor none,full]
   writes $OUT/offload_w1.json ($OUT defaults to benchmarks/results/)
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_w1 import run_anchor  # benchmarks/ is the script's directory
 
 from remat.bench import BenchSpec, sweep
 from remat.bench.presets import parse_entry
@@ -113,8 +114,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--eager", action="store_true", help="no compiled regions")
     parser.add_argument("--min_tflops", type=float, default=450.0)
+    parser.add_argument("--anchor", default="none,full", metavar="MODES",
+                        help="modes of ../shared/anchors/torch_baseline.py run in the same call ('' for none)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    anchor = run_anchor(args.anchor) if args.anchor else []
     bw = bandwidth()
     print(json.dumps(bw), flush=True)
     spec = BenchSpec(recipe="llama3_8b", overrides={"num_layers": LAYERS, "seq_length": 8192},
@@ -130,7 +134,7 @@ def main() -> None:
     best = min(fast, key=lambda r: r["peak_gib"]) if fast else None
     record = dict(workload="W1", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   compiled=not args.eager, command="PYTHONPATH=src python benchmarks/bench_offload.py",
-                  bandwidth=bw, hidden_share_vs_full_uniform_1=hidden, runs=rows,
+                  anchor=anchor, bandwidth=bw, hidden_share_vs_full_uniform_1=hidden, runs=rows,
                   lowest_peak_at_min_tflops=dict(min_tflops=args.min_tflops, best=best))
     print(json.dumps(dict(hidden=hidden, best=best and {k: best[k] for k in ("name", "tflops", "peak_gib")})))
     OUT.mkdir(parents=True, exist_ok=True)

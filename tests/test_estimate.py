@@ -165,3 +165,13 @@ def test_cli_estimates_presets_per_stage_as_json(tmp_path, capsys) -> None:
 def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
     assert main(["estimate", "-tp", "3", "-ng", "3", "--no_progress"]) == 1
     assert "tensor_model_parallel_size" in capsys.readouterr().err
+
+
+def test_compiled_regions_on_cuda_save_what_inductor_saves() -> None:
+    """Inductor on CUDA fuses SwiGLU's activation and saves only its gate/up input (measured on an
+    H200): MLP recompute then frees gate/up (2 x ffn) and the down projection's input (ffn)."""
+    mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
+    none, recomputed = _quiet(estimate, _spec(compile=True, target="cuda", dtype=torch.bfloat16),
+                              [("none", None), ("mlp", mlp)])
+    tokens, ffn = MB * SMALL["seq_length"], 160
+    assert none.stages[0].activations - recomputed.stages[0].activations == SMALL["num_layers"] * 3 * ffn * tokens * 2

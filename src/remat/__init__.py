@@ -7,6 +7,7 @@ from remat import models
 from remat.apply import apply, find_sites
 from remat.config import ConfigError, RecomputeConfig, RematWarning, TrainingFacts
 from remat.engine import checkpoint
+from remat.estimating import EstimateSpec, estimate
 from remat.memory import measure_saved
 from remat.memory.trace import Trace, trace
 from remat.planning import PlanResult, plan
@@ -15,7 +16,7 @@ from remat.sites import Site
 from remat.verify import verify
 
 __all__ = [
-    "ConfigError", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
-    "PlanResult", "apply", "checkpoint", "find_sites", "measure_saved", "models", "plan", "trace", "verify",
+    "ConfigError", "EstimateSpec", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
+    "PlanResult", "apply", "checkpoint", "estimate", "find_sites", "measure_saved", "models", "plan", "trace", "verify",
 ]
 __version__ = "0.1.0"

@@ -279,7 +279,7 @@ class _Stepper:
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
                 raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS) as counter:
                 self.step()
             return counter.get_total_flops() / self.flops_per_s
         if self.cuda:
@@ -298,6 +298,25 @@ class _Stepper:
                 self.step()
                 times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
+
+
+def _attention_flops(bmms: int) -> Callable[..., int]:
+    """`bmms` matmuls of attention's [s_q, d] x [d, s_k] size per query head; key/value heads may
+    be fewer (GQA), which torch < 2.13's own formula rejects."""
+    def flops(*shapes: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        query, key = (shapes[1], shapes[2]) if bmms > 2 else (shapes[0], shapes[1])
+        b, h, s_q, d = query
+        return bmms * 2 * b * h * s_q * key[2] * d
+    return flops
+
+
+_aten = torch.ops.aten
+_ATTENTION_FLOPS = {
+    **{op: _attention_flops(2) for op in (_aten._scaled_dot_product_cudnn_attention,
+                                          _aten._scaled_dot_product_flash_attention)},
+    **{op: _attention_flops(5) for op in (_aten._scaled_dot_product_cudnn_attention_backward,
+                                          _aten._scaled_dot_product_flash_attention_backward)},
+}
 
 
 def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
