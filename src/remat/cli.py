@@ -364,8 +364,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     """Every problem of a sweep, each entry checked against the model, before anything runs."""
-    from remat.apply import apply, find_sites
-    from remat.bench.presets import megatron_presets, parse_entry
     from remat.config import execution_problems
 
     found = _Problems()
@@ -373,19 +371,31 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     facts = found.run(_model_facts, args, field="model_recipe_name")
     plans: list[tuple[str, Any]] = []
     if facts is not None:
-        model = _meta_model(args)
-        layout = find_sites(model).layout
-        entries = args.configs or megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
-        for entry in entries:
-            parsed = found.run(parse_entry, entry, facts, prefix=f"{entry}: ")
-            if parsed is not None:
-                if isinstance(parsed[1], RecomputeConfig):
-                    found.add(Problem(f"{entry}: {p.field}", p.message)
-                              for p in execution_problems(parsed[1].facts))
-                if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
-                    plans.append(parsed)
+        plans = _entries(found, _meta_model(args), args.configs, facts, execution_problems)
     found.raise_if_any()
     return spec, plans
+
+
+def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: dict[str, Any],
+             execution: Any = None) -> list[tuple[str, Any]]:
+    """Sweep entries (None or ["presets"]: Megatron's presets) parsed and checked against the
+    model; `execution` lists what a config asks that the runner cannot do."""
+    from remat.apply import apply, find_sites
+    from remat.bench.presets import megatron_presets, parse_entry
+
+    layout = find_sites(model).layout
+    if not entries or entries == ["presets"]:
+        entries = megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
+    plans = []
+    for entry in entries:
+        parsed = found.run(parse_entry, entry, keys, prefix=f"{entry}: ")
+        if parsed is None:
+            continue
+        if execution is not None and isinstance(parsed[1], RecomputeConfig):
+            found.add(Problem(f"{entry}: {p.field}", p.message) for p in execution(parsed[1].facts))
+        if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
+            plans.append(parsed)
+    return plans
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -456,9 +466,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     """The spec and the configs of an estimate command line, every problem reported together."""
-    from remat.apply import apply, find_sites
+    from remat.apply import apply
     from remat.bench import plan_name
-    from remat.bench.presets import megatron_presets, parse_entry
     from remat.config import batch_split_problems
     from remat.estimating import EstimateSpec
 
@@ -470,15 +479,9 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     model = _meta_model(args)
     plans: list[tuple[str, Any]] = []
     if args.configs:
-        layout = find_sites(model).layout
         parallel = {k: v for k, v in dataclasses.asdict(facts).items()
                     if k.endswith("_size") or k == "sequence_parallel"}
-        entries = (megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
-                   if args.configs == ["presets"] else args.configs)
-        for entry in entries:
-            parsed = found.run(parse_entry, entry, {**keys, **parallel}, prefix=f"{entry}: ")
-            if parsed is not None and found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
-                plans.append(parsed)
+        plans = _entries(found, model, args.configs, {**keys, **parallel})
     elif found.run(apply, model, flags) is not None:
         plans.append((plan_name(flags), flags))
     found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
