@@ -149,7 +149,7 @@ def test_a_plan_range_across_a_stage_boundary_is_refused() -> None:
         _quiet(estimate, _spec(facts=facts), [("plan", plan)])
 
 
-def test_cli_estimates_presets_per_stage_as_json(tmp_path, capsys) -> None:
+def test_cli_estimates_configs_per_stage_as_json(tmp_path, capsys) -> None:
     out = tmp_path / "estimate.json"
     code = main(["estimate", "--num_layers", "2", "-sl", "32", "-mb", "2", "-pp", "2", "-ng", "2", "-gb", "8",
                  "--configs", "none", "full_uniform_1", "--target", "cpu", "--no_progress", "--json", str(out)])
@@ -160,6 +160,13 @@ def test_cli_estimates_presets_per_stage_as_json(tmp_path, capsys) -> None:
     assert [len(d["stages"]) for d in data] == [2, 2]
     assert data[1]["peak_bytes"] < data[0]["peak_bytes"]
     assert data[0]["stages"][0]["in_flight"] == 2  # 4 micro-batches of 2 on one data-parallel rank
+
+
+def test_cli_presets_block_half_a_virtual_stage(tmp_path) -> None:
+    out = tmp_path / "estimate.json"
+    assert main(["estimate", "--num_layers", "4", "-sl", "32", "-pp", "2", "-vp", "2", "-ng", "2",
+                 "--configs", "presets", "--target", "cpu", "--no_progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[-1]["name"] == "full_block_1"  # 1 layer of each 2-layer chunk
 
 
 def test_cli_reports_shapes_that_do_not_split(capsys) -> None:

@@ -377,15 +377,16 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
 
 
 def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: dict[str, Any],
-             execution: Any = None) -> list[tuple[str, Any]]:
-    """Sweep entries (None or ["presets"]: Megatron's presets) parsed and checked against the
-    model; `execution` lists what a config asks that the runner cannot do."""
+             execution: Any = None, stage_layers: int | None = None) -> list[tuple[str, Any]]:
+    """Sweep entries (None or ["presets"]: Megatron's presets, full block over half of the
+    `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
+    `execution` lists what a config asks that the runner cannot do."""
     from remat.apply import apply, find_sites
     from remat.bench.presets import megatron_presets, parse_entry
 
     layout = find_sites(model).layout
     if not entries or entries == ["presets"]:
-        entries = megatron_presets(frozenset().union(*layout.labels), layout.num_layers)
+        entries = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
     plans = []
     for entry in entries:
         parsed = found.run(parse_entry, entry, keys, prefix=f"{entry}: ")
@@ -481,7 +482,8 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     if args.configs:
         parallel = {k: v for k, v in dataclasses.asdict(facts).items()
                     if k.endswith("_size") or k == "sequence_parallel"}
-        plans = _entries(found, model, args.configs, {**keys, **parallel})
+        stage_layers = dataclasses.replace(facts, num_layers=keys["num_layers"]).layers_per_virtual_stage
+        plans = _entries(found, model, args.configs, {**keys, **parallel}, stage_layers=stage_layers)
     elif found.run(apply, model, flags) is not None:
         plans.append((plan_name(flags), flags))
     found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
