@@ -16,6 +16,7 @@ from remat.config import (
     TrainingFacts,
     batch_split_problems,
     parallel_shape_problems,
+    prediction_problems,
 )
 from remat.estimating import EstimateSpec, estimate, in_flight
 from remat.plans import Plan
@@ -182,3 +183,11 @@ def test_compiled_regions_on_cuda_save_what_inductor_saves() -> None:
                               [("none", None), ("mlp", mlp)])
     tokens, ffn = MB * SMALL["seq_length"], 160
     assert none.stages[0].activations - recomputed.stages[0].activations == SMALL["num_layers"] * 3 * ffn * tokens * 2
+
+
+def test_offload_plans_are_refused_before_any_trace_with_what_to_do() -> None:
+    assert [p.field for p in prediction_problems([{}, {"layer": "offload"}])] == ["offload"]
+    assert not list(prediction_problems([{}, {"mlp": "recompute", "layernorm": "discard"}]))
+    offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=1, facts=TrainingFacts(num_layers=2))
+    with pytest.raises(ConfigError, match="measure an offload plan with `remat bench`"):
+        estimate(_spec(), [("offload", offload)])

@@ -1139,6 +1139,15 @@ def check_plan(
         raise ConfigError(problems)
 
 
+def prediction_problems(layers: Sequence[Mapping[str, str]]) -> Iterator[Problem]:
+    """What the trace does not measure yet, so trace.predict, plan and estimate cannot price it."""
+    offloaded = [i for i, actions in enumerate(layers) if "offload" in actions.values()]
+    if offloaded:
+        yield Problem("offload", f"layers {offloaded} offload; predictions (remat plan, estimate, "
+                                 f"trace.predict) cover keep, recompute and discard for now: measure an "
+                                 f"offload plan with `remat bench`, or drop -ol / offload_modules to predict")
+
+
 # ---------------------------------------------------------------------------------------------
 # Benchmark settings (`remat bench`, `remat sweep`).
 

@@ -27,16 +27,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from remat.apply import find_sites
 from remat.config import (
     ConfigError,
+    ModelLayout,
     Problem,
     RecomputeConfig,
     TrainingFacts,
     parallel_shape_problems,
+    prediction_problems,
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace
-from remat.models import LlamaConfig, LlamaModel, recipe_config
+from remat.models import LlamaConfig, LlamaModel, build, recipe_config
 from remat.plans import Plan, PlanLike
 
 # Sustained bf16 dense throughput assumed for step times: remat's no-recompute W1 run on an H200
@@ -133,7 +136,10 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     Plan over all layers, or None.
     """
     pp = spec.stages
-    stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]  # errors first
+    layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
+    for _, plan in plans:  # every error before the first trace
+        _check_predictable(plan, layout)
+    stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
     kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]  # first, middle, last stage
     first_of_kind = {kind[k]: k for k in reversed(range(pp))}
     traced = {c: _trace_stage(spec, k, progress) for c, k in sorted(first_of_kind.items())}
@@ -376,6 +382,16 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
         ranges = [(s - first, e - first) for s, e in plan.full_recompute if first <= s and e <= end]
         return Plan([dict(a) for a in plan.layers[first:end]], ranges)
     return plan
+
+
+def _check_predictable(plan: PlanLike, layout: ModelLayout) -> None:
+    """Before any tracing: a plan the trace cannot price (offload) is an error, not a KeyError."""
+    if plan is None:
+        return
+    layers = Plan.from_config(plan, layout).layers if isinstance(plan, RecomputeConfig) else plan.layers
+    problems = list(prediction_problems(layers))
+    if problems:
+        raise ConfigError(problems)
 
 
 def _per_chunk(plan: RecomputeConfig, stage_facts: TrainingFacts, chunks: int) -> RecomputeConfig:

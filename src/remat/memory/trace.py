@@ -34,6 +34,7 @@ from remat.config import (
     RecomputeConfig,
     check_model,
     check_plan,
+    prediction_problems,
 )
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
 from remat.planner import Choice, PlanningProblem, Window
@@ -148,8 +149,12 @@ def _resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
         return Plan.none(layout.num_layers)
     if isinstance(plan, RecomputeConfig):
         check_model(plan, layout)
-        return Plan.from_config(plan, layout)
-    check_plan(plan.layers, plan.full_recompute, layout)
+        plan = Plan.from_config(plan, layout)
+    else:
+        check_plan(plan.layers, plan.full_recompute, layout)
+    problems = list(prediction_problems(plan.layers))
+    if problems:
+        raise ConfigError(problems)
     return plan
 
 
