@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from remat.engine import storage_key
 
 
-class _NewStorages(TorchDispatchMode):
+class NewStorages(TorchDispatchMode):
     """Calls `created(storage)` once for each storage an op allocates while the mode is active."""
 
     def __init__(self, created: Callable[[torch.UntypedStorage], None]) -> None:
@@ -48,7 +48,7 @@ class SavedMemory:
 
 def measure_saved(fn: Callable[[], Any]) -> tuple[Any, SavedMemory]:
     """Run `fn()` and count the storages it allocated that are still alive when it returns."""
-    recorder = _NewStorages(lambda storage: None)
+    recorder = NewStorages(lambda storage: None)
     with recorder:
         result = fn()
     gc.collect()
@@ -56,7 +56,7 @@ def measure_saved(fn: Callable[[], Any]) -> tuple[Any, SavedMemory]:
     return result, SavedMemory(sum(s.nbytes() for s in alive), len(alive))
 
 
-class _Live:
+class LiveBytes:
     """Live bytes and their maximum, updated as storages are created and die."""
 
     def __init__(self) -> None:
@@ -77,7 +77,7 @@ def peak_during(fn: Callable[[], Any]) -> tuple[Any, int]:
 
     The peak counts tensors that ops create while `fn` runs, on top of whatever existed before.
     """
-    live = _Live()
-    with _NewStorages(live.created):
+    live = LiveBytes()
+    with NewStorages(live.created):
         result = fn()
     return result, live.peak

@@ -11,7 +11,7 @@ from typing import Iterable, Protocol
 import torch
 
 from remat.engine import storage_key
-from remat.memory.live import _Live, _NewStorages
+from remat.memory.live import LiveBytes, NewStorages
 
 
 class Meter(Protocol):
@@ -42,8 +42,8 @@ class CpuMeter(AbstractContextManager):
 
     def __init__(self, static: Iterable[torch.Tensor]) -> None:
         self.static = storage_bytes(static)
-        self.live = _Live()
-        self._mode = _NewStorages(self.live.created)
+        self.live = LiveBytes()
+        self._mode = NewStorages(self.live.created)
 
     def __enter__(self) -> "CpuMeter":
         self._mode.__enter__()
