@@ -138,9 +138,10 @@ def test_batch_split_rules_fail_and_pass() -> None:
 
 def test_a_spec_reports_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        _spec(target="tpu", tflops=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
+        _spec(target="tpu", tflops=0, micro_batches=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
     fields = {p.field for p in err.value.problems}
-    assert {"target", "tflops", "num_layers"} <= fields
+    assert {"target", "tflops", "micro_batch_size", "num_layers"} <= fields
+    assert _spec(target="cuda", tflops=1, micro_batches=1).target == "cuda"
 
 
 def test_a_plan_range_across_a_stage_boundary_is_refused() -> None:

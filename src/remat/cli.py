@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from rich.console import Console
 
 from remat.bench.golden import DEFAULT_THRESHOLD
-from remat.config import ConfigError, Problem, RecomputeConfig, RematWarning
+from remat.config import ESTIMATE_TARGETS, ConfigError, Problem, RecomputeConfig, RematWarning
 from remat.estimating import DEFAULT_TFLOPS
 from remat.plans import Plan, load_plan_or_config
 
@@ -688,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", metavar="ENTRY",
                    help="estimate these instead of the flags' config: none, mlp+core_attn, full_uniform_1, "
                         "full_block_K, a config or plan file, or `presets` for Megatron's usual ones")
-    p.add_argument("--target", choices=["cuda", "cpu"], default="cuda",
+    p.add_argument("--target", choices=ESTIMATE_TARGETS, default="cuda",
                    help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
     p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",
                    help=f"sustained TFLOP/s per GPU that times a step (default {DEFAULT_TFLOPS:g})")

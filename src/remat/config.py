@@ -1139,6 +1139,20 @@ def check_plan(
         raise ConfigError(problems)
 
 
+ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
+
+
+def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tflops: float) -> Iterator[Problem]:
+    """The settings of a shapes-only estimate (`remat estimate`)."""
+    if target not in ESTIMATE_TARGETS:
+        yield Problem("target", f"{target!r} is not a target; use one of {_one_of(ESTIMATE_TARGETS)}")
+    if micro_batch_size < 1 or micro_batches < 1:
+        yield Problem("micro_batch_size", f"micro-batch size {micro_batch_size} and count {micro_batches} must"
+                                          " be 1 or more")
+    if not tflops > 0:
+        yield Problem("tflops", f"is {tflops}; give the sustained TFLOP/s one GPU reaches, e.g. 600")
+
+
 def prediction_problems(layers: Sequence[Mapping[str, str]]) -> Iterator[Problem]:
     """What the trace does not measure yet, so trace.predict, plan and estimate cannot price it."""
     offloaded = [i for i, actions in enumerate(layers) if "offload" in actions.values()]

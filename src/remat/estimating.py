@@ -34,6 +34,7 @@ from remat.config import (
     Problem,
     RecomputeConfig,
     TrainingFacts,
+    estimate_problems,
     parallel_shape_problems,
     prediction_problems,
 )
@@ -47,7 +48,6 @@ from remat.plans import Plan, PlanLike
 DEFAULT_TFLOPS = 600.0
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
 VOCAB_DIVISOR = 128
-TARGETS = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -74,12 +74,7 @@ class EstimateSpec:
             RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=cfg.num_layers))
         except ConfigError as err:
             problems += err.problems
-        if self.target not in TARGETS:
-            problems.append(Problem("target", f"{self.target!r} is not a target; use one of {', '.join(TARGETS)}"))
-        if self.micro_batch_size < 1 or self.micro_batches < 1:
-            problems.append(Problem("micro_batch_size", "micro-batch size and count must be 1 or more"))
-        if not self.tflops > 0:
-            problems.append(Problem("tflops", f"is {self.tflops}; give the sustained TFLOP/s a GPU reaches"))
+        problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops)
         if problems:
             raise ConfigError(problems)
 
