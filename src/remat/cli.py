@@ -11,8 +11,14 @@ from typing import Any, Sequence
 from rich.console import Console
 
 from remat.bench.golden import DEFAULT_THRESHOLD
-from remat.config import ESTIMATE_TARGETS, ConfigError, Problem, RecomputeConfig, RematWarning
-from remat.estimating import DEFAULT_TFLOPS
+from remat.config import (
+    DEFAULT_TFLOPS,
+    ESTIMATE_TARGETS,
+    ConfigError,
+    Problem,
+    RecomputeConfig,
+    RematWarning,
+)
 from remat.plans import Plan, load_plan_or_config
 
 _console = Console(highlight=False, soft_wrap=True)

@@ -1140,6 +1140,9 @@ def check_plan(
 
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
+# Sustained bf16 dense throughput assumed for estimated step times: remat's no-recompute W1 run on
+# an H200 measured 590-630 TFLOP/s (benchmarks/results).
+DEFAULT_TFLOPS = 600.0
 
 
 def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tflops: float) -> Iterator[Problem]:

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from remat.apply import find_sites
 from remat.config import (
+    DEFAULT_TFLOPS,
     ConfigError,
     ModelLayout,
     Problem,
@@ -43,9 +44,6 @@ from remat.memory.trace import Trace, trace
 from remat.models import LlamaConfig, LlamaModel, build, recipe_config
 from remat.plans import Plan, PlanLike
 
-# Sustained bf16 dense throughput assumed for step times: remat's no-recompute W1 run on an H200
-# measured 590-630 TFLOP/s (benchmarks/results).
-DEFAULT_TFLOPS = 600.0
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
 VOCAB_DIVISOR = 128
 
