@@ -261,6 +261,21 @@ def test_watch_can_swallow_and_falls_back_to_the_message_without_cuda() -> None:
     assert doc.report.diagnosis.state.largest_free_block is None
 
 
+def test_watch_takes_the_limit_of_a_memory_fraction_from_the_message(monkeypatch) -> None:
+    # torch < 2.7 cannot read the per-process fraction back: capture sees the whole device
+    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request, limit=140 * GIB))
+    with doctor.watch(on_oom=None, reraise=False) as doc:
+        raise torch.OutOfMemoryError(NEW_POOLS.replace("512 bytes", "4.00 GiB").replace("20.00 GiB", "66.00 GiB"))
+    assert doc.report.diagnosis.state.limit == 66 * GIB and doc.report.diagnosis.kind == "capacity"
+
+
+def test_an_oom_without_numbers_passes_through_undiagnosed() -> None:
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        with doctor.watch(on_oom=pytest.fail, reraise=False) as doc:
+            raise torch.OutOfMemoryError("CUDA error: out of memory")
+    assert doc.report is None
+
+
 def test_watch_leaves_other_errors_and_clean_exits_alone() -> None:
     with pytest.raises(ValueError):
         with doctor.watch(on_oom=pytest.fail) as doc:

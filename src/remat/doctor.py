@@ -8,6 +8,7 @@ recompute plan, a smaller micro-batch, more GPUs) helps. The allocator's numbers
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -292,7 +293,8 @@ def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
             f"--memory-budget {budget / 2**30:.1f}GiB -o plan.yaml --verify",
             f"{PLAN_BUDGET_SHARE:.0%} of the {format_bytes(s.available)}"
             " this allocator can have; the planner predicts peak allocated memory"),
-            *_shrink("allocated + the request", need, budget, micro_batch_size)]
+            *_shrink("allocated + the request (a lower bound: the step failed part way)", need, budget,
+                     micro_batch_size)]
     try:
         result = plan_fn(budget)
     except NoPlanFits as nofit:
@@ -373,11 +375,13 @@ class Doctor:
     def observe(self, error: BaseException) -> Report:
         """Diagnose an OOM: the allocator's state when CUDA is there, else the message's numbers."""
         message = str(error)
-        request = parse_oom_message(message).request
+        oom = parse_oom_message(message)
         try:
-            state = capture(self.device, request)
+            state = capture(self.device, oom.request)
         except RuntimeError:
             state = AllocatorState.from_oom_message(message)
+        if oom.allowed is not None and oom.allowed < state.limit:  # torch < 2.7 cannot read the fraction back
+            state = dataclasses.replace(state, limit=oom.allowed)
         diagnosis = classify(state)
         self.report = Report(diagnosis, recommend(diagnosis, plan_fn=self.plan_fn,
                                                   micro_batch_size=self.micro_batch_size),
@@ -393,7 +397,10 @@ class Doctor:
                  traceback: TracebackType | None) -> bool:
         if not isinstance(error, torch.cuda.OutOfMemoryError):
             return False
-        self.observe(error)
+        try:
+            self.observe(error)
+        except ValueError:  # a message without the allocator's numbers: let the OOM itself through
+            return False
         return not self.reraise
 
 
