@@ -228,13 +228,18 @@ def classify(state: AllocatorState) -> Diagnosis:
         return _classify_without_request(s)
     largest, r = s.largest_free_block, s.request
     if (largest is not None and largest >= r) or s.headroom >= r:
-        where = "a free block" if largest is not None and largest >= r else "the device's free memory"
+        where = "a free block" if largest is not None and largest >= r else "the unreserved headroom"
         return Diagnosis("fits", s, f"{where} holds the {f(r)} request now; nothing is short")
     if s.gap + s.headroom >= r and s.gap >= MIN_FRAGMENTATION_GAP * s.limit:
         hole = "no block" if largest is None else f"the largest free block is {f(largest)}"
         return Diagnosis("fragmentation", s, (
             f"{f(s.gap)} reserved but unallocated (+{f(s.headroom)} unreserved) would hold the {f(r)} request,"
             f" but {hole}: the memory is there, in pieces"))
+    if s.allocated + r <= s.available:  # the gap is under MIN_FRAGMENTATION_GAP: ordinary slack
+        return Diagnosis("capacity", s, (
+            f"allocated {f(s.allocated)} + the {f(r)} request leaves {f(s.available - s.allocated - r)} of the"
+            f" {f(s.available)} the allocator can have; the {f(s.gap)} in holes is ordinary slack (under"
+            f" {MIN_FRAGMENTATION_GAP:.0%} of the limit): the step needs less memory"))
     outside = s.limit - s.available
     other = f"; {f(outside)} of the limit is held outside this allocator" if outside > s.gap else ""
     return Diagnosis("capacity", s, (
