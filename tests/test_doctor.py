@@ -363,6 +363,18 @@ def test_mlp_plus_core_attn_slower_than_mlp_alone() -> None:
     assert doctor.check_mlp_core_attn([result("mlp", 593.6), result("mlp+core_attn", 592.0)]) == []  # noise
 
 
+def test_each_oom_with_the_allocators_numbers_is_classified() -> None:
+    runs = [result("none", 709.9), oom("core_attn"),
+            result("mlp", None, None, status="oom", oom=OomInfo(45 * GIB, 77 * GIB, OLD))]
+    (f,) = doctor.check_oom_kind(runs)
+    assert (f.symptom, f.cause, f.fix) == ("mlp: out of memory", "fragmentation", EXPANDABLE_SEGMENTS)
+    assert f.confirmed_by.startswith("31.89 GiB reserved but unallocated (+1.23 GiB unreserved) would hold"
+                                     " the 2.00 GiB request, but no free block held it")
+    tight = NEW.replace("14.01 GiB is allocated", "14.40 GiB is allocated").replace("472.05 MiB", "72.05 MiB")
+    (f,) = doctor.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, tight))])
+    assert f.cause == "capacity" and f.fix.startswith("remat plan")
+
+
 def test_the_skills_measured_sweep_trips_every_results_check() -> None:
     runs = [result("none", 709.9), oom("core_attn"), result("mlp", 593.6, 52 * GIB),
             result("mlp+core_attn", 586.8, 52 * GIB), oom("core_attn+layernorm")]

@@ -231,7 +231,7 @@ def classify(state: AllocatorState) -> Diagnosis:
         where = "a free block" if largest is not None and largest >= r else "the unreserved headroom"
         return Diagnosis("fits", s, f"{where} holds the {f(r)} request now; nothing is short")
     if s.gap + s.headroom >= r and s.gap >= MIN_FRAGMENTATION_GAP * s.limit:
-        hole = "no block" if largest is None else f"the largest free block is {f(largest)}"
+        hole = "no free block held it" if largest is None else f"the largest free block is {f(largest)}"
         return Diagnosis("fragmentation", s, (
             f"{f(s.gap)} reserved but unallocated (+{f(s.headroom)} unreserved) would hold the {f(r)} request,"
             f" but {hole}: the memory is there, in pieces"))
@@ -564,9 +564,27 @@ def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
     return findings
 
 
+def check_oom_kind(results: Sequence[BenchResult]) -> list[Finding]:
+    """The skill's Llama-3-70B lesson: rule out fragmentation before recomputing more. Each OOM whose
+    recorded message gives the allocator's numbers is classified."""
+    findings = []
+    for r in results:
+        if r.oom is None:
+            continue
+        try:
+            diagnosis = classify(AllocatorState.from_oom_message(r.oom.message))
+        except ValueError:  # a message without the numbers (torch < 2.1 multi-line, or another harness)
+            continue
+        advice = recommend(diagnosis)
+        fix = advice[0].setting if advice else "nothing: the request fits now"
+        findings.append(Finding("OOM kind", f"{r.name}: out of memory", f"{diagnosis.kind}",
+                                diagnosis.explanation, fix))
+    return findings
+
+
 CHECKS: tuple[Callable[[Sequence[BenchResult]], list[Finding]], ...] = (
-    check_mlp_slowdown, check_layernorm_peak, check_full_recompute_graphs, check_offload_pipeline,
-    check_mlp_core_attn,
+    check_oom_kind, check_mlp_slowdown, check_layernorm_peak, check_full_recompute_graphs,
+    check_offload_pipeline, check_mlp_core_attn,
 )
 
 
