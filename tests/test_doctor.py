@@ -99,13 +99,13 @@ def test_the_gap_plus_headroom_must_hold_the_request_for_fragmentation() -> None
 
 
 def test_a_small_gap_is_rounding_slack_not_fragmentation() -> None:
-    # 1 GiB in four 256 MiB holes (1.5% of 66 GiB, under MIN_FRAGMENTATION_GAP), a 512 MiB request
+    # 1 GiB in four 256 MiB holes (1.5% of 64 GiB, under MIN_FRAGMENTATION_GAP), a 512 MiB request
     snap = {"segments": [segment((16 * GIB - GIB // 4, "active_allocated"), (GIB // 4, "inactive"))
                          for _ in range(4)]}
     s = state_of(snap, GIB // 2, limit=64 * GIB + 100 * MIB)
     assert s.gap + s.headroom >= s.request and s.gap < doctor.MIN_FRAGMENTATION_GAP * s.limit
     d = classify(s)
-    assert d.kind == "capacity" and "the 1.00 GiB in holes is ordinary slack (under 2% of the limit)" in d.explanation
+    assert d.kind == "capacity" and "the 1.00 GiB in holes is ordinary slack (under 5% of the limit)" in d.explanation
 
 
 def test_other_processes_shrink_the_headroom() -> None:
@@ -164,11 +164,10 @@ def test_oom_messages_of_several_torch_versions(message: str, expected: dict[str
 def test_a_message_alone_classifies() -> None:
     # 77 reserved, 45 allocated: 32 GiB in holes, yet 2 GiB failed
     assert classify(AllocatorState.from_oom_message(OLD)).kind == "fragmentation"
-    # 0.46 GiB holes + 0.94 GiB free would hold 1.22 GiB: just fragmentation (torch's own hint agrees)
-    assert classify(AllocatorState.from_oom_message(NEW)).kind == "fragmentation"
-    # 72 MiB of holes is slack: capacity
-    tight = NEW.replace("14.01 GiB is allocated", "14.40 GiB is allocated").replace("472.05 MiB", "72.05 MiB")
-    assert classify(AllocatorState.from_oom_message(tight)).kind == "capacity"
+    # 0.46 GiB holes + 0.94 GiB free would hold 1.22 GiB, but 0.46 GiB is 2.9% of the card: capacity
+    assert classify(AllocatorState.from_oom_message(NEW)).kind == "capacity"
+    holed = NEW.replace("14.01 GiB is allocated", "10.01 GiB is allocated").replace("472.05 MiB", "4.47 GiB")
+    assert classify(AllocatorState.from_oom_message(holed)).kind == "fragmentation"
     with pytest.raises(ValueError, match="pass a snapshot"):
         AllocatorState.from_oom_message("CUDA out of memory. Tried to allocate 2.00 GiB")
 
@@ -370,8 +369,7 @@ def test_each_oom_with_the_allocators_numbers_is_classified() -> None:
     assert (f.symptom, f.cause, f.fix) == ("mlp: out of memory", "fragmentation", EXPANDABLE_SEGMENTS)
     assert f.confirmed_by.startswith("31.89 GiB reserved but unallocated (+1.23 GiB unreserved) would hold"
                                      " the 2.00 GiB request, but no free block held it")
-    tight = NEW.replace("14.01 GiB is allocated", "14.40 GiB is allocated").replace("472.05 MiB", "72.05 MiB")
-    (f,) = doctor.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, tight))])
+    (f,) = doctor.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, NEW))])
     assert f.cause == "capacity" and f.fix.startswith("remat plan")
 
 

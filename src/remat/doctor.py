@@ -34,10 +34,12 @@ from remat.planning import PlanResult
 EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 # --- classifier thresholds -------------------------------------------------------------------------
-# A gap (reserved - allocated) under this share of the limit is the allocator's ordinary rounding and
-# split slack (blocks round to 512 B / 2 MiB, large segments to 20 MiB and up): calling it
-# fragmentation would send the user to an allocator setting that frees nothing worth having.
-MIN_FRAGMENTATION_GAP = 0.02
+# A gap (reserved - allocated) under this share of the limit is the allocator's ordinary slack, not
+# "reserved far above allocated": rounding (2 MiB blocks, 20 MiB+ segments) and the freed
+# intermediates a step leaves in split segments mid-step (unused whole segments are already released
+# before an OOM is raised). A request that fails with less than this in holes means the step has
+# outgrown the device; an allocator setting would move the OOM a few allocations later.
+MIN_FRAGMENTATION_GAP = 0.05
 # Without a request size: allocated within this share of the limit is at capacity ...
 NEAR_LIMIT = 0.05
 # ... and a largest hole under this share of the gap means the free bytes are there but in pieces.
