@@ -262,7 +262,7 @@ def test_watch_can_swallow_and_falls_back_to_the_message_without_cuda() -> None:
 
 
 def test_watch_takes_the_limit_of_a_memory_fraction_from_the_message(monkeypatch) -> None:
-    # torch < 2.7 cannot read the per-process fraction back: capture sees the whole device
+    # older torch cannot read the per-process fraction back: capture sees the whole device
     monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request, limit=140 * GIB))
     with doctor.watch(on_oom=None, reraise=False) as doc:
         raise torch.OutOfMemoryError(NEW_POOLS.replace("512 bytes", "4.00 GiB").replace("20.00 GiB", "66.00 GiB"))

@@ -142,7 +142,7 @@ def capture(device: torch.device | int | str | None = None, request_bytes: int |
     chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
     index = torch.cuda.current_device() if chosen.index is None else chosen.index
     free, total = torch.cuda.mem_get_info(index)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)  # torch >= 2.7
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)  # newer torch only
     return AllocatorState.from_snapshot(torch.cuda.memory._snapshot(), torch.cuda.memory_stats(index),
                                         int(total * fraction), request_bytes, device=index, device_free=free)
 
@@ -387,7 +387,7 @@ class Doctor:
             state = capture(self.device, oom.request)
         except RuntimeError:
             state = AllocatorState.from_oom_message(message)
-        if oom.allowed is not None and oom.allowed < state.limit:  # torch < 2.7 cannot read the fraction back
+        if oom.allowed is not None and oom.allowed < state.limit:  # older torch cannot read the fraction back
             state = dataclasses.replace(state, limit=oom.allowed)
         diagnosis = classify(state)
         self.report = Report(diagnosis, recommend(diagnosis, plan_fn=self.plan_fn,
