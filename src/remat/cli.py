@@ -613,6 +613,94 @@ def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
     return table
 
 
+def _size(text: str) -> int:
+    """Plain digits are bytes (a request size from a log); anything else as --memory-budget reads it."""
+    from remat.planning import parse_bytes
+
+    return int(text) if text.strip().isdigit() else parse_bytes(text)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from remat import doctor
+    from remat.bench import plan_name, run_bench
+    from remat.bench.report import format_gib
+    from remat.bench.run import progress_bar
+
+    if args.results:
+        findings = doctor.check_results(doctor.load_results(args.results))
+        _console.print(_findings_table(findings, args.results))
+        return 1 if findings else 0
+    if args.snapshot or args.oom_message:
+        return _doctor_state(args)
+    if not _cuda_available():  # the one path that needs a GPU: it runs the bench
+        raise ConfigError([Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; "
+                                             "pass --results, --snapshot or --oom_message instead")])
+    spec, plan, _, _ = _check_bench(args)
+    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size)
+    with progress_bar(not args.no_progress) as bar:
+        result = run_bench(spec, plan, name=plan_name(plan), progress=bar, on_oom=doc.observe)
+    if doc.report is None:
+        _console.print(f"no OOM: {result.name} ran, peak allocated {format_gib(result.peak_allocated_bytes)}")
+        return 0
+    _print_report(doc.report)
+    return 1
+
+
+def _doctor_state(args: argparse.Namespace) -> int:
+    from remat import doctor
+    from remat.config import snapshot_limit_problems
+
+    found = _Problems()
+    request = found.run(_size, args.request, field="request") if args.request else None
+    if args.oom_message:
+        state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
+        if state is not None and request is not None:
+            state = dataclasses.replace(state, request=request)
+    else:
+        if args.limit is None:
+            found.add([Problem("limit", "a snapshot records no device size; pass --limit (e.g. 80GiB)")])
+        limit = found.run(_size, args.limit, field="limit") if args.limit else None
+        snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
+        found.raise_if_any()
+        state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)
+        found.add(snapshot_limit_problems(state.reserved, limit))
+    found.raise_if_any()
+    diagnosis = doctor.classify(state)
+    _print_report(doctor.Report(diagnosis, doctor.recommend(diagnosis, micro_batch_size=args.micro_batch_size)))
+    return 0
+
+
+def _print_report(report: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+
+    d = report.diagnosis
+    table = Table(title=f"remat doctor: {d.kind}")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    for name, value in d.evidence().items():
+        table.add_row(name, format_gib(value))
+    table.caption = escape(d.explanation)
+    _console.print(table)
+    for i, r in enumerate(report.recommendations, 1):
+        _console.print(f"{i}. {escape(r.what)}:\n   [bold]{escape(r.setting)}[/]\n   {escape(r.why)}")
+
+
+def _findings_table(findings: Sequence[Any], path: str) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"remat doctor: {len(findings)} finding{'s' if len(findings) != 1 else ''} in {path}")
+    for column in ("check", "symptom", "cause", "confirmed by", "fix"):
+        table.add_column(column)
+    for f in findings:
+        table.add_row(*(escape(text) for text in (f.check, f.symptom, f.cause, f.confirmed_by, f.fix)))
+    table.caption = "checks: the activation-recompute skill's failure-diagnosis table"
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Activation recompute for PyTorch transformer training.")
@@ -701,6 +789,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     p.set_defaults(func=_cmd_estimate)
+    p = sub.add_parser("doctor", help="diagnose an OOM (fragmentation or capacity) or a bench/sweep's results",
+                       description="--results: the activation-recompute skill's failure checks on `remat bench "
+                                   "--json` / `remat sweep --json` output (exit 1 on a finding). --snapshot / "
+                                   "--oom_message: classify an OOM as fragmentation or capacity and say what to "
+                                   "change. Otherwise (CUDA only): run the bench with the run flags and diagnose "
+                                   "an OOM it hits.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--results", metavar="FILE.json", help="bench or sweep results as --json writes them")
+    g.add_argument("--snapshot", metavar="SNAP",
+                   help="torch.cuda.memory._dump_snapshot pickle (load only your own) or the same as .json")
+    g.add_argument("--oom_message", metavar="TEXT", help="the 'CUDA out of memory. Tried to allocate ...' line")
+    p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
+    p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had (e.g. 80GiB)")
+    _add_run_flags(p)
+    _add_recompute_flags(p)
+    p.set_defaults(func=_cmd_doctor, golden=None, threshold=DEFAULT_THRESHOLD)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

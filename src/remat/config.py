@@ -1292,6 +1292,25 @@ def batch_split_problems(facts: TrainingFacts, num_gpus: int, micro_batch_size: 
                                                f" parallel = {per_step}; use a multiple of it")
 
 
+def recorded_config(keys: Mapping[str, Any]) -> RecomputeConfig:
+    """Megatron keys as a result recorded them, fields parsed but no rule applied: results from other
+    harnesses may hold configs these rules refuse, and `remat doctor` runs single rules on them."""
+    config = RecomputeConfig.__new__(RecomputeConfig)
+    for f in dataclasses.fields(RecomputeConfig):
+        setattr(config, f.name, keys.get(f.name, _default(f)))
+    config.facts = TrainingFacts(**{k: v for k, v in keys.items() if k in _FACT_PARSERS})
+    config._normalize()  # a field of the wrong type falls back to its default
+    return config
+
+
+def snapshot_limit_problems(reserved: int, limit: int) -> Iterator[Problem]:
+    """A memory snapshot records no device size; the one given must hold what the snapshot reserves."""
+    if limit < reserved:
+        yield Problem("limit", f"{format_bytes(limit)} is less than the {format_bytes(reserved)} the snapshot"
+                               " reserves; pass the device's memory (e.g. --limit 80GiB, or 141GiB on an H200)"
+                               " or the per-process fraction's share of it")
+
+
 def threshold_problems(threshold: float) -> Iterator[Problem]:
     if not threshold >= 0:
         yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"

@@ -240,9 +240,11 @@ def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str |
 
 
 def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | None = None,
-              name: str | None = None, progress: Progress | None = None) -> BenchResult:
+              name: str | None = None, progress: Progress | None = None,
+              on_oom: Callable[[torch.cuda.OutOfMemoryError], Any] | None = None) -> BenchResult:
     """Train `spec.max_steps` steps under `plan` and measure them. An out-of-memory error is a
-    result (status "oom"), after which the memory it held is released."""
+    result (status "oom"), after which the memory it held is released; `on_oom` sees the error
+    first, while the failed step's tensors are alive (remat doctor's `Doctor.observe`)."""
     model = model or build_model(spec)
     torch.manual_seed(spec.seed)
     model.init_weights()  # every run of a sweep starts from the same weights
@@ -262,6 +264,8 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
     except torch.cuda.OutOfMemoryError as e:
         # measured while the failed step's tensors are still referenced by the traceback
         oom = OomInfo(torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), str(e).split("\n")[0])
+        if on_oom is not None:
+            on_oom(e)
     if oom is not None:
         release_memory(model)  # outside the except block, so the traceback's frames are gone
         if progress is not None and task is not None:
