@@ -221,8 +221,10 @@ def test_when_no_plan_fits_smaller_micro_batch_then_more_gpus() -> None:
 
 def test_capacity_without_a_planner_gives_the_plan_command() -> None:
     recs = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=2)
-    assert recs[0].setting == "remat plan [this run's -mr/-sl/-mb flags] --memory-budget 62.7GiB -o plan.yaml --verify"
+    assert recs[0].setting == "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"
     assert [r.setting for r in recs[1:]] == ["-mb 1", "-tp 2 --sequence_parallel, or -pp 2, or -cp 2"]
+    with_flags = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=2, run_flags="-mr llama3_8b -mb 2")
+    assert with_flags[0].setting == "remat plan -mr llama3_8b -mb 2 --memory-budget 62.7GiB -o plan.yaml --verify"
 
 
 def test_a_request_that_fits_needs_nothing_and_expandable_fragmentation_needs_less_memory() -> None:
@@ -405,7 +407,7 @@ def test_cli_classifies_a_snapshot(tmp_path, capsys) -> None:
                  "-mb", "2"]) == 0
     out = capsys.readouterr().out
     assert "remat doctor: capacity" in out and "-mb 1" in out
-    assert "remat plan [this run's -mr/-sl/-mb flags] --memory-budget 62.7GiB" in out
+    assert "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB" in out
 
 
 def test_cli_says_what_to_pass(tmp_path, capsys) -> None:
@@ -419,3 +421,11 @@ def test_cli_says_what_to_pass(tmp_path, capsys) -> None:
     if not torch.cuda.is_available():
         assert main(["doctor", "-mr", "llama3_tiny"]) == 1
         assert "pass --results, --snapshot or --oom_message" in capsys.readouterr().err
+
+
+def test_cli_timeline_writes_a_png_of_one_step_on_cpu(tmp_path, capsys) -> None:
+    out = tmp_path / "step.png"
+    assert main(["doctor", "--timeline", str(out), "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "32",
+                 "--device", "cpu", "-rl", "1"]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert "peak allocated" in capsys.readouterr().out

@@ -113,3 +113,25 @@ def test_trace_leaves_the_model_without_a_plan() -> None:
     trace = remat.trace(model, ids[:, :-1], ids[:, 1:])
     assert all(s.action is None for group in remat.find_sites(model).inner for s in group)
     assert trace.layers[0].input_bytes == 0  # one layer: no multi-layer group to measure it with
+
+
+def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_does(tmp_path) -> None:
+    from remat.bench.plot import timeline_plot
+    from remat.memory.trace import timeline
+
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float32, num_layers=3, seq_length=16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    recorded = timeline(model, ids[:, :-1], ids[:, 1:].contiguous(), optimizer=optimizer,
+                        plan=remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]))
+    assert [name for _, name in recorded.marks] == [
+        "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
+    positions = [i for i, _ in recorded.marks]
+    assert positions == sorted(positions) and positions[-1] < len(recorded.allocated)
+    assert max(recorded.allocated) == max(recorded.peaks.values())  # sampled after every op: the peak
+    assert recorded.reserved is None  # CPU
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # learning rate held at 0
+    path = timeline_plot(recorded, tmp_path / "step.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

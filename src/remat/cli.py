@@ -632,11 +632,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 1 if findings else 0
     if args.snapshot or args.oom_message:
         return _doctor_state(args)
+    if args.timeline:
+        return _doctor_timeline(args)
     if not _cuda_available():  # the one path that needs a GPU: it runs the bench
         raise ConfigError([Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; "
                                              "pass --results, --snapshot or --oom_message instead")])
     spec, plan, _, _ = _check_bench(args)
-    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size)
+    run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
+    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags)
     with progress_bar(not args.no_progress) as bar:
         result = run_bench(spec, plan, name=plan_name(plan), progress=bar, on_oom=doc.observe)
     if doc.report is None:
@@ -644,6 +647,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     _print_report(doc.report)
     return 1
+
+
+def _doctor_timeline(args: argparse.Namespace) -> int:
+    """One training step of the recipe under the config, memory after every op, as a PNG."""
+    from remat.bench.plot import timeline_plot
+    from remat.bench.report import format_gib
+    from remat.bench.run import MockData, build_model, make_optimizer
+    from remat.memory.trace import timeline
+
+    spec, plan, _, _ = _check_bench(args)
+    model = build_model(spec)
+    model.train()
+    batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
+    recorded = timeline(model, *batch, optimizer=make_optimizer(model, spec), plan=plan,
+                        micro_batches=spec.micro_batches)
+    path = timeline_plot(recorded, args.timeline, title=f"{spec.recipe} on {spec.device}: one step, "
+                                                         f"{spec.micro_batch_size} x {model.config.seq_length} tokens")
+    window, peak = max(recorded.peaks.items(), key=lambda item: item[1])
+    _console.print(f"memory timeline of one step: {path} (peak allocated {format_gib(peak)} in {window})")
+    return 0
 
 
 def _doctor_state(args: argparse.Namespace) -> int:
@@ -800,6 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snapshot", metavar="SNAP",
                    help="torch.cuda.memory._dump_snapshot pickle (load only your own) or the same as .json")
     g.add_argument("--oom_message", metavar="TEXT", help="the 'CUDA out of memory. Tried to allocate ...' line")
+    p.add_argument("--timeline", metavar="PNG", help="run one step of the recipe (CPU or GPU) and plot its "
+                                                      "memory after every op, phases and layers marked")
     p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
     p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had (e.g. 80GiB)")
     _add_run_flags(p)

@@ -278,11 +278,14 @@ class Recommendation:
 PlanFn = Callable[[int], PlanResult]  # budget bytes -> the fastest plan that fits (NoPlanFits if none)
 
 
+_RUN_FLAGS = "[the run's -mr/-sl/-mb/... flags]"
+
+
 def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
-              micro_batch_size: int | None = None) -> list[Recommendation]:
+              micro_batch_size: int | None = None, run_flags: str | None = None) -> list[Recommendation]:
     """What to change, best first: the allocator setting for fragmentation; for capacity the fastest
-    recompute plan that fits (from `plan_fn`, or the `remat plan` command to find it), then a smaller
-    micro-batch and more parallelism when no plan fits."""
+    recompute plan that fits (from `plan_fn`, or the `remat plan` command to find it, with the
+    run's `run_flags` when known), then a smaller micro-batch and more parallelism when no plan fits."""
     s = diagnosis.state
     if diagnosis.kind == "fits":
         return []
@@ -296,7 +299,7 @@ def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
     need = s.allocated + (s.request or 0)
     if plan_fn is None:
         return [Recommendation(
-            "find the fastest recompute plan that fits", f"remat plan [this run's -mr/-sl/-mb flags] "
+            "find the fastest recompute plan that fits", f"remat plan {run_flags or _RUN_FLAGS} "
             f"--memory-budget {budget / 2**30:.1f}GiB -o plan.yaml --verify",
             f"{PLAN_BUDGET_SHARE:.0%} of the {format_bytes(s.available)}"
             " this allocator can have; the planner predicts peak allocated memory"),
@@ -377,6 +380,7 @@ class Doctor:
     reraise: bool = True
     plan_fn: PlanFn | None = None
     micro_batch_size: int | None = None
+    run_flags: str | None = None  # the recipe and run flags a `remat plan` command should repeat
     report: Report | None = field(default=None, init=False)
 
     def observe(self, error: BaseException) -> Report:
@@ -391,7 +395,8 @@ class Doctor:
             state = dataclasses.replace(state, limit=oom.allowed)
         diagnosis = classify(state)
         self.report = Report(diagnosis, recommend(diagnosis, plan_fn=self.plan_fn,
-                                                  micro_batch_size=self.micro_batch_size),
+                                                  micro_batch_size=self.micro_batch_size,
+                                                  run_flags=self.run_flags),
                              message.split("\n")[0])
         if self.on_oom is not None:
             self.on_oom(self.report)

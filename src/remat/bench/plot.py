@@ -1,4 +1,4 @@
-"""Memory-versus-throughput plot of benchmark runs with their Pareto frontier.
+"""Plots: memory versus throughput of benchmark runs with their Pareto frontier; one step's memory timeline.
 
 Uses a bare Figure on an Agg canvas rather than pyplot, so plotting never touches a user's interactive backend.
 """
@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat.bench.result import BenchResult
+from remat.memory.trace import Timeline
 
 _GIB = 1 << 30
 Point = tuple[float, float]  # (peak memory GiB, TFLOP/s)
@@ -100,6 +101,51 @@ def pareto_plot(
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
 
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=150)
+    return out
+
+
+_PHASES = (("fwd", "forward", "tab:green"), ("head", "loss head", "tab:purple"), ("bwd", "backward", "tab:orange"),
+           ("tail", "backward", "tab:orange"), ("optimizer", "optimizer", "tab:red"))
+
+
+def _phase(window: str) -> tuple[str, str] | None:
+    return next(((label, color) for prefix, label, color in _PHASES if window.startswith(prefix)), None)
+
+
+def timeline_plot(timeline: Timeline, path: str | os.PathLike[str], *, title: str = "") -> Path:
+    """Write a PNG of allocated (and reserved) memory over one step's ops, phases shaded, each
+    layer's forward and backward marked; return its path."""
+    fig = Figure(figsize=(11, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ops = range(len(timeline.allocated))
+    ax.plot(ops, [b / _GIB for b in timeline.allocated], color="tab:blue", linewidth=1, label="allocated")
+    if timeline.reserved is not None:
+        ax.plot(ops, [b / _GIB for b in timeline.reserved], color="grey", linewidth=1, label="reserved")
+    ends = [start for start, _ in timeline.marks[1:]] + [len(timeline.allocated)]
+    shaded: set[str] = set()
+    for (start, window), end in zip(timeline.marks, ends):
+        phase = _phase(window)
+        if phase is None:
+            continue
+        label, color = phase
+        ax.axvspan(start, end, color=color, alpha=0.08, label=None if label in shaded else label)
+        shaded.add(label)
+        if window[:3] in ("fwd", "bwd"):
+            ax.axvline(start, color=color, alpha=0.4, linewidth=0.6)
+            ax.annotate(window, (start, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                        va="top", ha="right", color=color)
+    ax.set_xlabel("op of the training step")
+    ax.set_ylabel("GiB")
+    ax.set_xlim(0, max(len(timeline.allocated) - 1, 1))
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if title:
+        ax.set_title(title)
+    ax.legend(loc="lower left", fontsize=8)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=150)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.apply import apply, find_sites
@@ -183,8 +184,10 @@ class _Record:
 class _Windows:
     """Marks the windows of a step with hooks on the layer Sites and on the layers' activations."""
 
-    def __init__(self, meter: Meter, layer_sites: list[Site]) -> None:
+    def __init__(self, meter: Meter, layer_sites: list[Site],
+                 on_mark: Callable[[str], None] | None = None) -> None:
         self.meter, self.last = meter, len(layer_sites) - 1
+        self.on_mark = on_mark
         self.record = _Record()
         self.current = "pre"
         self.backward = False  # once backward runs, forwards are recompute replays: not windows
@@ -195,6 +198,8 @@ class _Windows:
     def mark(self, name: str) -> None:
         self.record.peaks[self.current] = max(self.record.peaks.get(self.current, 0), self.meter.take_peak())
         self.current = name
+        if self.on_mark is not None:
+            self.on_mark(name)
 
     def _on_grad(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -257,7 +262,9 @@ class _Stepper:
         if windows:
             windows.mark("end")
 
-    def measure(self, plan: Plan) -> _Record:
+    def measure(self, plan: Plan, on_mark: Callable[[str], None] | None = None,
+                sample: Callable[[Meter], Any] | None = None) -> _Record:
+        """One step's windows; `on_mark(name)` as each begins; `sample(meter)` wraps the step."""
         apply(self.model, plan)
         if self.cuda:  # a warm-up step: compiled regions compile, lazily allocated state appears
             self.step()
@@ -267,8 +274,8 @@ class _Stepper:
         else:
             meter = context = CpuMeter(held_tensors(self.model, self.optimizer))
         sites = find_sites(self.model).layers
-        with context:
-            windows = _Windows(meter, sites)
+        with context, (sample(meter) if sample is not None else nullcontext()):
+            windows = _Windows(meter, sites, on_mark)
             meter.take_peak()
             try:
                 self.step(windows, meter)
@@ -343,32 +350,93 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                                             "to tell one layer's memory from the next; add layer Sites")])
     note = progress or (lambda message: None)
     n = layout.num_layers
-    rates = [group["lr"] for group in optimizer.param_groups] if optimizer else []
-    for group in optimizer.param_groups if optimizer else []:
-        group["lr"] = 0.0
     stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
                        flops_per_s)
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
-        stepper.step()  # the state a steady step starts from: gradients, optimizer moments
-        note("baseline")
-        base = stepper.measure(Plan.none(n))
-        base_time = stepper.seconds(Plan.none(n), timing_repeats)
-        kinds: dict[tuple[Any, ...], list[int]] = {}
-        for i in range(n):
-            kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
-        effects: dict[int, LayerEffects] = {}
-        for indices in kinds.values():
-            measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, note)
-            effects.update((i, measured) for i in indices)
+        with _weights_held(optimizer):
+            stepper.step()  # the state a steady step starts from: gradients, optimizer moments
+            note("baseline")
+            base = stepper.measure(Plan.none(n))
+            base_time = stepper.seconds(Plan.none(n), timing_repeats)
+            kinds: dict[tuple[Any, ...], list[int]] = {}
+            for i in range(n):
+                kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
+            effects: dict[int, LayerEffects] = {}
+            for indices in kinds.values():
+                measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, note)
+                effects.update((i, measured) for i in indices)
     finally:
         gc.unfreeze()
         apply(model, None)
-        for group, rate in zip(optimizer.param_groups if optimizer else [], rates):
-            group["lr"] = rate
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
     return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)))
+
+
+@contextmanager
+def _weights_held(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """The optimizer steps with learning rate 0: its moments change, the weights do not."""
+    groups = optimizer.param_groups if optimizer is not None else []
+    rates = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for group, rate in zip(groups, rates):
+            group["lr"] = rate
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory after every op of one training step, with the windows marked where they begin."""
+
+    allocated: tuple[int, ...]
+    reserved: tuple[int, ...] | None  # the caching allocator's (CUDA only)
+    marks: tuple[tuple[int, str], ...]  # (op index, window name): fwd i, head, bwd i, tail, optimizer
+    peaks: dict[str, int]  # each window's peak, as the trace measures it
+
+
+class _Sampler(TorchDispatchMode):
+    def __init__(self, meter: Meter, cuda: bool) -> None:
+        super().__init__()
+        self.meter, self.cuda = meter, cuda
+        self.allocated: list[int] = []
+        self.reserved: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.allocated.append(self.meter.now())
+        if self.cuda:
+            self.reserved.append(torch.cuda.memory_reserved())
+        return out
+
+
+def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
+             optimizer: torch.optim.Optimizer | None = None, plan: RecomputeConfig | Plan | None = None,
+             micro_batches: int = 1, seed: int = 0) -> Timeline:
+    """Allocated (and on CUDA reserved) bytes after every op of one training step under `plan`,
+    the step `trace` measures, with each layer's forward and backward marked."""
+    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
+    resolved = _resolve(plan, find_sites(model).layout)
+    marks: list[tuple[int, str]] = []
+    samplers: list[_Sampler] = []
+
+    def sample(meter: Meter) -> _Sampler:
+        samplers.append(_Sampler(meter, stepper.cuda))
+        return samplers[-1]
+
+    try:
+        with _weights_held(optimizer):
+            stepper.step()  # gradients and optimizer state exist, as in a steady step
+            record = stepper.measure(resolved, lambda name: marks.append((len(samplers[0].allocated), name)),
+                                     sample)
+    finally:
+        apply(model, None)
+    (sampler,) = samplers
+    return Timeline(tuple(sampler.allocated), tuple(sampler.reserved) if stepper.cuda else None,
+                    tuple(m for m in marks if m[1] != "end"), dict(record.peaks))
 
 
 def _window_place(name: str, n: int) -> tuple[int | None, int]:
