@@ -135,3 +135,8 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # learning rate held at 0
     path = timeline_plot(recorded, tmp_path / "step.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # per window (for compiled regions, which a per-op dispatch mode would run eagerly)
+    coarse = timeline(model, ids[:, :-1], ids[:, 1:].contiguous(), optimizer=optimizer, plan=None, per_op=False)
+    assert [name for _, name in coarse.marks] == [name for _, name in recorded.marks]
+    assert len(coarse.allocated) == 2 * (len(coarse.marks) + 1)  # each window's peak, each start
+    assert max(coarse.allocated) == max(coarse.peaks.values())

@@ -185,7 +185,7 @@ class _Windows:
     """Marks the windows of a step with hooks on the layer Sites and on the layers' activations."""
 
     def __init__(self, meter: Meter, layer_sites: list[Site],
-                 on_mark: Callable[[str], None] | None = None) -> None:
+                 on_mark: Callable[[str, int], None] | None = None) -> None:
         self.meter, self.last = meter, len(layer_sites) - 1
         self.on_mark = on_mark
         self.record = _Record()
@@ -196,10 +196,11 @@ class _Windows:
             site.register_forward_hook(lambda m, args, out, i=i: self._exit(i, out)))]
 
     def mark(self, name: str) -> None:
-        self.record.peaks[self.current] = max(self.record.peaks.get(self.current, 0), self.meter.take_peak())
+        peak = self.meter.take_peak()
+        self.record.peaks[self.current] = max(self.record.peaks.get(self.current, 0), peak)
         self.current = name
         if self.on_mark is not None:
-            self.on_mark(name)
+            self.on_mark(name, peak)
 
     def _on_grad(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -262,9 +263,10 @@ class _Stepper:
         if windows:
             windows.mark("end")
 
-    def measure(self, plan: Plan, on_mark: Callable[[str], None] | None = None,
+    def measure(self, plan: Plan, on_mark: Callable[[str, int], None] | None = None,
                 sample: Callable[[Meter], Any] | None = None) -> _Record:
-        """One step's windows; `on_mark(name)` as each begins; `sample(meter)` wraps the step."""
+        """One step's windows; `on_mark(name, peak of the window before)` as each begins;
+        `sample(meter)` wraps the step."""
         apply(self.model, plan)
         if self.cuda:  # a warm-up step: compiled regions compile, lazily allocated state appears
             self.step()
@@ -398,7 +400,9 @@ class Timeline:
     peaks: dict[str, int]  # each window's peak, as the trace measures it
 
 
-class _Sampler(TorchDispatchMode):
+class _OpSampler(TorchDispatchMode):
+    """Memory after every op."""
+
     def __init__(self, meter: Meter, cuda: bool) -> None:
         super().__init__()
         self.meter, self.cuda = meter, cuda
@@ -407,31 +411,61 @@ class _Sampler(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.sample()
+        return out
+
+    def sample(self) -> None:
         self.allocated.append(self.meter.now())
         if self.cuda:
             self.reserved.append(torch.cuda.memory_reserved())
-        return out
+
+    def mark(self, peak: int) -> None:
+        """A window begins (its predecessor's peak is among the samples already)."""
+
+
+class _MarkSampler(_OpSampler):
+    """Memory at each window's start and its predecessor's peak, without seeing ops: a dispatch
+    mode would run compiled regions eagerly and change what they save."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AssertionError("never entered")
+
+    def __enter__(self) -> "_MarkSampler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def mark(self, peak: int) -> None:
+        self.allocated.append(peak)
+        if self.cuda:
+            self.reserved.append(torch.cuda.memory_reserved())
+        self.sample()
 
 
 def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
              optimizer: torch.optim.Optimizer | None = None, plan: RecomputeConfig | Plan | None = None,
-             micro_batches: int = 1, seed: int = 0) -> Timeline:
+             micro_batches: int = 1, seed: int = 0, per_op: bool = True) -> Timeline:
     """Allocated (and on CUDA reserved) bytes after every op of one training step under `plan`,
-    the step `trace` measures, with each layer's forward and backward marked."""
+    the step `trace` measures, with each layer's forward and backward marked. With compiled
+    regions pass per_op=False: samples then come at each window's start and peak only."""
     stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
     resolved = _resolve(plan, find_sites(model).layout)
     marks: list[tuple[int, str]] = []
-    samplers: list[_Sampler] = []
+    samplers: list[_OpSampler] = []
 
-    def sample(meter: Meter) -> _Sampler:
-        samplers.append(_Sampler(meter, stepper.cuda))
+    def sample(meter: Meter) -> _OpSampler:
+        samplers.append((_OpSampler if per_op else _MarkSampler)(meter, stepper.cuda))
         return samplers[-1]
+
+    def on_mark(name: str, peak: int) -> None:
+        samplers[0].mark(peak)  # per op, the window starts at the next sample; else at the last
+        marks.append((len(samplers[0].allocated) - (0 if per_op else 1), name))
 
     try:
         with _weights_held(optimizer):
             stepper.step()  # gradients and optimizer state exist, as in a steady step
-            record = stepper.measure(resolved, lambda name: marks.append((len(samplers[0].allocated), name)),
-                                     sample)
+            record = stepper.measure(resolved, on_mark, sample)
     finally:
         apply(model, None)
     (sampler,) = samplers
