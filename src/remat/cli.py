@@ -624,7 +624,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from remat import doctor
     from remat.bench import plan_name, run_bench
     from remat.bench.report import format_gib
-    from remat.bench.run import progress_bar
+    from remat.bench.run import build_model, progress_bar
 
     if args.results:
         findings = doctor.check_results(doctor.load_results(args.results))
@@ -639,9 +639,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                                              "pass --results, --snapshot or --oom_message instead")])
     spec, plan, _, _ = _check_bench(args)
     run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
-    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags)
-    with progress_bar(not args.no_progress) as bar:
-        result = run_bench(spec, plan, name=plan_name(plan), progress=bar, on_oom=doc.observe)
+    model = build_model(spec)
+    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags,
+                        model=model)
+    with progress_bar(not args.no_progress) as bar, doc:
+        result = run_bench(spec, plan, model=model, name=plan_name(plan), progress=bar, on_oom=doc.observe)
     if doc.report is None:
         _console.print(f"no OOM: {result.name} ran, peak allocated {format_gib(result.peak_allocated_bytes)}")
         return 0
@@ -697,6 +699,7 @@ def _print_report(report: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from remat import doctor
     from remat.bench.report import format_gib
 
     d = report.diagnosis
@@ -709,6 +712,14 @@ def _print_report(report: Any) -> None:
     _console.print(table)
     for i, r in enumerate(report.recommendations, 1):
         _console.print(f"{i}. {escape(r.what)}:\n   [bold]{escape(r.setting)}[/]\n   {escape(r.why)}")
+    rows = doctor.attribution_rows(report)
+    if rows:
+        held = Table(title="who held the allocated memory")
+        held.add_column("")
+        held.add_column("bytes", justify="right")
+        for what, nbytes in rows:
+            held.add_row(what, format_gib(nbytes))
+        _console.print(held)
 
 
 def _findings_table(findings: Sequence[Any], path: str) -> Any:

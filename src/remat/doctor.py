@@ -28,6 +28,7 @@ from remat.config import (
     rule_cpu_offload_not_with_pipeline,
     rule_full_recompute_graph_scope,
 )
+from remat.memory.attribution import Attribution, Attributor
 from remat.planner import NoPlanFits
 from remat.planning import PlanResult
 
@@ -357,11 +358,23 @@ class Report:
     diagnosis: Diagnosis
     recommendations: list[Recommendation]
     message: str = ""  # the OOM's first line, when there was one
+    attribution: Attribution | None = None  # who held the allocated memory (when the model was watched)
 
     def __str__(self) -> str:
         lines = [f"remat doctor: {self.diagnosis}"]
         lines += [f"  {i}. {r}" for i, r in enumerate(self.recommendations, 1)]
+        if self.attribution is not None:
+            lines += [f"  {what}: {format_bytes(nbytes)}" for what, nbytes in attribution_rows(self)]
         return "\n".join(lines)
+
+
+def attribution_rows(report: Report) -> list[tuple[str, int]]:
+    """The attribution, then what it leaves of allocated (transients, the failed step's working
+    memory) and the allocator's slack (reserved but unallocated)."""
+    a, s = report.attribution, report.diagnosis.state
+    if a is None:
+        return []
+    return [*a.rows(), ("other allocated", s.allocated - a.total), ("allocator slack", s.reserved - s.allocated)]
 
 
 def diagnose(device: torch.device | int | str | None = None, request_bytes: int | None = None, *,
@@ -381,7 +394,14 @@ class Doctor:
     plan_fn: PlanFn | None = None
     micro_batch_size: int | None = None
     run_flags: str | None = None  # the recipe and run flags a `remat plan` command should repeat
+    model: torch.nn.Module | None = None  # watched: what its sites save is attributed
+    optimizer: torch.optim.Optimizer | None = None
     report: Report | None = field(default=None, init=False)
+    _attributor: Attributor | None = field(default=None, init=False, repr=False)
+
+    def attribute(self) -> Attribution | None:
+        """Who holds the memory now (inside `with`, for a watched model)."""
+        return self._attributor.attribute() if self._attributor is not None else None
 
     def observe(self, error: BaseException) -> Report:
         """Diagnose an OOM: the allocator's state when CUDA is there, else the message's numbers."""
@@ -397,32 +417,42 @@ class Doctor:
         self.report = Report(diagnosis, recommend(diagnosis, plan_fn=self.plan_fn,
                                                   micro_batch_size=self.micro_batch_size,
                                                   run_flags=self.run_flags),
-                             message.split("\n")[0])
+                             message.split("\n")[0], self.attribute())
         if self.on_oom is not None:
             self.on_oom(self.report)
         return self.report
 
     def __enter__(self) -> Doctor:
+        if self.model is not None:
+            self._attributor = Attributor(self.model, self.optimizer).__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> bool:
-        if not isinstance(error, torch.cuda.OutOfMemoryError):
-            return False
         try:
-            self.observe(error)
-        except ValueError:  # a message without the allocator's numbers: let the OOM itself through
-            return False
-        return not self.reraise
+            if not isinstance(error, torch.cuda.OutOfMemoryError):
+                return False
+            try:
+                self.observe(error)
+            except ValueError:  # a message without the allocator's numbers: let the OOM itself through
+                return False
+            return not self.reraise
+        finally:
+            if self._attributor is not None:
+                self._attributor.__exit__(None, None, None)
+                self._attributor = None
 
 
-def watch(model: torch.nn.Module | None = None, *, on_oom: Callable[[Report], Any] | None = print,
-          reraise: bool = True, plan_fn: PlanFn | None = None, micro_batch_size: int | None = None) -> Doctor:
-    """`with remat.doctor.watch(model) as doc:` around a training loop: an OOM inside is diagnosed
-    (`doc.report`), handed to `on_oom`, and re-raised unless `reraise=False`."""
+def watch(model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
+          on_oom: Callable[[Report], Any] | None = print, reraise: bool = True, plan_fn: PlanFn | None = None,
+          micro_batch_size: int | None = None) -> Doctor:
+    """`with remat.doctor.watch(model, optimizer=opt) as doc:` around a training loop: an OOM inside
+    is diagnosed (`doc.report`, with the allocated memory attributed to weights, grads, optimizer
+    state and what each site of each layer saved), handed to `on_oom`, and re-raised unless
+    `reraise=False`; `doc.attribute()` on request."""
     param = next(model.parameters(), None) if model is not None else None
     device = param.device if param is not None and param.device.type == "cuda" else None
-    return Doctor(device, on_oom, reraise, plan_fn, micro_batch_size)
+    return Doctor(device, on_oom, reraise, plan_fn, micro_batch_size, model=model, optimizer=optimizer)
 
 
 # --- the skill's failure-diagnosis table, on bench and sweep results ----------------------------------
