@@ -201,7 +201,7 @@ class Offloader:
     `device_type`: where offloaded tensors live, "cuda" (pinned host buffers, side streams) or
     "cpu" (plain copies into pooled CPU buffers: the same logic, for tests).
     `resident`: tensors that live on anyway (a model's parameters and buffers), asked for again
-    at each new group, since a model may replace its buffers.
+    at the start of each forward, since a model may replace its buffers.
     """
 
     def __init__(self, min_numel: int, device_type: str | None = None,
@@ -224,8 +224,11 @@ class Offloader:
     def group(self, key: int) -> Iterator[None]:
         """Make this the active offloader; groups entered in a row with one key are one group."""
         if self._group is None or self._group.key != key or self._group.backward_started:
+            # a forward begins (nothing before, or the last group's backward ran): read the
+            # resident tensors once per forward, not once per layer
+            forward_begins = self._group is None or self._group.backward_started
             self._group = _Group(key, self._group)
-            if self._resident is not None:
+            if forward_begins and self._resident is not None:
                 self._resident_keys = {storage_key(t) for t in self._resident()}
         stack = _local.__dict__.setdefault("offloaders", [])
         stack.append(self)

@@ -9,10 +9,10 @@ still alive, each counted once, first owner first.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -94,7 +94,7 @@ class Attributor(AbstractContextManager):
                  if self.optimizer is not None else [])
         grads = [p.grad for p in params if p.grad is not None]
         # buffers (RoPE tables) live on anyway: a view of one saved for backward is not an activation
-        static = {storage_key(t) for t in _tensors(params, grads, state, self.model.buffers())}
+        static = {storage_key(t) for t in itertools.chain(params, grads, state, self.model.buffers())}
         activations: dict[Owner, int] = {}
         for key, (ref, owner) in list(self._saved.items()):
             storage = ref()
@@ -103,7 +103,3 @@ class Attributor(AbstractContextManager):
             elif key not in static:
                 activations[owner] = activations.get(owner, 0) + storage.nbytes()
         return Attribution(storage_bytes(params), storage_bytes(grads), storage_bytes(state), activations)
-
-
-def _tensors(*groups: Iterable[Any]) -> list[torch.Tensor]:
-    return [t for group in groups for t in group]

@@ -400,47 +400,29 @@ class Timeline:
     peaks: dict[str, int]  # each window's peak, as the trace measures it
 
 
-class _OpSampler(TorchDispatchMode):
-    """Memory after every op."""
+class _Samples:
+    """Allocated (and on CUDA reserved) bytes, appended as the step goes."""
 
     def __init__(self, meter: Meter, cuda: bool) -> None:
-        super().__init__()
         self.meter, self.cuda = meter, cuda
         self.allocated: list[int] = []
         self.reserved: list[int] = []
 
+    def sample(self, allocated: int | None = None) -> None:
+        self.allocated.append(self.meter.now() if allocated is None else allocated)
+        if self.cuda:
+            self.reserved.append(torch.cuda.memory_reserved())
+
+
+class _EveryOp(TorchDispatchMode):
+    def __init__(self, samples: _Samples) -> None:
+        super().__init__()
+        self.samples = samples
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.sample()
+        self.samples.sample()
         return out
-
-    def sample(self) -> None:
-        self.allocated.append(self.meter.now())
-        if self.cuda:
-            self.reserved.append(torch.cuda.memory_reserved())
-
-    def mark(self, peak: int) -> None:
-        """A window begins (its predecessor's peak is among the samples already)."""
-
-
-class _MarkSampler(_OpSampler):
-    """Memory at each window's start and its predecessor's peak, without seeing ops: a dispatch
-    mode would run compiled regions eagerly and change what they save."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise AssertionError("never entered")
-
-    def __enter__(self) -> "_MarkSampler":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def mark(self, peak: int) -> None:
-        self.allocated.append(peak)
-        if self.cuda:
-            self.reserved.append(torch.cuda.memory_reserved())
-        self.sample()
 
 
 def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -448,19 +430,23 @@ def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
              micro_batches: int = 1, seed: int = 0, per_op: bool = True) -> Timeline:
     """Allocated (and on CUDA reserved) bytes after every op of one training step under `plan`,
     the step `trace` measures, with each layer's forward and backward marked. With compiled
-    regions pass per_op=False: samples then come at each window's start and peak only."""
+    regions pass per_op=False: samples then come at each window's start and peak only (a
+    dispatch mode watching every op would run compiled regions eagerly and change what they save)."""
     stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
     resolved = _resolve(plan, find_sites(model).layout)
     marks: list[tuple[int, str]] = []
-    samplers: list[_OpSampler] = []
+    found: list[_Samples] = []
 
-    def sample(meter: Meter) -> _OpSampler:
-        samplers.append((_OpSampler if per_op else _MarkSampler)(meter, stepper.cuda))
-        return samplers[-1]
+    def sample(meter: Meter) -> Any:
+        found.append(_Samples(meter, stepper.cuda))
+        return _EveryOp(found[0]) if per_op else nullcontext()
 
     def on_mark(name: str, peak: int) -> None:
-        samplers[0].mark(peak)  # per op, the window starts at the next sample; else at the last
-        marks.append((len(samplers[0].allocated) - (0 if per_op else 1), name))
+        samples = found[0]
+        if not per_op:  # the window that ended reached `peak`; the next one starts from now
+            samples.sample(peak)
+            samples.sample()
+        marks.append((len(samples.allocated) - (0 if per_op else 1), name))
 
     try:
         with _weights_held(optimizer):
@@ -468,8 +454,8 @@ def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
             record = stepper.measure(resolved, on_mark, sample)
     finally:
         apply(model, None)
-    (sampler,) = samplers
-    return Timeline(tuple(sampler.allocated), tuple(sampler.reserved) if stepper.cuda else None,
+    (samples,) = found
+    return Timeline(tuple(samples.allocated), tuple(samples.reserved) if stepper.cuda else None,
                     tuple(m for m in marks if m[1] != "end"), dict(record.peaks))
 
 
