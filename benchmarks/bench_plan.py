@@ -5,7 +5,8 @@ anchor measures.
 
   PYTHONPATH=src python benchmarks/bench_plan.py --shape w1 [--anchor MODES] [--plans 12]
   PYTHONPATH=src python benchmarks/bench_plan.py --shape 70b
-  writes $OUT/plan_<shape>.json and $OUT/plan_<shape>.png
+  PYTHONPATH=src python benchmarks/bench_plan.py --shape w1 --offload   (offload measured and chosen too)
+  writes $OUT/plan_<shape>[_offload].json and .png
 
 The anchor (benchmarks/anchors/torch_baseline.py) has Llama-3-8B shapes built in, so only W1 has
 anchor points; the 70B-dims shape checks prediction.
@@ -48,7 +49,8 @@ def _row(name: str, plan, prediction, result) -> dict:
     if isinstance(plan, Plan):
         written = plan.to_dict()
     else:
-        written = {k: v for k, v in plan.to_megatron().items() if k.startswith("recompute_") and v} if plan else {}
+        written = ({k: v for k, v in plan.to_megatron().items() if k.startswith(("recompute_", "cpu_offloading")) and v}
+                   if plan else {})
     return dict(name=name, plan=written,
                 status=result.status, predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
                 measured_peak_gib=round(measured / GIB, 3) if ok else None,
@@ -56,7 +58,9 @@ def _row(name: str, plan, prediction, result) -> dict:
                 peak_window=prediction.peak_window,
                 predicted_step_s=round(prediction.step_time_s, 4),
                 measured_step_s=round(result.fwd_bwd_time_s, 4) if ok else None,
-                tflops=round(result.tflops_fwd_bwd, 1) if ok else None)
+                tflops=round(result.tflops_fwd_bwd, 1) if ok else None,
+                predicted_host_gib=round(prediction.host_bytes / GIB, 3),
+                measured_host_gib=round(result.peak_host_bytes / GIB, 3) if ok and result.peak_host_bytes else None)
 
 
 def main() -> None:
@@ -65,7 +69,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
     parser.add_argument("--anchor", default=PARETO_MODES, help="anchor modes for the Pareto check ('' to skip)")
     parser.add_argument("--plans", type=int, default=12, help="plans spanning the memory range")
+    parser.add_argument("--offload", action="store_true", help="trace offload too and let the planner choose it")
     args = parser.parse_args()
+    tag = args.shape + ("_offload" if args.offload else "")
     shape = SHAPES[args.shape]
     anchor = run_anchor(args.anchor) if args.anchor and args.shape == "w1" else []
     spec = BenchSpec(recipe=shape["recipe"], overrides=shape["overrides"],
@@ -73,7 +79,7 @@ def main() -> None:
                      device="cuda" if torch.cuda.is_available() else "cpu",
                      compile=torch.cuda.is_available(), optimizer=False)
     start = time.perf_counter()
-    model, trace = trace_spec(spec, progress=lambda what: print("trace:", what, flush=True))
+    model, trace = trace_spec(spec, offload=args.offload, progress=lambda what: print("trace:", what, flush=True))
     trace_s = time.perf_counter() - start
     start = time.perf_counter()
     highest = plan_from_trace(trace, 10**15).prediction.peak_bytes
@@ -96,15 +102,24 @@ def main() -> None:
         warnings.simplefilter("ignore")
         candidates += [parse_entry(e, facts) for e in megatron_presets(frozenset({"core_attn", "layernorm", "mlp"}),
                                                                        model.config.num_layers)]
-    seen, rows = set(), []
-    for name, plan in candidates:
+    if args.offload:
+        candidates += _offload_plans(model.config.num_layers)
+    measured: dict[str, object] = {}  # plan -> bench result: each plan runs once
+
+    def bench(name: str, plan):
         lowered = plan if isinstance(plan, Plan) else (
             Plan.from_config(plan, trace.layout) if plan else Plan.none(trace.layout.num_layers))
         key = json.dumps(lowered.to_dict(), sort_keys=True)
+        if key not in measured:
+            measured[key] = run_bench(spec, plan, model=model, name=name)
+        return measured[key], key
+
+    seen, rows = set(), []
+    for name, plan in candidates:
+        result, key = bench(name, plan)
         if key in seen:
             continue
         seen.add(key)
-        result = run_bench(spec, plan, model=model, name=name)
         rows.append(_row(name, plan, trace.predict(plan), result))
         print(json.dumps(rows[-1]), flush=True)
 
@@ -119,7 +134,7 @@ def main() -> None:
             pareto.append(dict(anchor=point["mode"], budget_gib=point["peak_gib"], status=str(e)))
             continue
         plan = chosen.config or chosen.plan
-        result = run_bench(spec, plan, model=model, name=f"plan for {point['mode']}")
+        result, _ = bench(f"plan for {point['mode']}", plan)
         row = _row(f"plan for {point['mode']}", plan, chosen.prediction, result)
         row.update(anchor=point["mode"], budget_gib=point["peak_gib"], anchor_tflops=point["tflops"],
                    ratio=round(row["tflops"] / point["tflops"], 3) if row["tflops"] else None,
@@ -131,11 +146,21 @@ def main() -> None:
                                               micro_batch_size=spec.micro_batch_size, compile=spec.compile),
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d"), command=f"PYTHONPATH=src python benchmarks/bench_plan.py "
-                                                          f"--shape {args.shape}",
+                                                          f"--shape {args.shape}" + (" --offload" if args.offload else ""),
                   trace_s=round(trace_s, 1), solve_s=round(solve_s, 2),
                   base_step_s=trace.base_step_time_s, anchor=anchor, plans=rows, pareto=pareto)
-    (OUT / f"plan_{args.shape}.json").write_text(json.dumps(record, indent=1))
-    _plot(record, OUT / f"plan_{args.shape}.png")
+    (OUT / f"plan_{tag}.json").write_text(json.dumps(record, indent=1))
+    _plot(record, OUT / f"plan_{tag}.png")
+
+
+def _offload_plans(n: int) -> list[tuple[str, Plan]]:
+    """Hand-written offload plans beside the planner's: every full-recompute input offloaded
+    (issue 5's case), and every layer but the last offloading what mlp recompute and layernorm
+    discard leave."""
+    inputs = Plan([{"layer": "offload"} for _ in range(n - 1)] + [{}], [(i, i + 1) for i in range(n)])
+    selective = Plan([{"layer": "offload", "mlp": "recompute", "layernorm": "discard"} for _ in range(n - 1)]
+                     + [{"mlp": "recompute", "layernorm": "discard"}])
+    return [("full_uniform_1, inputs offloaded", inputs), ("mlp+layernorm, rest offloaded", selective)]
 
 
 def _plot(record: dict, path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def main() -> None:
                                       and r["pinned_after_step_1"] == r["pinned_after_step_4"])]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_offload_check.json").write_text(json.dumps(dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, failed=len(failed)), indent=1))
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src python benchmarks/gpu_offload_check.py", rows=rows, failed=len(failed)), indent=1))
     assert not failed, f"{len(failed)} of {len(rows)} checks failed: {failed}"
 
 

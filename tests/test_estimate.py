@@ -190,5 +190,5 @@ def test_offload_plans_are_refused_before_any_trace_with_what_to_do() -> None:
     assert [p.field for p in prediction_problems([{}, {"layer": "offload"}])] == ["offload"]
     assert not list(prediction_problems([{}, {"mlp": "recompute", "layernorm": "discard"}]))
     offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=1, facts=TrainingFacts(num_layers=2))
-    with pytest.raises(ConfigError, match="measure an offload plan with `remat bench`"):
+    with pytest.raises(ConfigError, match="remat plan --offload"):
         estimate(_spec(), [("offload", offload)])

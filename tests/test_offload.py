@@ -246,7 +246,21 @@ def test_in_place_change_after_save_gets_a_fresh_copy() -> None:
     assert torch.equal(seen[0], base) and torch.equal(seen[1], first)  # backward runs last-saved first
 
 
-def test_backward_of_a_group_prefetches_the_group_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Marked(torch.autograd.Function):
+    """Identity whose backward logs ("next", key): the backward of the layer after group `key`."""
+
+    @staticmethod
+    def forward(ctx, x, events, key):
+        ctx.events, ctx.key = events, key
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append(("next", ctx.key))
+        return grad, None, None
+
+
+def test_a_group_loads_when_backward_reaches_the_layer_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, int]] = []
     load, take = _HostCopy.load, _HostCopy.take
 
@@ -263,16 +277,33 @@ def test_backward_of_a_group_prefetches_the_group_before_it(monkeypatch: pytest.
     monkeypatch.setattr(_HostCopy, "take", logged_take)
     offloader, seen = Offloader(0, device_type="cpu"), []
     y = torch.randn(3, requires_grad=True)
-    for key in range(4):
+    for key in range(3):
         with offloading(offloader, key):
             y = _SaveAll.apply(y, seen, torch.randn(5, 5), torch.randn(6))
+        y = _Marked.apply(y, events, key)  # the layer after, which offloads nothing
+        offloader.prefetch_on_grad(y, key)
+    with offloading(offloader, 3):  # a group nobody prefetches loads at its first unpack
+        y = _SaveAll.apply(y, seen, torch.randn(4))
     y.sum().backward()
-    # the first unpack of group k loads group k - 1 too, before group k's backward uses anything
-    expected = [("load", 3)] * 2
-    for key in (3, 2, 1, 0):
-        expected += [("load", key - 1)] * 2 if key else []
-        expected += [("use", key)] * 2
+    expected = [("load", 3), ("use", 3)]
+    for key in (2, 1, 0):
+        expected += [("load", key)] * 2 + [("next", key)] + [("use", key)] * 2
     assert events == expected
+
+
+def test_the_layers_after_an_offload_group_prefetch_it_and_then_wait_for_its_copies(monkeypatch) -> None:
+    events: list[tuple[str, int]] = []
+    prefetch = Offloader.prefetch_on_grad
+    monkeypatch.setattr(Offloader, "await_copies", lambda self, key: events.append(("wait", key)))
+    monkeypatch.setattr(Offloader, "prefetch_on_grad",
+                        lambda self, t, key: (events.append(("prefetch", key)), prefetch(self, t, key)))
+    model = _model()
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(lambda m, args, i=i: events.append(("layer", i)))
+    remat.apply(model, Plan([{"layer": "offload"}, {"mlp": "offload"}, {}, {}], min_offloaded_tensor_size=0))
+    model(*_batch(model)).backward()
+    assert events == [("layer", 0), ("layer", 1), ("prefetch", 0), ("layer", 2), ("wait", 0), ("prefetch", 1),
+                      ("layer", 3), ("wait", 1)]
 
 
 # ---- plans -----------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ def problems(draw) -> PlanningProblem:
         for k in range(draw(st.integers(0, 3))):
             choices.append(Choice(i, i + 1, {"mlp": "recompute", "k": str(k)}, draw(st.integers(1, 64)) * MiB,
                                   draw(st.floats(0.001, 0.05)), _own(i, i + 1, draw, -64, 8)))
+        if draw(st.booleans()):  # offload: reaches the next layer's windows, uses host memory
+            choices.append(Choice(i, i + 1, {"layer": "offload"}, draw(st.integers(1, 64)) * MiB,
+                                  draw(st.floats(0.0, 0.01)), _own(i, min(i + 2, layers), draw, -64, 8),
+                                  host_bytes=draw(st.integers(1, 64)) * MiB))
     for start, end in itertools.combinations(range(layers + 1), 2):
         if draw(st.booleans()):
             choices.append(Choice(start, end, None, draw(st.integers(1, 128)) * (end - start) * MiB,
@@ -62,20 +66,36 @@ def test_a_choice_changes_its_own_windows_and_the_windows_that_hold_it() -> None
         0, -4, -10, -10, -10, 3, 0]
 
 
+def test_a_choice_measured_in_a_later_layers_window_uses_the_measurement_there() -> None:
+    windows = {w.name: w for w in _windows(3, [0] * 7)}
+    # offload of layer 0: copies out still run in fwd1, copies back are in place for bwd1
+    choice = Choice(0, 1, {"layer": "offload"}, 10, 0.0, {"fwd0": 0, "bwd0": 2, "fwd1": -6, "bwd1": 0})
+    assert [choice.delta(windows[n]) for n in ("fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0")] == [
+        0, -6, -10, -10, -10, 0, 2]
+
+
 @settings(max_examples=60, deadline=None)
-@given(problem=problems(), budget_mib=st.integers(50, 800))
-def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_mib: int) -> None:
-    budget = budget_mib * MiB
-    feasible = [c for c in _covers(problem) if problem.peak(c) <= budget]
+@given(problem=problems(), budget_mib=st.integers(50, 800),
+       host_mib=st.one_of(st.none(), st.integers(0, 128)))
+def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_mib: int,
+                                              host_mib: int | None) -> None:
+    budget, host = budget_mib * MiB, None if host_mib is None else host_mib * MiB
+
+    def host_ok(cover: tuple[Choice, ...]) -> bool:
+        return host is None or sum(c.host_bytes for c in cover) <= host
+
+    covers = [c for c in _covers(problem) if host_ok(c)]
+    feasible = [c for c in covers if problem.peak(c) <= budget]
     if not feasible:
         with pytest.raises(NoPlanFits) as info:
-            solve(problem, budget)
-        assert info.value.lowest.peak_bytes == min(problem.peak(c) for c in _covers(problem))
+            solve(problem, budget, host)
+        assert info.value.lowest.peak_bytes == min(problem.peak(c) for c in covers)
         assert info.value.lowest.peak_bytes > budget
         return
     best = min(sum(x.added_time_s for x in c) for c in feasible)
-    solution = solve(problem, budget)
+    solution = solve(problem, budget, host)
     assert solution.peak_bytes <= budget
+    assert host is None or solution.host_bytes <= host
     assert solution.added_time_s == pytest.approx(best, abs=1e-9)
     assert solution.peak_bytes == problem.peak(solution.choices)
 

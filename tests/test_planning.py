@@ -60,6 +60,41 @@ def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
     assert info.value.lowest.peak_bytes > 1024
 
 
+@pytest.fixture(scope="module")
+def offload_traced(traced):
+    model, batch, _ = traced
+    return model, batch, remat.trace(model, *batch, timing_repeats=1, offload=True,
+                                     min_offloaded_tensor_size=256)
+
+
+def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(traced, offload_traced,
+                                                                      measured_peak) -> None:
+    _, _, plain = traced
+    model, batch, trace = offload_traced
+    with pytest.raises(NoPlanFits) as recompute_only:
+        plan_from_trace(plain, 1024)
+    with pytest.raises(NoPlanFits) as with_offload:
+        plan_from_trace(trace, 1024)
+    lowest_recompute, lowest = recompute_only.value.lowest.peak_bytes, with_offload.value.lowest.peak_bytes
+    assert lowest < lowest_recompute
+    budget = (lowest + lowest_recompute) // 2
+    result = plan_from_trace(trace, budget)
+    assert result.plan.offloads() and result.prediction.host_bytes > 0
+    assert result.prediction.peak_bytes <= budget
+    assert result.plan.min_offloaded_tensor_size == 256
+    assert measured_peak(model, batch, result.config or result.plan) == result.prediction.peak_bytes
+    assert any("offload" in what for _, what, _, _ in result.explain())
+    # host memory capped at nothing: the same budget cannot be met
+    with pytest.raises(NoPlanFits):
+        plan_from_trace(trace, budget, host_budget=1)
+
+
+def test_a_host_budget_needs_an_offload_trace(traced) -> None:
+    _, _, plain = traced
+    with pytest.raises(remat.ConfigError, match="turn offload on"):
+        plan_from_trace(plain, "1GiB", host_budget="1GiB")
+
+
 def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
     _, _, trace = traced
     mlp = uniform_config(Plan([{"mlp": "recompute"}] * 4), trace)
@@ -110,6 +145,29 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
     assert loaded == (Plan.from_dict(data["plan"]) if isinstance(loaded, Plan) else loaded)
     assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--config", str(out),
                  "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
+
+
+def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsys) -> None:
+    out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
+    # with -sl 128 no recompute plan goes below 1.88 MiB; offload reaches 1.85
+    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--no_progress", "--no_history",
+            "--offload", "--min_offloaded_tensor_size", "256", "--host-memory-budget", "1GiB",
+            "--memory-budget", "1.865MiB", "-o", str(out), "--json", str(record)]
+    assert main(argv) == 0
+    assert "offloaded to host" in capsys.readouterr().out
+    data = json.loads(record.read_text())
+    assert data["predicted"]["peak_bytes"] <= 1.865 * MiB and data["predicted"]["host_bytes"] > 0
+    loaded = load_plan_or_config(out)
+    lowered = loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, remat.find_sites(
+        remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).layout)
+    assert lowered.offloads() and lowered.min_offloaded_tensor_size == 256
+    assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--config", str(out),
+                 "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
+
+
+def test_cli_plan_rejects_a_host_budget_without_offload(capsys) -> None:
+    assert main(["plan", "-mr", "llama3_tiny", "--memory-budget", "1GiB", "--host-memory-budget", "1GiB"]) == 1
+    assert "turn offload on" in capsys.readouterr().err
 
 
 def test_cli_plan_rejects_a_bad_budget_before_tracing(capsys) -> None:

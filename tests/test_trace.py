@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remat
+from remat.apply import offloader_of
 from remat.plans import Plan
 from remat.verify import run_step
 
@@ -104,6 +105,77 @@ def test_predict_rejects_plans_that_do_not_fit_the_model(traced) -> None:
         trace.predict(Plan([{"moe": "recompute"}] + [{}] * (LAYERS - 1)))
     with pytest.raises(remat.ConfigError, match="full_recompute"):
         trace.predict(Plan([{}] * LAYERS, [(2, 9)]))
+
+
+# ---- offload ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def offload_traced():
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
+                               attention_backend="eager", hidden_dropout=0.1, attention_dropout=0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = ids[:, :-1], ids[:, 1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        return model, batch, remat.trace(model, *batch, timing_repeats=1, offload=True,
+                           min_offloaded_tensor_size=256)
+
+
+@st.composite
+def offload_plans(draw) -> Plan:
+    """Plans the offload trace measured: per layer a recompute/discard combination with the rest of
+    the layer offloaded or kept, or one site offloaded alone; recompute groups, inputs offloaded or not."""
+    plan = draw(plans())
+    plan.min_offloaded_tensor_size = 256  # the tiny model's activations are a few thousand elements
+    in_group = {i for s, e in plan.full_recompute for i in range(s, e)}
+    for i, actions in enumerate(plan.layers):
+        if i in in_group:
+            continue
+        how = draw(st.sampled_from(["as drawn", "layer", "site"]))
+        if how == "layer":
+            actions["layer"] = "offload"
+        elif how == "site":
+            plan.layers[i] = {draw(st.sampled_from(LABELS)): "offload"}
+    for start, _ in plan.full_recompute:
+        if draw(st.booleans()):
+            plan.layers[start] = {"layer": "offload"}
+    return plan
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=offload_plans())
+def test_offload_plans_predict_peak_saved_and_host_bytes_exactly(offload_traced, measured_peak, plan) -> None:
+    model, batch, trace = offload_traced
+    prediction = trace.predict(plan)
+    assert prediction.peak_bytes == measured_peak(model, batch, plan)
+    assert prediction.saved_bytes == _measured(model, batch, plan)
+    offloader = offloader_of(model) if plan.offloads() else None
+    assert prediction.host_bytes == (offloader.stats().offloaded_bytes if offloader else 0)
+
+
+def test_offload_frees_what_it_moves_to_host(offload_traced) -> None:
+    _, _, trace = offload_traced
+    everything = trace.layers[0].combos[frozenset({("layer", "offload")})]
+    assert everything.freed_bytes == everything.host_bytes > 0  # host buffers are not device memory
+    assert {q for _, q in everything.window_bytes} == {0, 1}  # its own windows and the next layer's
+    assert trace.layers[0].offloaded_groups[1].host_bytes == trace.layers[0].input_bytes > 0
+
+
+def test_offload_is_predicted_only_from_a_trace_that_measured_it(traced, offload_traced) -> None:
+    _, _, plain = traced
+    with pytest.raises(remat.ConfigError, match=r"offload=True \(remat plan --offload\)"):
+        plain.predict(Plan([{"layer": "offload"}] + [{}] * (LAYERS - 1)))
+    _, _, trace = offload_traced
+    with pytest.raises(remat.ConfigError, match="did not measure core_attn=offload, mlp=offload"):
+        trace.predict(Plan([{"core_attn": "offload", "mlp": "offload"}] + [{}] * (LAYERS - 1),
+                           min_offloaded_tensor_size=256))
+    with pytest.raises(remat.ConfigError, match="the trace measured 256"):
+        trace.predict(Plan([{"core_attn": "offload"}] + [{}] * (LAYERS - 1)))
+    model = remat.models.build("llama3_tiny", num_layers=2, seq_length=8, device="meta")
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    with pytest.raises(remat.ConfigError, match="shapes-only trace"):
+        remat.trace(model, ids, ids, offload=True, flops_per_s=1e12)
 
 
 def test_trace_leaves_the_model_without_a_plan() -> None:

@@ -17,6 +17,7 @@ from remat.engine import (
     checkpoint,
     current_scope,
     offloading,
+    output_tensors,
 )
 from remat.plans import Plan
 from remat.sites import Site
@@ -126,6 +127,24 @@ def _install(sites: SiteMap, plan: Plan, offloader: Offloader | None) -> None:
         layer_offload = offload if actions.get(LAYER) == "offload" else None
         if sites.layers and ("discard" in actions.values() or layer_offload is not None):
             sites.layers[i].action = _LayerScope("discard" in actions.values(), layer_offload)
+    if offloader is not None and sites.layers:
+        roles: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (groups to prefetch, to wait for)
+        for key, last in _offload_groups(plan):
+            for layer, role in ((last + 1, 0), (last + 2, 1)):
+                if layer < len(sites.layers):
+                    roles.setdefault(layer, ([], []))[role].append(key)
+        for layer, (prefetch, wait) in roles.items():
+            site = sites.layers[layer]
+            site.action = _OffloadNeighbour(site.action, offloader, tuple(prefetch), tuple(wait))
+
+
+def _offload_groups(plan: Plan) -> Iterator[tuple[int, int]]:
+    """(group key, its last layer) of every offload group: a layer with an offloaded site, or a
+    full-recompute range whose input is offloaded."""
+    ranges = dict(plan.full_recompute)
+    for i, actions in enumerate(plan.layers):
+        if "offload" in actions.values():
+            yield i, ranges.get(i, i + 1) - 1
 
 
 def _recompute(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -158,6 +177,29 @@ class _Offload:
     def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         with self.context():
             return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _OffloadNeighbour:
+    """The action of a layer after offload groups, around its own (if any). For the group right
+    before it, backward loads the group when it reaches this layer's output: one layer ahead of
+    the group's own backward. For the group two before, this layer first waits for the group's
+    copies to host to end, so they overlap one layer's forward and their device memory is held
+    no longer than that, however slow the copies (the window the trace measures)."""
+
+    inner: Callable[..., Any] | None
+    offloader: Offloader
+    prefetch: tuple[int, ...]
+    wait: tuple[int, ...]
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        for key in self.wait:
+            self.offloader.await_copies(key)
+        out = fn(*args, **kwargs) if self.inner is None else self.inner(site, fn, args, kwargs)
+        first = next((t for t in output_tensors(out) if t.requires_grad), None)
+        for key in self.prefetch if first is not None else ():
+            self.offloader.prefetch_on_grad(first, key)
+        return out
 
 
 @dataclass(frozen=True)

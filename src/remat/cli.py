@@ -14,6 +14,7 @@ from remat.bench.golden import DEFAULT_THRESHOLD
 from remat.config import (
     DEFAULT_TFLOPS,
     ESTIMATE_TARGETS,
+    MIN_OFFLOADED_TENSOR_SIZE,
     ConfigError,
     Problem,
     RecomputeConfig,
@@ -436,23 +437,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from remat.bench.run import progress_bar, run_bench, trace_spec
+    from remat.config import planning_problems
     from remat.planning import parse_bytes, plan_from_trace
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
     budget = found.run(parse_bytes, args.memory_budget, field="memory_budget")
+    host_budget = (found.run(parse_bytes, args.host_memory_budget, field="host_memory_budget")
+                   if args.host_memory_budget is not None else None)
+    found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
     found.raise_if_any()
     with progress_bar(not args.no_progress) as bar:
         task = bar.add_task("trace", total=None, loss="") if bar is not None else None
         model, measured = trace_spec(
-            spec, progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
+            spec, offload=args.offload, min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+            progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
     measured = dataclasses.replace(measured, max_group=args.max_group)
     _console.print(_trace_table(measured))
-    result = plan_from_trace(measured, budget)
+    result = plan_from_trace(measured, budget, host_budget)
     _console.print(_plan_table(result))
     if result.config is not None:
         keys = {k: v for k, v in result.config.to_megatron().items()
-                if k.startswith("recompute_") and v is not None}
+                if k.startswith(("recompute_", "cpu_offloading")) and v}
         _write_mapping(keys, args.output)
         _console.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
     else:
@@ -588,7 +594,8 @@ def _plan_table(result: Any) -> Any:
     for layers, what, freed, seconds in result.explain():
         table.add_row(layers, what, format_gib(freed), f"{seconds * 1e3:.2f} ms")
     p = result.prediction
-    table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}), "
+    host = f", {format_gib(p.host_bytes)} offloaded to host" if p.host_bytes else ""
+    table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}){host}, "
                      f"step {p.step_time_s * 1e3:.1f} ms; every layer not listed keeps everything")
     return table
 
@@ -605,6 +612,8 @@ def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
         table.add_row("peak allocated", format_gib(result.prediction.peak_bytes), "OOM", "")
         return table
     rows = [("peak allocated", result.prediction.peak_bytes, bench.peak_allocated_bytes, format_gib)]
+    if result.prediction.host_bytes and bench.peak_host_bytes:
+        rows.append(("host (offloaded)", result.prediction.host_bytes, bench.peak_host_bytes, format_gib))
     if spec.micro_batches == 1:
         rows.append(("step time", result.prediction.step_time_s, bench.step_time_s,
                      lambda s: f"{s * 1e3:.1f} ms"))
@@ -799,6 +808,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak allocated memory to fit, like 60GiB, 80GB or 512MiB (a bare number is GiB)")
     p.add_argument("-o", "--output", default="remat_plan.yaml", metavar="FILE",
                    help="where to write the plan (.yaml or .json; default remat_plan.yaml)")
+    p.add_argument("--offload", action="store_true",
+                   help="consider offloading activations to host memory too (pinned; the trace takes about "
+                        "twice as long)")
+    p.add_argument("--host-memory-budget", "--host_memory_budget", dest="host_memory_budget", metavar="SIZE",
+                   help="with --offload: the most host memory offload may hold, like 200GiB")
+    p.add_argument("--min_offloaded_tensor_size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE, metavar="N",
+                   help=f"with --offload: tensors of fewer elements stay on the GPU (default "
+                        f"{MIN_OFFLOADED_TENSOR_SIZE})")
     p.add_argument("--max_group", type=int, default=16, metavar="N",
                    help="longest run of layers recomputed as one unit that the planner considers")
     p.add_argument("--verify", action="store_true",

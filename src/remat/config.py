@@ -1157,12 +1157,22 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
 
 
 def prediction_problems(layers: Sequence[Mapping[str, str]]) -> Iterator[Problem]:
-    """What the trace does not measure yet, so trace.predict, plan and estimate cannot price it."""
+    """What a shapes-only estimate cannot price: offload copies nothing on the meta device."""
     offloaded = [i for i, actions in enumerate(layers) if "offload" in actions.values()]
     if offloaded:
-        yield Problem("offload", f"layers {offloaded} offload; predictions (remat plan, estimate, "
-                                 f"trace.predict) cover keep, recompute and discard for now: measure an "
-                                 f"offload plan with `remat bench`, or drop -ol / offload_modules to predict")
+        yield Problem("offload", f"layers {offloaded} offload; a shapes-only estimate cannot time host "
+                                 f"copies: predict it from a trace on the GPU (`remat plan --offload`, "
+                                 f"remat.trace(..., offload=True)), or drop -ol / offload_modules")
+
+
+def planning_problems(offload: bool, host_budget_bytes: int | None, device_type: str | None = None) -> Iterator[Problem]:
+    """What a trace (`remat.trace`, `remat plan`) may measure and the planner choose."""
+    if host_budget_bytes is not None and not offload:
+        yield Problem("host_memory_budget", "caps what offload moves to host memory; turn offload on "
+                                            "(--offload) or drop the host budget")
+    if offload and device_type == "meta":
+        yield Problem("offload", "a shapes-only trace (meta device) copies nothing to host, so it cannot "
+                                 "measure offload; trace on a CPU or GPU, or leave offload off")
 
 
 # ---------------------------------------------------------------------------------------------

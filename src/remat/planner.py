@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat.config import ConfigError, Problem, format_bytes
+from remat.config import LAYER, ConfigError, Problem, format_bytes
 from remat.plans import Plan
 
 
@@ -34,8 +34,10 @@ class Window:
 @dataclass(frozen=True)
 class Choice:
     """Run layers [start, end) one way: `actions` for a single layer, or None to recompute the
-    range whole. `freed_bytes` is what it leaves unsaved after the forward against keeping
-    everything; `window_bytes` what it adds to the peaks of its own layers' windows, by name."""
+    range whole (with `input_offloaded`, the input it keeps goes to host). `freed_bytes` is what
+    it leaves unsaved after the forward against keeping everything; `window_bytes` what it adds
+    to the peaks of the windows it was measured in, by name (its own layers', and for offload the
+    next layer's, while copies run); `host_bytes` what it moves to host memory."""
 
     start: int
     end: int
@@ -43,11 +45,16 @@ class Choice:
     freed_bytes: int
     added_time_s: float
     window_bytes: Mapping[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    input_offloaded: bool = False
 
     def delta(self, window: Window) -> int:
-        """Bytes this choice adds to (or, negative, removes from) the window's peak."""
+        """Bytes this choice adds to (or, negative, removes from) the window's peak: as measured
+        in its own windows; elsewhere, what it frees wherever its layers' saved tensors are held."""
+        if window.name in self.window_bytes:
+            return self.window_bytes[window.name]
         if window.layer is not None and self.start <= window.layer < self.end:
-            return self.window_bytes.get(window.name, 0)
+            return 0
         return -self.freed_bytes if self.end <= window.holds else 0
 
 
@@ -58,6 +65,7 @@ class Solution:
     peak_bytes: int
     peak_window: str
     added_time_s: float
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,13 @@ class NoPlanFits(ConfigError):
 
 
 
-def solve(problem: PlanningProblem, budget_bytes: int) -> Solution:
-    """The plan with the least added time whose peak fits the budget; NoPlanFits otherwise."""
-    best = _milp(problem, budget_bytes, minimize_memory=False)
+def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | None = None) -> Solution:
+    """The plan with the least added time whose peak fits the budget (and whose offloaded bytes
+    fit `host_budget_bytes`); NoPlanFits otherwise."""
+    best = _milp(problem, budget_bytes, host_budget_bytes, minimize_memory=False)
     if best is not None:
         return best
-    lowest = _milp(problem, None, minimize_memory=True)
+    lowest = _milp(problem, None, host_budget_bytes, minimize_memory=True)
     if lowest is None:
         raise ConfigError([Problem("choices", "the choices do not cover every layer exactly once")])
     window = next(w for w in problem.windows if w.name == lowest.peak_window)
@@ -106,7 +115,8 @@ def solve(problem: PlanningProblem, budget_bytes: int) -> Solution:
 _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit below HiGHS' tolerances
 
 
-def _milp(problem: PlanningProblem, budget: int | None, minimize_memory: bool) -> Solution | None:
+def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
+          minimize_memory: bool) -> Solution | None:
     choices, windows = list(problem.choices), list(problem.windows)
     n = len(choices)
     # variables: one binary per choice, then P = the step's peak (MiB)
@@ -117,6 +127,9 @@ def _milp(problem: PlanningProblem, budget: int | None, minimize_memory: bool) -
     peaks = np.array([[c.delta(w) / _UNIT for c in choices] + [-1.0] for w in windows])
     base = np.array([w.base_bytes / _UNIT for w in windows])
     constraints = [LinearConstraint(cover, 1, 1), LinearConstraint(peaks, -np.inf, -base)]
+    if host_budget is not None:
+        host = np.array([c.host_bytes / _UNIT for c in choices] + [0.0])
+        constraints.append(LinearConstraint(host[None, :], -np.inf, host_budget / _UNIT))
     upper = np.inf if budget is None else budget / _UNIT
     time = np.array([c.added_time_s for c in choices] + [0.0])
     # ties (times measured as zero) go to the plan that changes the fewest layers: 1 us each, above
@@ -137,8 +150,10 @@ def _solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
     for c in sorted(chosen, key=lambda c: c.start):
         if c.actions is None:
             plan.full_recompute.append((c.start, c.end))
+            if c.input_offloaded:
+                plan.layers[c.start][LAYER] = "offload"
         else:
             plan.layers[c.start] = dict(c.actions)
     peak, window = problem.peak_and_window(chosen)
     return Solution(plan, tuple(sorted(chosen, key=lambda c: c.start)), peak, window,
-                    sum(c.added_time_s for c in chosen))
+                    sum(c.added_time_s for c in chosen), sum(c.host_bytes for c in chosen))

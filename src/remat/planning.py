@@ -19,6 +19,7 @@ from remat.config import (
     RecomputeConfig,
     RematWarning,
     TrainingFacts,
+    planning_problems,
 )
 from remat.memory.trace import Prediction, Trace, trace
 from remat.planner import Choice, solve
@@ -54,7 +55,7 @@ class PlanResult:
         rows: list[tuple[int, int, str, int, float]] = []
         for c in self.choices:
             if c.actions is None:
-                what = f"full recompute, group of {c.end - c.start}"
+                what = f"full recompute, group of {c.end - c.start}" + (", input offloaded" if c.input_offloaded else "")
             else:
                 what = ", ".join(f"{k}={v}" for k, v in sorted(c.actions.items()) if v != "keep")
             if not what:
@@ -81,6 +82,10 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
                   for mask in range(1, 2 ** len(labels))]
     candidates += [dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
                    for method in ("uniform", "block") for k in range(1, n + 1)]
+    if plan.offloads():  # Megatron offloads the first k layers
+        candidates = [dict(keys, cpu_offloading=True, cpu_offloading_num_layers=k,
+                           min_offloaded_tensor_size=plan.min_offloaded_tensor_size)
+                      for keys in [{}, *candidates] for k in range(1, n)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)
         for keys in candidates:
@@ -90,18 +95,26 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     return None
 
 
-def plan_from_trace(trace_: Trace, budget: int | str) -> PlanResult:
-    """Solve over a trace's measurements; NoPlanFits (a ConfigError) says by how much it misses."""
+def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | None = None) -> PlanResult:
+    """Solve over a trace's measurements; NoPlanFits (a ConfigError) says by how much it misses.
+    `host_budget` caps the bytes offload may move to host memory (a trace with offload measured)."""
     budget_bytes = parse_bytes(budget)
-    solution = solve(trace_.problem(), budget_bytes)
+    host_bytes = None if host_budget is None else parse_bytes(host_budget)
+    problems = list(planning_problems(trace_.offload, host_bytes))
+    if problems:
+        raise ConfigError(problems)
+    solution = solve(trace_.problem(), budget_bytes, host_bytes)
+    solution.plan.min_offloaded_tensor_size = trace_.min_offloaded_tensor_size
     return PlanResult(budget_bytes, solution.plan, uniform_config(solution.plan, trace_),
                       trace_.predict(solution.plan), solution.choices)
 
 
 def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.Tensor], *,
-         optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1) -> PlanResult:
+         optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1, offload: bool = False,
+         host_budget: int | str | None = None) -> PlanResult:
     """Trace `model` on `batch` (one step per action, see `remat.trace`) and return the fastest
-    plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB')."""
+    plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
+    `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
-    return plan_from_trace(trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches),
-                           budget_bytes)
+    traced = trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
+    return plan_from_trace(traced, budget_bytes, host_budget)

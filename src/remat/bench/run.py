@@ -22,7 +22,7 @@ from torch import nn
 from remat.apply import apply, offloader_of
 from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
-from remat.config import BenchSettings, check_bench
+from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.memory.trace import Trace, trace
@@ -292,16 +292,19 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
     return result
 
 
-def trace_spec(spec: BenchSpec, model: LlamaModel | None = None,
+def trace_spec(spec: BenchSpec, model: LlamaModel | None = None, offload: bool = False,
+               min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
                progress: Callable[[str], None] | None = None) -> tuple[LlamaModel, Trace]:
-    """Trace the step `run_bench` would run: same model, batch shape, optimizer, micro-batches."""
+    """Trace the step `run_bench` would run: same model, batch shape, optimizer, micro-batches
+    (and, with `offload`, offload actions with that threshold)."""
     model = model or build_model(spec)
     torch.manual_seed(spec.seed)
     model.init_weights()
     model.train()
     batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
     optimizer = make_optimizer(model, spec)
-    measured = trace(model, *batch, optimizer=optimizer, micro_batches=spec.micro_batches, progress=progress)
+    measured = trace(model, *batch, optimizer=optimizer, micro_batches=spec.micro_batches, offload=offload,
+                     min_offloaded_tensor_size=min_offloaded_tensor_size, progress=progress)
     del optimizer, batch
     release_memory(model)
     return model, measured

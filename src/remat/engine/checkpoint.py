@@ -67,7 +67,7 @@ def current_scope() -> "DiscardScope | None":
     return scopes[-1] if scopes else None
 
 
-def _flatten(out: Any) -> list[torch.Tensor]:
+def output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (tuple, list)):
@@ -120,7 +120,7 @@ class Region:
         )
         with _region_running(), saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*args, **kwargs)
-        self._last_outputs = _flatten(out)
+        self._last_outputs = output_tensors(out)
         self._last_versions = [t._version for t in self._last_outputs]
         return out
 
@@ -192,7 +192,7 @@ class Region:
                     args = tuple(self._restore(a, outputs) for a in call.args)
                     kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}
                     with call.state.replay_context(), saved_tensors_hooks(pack, _never_unpacked):
-                        outputs = _flatten(call.fn(*args, **kwargs))
+                        outputs = output_tensors(call.fn(*args, **kwargs))
             except _ReplayDone:
                 pass
         if len(slots) != self._num_saved:
@@ -292,7 +292,7 @@ class DiscardScope:
         region = Region()
         out = region.call(fn, args, kwargs)
         region.close()
-        for index, tensor in enumerate(_flatten(out)):
+        for index, tensor in enumerate(output_tensors(out)):
             if tensor.untyped_storage().nbytes() == 0:
                 continue  # empty storage: nothing to free
             self._registered[storage_key(tensor)] = _Registered(region, index, tensor, tensor._version)

@@ -4,8 +4,11 @@ An `Offloader` copies each storage autograd saves to a host buffer taken from a 
 on CUDA, reused across steps) and drops the device copy; backward copies it back. The copies are
 asynchronous on CUDA: device-to-host on a side stream that waits for the compute stream at the
 moment the tensor is saved, host-to-device on another side stream, started for a whole group
-(one layer) when the backward of the group after it begins, so the copy overlaps that backward.
-Only events order the streams: nothing synchronizes the compute stream.
+(one layer) when backward reaches the output of the layer after it (`prefetch_on_grad`), so the
+copy overlaps that layer's backward whatever the layer does; a group nobody prefetched loads at
+its own first unpack. The layer two after a group waits for the group's copies out before it
+runs (`await_copies`), so slow copies hold device memory for one layer's forward at most. Only
+events order the streams: nothing synchronizes the compute stream with the host.
 
 Views are offloaded by storage: a storage saved several times (a tensor saved twice, q, k and v
 sliced from one fused output) is copied once, and each saved view is rebuilt with its own size,
@@ -26,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from remat.engine.storage import storage_key
 
@@ -65,7 +69,8 @@ class HostPool:
             return free.pop()
         self.allocations += 1
         self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned), None
+        with _disable_current_modes():  # host memory: what meters of device memory must not count
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned), None
 
     def give(self, buffer: torch.Tensor, last_use: Any) -> None:
         self._free[buffer.numel()].append((buffer, last_use))
@@ -88,25 +93,18 @@ def _event(stream: Any) -> Any:
 class _Group:
     """The offloaded storages of one group (one layer's offloaded sites), in forward order."""
 
-    def __init__(self, key: int, previous: "_Group | None") -> None:
+    def __init__(self, key: int) -> None:
         self.key = key
-        self.previous = weakref.ref(previous) if previous is not None else None
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.backward_started = False
 
-    def load(self) -> None:
+    def start_backward(self) -> None:
+        """Start copying every storage of the group back to the device."""
+        self.backward_started = True
         for ref in self.copies:
             copy = ref()
             if copy is not None:
                 copy.load()
-
-    def start_backward(self) -> None:
-        """Load this group now and the group saved before it, whose backward comes next."""
-        self.backward_started = True
-        self.load()
-        previous = self.previous() if self.previous is not None else None
-        if previous is not None:
-            previous.load()
 
 
 class _HostCopy:
@@ -215,6 +213,7 @@ class Offloader:
         self._by_storage: weakref.WeakValueDictionary[int, _HostCopy] = (
             weakref.WeakValueDictionary())
         self._group: _Group | None = None
+        self._latest: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()
         self.offloaded_bytes = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
@@ -227,7 +226,8 @@ class Offloader:
             # a forward begins (nothing before, or the last group's backward ran): read the
             # resident tensors once per forward, not once per layer
             forward_begins = self._group is None or self._group.backward_started
-            self._group = _Group(key, self._group)
+            self._group = _Group(key)
+            self._latest[key] = self._group
             if forward_begins and self._resident is not None:
                 self._resident_keys = {storage_key(t) for t in self._resident()}
         stack = _local.__dict__.setdefault("offloaders", [])
@@ -265,6 +265,31 @@ class Offloader:
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         copy.refs += 1
         return Offloaded(copy, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def prefetch_on_grad(self, tensor: torch.Tensor, key: int) -> None:
+        """Load the latest group `key` when backward reaches `tensor` (the output of the layer
+        after the group's, so the copies overlap that layer's backward)."""
+        group = self._latest.get(key)
+        if group is None or not tensor.requires_grad:
+            return
+        ref = weakref.ref(group)
+
+        def load(grad: torch.Tensor) -> None:
+            target = ref()
+            if target is not None and not target.backward_started:
+                target.start_backward()
+
+        tensor.register_hook(load)
+
+    def await_copies(self, key: int) -> None:
+        """Make the current stream wait until the latest group `key` is copied to host (on CPU the
+        copies are done already)."""
+        group = self._latest.get(key)
+        for ref in reversed(group.copies if group is not None else []):
+            copy = ref()
+            if copy is not None and copy.copied_event is not None:  # the side stream runs in order
+                torch.cuda.current_stream(copy.device).wait_event(copy.copied_event)
+                return
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def streams(self, device: torch.device) -> _Streams | None:

@@ -11,6 +11,12 @@ the planner optimizes over the same sums.
 A layer's sites do interact (a discarded norm output is also the MLP's input), so every
 combination of actions in a layer is measured, not each site alone. Recompute cost is the step
 time added when every layer of the kind runs the combination, per layer.
+
+With `offload=True` the trace also measures offloading: each combination with the rest of the
+layer offloaded, each site offloaded alone, and recompute groups with their input offloaded.
+Offload reaches one layer further than recompute: the copies out may still run during the next
+layer's forward, and the copies back start when the next layer's backward begins, so those two
+windows are measured as well (on a layer that has a next one).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import gc
 import itertools
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,16 +32,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.apply import apply, find_sites
+from remat.apply import apply, find_sites, offloader_of
 from remat.config import (
     DISCARD_MODULES,
+    LAYER,
+    MIN_OFFLOADED_TENSOR_SIZE,
     ConfigError,
     ModelLayout,
     Problem,
     RecomputeConfig,
     check_model,
     check_plan,
-    prediction_problems,
+    planning_problems,
 )
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
 from remat.planner import Choice, PlanningProblem, Window
@@ -44,6 +52,7 @@ from remat.sites import Site
 
 Combo = frozenset[tuple[str, str]]  # (label, action) pairs that differ from keep
 Offset = tuple[str, int]  # ("fwd" | "bwd", layer index relative to the first layer of a choice)
+OFFLOAD: tuple[str, str] = (LAYER, "offload")  # a combo's pair for "offload what else the layer saves"
 MEASURED_GROUP_SIZES = (1, 2, 3)  # full-recompute group sizes measured; longer ones extrapolate
 
 
@@ -56,6 +65,7 @@ class Effect:
     freed_bytes: int
     window_bytes: dict[Offset, int]
     added_time_s: float = 0.0
+    host_bytes: int = 0  # moved to host memory by offload
 
 
 @dataclass(frozen=True)
@@ -64,22 +74,28 @@ class LayerEffects:
     groups: dict[int, Effect]  # full recompute of `size` layers ending at this layer's kind
     input_bytes: int  # the layer's input, freed too when the layer sits inside a larger group
     layer_time_s: float  # step time one layer's full recompute adds
+    offloaded_groups: dict[int, Effect] = field(default_factory=dict)  # groups whose input goes to host
 
-    def group(self, size: int) -> Effect:
+    def group(self, size: int, offload_input: bool = False) -> Effect:
         """A group of `size` layers; beyond the measured sizes, windows extrapolate: forward
-        windows drop by one layer's saved bytes per position, backward ones stay level."""
-        largest = max(self.groups)
+        windows drop by one layer's saved bytes per position, backward ones stay level (and the
+        next layer's windows, which an offloaded input reaches, stay as measured)."""
+        measured = self.offloaded_groups if offload_input else self.groups
+        largest = max(measured)
         if size <= largest:
-            return self.groups[size]
-        m = self.groups[largest]
-        fwd_step = m.window_bytes[("fwd", largest - 1)] - m.window_bytes[("fwd", largest - 2)]
+            return measured[size]
+        m = measured[largest]
+        fwd_step = (m.window_bytes[("fwd", largest - 1)] - m.window_bytes[("fwd", largest - 2)]
+                    if largest > 1 else 0)
         windows: dict[Offset, int] = {}
         for q in range(size):
-            source = min(q, largest - 2) if q < size - 1 else largest - 1
+            source = min(q, max(largest - 2, 0)) if q < size - 1 else largest - 1
             windows[("bwd", q)] = m.window_bytes[("bwd", source)]
             windows[("fwd", q)] = m.window_bytes[("fwd", source)] + (q - source) * fwd_step
+        windows.update({(phase, size): b for (phase, q), b in m.window_bytes.items() if q == largest})
         freed = m.freed_bytes + (size - largest) * (self.groups[1].freed_bytes + self.input_bytes)
-        return Effect(freed, windows, size * self.layer_time_s)
+        extra_time = m.added_time_s - largest * self.layer_time_s  # offloading the input, if any
+        return Effect(freed, windows, size * self.layer_time_s + extra_time, m.host_bytes)
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ class Prediction:
     peak_bytes: int  # max allocated over the whole step
     step_time_s: float
     peak_window: str  # where the peak falls: "bwd7", "head", "optimizer", ...
+    host_bytes: int = 0  # offloaded to host memory (pinned) at the end of the forward
 
 
 @dataclass(frozen=True)
@@ -100,24 +117,43 @@ class Trace:
     windows: tuple[Window, ...]  # peaks of the no-recompute step, in step order
     layers: tuple[LayerEffects, ...]
     max_group: int = 16  # longest full-recompute group the planner considers
+    offload: bool = False  # whether offload was measured
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # the threshold offload was measured with
 
-    def choice(self, start: int, end: int, actions: dict[str, str] | None) -> Choice:
-        """Layers [start, end) run one way: `actions` for one layer, None for a recompute group."""
+    def choice(self, start: int, end: int, actions: dict[str, str] | None,
+               offload_input: bool = False) -> Choice:
+        """Layers [start, end) run one way: `actions` for one layer, None for a recompute group
+        (with `offload_input`, its input goes to host)."""
         if actions is None:
-            effect = self.layers[end - 1].group(end - start)
+            effect = self.layers[end - 1].group(end - start, offload_input)
         else:
-            effect = self.layers[start].combos[_combo(actions)]
+            effect = self._combo_effect(start, _combo(actions))
         windows = {f"{phase}{start + q}": b for (phase, q), b in effect.window_bytes.items()}
         return Choice(start, end, None if actions is None else dict(actions), effect.freed_bytes,
-                      effect.added_time_s, windows)
+                      effect.added_time_s, windows, effect.host_bytes, offload_input)
+
+    def _combo_effect(self, layer: int, combo: Combo) -> Effect:
+        effects = self.layers[layer].combos
+        if combo not in effects:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(combo))
+            raise ConfigError([Problem(f"layers[{layer}]", (
+                f"the trace did not measure {shown}" + (" (offload in a layer: the trace measures each site "
+                "offloaded alone, or layer=offload with the other sites kept, recomputed or discarded)"
+                if _offloads(combo) else "")))])
+        return effects[combo]
 
     def choices(self) -> list[Choice]:
-        """Every way to run every layer: each site combination, each recompute group."""
+        """Every way to run every layer: each site combination, each recompute group. Offload
+        only where a later layer's backward leaves time to copy the tensors back."""
         n = self.layout.num_layers
-        out = [self.choice(i, i + 1, dict(combo)) for i in range(n) for combo in self.layers[i].combos]
+        out = [self.choice(i, i + 1, dict(combo)) for i in range(n) for combo in self.layers[i].combos
+               if i < n - 1 or not _offloads(combo)]
         if self.layout.has_layer_sites:
             out += [self.choice(s, e, None) for s in range(n)
                     for e in range(s + 1, min(n, s + self.max_group) + 1)]
+            out += [self.choice(s, e, None, offload_input=True) for s in range(n)
+                    for e in range(s + 1, min(n - 1, s + self.max_group) + 1)
+                    if self.layers[e - 1].offloaded_groups]
         return out
 
     def problem(self) -> PlanningProblem:
@@ -128,13 +164,22 @@ class Trace:
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
+        if resolved.offloads() and not self.offload:
+            raise ConfigError([Problem("offload", "this trace did not measure offload; trace with "
+                                                  "offload=True (remat plan --offload) to predict an offload plan")])
+        if resolved.offloads() and resolved.min_offloaded_tensor_size != self.min_offloaded_tensor_size:
+            raise ConfigError([Problem("min_offloaded_tensor_size", (
+                f"the plan offloads storages of {resolved.min_offloaded_tensor_size} elements or more, the trace"
+                f" measured {self.min_offloaded_tensor_size}; trace with the plan's threshold"))])
         grouped = {i for s, e in resolved.full_recompute for i in range(s, e)}
-        chosen = [self.choice(s, e, None) for s, e in resolved.full_recompute]
+        chosen = [self.choice(s, e, None, resolved.layers[s].get(LAYER) == "offload")
+                  for s, e in resolved.full_recompute]
         chosen += [self.choice(i, i + 1, a) for i, a in enumerate(resolved.layers) if i not in grouped]
         problem = PlanningProblem(self.layout.num_layers, chosen, self.windows)
         peak, window = problem.peak_and_window(chosen)
         return Prediction(self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen), peak,
-                          self.base_step_time_s + sum(c.added_time_s for c in chosen), window)
+                          self.base_step_time_s + sum(c.added_time_s for c in chosen), window,
+                          sum(c.host_bytes for c in chosen))
 
 
 def _frees_something(choice: Choice) -> bool:
@@ -145,6 +190,10 @@ def _combo(actions: dict[str, str]) -> Combo:
     return frozenset((label, action) for label, action in actions.items() if action != "keep")
 
 
+def _offloads(combo: Combo) -> bool:
+    return any(action == "offload" for _, action in combo)
+
+
 def _resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
     if plan is None:
         return Plan.none(layout.num_layers)
@@ -153,9 +202,6 @@ def _resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
         plan = Plan.from_config(plan, layout)
     else:
         check_plan(plan.layers, plan.full_recompute, layout)
-    problems = list(prediction_problems(plan.layers))
-    if problems:
-        raise ConfigError(problems)
     return plan
 
 
@@ -165,6 +211,13 @@ def _combos(labels: frozenset[str]) -> list[Combo]:
     options = [("keep", "recompute", "discard") if label in DISCARD_MODULES else ("keep", "recompute")
                for label in ordered]
     return [_combo(dict(zip(ordered, choice))) for choice in itertools.product(*options)]
+
+
+def _offload_combos(labels: frozenset[str]) -> list[Combo]:
+    """Offload the heavy, recompute the cheap: every combination with the rest of the layer
+    offloaded, and each site offloaded alone (which keeps the copies short)."""
+    return ([combo | {OFFLOAD} for combo in _combos(labels)]
+            + [frozenset({(label, "offload")}) for label in sorted(labels)])
 
 
 def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[Any, ...]:
@@ -179,6 +232,7 @@ def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[An
 class _Record:
     saved_bytes: int = 0
     peaks: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0  # offloaded during the step
 
 
 class _Windows:
@@ -239,6 +293,7 @@ class _Stepper:
     grads_persist: bool  # no optimizer, or several micro-batches: gradients exist at step start
     seed: int
     flops_per_s: float | None = None  # the rate that times a step on the meta device
+    min_offloaded: int = MIN_OFFLOADED_TENSOR_SIZE  # every offload plan runs with this threshold
 
     @property
     def cuda(self) -> bool:
@@ -267,7 +322,7 @@ class _Stepper:
                 sample: Callable[[Meter], Any] | None = None) -> _Record:
         """One step's windows; `on_mark(name, peak of the window before)` as each begins;
         `sample(meter)` wraps the step."""
-        apply(self.model, plan)
+        apply(self.model, replace(plan, min_offloaded_tensor_size=self.min_offloaded))
         if self.cuda:  # a warm-up step: compiled regions compile, lazily allocated state appears
             self.step()
             torch.cuda.synchronize()
@@ -276,6 +331,9 @@ class _Stepper:
         else:
             meter = context = CpuMeter(held_tensors(self.model, self.optimizer))
         sites = find_sites(self.model).layers
+        offloader = offloader_of(self.model)
+        if offloader is not None:
+            offloader.reset_stats()
         with context, (sample(meter) if sample is not None else nullcontext()):
             windows = _Windows(meter, sites, on_mark)
             meter.take_peak()
@@ -284,12 +342,14 @@ class _Stepper:
             finally:
                 record = windows.close()
         record.peaks.pop("end", None)
+        if offloader is not None:
+            record.host_bytes = offloader.stats().offloaded_bytes
         return record
 
     def seconds(self, plan: Plan, repeats: int) -> float:
         """Median step time under `plan` (CUDA events on GPU, wall clock on CPU); on the meta
         device, where nothing runs, the step's counted FLOPs at `flops_per_s`."""
-        apply(self.model, plan)
+        apply(self.model, replace(plan, min_offloaded_tensor_size=self.min_offloaded))
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
                 raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
@@ -336,6 +396,7 @@ _ATTENTION_FLOPS = {
 def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
           optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
           timing_repeats: int = 3, seed: int = 0, flops_per_s: float | None = None,
+          offload: bool = False, min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
           progress: Callable[[str], None] | None = None) -> Trace:
     """Measure, with training steps on this batch, what every action saves and costs in every layer.
 
@@ -344,16 +405,21 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     tracing, so the weights do not change (its moments do). The model is left with no plan.
     On the meta device (shapes only) memory is counted by storage and time is FLOPs / flops_per_s.
     A model that returns hidden states rather than a loss (a pipeline stage) gets their gradient.
+    `offload`: measure offload actions too (pinned host memory on CUDA; about twice the steps),
+    with storages below `min_offloaded_tensor_size` elements kept on the device.
     """
     sites = find_sites(model)
     layout = sites.layout
     if not layout.has_layer_sites:
         raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
                                             "to tell one layer's memory from the next; add layer Sites")])
+    problems = list(planning_problems(offload, None, input_ids.device.type))
+    if problems:
+        raise ConfigError(problems)
     note = progress or (lambda message: None)
     n = layout.num_layers
     stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
-                       flops_per_s)
+                       flops_per_s, min_offloaded_tensor_size)
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
@@ -367,13 +433,15 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                 kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
             effects: dict[int, LayerEffects] = {}
             for indices in kinds.values():
-                measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, note)
+                measured = _measure_kind(stepper, base, base_time, indices, layout, timing_repeats, offload,
+                                         note)
                 effects.update((i, measured) for i in indices)
     finally:
         gc.unfreeze()
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
-    return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)))
+    return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
+                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size)
 
 
 @contextmanager
@@ -432,8 +500,9 @@ def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     the step `trace` measures, with each layer's forward and backward marked. With compiled
     regions pass per_op=False: samples then come at each window's start and peak only (a
     dispatch mode watching every op would run compiled regions eagerly and change what they save)."""
-    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed)
     resolved = _resolve(plan, find_sites(model).layout)
+    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
+                       min_offloaded=resolved.min_offloaded_tensor_size)
     marks: list[tuple[int, str]] = []
     found: list[_Samples] = []
 
@@ -469,38 +538,67 @@ def _window_place(name: str, n: int) -> tuple[int | None, int]:
 
 
 def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: list[int],
-                  layout: ModelLayout, repeats: int, note: Callable[[str], None]) -> LayerEffects:
+                  layout: ModelLayout, repeats: int, offload: bool, note: Callable[[str], None]) -> LayerEffects:
     n, r = layout.num_layers, max(indices)  # the last layer of the kind has predecessors to group with
+    # offload is measured where a next layer exists: its windows are the copies' windows
+    followed = [i for i in indices if i + 1 < n]
 
-    def effect(plan: Plan, start: int, end: int) -> Effect:
+    def effect(plan: Plan, start: int, end: int, reach: int = 0) -> Effect:
         run = stepper.measure(plan)
         windows = {(phase, j - start): run.peaks[f"{phase}{j}"] - base.peaks[f"{phase}{j}"]
-                   for j in range(start, end) for phase in ("fwd", "bwd")}
-        return Effect(base.saved_bytes - run.saved_bytes, windows)
+                   for j in range(start, end + reach) for phase in ("fwd", "bwd")}
+        return Effect(base.saved_bytes - run.saved_bytes, windows, host_bytes=run.host_bytes)
 
-    def added_time(plan: Plan) -> float:  # every layer of the kind at once: a signal above the noise
-        return max(0.0, stepper.seconds(plan, repeats) - base_time) / len(indices)
+    def added_time(plan: Plan, layers: list[int]) -> float:  # every layer of the kind at once: above the noise
+        return max(0.0, stepper.seconds(plan, repeats) - base_time) / len(layers)
 
-    combos: dict[Combo, Effect] = {}
-    for combo in _combos(layout.labels[r]):
+    def measure_combo(combo: Combo) -> Effect:
         note(f"layer {r}: " + (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep"))
+        at, layers = (max(followed), followed) if _offloads(combo) else (r, indices)
         plan = Plan.none(n)
-        plan.layers[r] = dict(combo)
-        measured = effect(plan, r, r + 1)
-        if combo:
-            everywhere = Plan.none(n)
-            for i in indices:
-                everywhere.layers[i] = dict(combo)
-            measured = Effect(measured.freed_bytes, measured.window_bytes, added_time(everywhere))
-        combos[combo] = measured
+        plan.layers[at] = dict(combo)
+        measured = effect(plan, at, at + 1, reach=1 if _offloads(combo) else 0)
+        if not combo:
+            return measured
+        everywhere = Plan.none(n)
+        for i in layers:
+            everywhere.layers[i] = dict(combo)
+        return replace(measured, added_time_s=added_time(everywhere, layers))
+
+    combos = {combo: measure_combo(combo) for combo in _combos(layout.labels[r])}
+    if offload and followed:
+        combos.update((combo, measure_combo(combo)) for combo in _offload_combos(layout.labels[r]))
     note(f"layer {r}: full recompute")
-    layer_time = added_time(Plan(Plan.none(n).layers, [(i, i + 1) for i in indices]))
+    layer_time = added_time(Plan(Plan.none(n).layers, [(i, i + 1) for i in indices]), indices)
     groups = {size: effect(Plan(Plan.none(n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1)
               for size in MEASURED_GROUP_SIZES if size <= r + 1}
-    groups = {size: Effect(e.freed_bytes, e.window_bytes, size * layer_time) for size, e in groups.items()}
+    groups = {size: replace(e, added_time_s=size * layer_time) for size, e in groups.items()}
     # one group over layers r-1 and r frees layer r's input as well
     input_bytes = groups[2].freed_bytes - 2 * groups[1].freed_bytes if 2 in groups else 0
-    return LayerEffects(combos, groups, input_bytes, layer_time)
+    offloaded = _offloaded_groups(stepper, effect, added_time, followed, n, layer_time, note) if offload else {}
+    return LayerEffects(combos, groups, input_bytes, layer_time, offloaded)
+
+
+def _offloaded_groups(stepper: _Stepper, effect: Callable[..., Effect], added_time: Callable[..., float],
+                      followed: list[int], n: int, layer_time: float,
+                      note: Callable[[str], None]) -> dict[int, Effect]:
+    """Recompute groups with their input offloaded, ending at the last layer that has a next one."""
+    if not followed:
+        return {}
+    p = max(followed)
+    note(f"layer {p}: full recompute, input offloaded")
+
+    def offloaded(ranges: list[tuple[int, int]]) -> Plan:
+        plan = Plan(Plan.none(n).layers, ranges)
+        for start, _ in ranges:
+            plan.layers[start][LAYER] = "offload"
+        return plan
+
+    # the copies' cost on top of the recompute: every followed layer of the kind in a group of one
+    copy_time = max(0.0, added_time(offloaded([(i, i + 1) for i in followed]), followed) - layer_time)
+    return {size: replace(effect(offloaded([(p + 1 - size, p + 1)]), p + 1 - size, p + 1, reach=1),
+                          added_time_s=size * layer_time + copy_time)
+            for size in MEASURED_GROUP_SIZES if size <= p + 1}
 
 
 def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
@@ -514,3 +612,6 @@ def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
             yield (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep", effect.freed_bytes,
                    effect.added_time_s * 1e3)
         yield "full recompute", effects.groups[1].freed_bytes, effects.layer_time_s * 1e3
+        if effects.offloaded_groups:
+            offloaded = effects.offloaded_groups[1]
+            yield "full recompute, input offloaded", offloaded.freed_bytes, offloaded.added_time_s * 1e3
