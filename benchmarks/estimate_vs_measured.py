@@ -1,8 +1,9 @@
 """remat estimate (shapes only, on this machine's CPU) against peaks measured on the H200.
 
-For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1,70b}_h200.json:
+For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1,70b,w1_offload}_h200.json:
 forward+backward, compiled regions, no optimizer), estimate the same recipe, shape and plan on
-the meta device for a CUDA target and compare peak allocated memory and step time.
+the meta device for a CUDA target and compare peak allocated memory, host memory (offload) and
+step time.
 
   PYTHONPATH=src python benchmarks/estimate_vs_measured.py   # writes $OUT/estimate_vs_h200.json
 """
@@ -48,8 +49,10 @@ def compare(path: Path) -> dict:
         peak = est.peak / GIB
         rows.append(dict(plan=run["name"], measured_peak_gib=run["measured_peak_gib"], estimated_peak_gib=round(peak, 3),
                          peak_error=round(peak / run["measured_peak_gib"] - 1, 4),
-                         measured_step_s=run["measured_step_s"], estimated_step_s=round(est.step_time_s, 4)))
-        print(f"{path.stem:14s} {run['name']:22s} measured {run['measured_peak_gib']:7.3f} GiB  estimated {peak:7.3f}"
+                         measured_step_s=run["measured_step_s"], estimated_step_s=round(est.step_time_s, 4),
+                         measured_host_gib=run.get("measured_host_gib"),
+                         estimated_host_gib=round(sum(s.host for s in est.stages) / GIB, 3)))
+        print(f"{path.stem:20s} {run['name']:34s} measured {run['measured_peak_gib']:7.3f} GiB  estimated {peak:7.3f}"
               f" GiB ({rows[-1]['peak_error']:+.1%})  step {run['measured_step_s']:.3f} s vs {est.step_time_s:.3f} s")
     return dict(measured=path.name, measured_gpu=measured["gpu"], measured_torch=measured["torch"],
                 spec=spec, estimate_s=round(seconds, 1), rows=rows,
@@ -60,7 +63,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     record = dict(torch=torch.__version__, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src python benchmarks/estimate_vs_measured.py",
-                  shapes=[compare(RESULTS / f"plan_{shape}_h200.json") for shape in ("w1", "70b")])
+                  shapes=[compare(RESULTS / f"plan_{shape}_h200.json") for shape in ("w1", "70b", "w1_offload")])
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "estimate_vs_h200.json").write_text(json.dumps(record, indent=1))
 

@@ -16,7 +16,6 @@ from remat.config import (
     TrainingFacts,
     batch_split_problems,
     parallel_shape_problems,
-    prediction_problems,
 )
 from remat.estimating import EstimateSpec, estimate, in_flight
 from remat.plans import Plan
@@ -186,9 +185,37 @@ def test_compiled_regions_on_cuda_save_what_inductor_saves() -> None:
     assert none.stages[0].activations - recomputed.stages[0].activations == SMALL["num_layers"] * 3 * ffn * tokens * 2
 
 
-def test_offload_plans_are_refused_before_any_trace_with_what_to_do() -> None:
-    assert [p.field for p in prediction_problems([{}, {"layer": "offload"}])] == ["offload"]
-    assert not list(prediction_problems([{}, {"mlp": "recompute", "layernorm": "discard"}]))
-    offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=1, facts=TrainingFacts(num_layers=2))
-    with pytest.raises(ConfigError, match="remat plan --offload"):
-        estimate(_spec(), [("offload", offload)])
+OFFLOAD_PLANS = [
+    ("layer offload", Plan([{"layer": "offload", "mlp": "recompute"}, {"core_attn": "offload"}, {}, {}],
+                           min_offloaded_tensor_size=64)),
+    ("inputs offloaded", Plan([{"layer": "offload"}, {}, {"layer": "offload"}, {}], [(0, 2), (2, 4)],
+                              min_offloaded_tensor_size=64)),
+]
+
+
+def test_offload_estimates_agree_exactly_with_the_trace_of_a_cpu_model() -> None:
+    overrides = {**SHAPE, "attention_backend": "eager"}
+    estimates = _quiet(estimate, _spec(overrides=overrides), PLANS[:1] + OFFLOAD_PLANS)
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float32, **overrides)
+    ids = torch.randint(0, model.config.vocab_size, (MB, SHAPE["seq_length"] + 1))
+    traced = _quiet(remat.trace, model, ids[:, :-1], ids[:, 1:].contiguous(), timing_repeats=1, offload=True,
+                    min_offloaded_tensor_size=64)
+    for (name, plan), est in zip(PLANS[:1] + OFFLOAD_PLANS, estimates):
+        predicted = traced.predict(plan)
+        (stage,) = est.stages
+        assert (stage.activations, stage.peak, stage.host) == (
+            predicted.saved_bytes, predicted.peak_bytes, predicted.host_bytes), name
+        assert (stage.host > 0) == (plan is not None)
+
+
+def test_offload_copies_slower_than_compute_add_step_time() -> None:
+    plan = [("offload", Plan([{"layer": "offload"}, {}], min_offloaded_tensor_size=64))]
+    fast, slow = (_quiet(estimate, _spec(host_gbps=gbps), [("none", None), *plan]) for gbps in (1e6, 1e-3))
+    assert fast[1].step_time_s == pytest.approx(fast[0].step_time_s)  # hidden behind the next layer
+    host = slow[1].stages[0].host
+    assert slow[1].step_time_s >= slow[0].step_time_s + 2 * host / 1e6 * 0.99  # out and back, barely hidden
+    with pytest.raises(ConfigError, match="host_gbps"):
+        _spec(host_gbps=0)
+    with pytest.raises(ConfigError, match="one estimate traces one"):
+        estimate(_spec(), [plan[0], ("other", Plan([{"layer": "offload"}, {}]))])

@@ -76,7 +76,9 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     else:
         check_plan(plan.layers, plan.full_recompute, layout)
         resolved = plan
-    offloader = (Offloader(resolved.min_offloaded_tensor_size, resident=_module_tensors(weakref.ref(model)))
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    offloader = (Offloader(resolved.min_offloaded_tensor_size, first.device.type if first is not None else None,
+                           resident=_module_tensors(weakref.ref(model)))
                  if resolved.offloads() else None)
     _install(sites, resolved, offloader)
     if offloader is None:

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from remat.bench.golden import DEFAULT_THRESHOLD
 from remat.config import (
+    DEFAULT_HOST_GBPS,
     DEFAULT_TFLOPS,
     ESTIMATE_TARGETS,
     MIN_OFFLOADED_TENSOR_SIZE,
@@ -506,7 +507,8 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
                      if args.global_batch_size else facts.pipeline_model_parallel_size)
     spec = found.run(lambda: EstimateSpec(
         args.model_recipe_name, _overrides(args), facts, args.micro_batch_size, micro_batches,
-        optimizer=not args.no_optimizer, target=args.target, compile=args.compile, tflops=args.tflops))
+        optimizer=not args.no_optimizer, target=args.target, compile=args.compile, tflops=args.tflops,
+        host_gbps=args.host_gbps))
     found.raise_if_any()
     return spec, plans
 
@@ -542,8 +544,9 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
              f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
              f"cp {f.context_parallel_size}, micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
     table = Table(title=f"estimated peak memory per GPU, {title}")
+    host = any(s.host for result in results for s in result.stages)
     columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",
-               "other", "peak", "peak in", "step")
+               "other", "peak", "peak in", *(["host"] if host else []), "step")
     for column in columns:
         table.add_column(column, justify="left" if column in ("config", "peak in") else "right")
     for result in results:
@@ -552,10 +555,13 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
             table.add_row(result.name if first else "", str(s.stage), str(s.layers), f"{s.in_flight:g}",
                           *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
                                                     s.other, s.peak)),
-                          s.peak_window, f"{result.step_time_s * 1e3:.4g} ms" if first else "")
+                          s.peak_window, *([format_gib(s.host)] if host else []),
+                          f"{result.step_time_s * 1e3:.4g} ms" if first else "")
+    copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
+              f"forward and backward where they fit" if host else "")
     table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); other: the "
                      f"peak window's working memory; step: counted FLOPs at {spec.tflops:g} TFLOP/s, "
-                     f"{spec.target} kernels{', compiled regions' if spec.compile else ''}")
+                     f"{spec.target} kernels{', compiled regions' if spec.compile else ''}{copies}")
     return table
 
 
@@ -837,6 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
     p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",
                    help=f"sustained TFLOP/s per GPU that times a step (default {DEFAULT_TFLOPS:g})")
+    p.add_argument("--host_gbps", type=float, default=DEFAULT_HOST_GBPS, metavar="X",
+                   help=f"host link bandwidth each way in GB/s that times offload copies (default "
+                        f"{DEFAULT_HOST_GBPS:g}, pinned copies on an H200)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     p.set_defaults(func=_cmd_estimate)

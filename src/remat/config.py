@@ -1143,9 +1143,13 @@ ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
 # Sustained bf16 dense throughput assumed for estimated step times: remat's no-recompute W1 run on
 # an H200 measured 590-630 TFLOP/s (benchmarks/results).
 DEFAULT_TFLOPS = 600.0
+# Host link bandwidth assumed for estimated offload copies, each way: pinned copies on the H200
+# measured 55 GB/s (benchmarks/results/offload_w1_h200.json).
+DEFAULT_HOST_GBPS = 55.0
 
 
-def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tflops: float) -> Iterator[Problem]:
+def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tflops: float,
+                      host_gbps: float = DEFAULT_HOST_GBPS) -> Iterator[Problem]:
     """The settings of a shapes-only estimate (`remat estimate`)."""
     if target not in ESTIMATE_TARGETS:
         yield Problem("target", f"{target!r} is not a target; use one of {_one_of(ESTIMATE_TARGETS)}")
@@ -1154,25 +1158,21 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
                                           " be 1 or more")
     if not tflops > 0:
         yield Problem("tflops", f"is {tflops}; give the sustained TFLOP/s one GPU reaches, e.g. 600")
+    if not host_gbps > 0:
+        yield Problem("host_gbps", f"is {host_gbps}; give the host link's bandwidth each way in GB/s, "
+                                   f"e.g. {DEFAULT_HOST_GBPS:g}")
 
 
-def prediction_problems(layers: Sequence[Mapping[str, str]]) -> Iterator[Problem]:
-    """What a shapes-only estimate cannot price: offload copies nothing on the meta device."""
-    offloaded = [i for i, actions in enumerate(layers) if "offload" in actions.values()]
-    if offloaded:
-        yield Problem("offload", f"layers {offloaded} offload; a shapes-only estimate cannot time host "
-                                 f"copies: predict it from a trace on the GPU (`remat plan --offload`, "
-                                 f"remat.trace(..., offload=True)), or drop -ol / offload_modules")
-
-
-def planning_problems(offload: bool, host_budget_bytes: int | None, device_type: str | None = None) -> Iterator[Problem]:
-    """What a trace (`remat.trace`, `remat plan`) may measure and the planner choose."""
+def planning_problems(offload: bool, host_budget_bytes: int | None, device_type: str | None = None,
+                      host_bytes_per_s: float | None = None) -> Iterator[Problem]:
+    """What a trace (`remat.trace`, `remat plan`, `remat estimate`) may measure and the planner choose."""
     if host_budget_bytes is not None and not offload:
         yield Problem("host_memory_budget", "caps what offload moves to host memory; turn offload on "
                                             "(--offload) or drop the host budget")
-    if offload and device_type == "meta":
-        yield Problem("offload", "a shapes-only trace (meta device) copies nothing to host, so it cannot "
-                                 "measure offload; trace on a CPU or GPU, or leave offload off")
+    if offload and device_type == "meta" and not (host_bytes_per_s or 0) > 0:
+        yield Problem("host_gbps", "a shapes-only trace (meta device) runs no copies: give the host link's "
+                                   f"bandwidth to time them (host_bytes_per_s; `--host_gbps`, e.g. "
+                                   f"{DEFAULT_HOST_GBPS:g})")
 
 
 # ---------------------------------------------------------------------------------------------

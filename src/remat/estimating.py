@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from remat.apply import find_sites
 from remat.config import (
+    DEFAULT_HOST_GBPS,
     DEFAULT_TFLOPS,
     ConfigError,
     ModelLayout,
@@ -37,7 +38,6 @@ from remat.config import (
     TrainingFacts,
     estimate_problems,
     parallel_shape_problems,
-    prediction_problems,
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace
@@ -62,6 +62,7 @@ class EstimateSpec:
     target: str = "cuda"  # whose fused attention kernel to count
     compile: bool = False  # the model's regions compiled, as `remat bench --compile` runs them
     tflops: float = DEFAULT_TFLOPS
+    host_gbps: float = DEFAULT_HOST_GBPS  # times offload copies, each way
 
     def __post_init__(self) -> None:
         cfg = self.model_config
@@ -72,7 +73,8 @@ class EstimateSpec:
             RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=cfg.num_layers))
         except ConfigError as err:
             problems += err.problems
-        problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops)
+        problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops,
+                                      self.host_gbps)
         if problems:
             raise ConfigError(problems)
 
@@ -99,6 +101,7 @@ class StageEstimate:
     peak: int
     peak_window: str
     micro_batch_time_s: float
+    host: int = 0  # offloaded to host memory, all micro-batches in flight
 
     @property
     def other(self) -> int:
@@ -130,12 +133,17 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     """
     pp = spec.stages
     layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
-    for _, plan in plans:  # every error before the first trace
-        _check_predictable(plan, layout)
+    lowered = [_lowered(plan, layout) for _, plan in plans]  # every error before the first trace
+    offloading = [p for p in lowered if p.offloads()]
+    thresholds = {p.min_offloaded_tensor_size for p in offloading}
+    if len(thresholds) > 1:
+        raise ConfigError([Problem("min_offloaded_tensor_size", f"the offload plans use thresholds "
+                                   f"{sorted(thresholds)}; one estimate traces one: give them the same")])
     stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
     kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]  # first, middle, last stage
     first_of_kind = {kind[k]: k for k in reversed(range(pp))}
-    traced = {c: _trace_stage(spec, k, progress) for c, k in sorted(first_of_kind.items())}
+    offload = (thresholds.pop(),) if thresholds else ()
+    traced = {c: _trace_stage(spec, k, progress, *offload) for c, k in sorted(first_of_kind.items())}
     out = []
     for (name, _), per_stage in zip(plans, stage_plans):
         stages = [traced[kind[k]].predict(k, per_stage[k], spec) for k in range(pp)]
@@ -315,10 +323,13 @@ class _StageTrace:
             grads=self.weights if self.grads_persist else 0, optimizer_state=self.optimizer_state,
             activations=round(flight * per_micro_batch),
             peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch),
-            peak_window=p.peak_window, micro_batch_time_s=p.step_time_s)
+            peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes))
 
 
-def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None) -> _StageTrace:
+def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None,
+                 offload_threshold: int | None = None) -> _StageTrace:
+    """Trace one stage's shard; with `offload_threshold`, offload too (storages of that many
+    elements or more)."""
     facts, cfg = spec.facts, spec.model_config
     shard = shard_config(cfg, facts)
     first, last = stage == 0, stage == spec.stages - 1
@@ -344,8 +355,10 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     optimizer = _AdamWState(model.parameters()) if spec.optimizer else None
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
+        offload = {} if offload_threshold is None else dict(
+            offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
         measured = trace(model, inputs, labels, optimizer=optimizer, micro_batches=spec.micro_batches,
-                         timing_repeats=1, flops_per_s=spec.tflops * 1e12,
+                         timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
                          progress=lambda what: note(f"stage {stage}: {what}"))
     state = [t for s_ in optimizer.state.values() for t in s_.values()] if optimizer else []
     hidden = inputs if not first else torch.empty(b, s // (facts.tensor_model_parallel_size if sp else 1),
@@ -377,14 +390,10 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
     return plan
 
 
-def _check_predictable(plan: PlanLike, layout: ModelLayout) -> None:
-    """Before any tracing: a plan the trace cannot price (offload) is an error, not a KeyError."""
+def _lowered(plan: PlanLike, layout: ModelLayout) -> Plan:
     if plan is None:
-        return
-    layers = Plan.from_config(plan, layout).layers if isinstance(plan, RecomputeConfig) else plan.layers
-    problems = list(prediction_problems(layers))
-    if problems:
-        raise ConfigError(problems)
+        return Plan.none(layout.num_layers)
+    return Plan.from_config(plan, layout) if isinstance(plan, RecomputeConfig) else plan
 
 
 def _per_chunk(plan: RecomputeConfig, stage_facts: TrainingFacts, chunks: int) -> RecomputeConfig:

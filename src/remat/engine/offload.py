@@ -54,10 +54,11 @@ class OffloadStats:
 
 
 class HostPool:
-    """Host buffers keyed by byte size, reused across steps: cudaHostAlloc is slow."""
+    """Host buffers keyed by byte size, reused across steps: cudaHostAlloc is slow. On the meta
+    device (shapes-only estimates) the buffers are meta too: sizes without memory."""
 
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
+    def __init__(self, pinned: bool, device: str = "cpu") -> None:
+        self.pinned, self.device = pinned, device
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self.allocated_bytes = 0
         self.allocations = 0
@@ -70,7 +71,7 @@ class HostPool:
         self.allocations += 1
         self.allocated_bytes += nbytes
         with _disable_current_modes():  # host memory: what meters of device memory must not count
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned), None
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned, device=self.device), None
 
     def give(self, buffer: torch.Tensor, last_use: Any) -> None:
         self._free[buffer.numel()].append((buffer, last_use))
@@ -196,8 +197,9 @@ class Offloader:
     """Moves saved tensors to host memory inside its groups; one per model, reused across steps.
 
     `min_numel`: storages with fewer elements (of the saved tensor's dtype) stay on the device.
-    `device_type`: where offloaded tensors live, "cuda" (pinned host buffers, side streams) or
-    "cpu" (plain copies into pooled CPU buffers: the same logic, for tests).
+    `device_type`: where offloaded tensors live, "cuda" (pinned host buffers, side streams),
+    "cpu" (plain copies into pooled CPU buffers: the same logic, for tests) or "meta" (shapes
+    only, for estimates; default: cuda when there is a GPU, else cpu).
     `resident`: tensors that live on anyway (a model's parameters and buffers), asked for again
     at the start of each forward, since a model may replace its buffers.
     """
@@ -208,7 +210,7 @@ class Offloader:
         self._resident = resident
         self._resident_keys: set[int] = set()
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.pool = HostPool(pinned=self.device_type == "cuda")
+        self.pool = HostPool(pinned=self.device_type == "cuda", device="meta" if self.device_type == "meta" else "cpu")
         self._streams: dict[torch.device, _Streams] = {}
         self._by_storage: weakref.WeakValueDictionary[int, _HostCopy] = (
             weakref.WeakValueDictionary())

@@ -294,6 +294,7 @@ class _Stepper:
     seed: int
     flops_per_s: float | None = None  # the rate that times a step on the meta device
     min_offloaded: int = MIN_OFFLOADED_TENSOR_SIZE  # every offload plan runs with this threshold
+    host_bytes_per_s: float | None = None  # the host link that times copies on the meta device
 
     @property
     def cuda(self) -> bool:
@@ -397,7 +398,7 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
           optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
           timing_repeats: int = 3, seed: int = 0, flops_per_s: float | None = None,
           offload: bool = False, min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
-          progress: Callable[[str], None] | None = None) -> Trace:
+          host_bytes_per_s: float | None = None, progress: Callable[[str], None] | None = None) -> Trace:
     """Measure, with training steps on this batch, what every action saves and costs in every layer.
 
     The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
@@ -406,20 +407,21 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     On the meta device (shapes only) memory is counted by storage and time is FLOPs / flops_per_s.
     A model that returns hidden states rather than a loss (a pipeline stage) gets their gradient.
     `offload`: measure offload actions too (pinned host memory on CUDA; about twice the steps),
-    with storages below `min_offloaded_tensor_size` elements kept on the device.
+    with storages below `min_offloaded_tensor_size` elements kept on the device; on the meta device
+    the copies are timed at `host_bytes_per_s`, hidden behind the next layer's forward and backward.
     """
     sites = find_sites(model)
     layout = sites.layout
     if not layout.has_layer_sites:
         raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
                                             "to tell one layer's memory from the next; add layer Sites")])
-    problems = list(planning_problems(offload, None, input_ids.device.type))
+    problems = list(planning_problems(offload, None, input_ids.device.type, host_bytes_per_s))
     if problems:
         raise ConfigError(problems)
     note = progress or (lambda message: None)
     n = layout.num_layers
     stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
-                       flops_per_s, min_offloaded_tensor_size)
+                       flops_per_s, min_offloaded_tensor_size, host_bytes_per_s)
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
@@ -552,6 +554,17 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
     def added_time(plan: Plan, layers: list[int]) -> float:  # every layer of the kind at once: above the noise
         return max(0.0, stepper.seconds(plan, repeats) - base_time) / len(layers)
 
+    note(f"layer {r}: full recompute")
+    layer_time = added_time(Plan(Plan.none(n).layers, [(i, i + 1) for i in indices]), indices)
+
+    def copy_time(host_bytes: int) -> float:
+        """On the meta device, where nothing runs: what the next layer's forward (copies out) and
+        backward (copies back; about twice the forward) do not hide of one layer's copies."""
+        if stepper.host_bytes_per_s is None or not host_bytes:
+            return 0.0
+        each_way = host_bytes / stepper.host_bytes_per_s
+        return max(0.0, each_way - layer_time) + max(0.0, each_way - 2 * layer_time)
+
     def measure_combo(combo: Combo) -> Effect:
         note(f"layer {r}: " + (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep"))
         at, layers = (max(followed), followed) if _offloads(combo) else (r, indices)
@@ -563,42 +576,35 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
         everywhere = Plan.none(n)
         for i in layers:
             everywhere.layers[i] = dict(combo)
-        return replace(measured, added_time_s=added_time(everywhere, layers))
+        return replace(measured, added_time_s=added_time(everywhere, layers) + copy_time(measured.host_bytes))
 
     combos = {combo: measure_combo(combo) for combo in _combos(layout.labels[r])}
     if offload and followed:
         combos.update((combo, measure_combo(combo)) for combo in _offload_combos(layout.labels[r]))
-    note(f"layer {r}: full recompute")
-    layer_time = added_time(Plan(Plan.none(n).layers, [(i, i + 1) for i in indices]), indices)
     groups = {size: effect(Plan(Plan.none(n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1)
               for size in MEASURED_GROUP_SIZES if size <= r + 1}
     groups = {size: replace(e, added_time_s=size * layer_time) for size, e in groups.items()}
     # one group over layers r-1 and r frees layer r's input as well
     input_bytes = groups[2].freed_bytes - 2 * groups[1].freed_bytes if 2 in groups else 0
-    offloaded = _offloaded_groups(stepper, effect, added_time, followed, n, layer_time, note) if offload else {}
+    offloaded: dict[int, Effect] = {}
+    if offload and followed:
+        p = max(followed)
+        note(f"layer {p}: full recompute, input offloaded")
+        offloaded = {size: effect(_inputs_offloaded(n, [(p + 1 - size, p + 1)]), p + 1 - size, p + 1, reach=1)
+                     for size in MEASURED_GROUP_SIZES if size <= p + 1}
+        # the copies' cost on top of the recompute: every followed layer of the kind in a group of one
+        copies = (max(0.0, added_time(_inputs_offloaded(n, [(i, i + 1) for i in followed]), followed) - layer_time)
+                  + copy_time(offloaded[1].host_bytes))
+        offloaded = {size: replace(e, added_time_s=size * layer_time + copies) for size, e in offloaded.items()}
     return LayerEffects(combos, groups, input_bytes, layer_time, offloaded)
 
 
-def _offloaded_groups(stepper: _Stepper, effect: Callable[..., Effect], added_time: Callable[..., float],
-                      followed: list[int], n: int, layer_time: float,
-                      note: Callable[[str], None]) -> dict[int, Effect]:
-    """Recompute groups with their input offloaded, ending at the last layer that has a next one."""
-    if not followed:
-        return {}
-    p = max(followed)
-    note(f"layer {p}: full recompute, input offloaded")
-
-    def offloaded(ranges: list[tuple[int, int]]) -> Plan:
-        plan = Plan(Plan.none(n).layers, ranges)
-        for start, _ in ranges:
-            plan.layers[start][LAYER] = "offload"
-        return plan
-
-    # the copies' cost on top of the recompute: every followed layer of the kind in a group of one
-    copy_time = max(0.0, added_time(offloaded([(i, i + 1) for i in followed]), followed) - layer_time)
-    return {size: replace(effect(offloaded([(p + 1 - size, p + 1)]), p + 1 - size, p + 1, reach=1),
-                          added_time_s=size * layer_time + copy_time)
-            for size in MEASURED_GROUP_SIZES if size <= p + 1}
+def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
+    """Full recompute of `ranges`, each range's kept input offloaded."""
+    plan = Plan(Plan.none(n).layers, ranges)
+    for start, _ in ranges:
+        plan.layers[start][LAYER] = "offload"
+    return plan
 
 
 def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
