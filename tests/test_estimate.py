@@ -219,3 +219,18 @@ def test_offload_copies_slower_than_compute_add_step_time() -> None:
         _spec(host_gbps=0)
     with pytest.raises(ConfigError, match="one estimate traces one"):
         estimate(_spec(), [plan[0], ("other", Plan([{"layer": "offload"}, {}]))])
+
+
+def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from remat.memory.trace import _FLOP_FORMULAS
+    from remat.models.loss import _MIXED_ADDMM
+
+    acc = torch.zeros(8, 6, device="meta")
+    a, b = torch.empty(8, 4, device="meta", dtype=torch.bfloat16), torch.empty(4, 6, device="meta", dtype=torch.bfloat16)
+    with FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) as counter:
+        acc.addmm_(a.float(), b.float())
+        if _MIXED_ADDMM:  # torch >= 2.8: the loss head's float32 accumulation
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    assert counter.get_total_flops() == (2 if _MIXED_ADDMM else 1) * (2 * 8 * 4 * 6)

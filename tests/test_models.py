@@ -280,3 +280,15 @@ def test_kv_channels_sets_the_head_dim_apart_from_the_hidden_size() -> None:
     model(ids, ids).backward()
     with pytest.raises(ValueError, match="kv_channels"):
         recipe_config("llama3_tiny", kv_channels=0)
+
+
+@pytest.mark.parametrize("acc_dtype, dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)])
+def test_loss_head_weight_gradient_accumulates_the_product_in_the_accumulators_dtype(acc_dtype, dtype) -> None:
+    from remat.models.loss import _accumulate_mm
+
+    torch.manual_seed(0)
+    acc, a, b = torch.randn(6, 5, dtype=acc_dtype), torch.randn(6, 3, dtype=dtype), torch.randn(3, 5, dtype=dtype)
+    expected = acc + (a.to(acc_dtype) @ b.to(acc_dtype))
+    _accumulate_mm(acc, a, b)
+    assert acc.dtype == acc_dtype
+    torch.testing.assert_close(acc, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-12, atol=1e-2)

@@ -354,7 +354,7 @@ class _Stepper:
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
                 raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
-            with FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS) as counter:
+            with FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) as counter:
                 self.step()
             return counter.get_total_flops() / self.flops_per_s
         if self.cuda:
@@ -385,8 +385,17 @@ def _attention_flops(bmms: int) -> Callable[..., int]:
     return flops
 
 
+def _addmm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *rest: Any, out_shape: Any = None,
+                 **kwargs: Any) -> int:
+    """A matmul that adds into its input (the loss head's weight gradient). torch's own formula
+    takes addmm's out_dtype for its out_shape and fails, and counts nothing for addmm_."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 _aten = torch.ops.aten
-_ATTENTION_FLOPS = {
+_FLOP_FORMULAS = {
+    _aten.addmm: _addmm_flops,
+    _aten.addmm_: _addmm_flops,
     **{op: _attention_flops(2) for op in (_aten._scaled_dot_product_cudnn_attention,
                                           _aten._scaled_dot_product_flash_attention)},
     **{op: _attention_flops(5) for op in (_aten._scaled_dot_product_cudnn_attention_backward,

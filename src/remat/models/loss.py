@@ -52,6 +52,22 @@ def compiled_chunk_loss(backend: str = "inductor") -> ChunkFn:
     return torch.compile(chunk_loss_fusable, backend=backend)
 
 
+# torch >= 2.8 on CUDA: a bf16/fp16 GEMM may add into a float32 output in its epilogue.
+_MIXED_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b. With low-precision inputs and a float32 `acc` on CUDA (and on meta, which
+    estimates CUDA), one GEMM adds into acc in float32: no rounded low-precision product, no
+    second kernel reading and writing acc."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type in ("cuda", "meta") and _MIXED_ADDMM:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
 def _loss_and_grads(
     hidden: Tensor,
     weight: Tensor,
@@ -87,9 +103,9 @@ def _loss_and_grads(
         loss_sum += part
         del logits
         if grad_hidden is not None:
-            grad_hidden[start:end] = d_low @ weight
+            torch.mm(d_low, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
-            grad_weight.add_(d_low.t() @ h)
+            _accumulate_mm(grad_weight, d_low.t(), h)
     loss = loss_sum / n_valid
     return loss, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
 
