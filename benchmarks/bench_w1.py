@@ -63,8 +63,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--anchor", default=ANCHOR_MODES, help="anchor modes ('' to skip)")
     parser.add_argument("--remat", default="eager,compiled", help="eager and/or compiled")
+    parser.add_argument("--remat-first", action="store_true",
+                        help="run remat before the anchor (the anchor runs first by default), to see "
+                             "whether the order (the GPU's warmth) moves the ratios")
     args = parser.parse_args()
-    anchor = run_anchor(args.anchor) if args.anchor else []
+    anchor = run_anchor(args.anchor) if args.anchor and not args.remat_first else []
     remat_rows: list[dict] = []
     for variant in args.remat.split(","):
         try:
@@ -72,6 +75,8 @@ def main() -> None:
         except Exception as e:  # keep the other variant's and the anchor's numbers
             print(f"{variant} failed: {e!r}"[:2000], flush=True)
             remat_rows.append(dict(mode="*", compiled=variant == "compiled", status=f"error: {e!r}"[:500]))
+    if args.anchor and args.remat_first:
+        anchor = run_anchor(args.anchor)
     by_mode = {a["mode"]: a for a in anchor}
     comparisons = []
     for mode, preset in SAME_PRESET.items():
@@ -91,7 +96,8 @@ def main() -> None:
     for c in comparisons:
         print(json.dumps(c))
     record = dict(workload="W1", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="PYTHONPATH=src python benchmarks/bench_w1.py", anchor=anchor, remat=remat_rows,
+                  command="PYTHONPATH=src python benchmarks/bench_w1.py", remat_first=args.remat_first,
+                  anchor=anchor, remat=remat_rows,
                   comparisons=comparisons)
     (OUT / "w1.json").write_text(json.dumps(record, indent=1))
 
