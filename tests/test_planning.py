@@ -106,6 +106,11 @@ def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
     block = uniform_config(Plan(Plan.none(4).layers, [(0, 1)]), trace)
     assert (block.recompute_method, block.recompute_num_layers) == ("block", 1)
     assert uniform_config(Plan([{"mlp": "recompute"}, {}, {}, {}]), trace) is None
+    offload = uniform_config(Plan([{"layer": "offload"}] * 3 + [{}], [(i, i + 1) for i in range(4)],
+                                  min_offloaded_tensor_size=256), trace)
+    assert (offload.recompute_method, offload.cpu_offloading_num_layers, offload.min_offloaded_tensor_size) == (
+        "uniform", 3, 256)
+    assert uniform_config(Plan([{"layer": "offload"}] * 4), trace) is None  # Megatron keeps the last layer
 
 
 def _synthetic(attn_freed: int) -> Trace:

@@ -82,10 +82,11 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
                   for mask in range(1, 2 ** len(labels))]
     candidates += [dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
                    for method in ("uniform", "block") for k in range(1, n + 1)]
-    if plan.offloads():  # Megatron offloads the first k layers
+    if plan.offloads():  # Megatron offloads the first k layers: k ends at the last offloading layer
+        k = 1 + max(i for i, actions in enumerate(plan.layers) if "offload" in actions.values())
         candidates = [dict(keys, cpu_offloading=True, cpu_offloading_num_layers=k,
                            min_offloaded_tensor_size=plan.min_offloaded_tensor_size)
-                      for keys in [{}, *candidates] for k in range(1, n)]
+                      for keys in [{}, *candidates]] if k < n else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)
         for keys in candidates:
