@@ -145,8 +145,9 @@ def main() -> None:
     record = dict(shape=args.shape, spec=dict(recipe=spec.recipe, overrides=spec.overrides,
                                               micro_batch_size=spec.micro_batch_size, compile=spec.compile),
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d"), command=f"PYTHONPATH=src python benchmarks/bench_plan.py "
-                                                          f"--shape {args.shape}" + (" --offload" if args.offload else ""),
+                  date=time.strftime("%Y-%m-%d"),
+                  command=f"PYTHONPATH=src python benchmarks/bench_plan.py --shape {args.shape}"
+                          + (" --offload" if args.offload else ""),
                   trace_s=round(trace_s, 1), solve_s=round(solve_s, 2),
                   base_step_s=trace.base_step_time_s, anchor=anchor, plans=rows, pareto=pareto)
     (OUT / f"plan_{tag}.json").write_text(json.dumps(record, indent=1))
