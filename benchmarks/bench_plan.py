@@ -49,8 +49,8 @@ def _row(name: str, plan, prediction, result) -> dict:
     if isinstance(plan, Plan):
         written = plan.to_dict()
     else:
-        written = ({k: v for k, v in plan.to_megatron().items() if k.startswith(("recompute_", "cpu_offloading")) and v}
-                   if plan else {})
+        keys = ("recompute_", "cpu_offloading") + (("min_offloaded",) if plan and plan.cpu_offloading else ())
+        written = {k: v for k, v in plan.to_megatron().items() if k.startswith(keys) and v} if plan else {}
     return dict(name=name, plan=written,
                 status=result.status, predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
                 measured_peak_gib=round(measured / GIB, 3) if ok else None,

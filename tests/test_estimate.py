@@ -188,7 +188,7 @@ def test_compiled_regions_on_cuda_save_what_inductor_saves() -> None:
 OFFLOAD_PLANS = [
     ("layer offload", Plan([{"layer": "offload", "mlp": "recompute"}, {"core_attn": "offload"}, {}, {}],
                            min_offloaded_tensor_size=64)),
-    ("inputs offloaded", Plan([{"layer": "offload"}, {}, {"layer": "offload"}, {}], [(0, 2), (2, 4)],
+    ("inputs offloaded", Plan([{"layer": "offload"}, {}, {"layer": "offload"}, {}], [(0, 2), (2, 3), (3, 4)],
                               min_offloaded_tensor_size=64)),
 ]
 
@@ -234,3 +234,18 @@ def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
         if _MIXED_ADDMM:  # torch >= 2.8: the loss head's float32 accumulation
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     assert counter.get_total_flops() == (2 if _MIXED_ADDMM else 1) * (2 * 8 * 4 * 6)
+
+
+def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatch) -> None:
+    import remat.estimating as estimating
+
+    monkeypatch.setattr(estimating, "_trace_stage", lambda *a, **k: pytest.fail("traced before checking"))
+    two_sites = Plan([{"core_attn": "offload", "layernorm": "offload"}, {}], min_offloaded_tensor_size=64)
+    with pytest.raises(ConfigError, match="did not measure core_attn=offload, layernorm=offload"):
+        estimate(_spec(), [("two sites", two_sites)])
+    with pytest.raises(ConfigError, match="last layer"):
+        estimate(_spec(), [("last", Plan([{}, {"mlp": "offload"}], min_offloaded_tensor_size=64))])
+    stage_end = Plan([{"mlp": "offload"}, {}], min_offloaded_tensor_size=64)  # layer 0 ends stage 0 of 2
+    with pytest.raises(ConfigError, match="last layer"):
+        estimate(_spec(facts=TrainingFacts(pipeline_model_parallel_size=2), micro_batches=2),
+                 [("stage end", stage_end)])

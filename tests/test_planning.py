@@ -110,6 +110,10 @@ def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
                                   min_offloaded_tensor_size=256), trace)
     assert (offload.recompute_method, offload.cpu_offloading_num_layers, offload.min_offloaded_tensor_size) == (
         "uniform", 3, 256)
+    from remat.planning import PlanResult
+
+    keys = PlanResult(0, Plan.none(4), offload, trace.predict(None), ()).megatron_keys()
+    assert keys["cpu_offloading_num_layers"] == 3 and keys["min_offloaded_tensor_size"] == 256
     assert uniform_config(Plan([{"layer": "offload"}] * 4), trace) is None  # Megatron keeps the last layer
 
 

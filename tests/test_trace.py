@@ -129,7 +129,7 @@ def offload_plans(draw) -> Plan:
     plan = draw(plans())
     plan.min_offloaded_tensor_size = 256  # the tiny model's activations are a few thousand elements
     in_group = {i for s, e in plan.full_recompute for i in range(s, e)}
-    for i, actions in enumerate(plan.layers):
+    for i, actions in enumerate(plan.layers[:-1]):  # the last layer's backward follows at once: kept
         if i in in_group:
             continue
         how = draw(st.sampled_from(["as drawn", "layer", "site"]))
@@ -137,8 +137,8 @@ def offload_plans(draw) -> Plan:
             actions["layer"] = "offload"
         elif how == "site":
             plan.layers[i] = {draw(st.sampled_from(LABELS)): "offload"}
-    for start, _ in plan.full_recompute:
-        if draw(st.booleans()):
+    for start, end in plan.full_recompute:
+        if end < LAYERS and draw(st.booleans()):
             plan.layers[start] = {"layer": "offload"}
     return plan
 
@@ -172,6 +172,29 @@ def test_offload_is_predicted_only_from_a_trace_that_measured_it(traced, offload
                            min_offloaded_tensor_size=256))
     with pytest.raises(remat.ConfigError, match="the trace measured 256"):
         trace.predict(Plan([{"core_attn": "offload"}] + [{}] * (LAYERS - 1)))
+    last = Plan([{}] * (LAYERS - 1) + [{"mlp": "offload"}], min_offloaded_tensor_size=256)
+    with pytest.raises(remat.ConfigError, match=r"layers\[3\]: offloads in the last layer"):
+        trace.predict(last)
+    with pytest.raises(remat.ConfigError, match="offloads in the last layer"):
+        trace.predict(Plan([{}, {"layer": "offload"}, {}, {}], [(1, 4)], min_offloaded_tensor_size=256))
+    trace.predict(Plan([{}, {"layer": "offload"}, {}, {}], [(1, 3)], min_offloaded_tensor_size=256))
+
+
+def test_longer_offloaded_groups_free_their_extra_layers_in_the_next_layers_windows() -> None:
+    from remat.memory.trace import Effect, LayerEffects
+
+    def measured(size: int, freed: int, host: int = 0) -> Effect:
+        windows = {(phase, q): -q for q in range(size) for phase in ("fwd", "bwd")}
+        windows.update({("fwd", size): -freed // 2, ("bwd", size): 0} if host else {})
+        return Effect(freed, windows, 0.0, host)
+
+    effects = LayerEffects({}, {s: measured(s, 100 * s + 10 * (s - 1)) for s in (1, 2, 3)}, 10, 0.001,
+                           {s: measured(s, 100 * s + 10 * (s - 1) + 10, host=10) for s in (1, 2, 3)})
+    five = effects.group(5, offload_input=True)
+    extra = five.freed_bytes - effects.offloaded_groups[3].freed_bytes
+    assert extra == 2 * (100 + 10)
+    assert five.window_bytes[("fwd", 5)] == effects.offloaded_groups[3].window_bytes[("fwd", 3)] - extra
+    assert five.window_bytes[("bwd", 5)] == -extra
     model = remat.models.build("llama3_tiny", num_layers=2, seq_length=8, device="meta")
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     with pytest.raises(remat.ConfigError, match="shapes-only trace"):

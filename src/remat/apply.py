@@ -186,8 +186,8 @@ class _OffloadNeighbour:
     """The action of a layer after offload groups, around its own (if any). For the group right
     before it, backward loads the group when it reaches this layer's output: one layer ahead of
     the group's own backward. For the group two before, this layer first waits for the group's
-    copies to host to end, so they overlap one layer's forward and their device memory is held
-    no longer than that, however slow the copies (the window the trace measures)."""
+    copies to host to end, so they overlap one layer's forward and the blocks they keep from
+    reuse pile up no further, however slow the copies; what that costs is measured time."""
 
     inner: Callable[..., Any] | None
     offloader: Offloader

@@ -457,9 +457,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _console.print(_trace_table(measured))
     result = plan_from_trace(measured, budget, host_budget)
     _console.print(_plan_table(result))
-    if result.config is not None:
-        keys = {k: v for k, v in result.config.to_megatron().items()
-                if k.startswith(("recompute_", "cpu_offloading")) and v}
+    keys = result.megatron_keys()
+    if keys is not None:
         _write_mapping(keys, args.output)
         _console.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
     else:

@@ -1163,6 +1163,19 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
                                    f"e.g. {DEFAULT_HOST_GBPS:g}")
 
 
+def offload_prediction_problems(layers: Sequence[Mapping[str, str]],
+                                 full_recompute: Sequence[tuple[int, int]]) -> Iterator[Problem]:
+    """Offload the trace cannot price: in the last layer (of a model or pipeline stage), whose
+    backward comes right after its forward, nothing hides the copies or prefetches them."""
+    last = len(layers) - 1
+    ends = {s: e for s, e in full_recompute}
+    for i, actions in enumerate(layers):
+        if "offload" in actions.values() and ends.get(i, i + 1) - 1 == last:
+            yield Problem(f"layers[{i}]", f"offloads in the last layer ({last}), whose backward comes right after"
+                                          f" its forward: nothing hides the copies; keep it on the GPU (as Megatron"
+                                          f" does) or split the range before it")
+
+
 def planning_problems(offload: bool, host_budget_bytes: int | None, device_type: str | None = None,
                       host_bytes_per_s: float | None = None) -> Iterator[Problem]:
     """What a trace (`remat.trace`, `remat plan`, `remat estimate`) may measure and the planner choose."""

@@ -37,10 +37,11 @@ from remat.config import (
     RecomputeConfig,
     TrainingFacts,
     estimate_problems,
+    offload_prediction_problems,
     parallel_shape_problems,
 )
 from remat.memory.meter import storage_bytes
-from remat.memory.trace import Trace, trace
+from remat.memory.trace import Trace, trace, unmeasured_problems
 from remat.models import LlamaConfig, LlamaModel, build, recipe_config
 from remat.plans import Plan, PlanLike
 
@@ -140,6 +141,12 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
         raise ConfigError([Problem("min_offloaded_tensor_size", f"the offload plans use thresholds "
                                    f"{sorted(thresholds)}; one estimate traces one: give them the same")])
     stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
+    stage_layout = dataclasses.replace(layout, labels=layout.labels[:layout.num_layers // pp])
+    problems = [p for whole in lowered for p in unmeasured_problems(whole, layout, bool(offloading))]
+    stages_lowered = [_lowered(stage, stage_layout) for per_stage in stage_plans for stage in per_stage]
+    problems += [p for s in stages_lowered for p in offload_prediction_problems(s.layers, s.full_recompute)]
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)))
     kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]  # first, middle, last stage
     first_of_kind = {kind[k]: k for k in reversed(range(pp))}
     offload = (thresholds.pop(),) if thresholds else ()
@@ -386,7 +393,7 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
             raise ConfigError([Problem("full_recompute", f"ranges {across} cross the boundary of pipeline "
                                        f"stage {stage} (layers {first}-{end - 1}); split them at it")])
         ranges = [(s - first, e - first) for s, e in plan.full_recompute if first <= s and e <= end]
-        return Plan([dict(a) for a in plan.layers[first:end]], ranges)
+        return Plan([dict(a) for a in plan.layers[first:end]], ranges, plan.min_offloaded_tensor_size)
     return plan
 
 

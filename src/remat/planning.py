@@ -49,6 +49,17 @@ class PlanResult:
     prediction: Prediction
     choices: tuple[Choice, ...]
 
+    def megatron_keys(self) -> dict[str, object] | None:
+        """The Megatron keys that express the plan (recompute, CPU offloading and its size
+        threshold), or None when only a per-layer plan file does."""
+        if self.config is None:
+            return None
+        keys = {k: v for k, v in self.config.to_megatron().items()
+                if k.startswith(("recompute_", "cpu_offloading")) and v}
+        if self.config.cpu_offloading:
+            keys["min_offloaded_tensor_size"] = self.config.min_offloaded_tensor_size
+        return keys
+
     def explain(self) -> Iterator[tuple[str, str, int, float]]:
         """(layers, action, bytes freed per layer, seconds added per layer) for runs of layers
         doing the same; layers that keep everything are left out."""
@@ -105,7 +116,8 @@ def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | N
     if problems:
         raise ConfigError(problems)
     solution = solve(trace_.problem(), budget_bytes, host_bytes)
-    solution.plan.min_offloaded_tensor_size = trace_.min_offloaded_tensor_size
+    if solution.plan.offloads():
+        solution.plan.min_offloaded_tensor_size = trace_.min_offloaded_tensor_size
     return PlanResult(budget_bytes, solution.plan, uniform_config(solution.plan, trace_),
                       trace_.predict(solution.plan), solution.choices)
 
@@ -117,5 +129,9 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
+    problems = list(planning_problems(offload, None if host_budget is None else parse_bytes(host_budget),
+                                      batch[0].device.type))
+    if problems:
+        raise ConfigError(problems)
     traced = trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
     return plan_from_trace(traced, budget_bytes, host_budget)

@@ -7,7 +7,8 @@ moment the tensor is saved, host-to-device on another side stream, started for a
 (one layer) when backward reaches the output of the layer after it (`prefetch_on_grad`), so the
 copy overlaps that layer's backward whatever the layer does; a group nobody prefetched loads at
 its own first unpack. The layer two after a group waits for the group's copies out before it
-runs (`await_copies`), so slow copies hold device memory for one layer's forward at most. Only
+runs (`await_copies`): the allocator cannot reuse a block until its copy out has run
+(`record_stream`), so slow copies would otherwise pile up reserved memory. Only
 events order the streams: nothing synchronizes the compute stream with the host.
 
 Views are offloaded by storage: a storage saved several times (a tensor saved twice, q, k and v

@@ -43,6 +43,7 @@ from remat.config import (
     RecomputeConfig,
     check_model,
     check_plan,
+    offload_prediction_problems,
     planning_problems,
 )
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
@@ -92,8 +93,10 @@ class LayerEffects:
             source = min(q, max(largest - 2, 0)) if q < size - 1 else largest - 1
             windows[("bwd", q)] = m.window_bytes[("bwd", source)]
             windows[("fwd", q)] = m.window_bytes[("fwd", source)] + (q - source) * fwd_step
-        windows.update({(phase, size): b for (phase, q), b in m.window_bytes.items() if q == largest})
         freed = m.freed_bytes + (size - largest) * (self.groups[1].freed_bytes + self.input_bytes)
+        # the next layer's windows (offload's reach) hold the group's layers freed: the extra ones too
+        windows.update({(phase, size): b - (freed - m.freed_bytes)
+                        for (phase, q), b in m.window_bytes.items() if q == largest})
         extra_time = m.added_time_s - largest * self.layer_time_s  # offloading the input, if any
         return Effect(freed, windows, size * self.layer_time_s + extra_time, m.host_bytes)
 
@@ -125,21 +128,26 @@ class Trace:
         """Layers [start, end) run one way: `actions` for one layer, None for a recompute group
         (with `offload_input`, its input goes to host)."""
         if actions is None:
-            effect = self.layers[end - 1].group(end - start, offload_input)
+            effect = (self.offloaded_group(start, end) if offload_input
+                      else self.layers[end - 1].group(end - start))
         else:
             effect = self._combo_effect(start, _combo(actions))
         windows = {f"{phase}{start + q}": b for (phase, q), b in effect.window_bytes.items()}
         return Choice(start, end, None if actions is None else dict(actions), effect.freed_bytes,
                       effect.added_time_s, windows, effect.host_bytes, offload_input)
 
+    def offloaded_group(self, start: int, end: int) -> Effect:
+        effects = self.layers[end - 1]
+        if not effects.offloaded_groups:
+            raise ConfigError([Problem(f"layers[{start}]", f"the trace measured no offloaded recompute input for "
+                                                           f"the kind of layer {end - 1} (no layer of that kind has a"
+                                                           f" next one); keep the input of [{start}, {end}) on the GPU")])
+        return effects.group(end - start, offload_input=True)
+
     def _combo_effect(self, layer: int, combo: Combo) -> Effect:
         effects = self.layers[layer].combos
         if combo not in effects:
-            shown = ", ".join(f"{k}={v}" for k, v in sorted(combo))
-            raise ConfigError([Problem(f"layers[{layer}]", (
-                f"the trace did not measure {shown}" + (" (offload in a layer: the trace measures each site "
-                "offloaded alone, or layer=offload with the other sites kept, recomputed or discarded)"
-                if _offloads(combo) else "")))])
+            raise ConfigError([_unmeasured(layer, combo)])
         return effects[combo]
 
     def choices(self) -> list[Choice]:
@@ -164,6 +172,9 @@ class Trace:
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
+        problems = list(offload_prediction_problems(resolved.layers, resolved.full_recompute))
+        if problems:
+            raise ConfigError(problems)
         if resolved.offloads() and not self.offload:
             raise ConfigError([Problem("offload", "this trace did not measure offload; trace with "
                                                   "offload=True (remat plan --offload) to predict an offload plan")])
@@ -211,6 +222,24 @@ def _combos(labels: frozenset[str]) -> list[Combo]:
     options = [("keep", "recompute", "discard") if label in DISCARD_MODULES else ("keep", "recompute")
                for label in ordered]
     return [_combo(dict(zip(ordered, choice))) for choice in itertools.product(*options)]
+
+
+def unmeasured_problems(plan: Plan, layout: ModelLayout, offload: bool) -> Iterator[Problem]:
+    """The layers whose actions a trace (with or without offload) does not measure: known before
+    tracing (`estimate` checks every plan first)."""
+    grouped = {i for s, e in plan.full_recompute for i in range(s, e)}
+    for i, actions in enumerate(plan.layers):
+        combo = _combo(actions)
+        measured = _combos(layout.labels[i]) + (_offload_combos(layout.labels[i]) if offload else [])
+        if i not in grouped and combo not in measured:
+            yield _unmeasured(i, combo)
+
+
+def _unmeasured(layer: int, combo: Combo) -> Problem:
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(combo))
+    return Problem(f"layers[{layer}]", f"the trace did not measure {shown}" + (
+        " (offload in a layer: the trace measures each site offloaded alone, or layer=offload with the other"
+        " sites kept, recomputed or discarded)" if _offloads(combo) else ""))
 
 
 def _offload_combos(labels: frozenset[str]) -> list[Combo]:
