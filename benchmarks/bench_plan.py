@@ -30,7 +30,7 @@ from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import run_bench, trace_spec
 from remat.config import RematWarning
 from remat.planner import NoPlanFits
-from remat.planning import plan_from_trace
+from remat.planning import megatron_keys, plan_from_trace
 from remat.plans import Plan
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -49,8 +49,7 @@ def _row(name: str, plan, prediction, result) -> dict:
     if isinstance(plan, Plan):
         written = plan.to_dict()
     else:
-        keys = ("recompute_", "cpu_offloading") + (("min_offloaded",) if plan and plan.cpu_offloading else ())
-        written = {k: v for k, v in plan.to_megatron().items() if k.startswith(keys) and v} if plan else {}
+        written = megatron_keys(plan) if plan else {}
     return dict(name=name, plan=written,
                 status=result.status, predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
                 measured_peak_gib=round(measured / GIB, 3) if ok else None,

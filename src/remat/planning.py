@@ -50,15 +50,8 @@ class PlanResult:
     choices: tuple[Choice, ...]
 
     def megatron_keys(self) -> dict[str, object] | None:
-        """The Megatron keys that express the plan (recompute, CPU offloading and its size
-        threshold), or None when only a per-layer plan file does."""
-        if self.config is None:
-            return None
-        keys = {k: v for k, v in self.config.to_megatron().items()
-                if k.startswith(("recompute_", "cpu_offloading")) and v}
-        if self.config.cpu_offloading:
-            keys["min_offloaded_tensor_size"] = self.config.min_offloaded_tensor_size
-        return keys
+        """The Megatron keys that express the plan, or None when only a per-layer plan file does."""
+        return None if self.config is None else megatron_keys(self.config)
 
     def explain(self) -> Iterator[tuple[str, str, int, float]]:
         """(layers, action, bytes freed per layer, seconds added per layer) for runs of layers
@@ -78,6 +71,14 @@ class PlanResult:
                 rows.append((c.start, c.end - 1, what, c.freed_bytes // per, c.added_time_s / per))
         for first, last, what, freed, seconds in rows:
             yield (str(first) if first == last else f"{first}-{last}", what, freed, seconds)
+
+
+def megatron_keys(config: RecomputeConfig) -> dict[str, object]:
+    """The keys of `config` a planned plan sets: recompute, CPU offloading and its size threshold."""
+    keys = {k: v for k, v in config.to_megatron().items() if k.startswith(("recompute_", "cpu_offloading")) and v}
+    if config.cpu_offloading:
+        keys["min_offloaded_tensor_size"] = config.min_offloaded_tensor_size
+    return keys
 
 
 def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
@@ -129,9 +130,9 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
-    problems = list(planning_problems(offload, None if host_budget is None else parse_bytes(host_budget),
-                                      batch[0].device.type))
+    host_bytes = None if host_budget is None else parse_bytes(host_budget)
+    problems = list(planning_problems(offload, host_bytes, batch[0].device.type))
     if problems:
         raise ConfigError(problems)
     traced = trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
-    return plan_from_trace(traced, budget_bytes, host_budget)
+    return plan_from_trace(traced, budget_bytes, host_bytes)
