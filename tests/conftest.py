@@ -1,14 +1,20 @@
 """Shared test helpers."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
 import torch
 
-import remat
-from remat.memory import peak_during
-from remat.memory.meter import held_tensors, storage_bytes
+if not torch.cuda.is_available():
+    # remat's CUDA kernels (Triton) are tested in Triton's interpreter on CPU. Triton reads this
+    # when a kernel is decorated, and torch's submodules import triton, so it is set before them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import remat  # noqa: E402
+from remat.memory import peak_during  # noqa: E402
+from remat.memory.meter import held_tensors, storage_bytes  # noqa: E402
 
 
 def measure_peak(model, batch, plan, optimizer=None) -> int:
