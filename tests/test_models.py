@@ -288,7 +288,11 @@ def test_loss_head_weight_gradient_accumulates_the_product_in_the_accumulators_d
 
     torch.manual_seed(0)
     acc, a, b = torch.randn(6, 5, dtype=acc_dtype), torch.randn(6, 3, dtype=dtype), torch.randn(3, 5, dtype=dtype)
-    expected = acc + (a.to(acc_dtype) @ b.to(acc_dtype))
-    _accumulate_mm(acc, a, b)
-    assert acc.dtype == acc_dtype
-    torch.testing.assert_close(acc, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-12, atol=1e-2)
+    product = a.to(acc_dtype) @ b.to(acc_dtype)
+    expected = acc + product
+    tolerance = dict(rtol=1e-2 if dtype == torch.bfloat16 else 1e-12, atol=1e-2)
+    assert _accumulate_mm(acc, a, b, acc_dtype) is acc  # in place
+    torch.testing.assert_close(acc, expected, **tolerance)
+    first = _accumulate_mm(None, a, b, acc_dtype)  # the first chunk starts the accumulator
+    assert first.dtype == acc_dtype
+    torch.testing.assert_close(first, product, **tolerance)

@@ -158,14 +158,14 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
 
 def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsys) -> None:
     out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
-    # with -sl 128 no recompute plan goes below 1.88 MiB; offload reaches 1.85
+    # with -sl 128 no recompute plan goes below 1.85 MiB; offload reaches 1.77
     argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--no_progress", "--no_history",
             "--offload", "--min_offloaded_tensor_size", "256", "--host-memory-budget", "1GiB",
-            "--memory-budget", "1.865MiB", "-o", str(out), "--json", str(record)]
+            "--memory-budget", "1.8MiB", "-o", str(out), "--json", str(record)]
     assert main(argv) == 0
     assert "offloaded to host" in capsys.readouterr().out
     data = json.loads(record.read_text())
-    assert data["predicted"]["peak_bytes"] <= 1.865 * MiB and data["predicted"]["host_bytes"] > 0
+    assert data["predicted"]["peak_bytes"] <= 1.8 * MiB and data["predicted"]["host_bytes"] > 0
     loaded = load_plan_or_config(out)
     lowered = loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, remat.find_sites(
         remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).layout)

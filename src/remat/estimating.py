@@ -345,7 +345,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     model.train()
     if spec.compile:  # inductor cannot run on meta tensors; this backend partitions as it does
         model.compile_regions(backend="aot_eager_decomp_partition")
-        model.loss_chunk_fn = _fused_chunk_loss
+        model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
         if spec.target == "cuda":  # where CUDA's inductor saves less than the partitioner here
             for layer in model.decoder.layers:
                 layer.mlp.silu_mul = _FusedSiluMul.apply

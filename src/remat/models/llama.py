@@ -12,12 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models.loss import (
-    ChunkFn,
-    chunk_loss_in_place,
-    chunked_linear_cross_entropy,
-    compiled_chunk_loss,
-)
+from remat.models import swiglu
+from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
@@ -145,8 +141,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE on x [b, n, s, d] with cos/sin [s, d]."""
+    """Rotate-half RoPE on x [b, s, n, d] with cos/sin [s, d]."""
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -157,18 +154,19 @@ def _expand_kv(x: Tensor, num_heads: int) -> Tensor:
 
 def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
                 num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused QKV projection and RoPE: x [b, s, h] -> q [b, heads, s, d], k and v [b, groups, s, d].
+    """Fused QKV projection and RoPE: x [b, s, h] -> q [b, s, heads, d], k and v [b, s, groups, d].
 
     Megatron's fused layout: per query group, its query heads then one key and one value head.
-    A pure function of tensors, so one compiled copy serves every layer.
+    A pure function of tensors, so one compiled copy serves every layer. Heads stay in the
+    sequence-major layout: attention takes them as transposed views, and its gradients, which
+    come back in the same strides, then need no copy into the compiled backward.
     """
     b, s, _ = x.shape
     heads_per_group, head_dim = num_heads // num_groups, cos.shape[-1]
     qkv = F.linear(x, weight).view(b, s, num_groups, heads_per_group + 2, head_dim)
     q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
-    q = q.reshape(b, s, num_heads, head_dim).transpose(1, 2)
-    k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    q = q.reshape(b, s, num_heads, head_dim)
+    return apply_rotary(q, cos, sin), apply_rotary(k.squeeze(3), cos, sin), v.squeeze(3)
 
 
 def merge_heads(o: Tensor) -> Tensor:
@@ -198,7 +196,8 @@ class SelfAttention(nn.Module):
         self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.project_qkv(x, self.linear_qkv.weight, cos, sin, self.num_heads, self.num_groups)
+        q, k, v = (t.transpose(1, 2) for t in
+                   self.project_qkv(x, self.linear_qkv.weight, cos, sin, self.num_heads, self.num_groups))
         o = self.core_attn_site(self.core_attention, q, k, v)
         return self.linear_proj(self.merge_heads(o))
 
@@ -322,7 +321,7 @@ class LlamaModel(nn.Module):
         self.decoder = TransformerBlock(config, dtype=dtype, device=meta, final_layernorm=post_process)
         self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                        **_factory(dtype, meta)) if post_process else None)
-        self.loss_chunk_fn: ChunkFn = chunk_loss_in_place  # compile_regions compiles it
+        self.loss_kernels = LossKernels()  # compile_regions compiles them
         self.to_empty(device=target)
         self.init_weights()
 
@@ -350,13 +349,14 @@ class LlamaModel(nn.Module):
             return x
         return chunked_linear_cross_entropy(
             x.reshape(-1, x.shape[-1]), self.output_layer.weight, labels.reshape(-1),
-            self.config.loss_chunk_size, chunk_fn=self.loss_chunk_fn,
+            self.config.loss_chunk_size, kernels=self.loss_kernels,
         )
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
-        the head merge, the SwiGLU activation) and the loss head's per-chunk softmax; one compiled
-        copy of each serves every layer.
+        the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
+        copy of each serves every layer. On CUDA, SwiGLU runs remat's Triton kernels instead,
+        which are faster than inductor's there and save the same tensor.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
@@ -365,12 +365,12 @@ class LlamaModel(nn.Module):
         """
         compiled_qkv, compiled_merge, compiled_act = (
             torch.compile(project_qkv, backend=backend), torch.compile(merge_heads, backend=backend),
-            torch.compile(silu_mul, backend=backend))
+            swiglu.on_cuda(torch.compile(silu_mul, backend=backend)))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.silu_mul = compiled_act
-        self.loss_chunk_fn = compiled_chunk_loss(backend)
+        self.loss_kernels = compiled_loss_kernels(backend)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
