@@ -1,7 +1,8 @@
 """Engine correctness on CUDA: every recompute config against no recompute on the tiny recipe.
 
 float64 (deterministic kernels): loss and every gradient must be bit-identical, dropout on, so the
-CUDA generator's replay is exercised. bf16 with SDPA: the largest gradient difference is reported.
+CUDA generator's replay is exercised. bf16 with SDPA: the largest gradient difference is reported,
+eager and with compiled regions (whose SwiGLU runs remat's Triton kernels on CUDA).
 
   python benchmarks/gpu_correctness.py      writes $OUT/gpu_correctness.json
 """
@@ -37,15 +38,18 @@ def name(c: RecomputeConfig) -> str:
 def main() -> None:
     warnings.simplefilter("ignore", RematWarning)
     rows = []
-    for dtype, backend in ((torch.float64, "eager"), (torch.float64, "sdpa"), (torch.bfloat16, "sdpa")):
+    for dtype, backend, compiled in ((torch.float64, "eager", False), (torch.float64, "sdpa", False),
+                                     (torch.bfloat16, "sdpa", False), (torch.bfloat16, "sdpa", True)):
         torch.use_deterministic_algorithms(dtype == torch.float64)
         torch.manual_seed(0)
         model = build("llama3_tiny", dtype=dtype, device="cuda", num_layers=LAYERS, seq_length=128,
                       attention_backend=backend, attention_dropout=0.1, hidden_dropout=0.1)
+        if compiled:
+            model.compile_regions()
         ids = torch.randint(0, model.config.vocab_size, (2, 129), device="cuda")
         for c in configs():
             r = verify(model, c, ids[:, :-1], ids[:, 1:], seed=1)
-            rows.append(dict(dtype=str(dtype), backend=backend, config=name(c),
+            rows.append(dict(dtype=str(dtype), backend=backend, compiled=compiled, config=name(c),
                              bit_identical=r.bit_identical, max_grad_diff=r.max_grad_diff,
                              freed_bytes=r.freed_bytes))
             print(json.dumps(rows[-1]), flush=True)

@@ -2,7 +2,10 @@
 torch.compile run of its own model, kernel time by kind (GEMM, attention, compiled Triton, other)
 and the top kernels, from torch.profiler over two forward+backward steps after warm-up.
 
-  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor]   writes $OUT/profile_w1.json
+  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor] [--trace] [--harness]
+  writes $OUT/profile_w1.json; --trace also one step of each as a gzipped Chrome trace (CPU ops
+  with shapes, kernels) in $OUT/trace_*.json.gz; --harness also times remat's step through
+  `remat bench`'s harness (bench_w1's spec) beside the plain loop.
 """
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from remat.bench import BenchSpec
-from remat.bench.run import MockData, build_model
+from remat.bench.run import MockData, build_model, run_bench
 
 OUT = Path(os.environ.get("OUT", "."))
 ANCHOR = Path(__file__).parent / "anchors" / "torch_baseline.py"
 KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
          ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
-         ("triton", ("triton",)))
+         ("triton", ("triton", "silu_mul")))  # silu_mul: remat's own Triton kernels
 
 
 def _kind(name: str) -> str:
@@ -32,10 +35,33 @@ def _kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def _profile(step, warm: int = 3, steps: int = 2) -> dict:
+def _step_time(step, steps: int = 8) -> float:
+    """Median CUDA-event time of step(), as the anchor and the harness time a step."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return round(sorted(times)[steps // 2], 4)
+
+
+def _export_trace(step, path: Path) -> None:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
+def _profile(step, warm: int = 3, steps: int = 2, trace: Path | None = None) -> dict:
     for _ in range(warm):
         step()
     torch.cuda.synchronize()
+    plain_step_s = _step_time(step)
+    if trace is not None:
+        _export_trace(step, trace)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
@@ -54,14 +80,23 @@ def _profile(step, warm: int = 3, steps: int = 2) -> dict:
         kernels.append((seconds, event.count // steps, event.key[:120]))
     kernels.sort(reverse=True)
     busy = sum(by_kind.values())
-    return dict(step_s=round(wall, 4), kernel_s=round(busy, 4), idle_s=round(wall - busy, 4),
+    return dict(plain_step_s=plain_step_s, step_s=round(wall, 4), kernel_s=round(busy, 4), idle_s=round(wall - busy, 4),
                 by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
                 top=[dict(s=round(s, 5), calls=c, name=n) for s, c, n in kernels[:30]])
 
 
+W1_SPEC = dict(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=2,
+               device="cuda", compile=True, optimizer=False)
+
+
+def harness_step_s() -> float:
+    """fwd+bwd step time of remat's no-recompute run through the bench harness (bench_w1's spec)."""
+    result = run_bench(BenchSpec(**W1_SPEC, max_steps=11, warmup_steps=3))
+    return round(result.fwd_bwd_time_s, 4)
+
+
 def remat_step():
-    spec = BenchSpec(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=2,
-                     device="cuda", compile=True, optimizer=False)
+    spec = BenchSpec(**W1_SPEC)
     model = build_model(spec)
     model.init_weights()
     ids, labels = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
@@ -89,14 +124,22 @@ def anchor_step():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--skip-anchor", action="store_true")
+    parser.add_argument("--trace", action="store_true", help="export one step of each as a Chrome trace")
+    parser.add_argument("--harness", action="store_true", help="also time remat's step through the harness")
     args = parser.parse_args()
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="PYTHONPATH=src python benchmarks/profile_w1.py", runs={})
-    record["runs"]["remat_none_compiled"] = _profile(remat_step())
+    if args.harness:
+        record["remat_harness_step_s"] = harness_step_s()
+        print(json.dumps(dict(remat_harness_step_s=record["remat_harness_step_s"])), flush=True)
+        torch.cuda.empty_cache()
+    record["runs"]["remat_none_compiled"] = _profile(
+        remat_step(), trace=OUT / "trace_remat.json.gz" if args.trace else None)
     print(json.dumps(record["runs"]["remat_none_compiled"], indent=1), flush=True)
     torch.cuda.empty_cache()
     if not args.skip_anchor:
-        record["runs"]["anchor_compile_1.0"] = _profile(anchor_step(), warm=2)
+        record["runs"]["anchor_compile_1.0"] = _profile(
+            anchor_step(), warm=2, trace=OUT / "trace_anchor.json.gz" if args.trace else None)
         print(json.dumps(record["runs"]["anchor_compile_1.0"], indent=1), flush=True)
     (OUT / "profile_w1.json").write_text(json.dumps(record, indent=1))
 
