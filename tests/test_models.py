@@ -226,9 +226,11 @@ def test_fusable_chunk_loss_matches_the_in_place_one() -> None:
     valid = labels % 5 != 0
     scale = valid.to(torch.float64) / valid.sum()
     in_place = chunk_loss_in_place(logits.clone(), labels, valid, scale, True)
-    fusable = chunk_loss_fusable(logits, labels, valid, scale, True)
+    assert chunk_loss_fusable(logits.clone(), labels, valid, scale, False)[1] is None
+    buffer = logits.clone()
+    fusable = chunk_loss_fusable(buffer, labels, valid, scale, True)
     assert torch.equal(in_place[0], fusable[0]) and torch.equal(in_place[1], fusable[1])
-    assert chunk_loss_fusable(logits, labels, valid, scale, False)[1] is None
+    assert fusable[1] is buffer  # the gradients overwrite the logits: no second buffer
 
 
 def test_compiled_regions_compose_with_recompute_bit_identically() -> None:

@@ -291,10 +291,10 @@ class _FusedSiluMul(torch.autograd.Function):
 
 def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """The compiled loss chunk by shape: inductor fuses it into kernels that allocate only their
-    outputs (the chunk's loss and its logit gradients)."""
+    """The compiled loss chunk by shape: inductor fuses it into kernels that allocate only the
+    chunk's loss and write the logit gradients over the logits."""
     loss = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
-    return loss, torch.empty_like(logits) if need_grad else None
+    return loss, logits if need_grad else None
 
 
 class _AdamWState(torch.optim.Optimizer):

@@ -36,7 +36,8 @@ def chunk_loss_in_place(logits: Tensor, labels: Tensor, valid: Tensor, row_scale
 
 def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
                        need_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """The same as a pure function, which torch.compile fuses into a few passes over the logits."""
+    """The same, as torch.compile can fuse it: a few passes over the logits, the last writing the
+    gradients over them in place (a chunk then holds one buffer of logits, not two)."""
     logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(logits32, dim=-1)
     target = logits32.gather(1, labels[:, None]).squeeze(1)
@@ -45,7 +46,7 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
         return loss, None
     onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
     d_logits = ((logits32 - lse[:, None]).exp() - onehot.to(logits32.dtype)) * row_scale[:, None]
-    return loss, d_logits.to(logits.dtype)
+    return loss, logits.copy_(d_logits)
 
 
 def scale_grad(grad: Tensor, grad_output: Tensor) -> Tensor:
