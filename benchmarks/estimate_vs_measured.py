@@ -1,6 +1,6 @@
 """remat estimate (shapes only, on this machine's CPU) against peaks measured on the H200.
 
-For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1,70b,w1_offload}_h200.json:
+For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1_offload,70b}_h200.json:
 forward+backward, compiled regions, no optimizer), estimate the same recipe, shape and plan on
 the meta device for a CUDA target and compare peak allocated memory, host memory (offload) and
 step time.
@@ -25,6 +25,10 @@ from remat.plans import Plan
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(os.environ.get("OUT", RESULTS))
 GIB = 2**30
+# plan_w1_h200.json is left out: it was measured before the compiled loss chunk wrote its gradients
+# over the logits (every W1 peak 0.98 GiB higher than today's code); plan_w1_offload_h200.json,
+# measured since, holds the same presets and budgets, offload plans besides.
+MEASURED = ("w1_offload", "70b")
 
 
 def plan_of(record: dict, num_layers: int) -> Plan | RecomputeConfig | None:
@@ -63,7 +67,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     record = dict(torch=torch.__version__, machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src python benchmarks/estimate_vs_measured.py",
-                  shapes=[compare(RESULTS / f"plan_{shape}_h200.json") for shape in ("w1", "70b", "w1_offload")])
+                  shapes=[compare(RESULTS / f"plan_{shape}_h200.json") for shape in MEASURED])
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "estimate_vs_h200.json").write_text(json.dumps(record, indent=1))
 
