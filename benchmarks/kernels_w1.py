@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from profile_w1 import median_cuda_seconds
 
 from remat.models.llama import silu_mul
 from remat.models.swiglu import SiluMul
@@ -28,19 +29,8 @@ TOKENS, HIDDEN, FFN, VOCAB, QKV = 16384, 4096, 14336, 128256, 6144
 dev, bf16 = "cuda", torch.bfloat16
 
 
-def bench(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median seconds of fn over reps, after warm-up (CUDA events)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[reps // 2]
+def bench(fn: Callable[[], object]) -> float:
+    return median_cuda_seconds(fn, reps=20, warmup=3)
 
 
 def swiglu_rows() -> dict:

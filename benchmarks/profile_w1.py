@@ -35,17 +35,20 @@ def _kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def _step_time(step, steps: int = 8) -> float:
-    """Median CUDA-event time of step(), as the anchor and the harness time a step."""
+def median_cuda_seconds(fn, reps: int = 8, warmup: int = 0) -> float:
+    """Median CUDA-event time of fn() over reps calls after warmup ones, as the anchor and the
+    harness time a step (synchronized after each call)."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for _ in range(steps):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return round(sorted(times)[steps // 2], 4)
+    return sorted(times)[reps // 2]
 
 
 def _export_trace(step, path: Path) -> None:
@@ -59,7 +62,7 @@ def _profile(step, warm: int = 3, steps: int = 2, trace: Path | None = None) -> 
     for _ in range(warm):
         step()
     torch.cuda.synchronize()
-    plain_step_s = _step_time(step)
+    plain_step_s = round(median_cuda_seconds(step), 4)
     if trace is not None:
         _export_trace(step, trace)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
