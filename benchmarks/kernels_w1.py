@@ -65,8 +65,8 @@ def scale_rows() -> dict:
     scale = torch.compile(lambda g, s: g * s)
     scale_cast = torch.compile(lambda g, s: (g * s).to(bf16))
     return {"bf16 * 0-dim (before)": bench(lambda: grad_w * grad_output),
-            "_foreach_mul (remat)": bench(lambda: torch._foreach_mul([grad_w], grad_output)),
-            "bf16 * 0-dim, compiled": bench(lambda: scale(grad_w, grad_output)),
+            "_foreach_mul": bench(lambda: torch._foreach_mul([grad_w], grad_output)),
+            "bf16 * 0-dim, compiled (remat)": bench(lambda: scale(grad_w, grad_output)),
             "fp32 -> bf16 cast": bench(lambda: grad_w32.to(bf16)),
             "fp32 * 0-dim -> bf16, compiled": bench(lambda: scale_cast(grad_w32, grad_output))}
 

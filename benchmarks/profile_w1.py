@@ -95,6 +95,8 @@ W1_SPEC = dict(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 819
 def harness_step_s() -> float:
     """fwd+bwd step time of remat's no-recompute run through the bench harness (bench_w1's spec)."""
     result = run_bench(BenchSpec(**W1_SPEC, max_steps=11, warmup_steps=3))
+    if result.fwd_bwd_time_s is None:
+        raise SystemExit(f"the harness run ended {result.status}")
     return round(result.fwd_bwd_time_s, 4)
 
 

@@ -9,7 +9,8 @@ import torch
 
 if not torch.cuda.is_available():
     # remat's CUDA kernels (Triton) are tested in Triton's interpreter on CPU. Triton reads this
-    # when a kernel is decorated, and torch's submodules import triton, so it is set before them.
+    # when a function is decorated, its own library's (tl.sigmoid...) included, and importing
+    # remat imports triton.language through torch's submodules: so it is set before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import remat  # noqa: E402

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from remat.models import (
-    LlamaConfig, LlamaModel, TransformerLayer, build, chunked_linear_cross_entropy, recipe_config,
-    recipes,
+    LlamaConfig, LlamaModel, TransformerLayer, build, chunked_linear_cross_entropy, compiled_loss_kernels,
+    recipe_config, recipes,
 )
 from remat.sites import Site
 
@@ -42,6 +42,36 @@ def test_chunked_loss_matches_full_logits(chunk_size):
     got = _grads(lambda *a: chunked_linear_cross_entropy(*a, chunk_size), h, w, labels)
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_kernels_match_full_logits(dtype):
+    """The compiled chunk (gradients written over low-precision logits) and compiled scaling."""
+    h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _loss_inputs(n=23, vocab=40))
+    ref = _grads(_reference, h.double(), w.double(), labels)
+    got = _grads(lambda *a: chunked_linear_cross_entropy(*a, 5, kernels=compiled_loss_kernels()), h, w, labels)
+    tolerance = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g.double(), r, **tolerance)
+
+
+def test_chunked_loss_holds_one_chunk_of_logits_at_a_time():
+    """A chunk whose gradients overwrite its logits (float64 in place here; the compiled chunk on
+    CUDA) leaves the loss head's peak at its outputs plus one chunk: chunks do not pile up."""
+    from remat.memory import peak_during
+    from remat.models.loss import _loss_and_grads, chunk_loss_in_place
+
+    h, w, labels = _loss_inputs(n=64, hidden=8, vocab=500)
+    _, peak = peak_during(lambda: _loss_and_grads(h, w, labels, 16, -100, True, True, chunk_loss_in_place))
+    kept = (h.numel() + w.numel()) * 8  # grad_hidden and the float64 weight-gradient accumulator
+    one_chunk = 16 * 500 * 8
+    assert kept + one_chunk <= peak < kept + one_chunk + 4096  # + per-token statistics
+
+
+def test_chunked_loss_of_no_tokens_is_nan_with_zero_gradients():
+    h, w, labels = _loss_inputs()
+    loss, grad_h, grad_w = _grads(lambda *a: chunked_linear_cross_entropy(*a, 4), h[:0], w, labels[:0])
+    assert loss.isnan() and grad_h.shape == (0, 6) and torch.equal(grad_w, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("need_h,need_w", [(True, False), (False, True)])

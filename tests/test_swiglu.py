@@ -12,20 +12,34 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 2 * 1100), (7, 2 * 64), (2, 1, 2 * 1024)])
-def test_kernels_match_float64_autograd_of_the_eager_formula(shape: tuple[int, ...]) -> None:
-    """ffn below, at and not a multiple of the kernels' block; 2-D and 3-D inputs."""
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+             torch.float16: dict(rtol=2e-3, atol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("shape", [(3, 5, 2 * 1100), (7, 2 * 64), (2, 1, 2 * 1024), (0, 2 * 8)])
+def test_kernels_match_float64_autograd_of_the_eager_formula(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """ffn below, at and not a multiple of the kernels' block; 2-D, 3-D and empty inputs; every
+    dtype the kernels take (one rounding of a float32 result)."""
     torch.manual_seed(0)
-    gate_up = torch.randn(shape, device=DEVICE, requires_grad=True)
-    grad = torch.randn(shape[:-1] + (shape[-1] // 2,), device=DEVICE)
+    gate_up = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape[:-1] + (shape[-1] // 2,), device=DEVICE, dtype=dtype)
     out = SiluMul.apply(gate_up)
     (d_gate_up,) = torch.autograd.grad(out, gate_up, grad)
     ref_in = gate_up.detach().double().requires_grad_()
     ref_out = silu_mul(ref_in)
     (ref_grad,) = torch.autograd.grad(ref_out, ref_in, grad.double())
-    assert out.shape == ref_out.shape and d_gate_up.shape == gate_up.shape
-    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(d_gate_up.double(), ref_grad, rtol=1e-5, atol=1e-6)
+    assert out.shape == ref_out.shape and out.dtype == dtype and d_gate_up.shape == gate_up.shape
+    torch.testing.assert_close(out.double(), ref_out, **TOLERANCE[dtype])
+    torch.testing.assert_close(d_gate_up.double(), ref_grad, **TOLERANCE[dtype])
+
+
+def test_odd_width_and_second_derivatives_are_refused() -> None:
+    with pytest.raises(ValueError, match="even last dimension"):
+        SiluMul.apply(torch.randn(2, 7, device=DEVICE))
+    gate_up = torch.randn(3, 2 * 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(SiluMul.apply(gate_up).sum(), gate_up, create_graph=True)
 
 
 def test_non_contiguous_input_and_gradient() -> None:
@@ -58,7 +72,9 @@ def test_dispatch_runs_the_fallback_off_cuda() -> None:
     x = torch.randn(3, 8)
     torch.testing.assert_close(on_cuda(fallback)(x), silu_mul(x))
     assert calls == [x]
-    if torch.cuda.is_available():  # float64 keeps its precision: the kernels compute in float32
-        x64 = torch.randn(3, 8, device="cuda", dtype=torch.float64)
+    if torch.cuda.is_available():
+        y = on_cuda(fallback)(torch.randn(3, 8, device="cuda", requires_grad=True))
+        assert len(calls) == 1 and type(y.grad_fn).__name__ == "SiluMulBackward"  # the kernels ran
+        x64 = torch.randn(3, 8, device="cuda", dtype=torch.float64)  # the kernels compute in float32
         on_cuda(fallback)(x64)
         assert calls[-1] is x64

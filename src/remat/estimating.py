@@ -275,8 +275,8 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 class _FusedSiluMul(torch.autograd.Function):
-    """SwiGLU's activation as inductor compiles it on CUDA (measured on an H200): one kernel that
-    saves only the fused gate/up input and recomputes the SiLU in backward."""
+    """SwiGLU's activation as compiled regions run it on CUDA (remat's Triton kernels; inductor's
+    code saves the same): it saves only the fused gate/up input and recomputes the SiLU in backward."""
 
     @staticmethod
     def forward(ctx: Any, gate_up: Tensor) -> Tensor:  # type: ignore[override]
@@ -346,7 +346,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     if spec.compile:  # inductor cannot run on meta tensors; this backend partitions as it does
         model.compile_regions(backend="aot_eager_decomp_partition")
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
-        if spec.target == "cuda":  # where CUDA's inductor saves less than the partitioner here
+        if spec.target == "cuda":  # CUDA's SwiGLU saves less than the partitioner here
             for layer in model.decoder.layers:
                 layer.mlp.silu_mul = _FusedSiluMul.apply
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1

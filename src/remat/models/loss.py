@@ -71,8 +71,8 @@ def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
                        torch.compile(scale_grad, backend=backend))
 
 
-# torch >= 2.8 on CUDA: a bf16/fp16 GEMM may add into a float32 output in its epilogue.
-_MIXED_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()
+# torch >= 2.8 on CUDA: a bf16/fp16 GEMM may write (mm) or add into (addmm) a float32 output.
+_MIXED_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads() and "dtype" in torch.ops.aten.mm.overloads()
 
 
 def _accumulate_mm(acc: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
@@ -124,6 +124,7 @@ def _loss_and_grads(
             torch.mm(d_low, weight, out=grad_hidden[start:end])
         if need_weight:
             grad_weight = _accumulate_mm(grad_weight, d_low.t(), h, compute_dtype)
+        del d_low  # may be the logits' buffer: free it before the next chunk's logits exist
     if need_weight and grad_weight is None:  # no tokens
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype, device=weight.device)
     loss = loss_sum / n_valid
@@ -167,8 +168,8 @@ def chunked_linear_cross_entropy(
     hidden [N, h], weight [V, h], labels [N] (int64). At most ``chunk_size`` x V logits exist at a
     time; gradients are computed in the forward pass only for inputs that require grad.
     `kernels` compute a chunk's loss and logit gradients and scale the gradients in backward:
-    eager (the chunk in place), or `compiled_loss_kernels()`, which fuses the chunk into a few
-    passes over the logits.
+    eager, or `compiled_loss_kernels()`, which fuses the chunk into a few passes over the logits
+    and writes the gradients over them.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -1,8 +1,8 @@
 """SwiGLU on Megatron's fused gate/up tensor as two Triton kernels, for CUDA.
 
 Inductor compiles SwiGLU's backward as a `cat` of the two halves' gradients, and that kernel
-moved 2.0 TB/s on an H200 at W1's shapes; these read gate, up and the incoming gradient once and
-write both halves of the gradient in one pass, at 3.9 TB/s (benchmarks/results/kernels_w1_h200.json).
+moved 2.25 TB/s on an H200 at W1's shapes; these read gate, up and the incoming gradient once and
+write both halves of the gradient in one pass, at 3.4 TB/s (benchmarks/results/kernels_w1_h200.json).
 Like inductor's code, they compute in float32 and round once, and save only the gate/up input.
 
 Triton is imported when the kernels are first built, so CPU-only installs never need it; with
@@ -10,6 +10,7 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests ch
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from typing import Any, Callable
@@ -32,32 +33,37 @@ def _kernels() -> Any:
     return swiglu_kernels
 
 
-def _grid(rows: int, ffn: int) -> tuple[int, int]:
-    return rows, -(-ffn // _BLOCK)
+def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> Tensor:
+    """Run kernel `name` over out's rows (of ffn columns) on out's device; Triton launches on the
+    current device otherwise."""
+    if out.numel():
+        guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+        with guard:
+            getattr(_kernels(), name)[out.numel() // out.shape[-1], -(-ffn // _BLOCK)](*args, out, ffn, BLOCK=_BLOCK)
+    return out
 
 
 class SiluMul(torch.autograd.Function):
-    """silu(gate) * up for gate_up = [..., 2 * ffn] (gate first), on contiguous tensors."""
+    """silu(gate) * up for gate_up = [..., 2 * ffn] (gate first). Not twice differentiable."""
 
     @staticmethod
     def forward(ctx: Any, gate_up: Tensor) -> Tensor:  # type: ignore[override]
+        if gate_up.shape[-1] % 2:
+            raise ValueError(f"SwiGLU needs an even last dimension (gate then up), got {tuple(gate_up.shape)}")
         gate_up = gate_up.contiguous()
         ffn = gate_up.shape[-1] // 2
-        out = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
-        if out.numel():
-            _kernels().silu_mul_forward[_grid(out.numel() // ffn, ffn)](gate_up, out, ffn, BLOCK=_BLOCK)
         ctx.save_for_backward(gate_up)
-        return out
+        return _launch("silu_mul_forward", gate_up.new_empty(gate_up.shape[:-1] + (ffn,)), ffn, gate_up)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's result would have no graph
+            raise RuntimeError("remat's Triton SwiGLU is not twice differentiable; for second derivatives "
+                               "run the model without compile_regions()")
         (gate_up,) = ctx.saved_tensors
-        grad = grad.contiguous()
-        ffn = grad.shape[-1]
-        out = torch.empty_like(gate_up)
-        if out.numel():
-            _kernels().silu_mul_backward[_grid(grad.numel() // ffn, ffn)](gate_up, grad, out, ffn, BLOCK=_BLOCK)
-        return out
+        # a saved-tensor hook may hand back other strides than it was given
+        gate_up, grad = gate_up.contiguous(), grad.contiguous()
+        return _launch("silu_mul_backward", torch.empty_like(gate_up), grad.shape[-1], gate_up, grad)
 
 
 def on_cuda(fallback: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
