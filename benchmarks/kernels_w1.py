@@ -1,19 +1,22 @@
 """Candidate kernels for W1's small-kernel time, each timed against what remat runs now, on W1's
 shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
 
-- SwiGLU on the fused gate/up tensor: forward and backward, compiled by inductor, compiled with
-  inductor's cat lowered as a concat kernel, and remat's Triton kernels (one pass that reads each
-  input once and writes both halves of the gradient);
+- SwiGLU on the fused gate/up tensor then linear_fc2: forward and backward, the activation
+  compiled by inductor (and with inductor's cat lowered as a concat kernel) under an eager linear,
+  and remat's SwiGLUDown (Triton kernels; the backward writes the activation again instead of
+  saving it), with the bytes each saves;
 - scaling the loss head's weight gradient by grad_output (a 0-dim CUDA tensor);
 - the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, and
   the weight gradient accumulated into an existing gradient (beta=1).
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py     writes $OUT/kernels_w1.json
+  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,scale,gemm]   writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from profile_w1 import median_cuda_seconds
 
 from remat.models.llama import silu_mul
-from remat.models.swiglu import SiluMul
+from remat.models.swiglu import SwiGLUDown
 
 OUT = Path(os.environ.get("OUT", "."))
 TOKENS, HIDDEN, FFN, VOCAB, QKV = 16384, 4096, 14336, 128256, 6144
@@ -35,26 +38,28 @@ def bench(fn: Callable[[], object]) -> float:
 
 def swiglu_rows() -> dict:
     gate_up = torch.randn(2, TOKENS // 2, 2 * FFN, device=dev, dtype=bf16, requires_grad=True)
-    grad = torch.randn(2, TOKENS // 2, FFN, device=dev, dtype=bf16)
+    weight = (torch.randn(HIDDEN, FFN, device=dev, dtype=bf16) / FFN ** 0.5).requires_grad_()
+    grad = torch.randn(2, TOKENS // 2, HIDDEN, device=dev, dtype=bf16)
+    compiled, concat = (torch.compile(silu_mul),
+                        torch.compile(silu_mul, options={"max_pointwise_cat_inputs": 0}))
+    variants = {"inductor": lambda x, w: F.linear(compiled(x), w),
+                "inductor, cat as concat kernel": lambda x, w: F.linear(concat(x), w),
+                "triton SwiGLUDown (remat)": SwiGLUDown.apply}
+    ref_in, ref_w = gate_up.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    reference = torch.autograd.grad(F.linear(silu_mul(ref_in), ref_w), (ref_in, ref_w), grad.double())
     rows = {}
-    variants = {"inductor": torch.compile(silu_mul),
-                "inductor, cat as concat kernel": torch.compile(silu_mul, options={"max_pointwise_cat_inputs": 0})}
     for name, fn in variants.items():
-        out = fn(gate_up)
-        rows[name] = dict(fwd_s=bench(lambda: fn(gate_up)),
-                          bwd_s=bench(lambda: torch.autograd.grad(out, gate_up, grad, retain_graph=True)))
-    out = SiluMul.apply(gate_up)
-    rows["triton (remat)"] = dict(fwd_s=bench(lambda: SiluMul.apply(gate_up)),
-                                  bwd_s=bench(lambda: torch.autograd.grad(out, gate_up, grad, retain_graph=True)))
-    ref_in = gate_up.detach().double().requires_grad_()
-    reference = torch.autograd.grad(silu_mul(ref_in), ref_in, grad.double())[0]
-    for name, fn in {**variants, "triton (remat)": SiluMul.apply}.items():
-        mine = torch.autograd.grad(fn(gate_up), gate_up, grad)[0]
-        rows[name]["bwd_max_rel_err_vs_fp64"] = float(((mine.double() - reference).abs().max()
-                                                       / reference.abs().max()))
-    moved = (3 * TOKENS * FFN + 2 * TOKENS * FFN) * 2
-    for row in rows.values():
-        row["bwd_tb_per_s"] = round(moved / row["bwd_s"] / 1e12, 2)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(gate_up, weight)
+        activations = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                       if t.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()}
+        mine = torch.autograd.grad(out, (gate_up, weight), grad, retain_graph=True)
+        rows[name] = dict(fwd_s=bench(lambda: fn(gate_up, weight)),
+                          bwd_s=bench(lambda: torch.autograd.grad(out, (gate_up, weight), grad, retain_graph=True)),
+                          saved_mib=sum(activations.values()) / 2**20,
+                          **{f"d_{k}_max_rel_err_vs_fp64": float((m.double() - r).abs().max() / r.abs().max())
+                             for k, m, r in zip(("gate_up", "weight"), mine, reference)})
     return rows
 
 
@@ -92,10 +97,19 @@ def gemm_rows() -> dict:
     return rows
 
 
+SECTIONS = {"swiglu": swiglu_rows, "scale": scale_rows, "gemm": gemm_rows}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
+    args = parser.parse_args()
+    chosen = args.sections.split(",")
+    if unknown := set(chosen) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="PYTHONPATH=src python benchmarks/kernels_w1.py",
-                  swiglu=swiglu_rows(), scale=scale_rows(), gemm=gemm_rows())
+                  command="PYTHONPATH=src python benchmarks/kernels_w1.py " + " ".join(sys.argv[1:]),
+                  **{name: SECTIONS[name]() for name in chosen})
     print(json.dumps(record, indent=1))
     (OUT / "kernels_w1.json").write_text(json.dumps(record, indent=1))
 

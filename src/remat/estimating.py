@@ -42,7 +42,7 @@ from remat.config import (
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace, unmeasured_problems
-from remat.models import LlamaConfig, LlamaModel, build, recipe_config
+from remat.models import LlamaConfig, LlamaModel, build, recipe_config, swiglu
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -274,21 +274,6 @@ class _FusedRMSNorm(torch.autograd.Function):
         return torch.empty_like(x), None, None if weight is None else torch.empty_like(weight)
 
 
-class _FusedSiluMul(torch.autograd.Function):
-    """SwiGLU's activation as compiled regions run it on CUDA (remat's Triton kernels; inductor's
-    code saves the same): it saves only the fused gate/up input and recomputes the SiLU in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, gate_up: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(gate_up)
-        return gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        (gate_up,) = ctx.saved_tensors
-        return torch.empty_like(gate_up)
-
-
 def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
     """The compiled loss chunk by shape: inductor fuses it into kernels that allocate only the
@@ -346,9 +331,9 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     if spec.compile:  # inductor cannot run on meta tensors; this backend partitions as it does
         model.compile_regions(backend="aot_eager_decomp_partition")
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
-        if spec.target == "cuda":  # CUDA's SwiGLU saves less than the partitioner here
+        if spec.target == "cuda":  # CUDA's SwiGLU Function allocates on meta and launches nothing
             for layer in model.decoder.layers:
-                layer.mlp.silu_mul = _FusedSiluMul.apply
+                layer.mlp.activation_down = swiglu.activation_down
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1
     if sp:
         _sequence_parallel(model, facts.tensor_model_parallel_size)

@@ -5,8 +5,10 @@ The model knows nothing of recompute: it only calls its computations through ``S
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -159,14 +161,15 @@ def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: 
     Megatron's fused layout: per query group, its query heads then one key and one value head.
     A pure function of tensors, so one compiled copy serves every layer. Heads stay in the
     sequence-major layout: attention takes them as transposed views, and its gradients, which
-    come back in the same strides, then need no copy into the compiled backward.
+    come back in the same strides, then need no copy into the compiled backward. v is copied out
+    of the projection's output: as a view it would keep all of q, k and v alive for backward.
     """
     b, s, _ = x.shape
     heads_per_group, head_dim = num_heads // num_groups, cos.shape[-1]
     qkv = F.linear(x, weight).view(b, s, num_groups, heads_per_group + 2, head_dim)
     q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
     q = q.reshape(b, s, num_heads, head_dim)
-    return apply_rotary(q, cos, sin), apply_rotary(k.squeeze(3), cos, sin), v.squeeze(3)
+    return apply_rotary(q, cos, sin), apply_rotary(k.squeeze(3), cos, sin), v.squeeze(3).contiguous()
 
 
 def merge_heads(o: Tensor) -> Tensor:
@@ -228,6 +231,12 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_down(gate_up: Tensor, linear_fc2: nn.Linear,
+                activation: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
+    """linear_fc2(silu(gate) * up)."""
+    return linear_fc2(activation(gate_up))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with Megatron's fused gate/up ``linear_fc1`` and ``linear_fc2``."""
 
@@ -238,12 +247,13 @@ class MLP(nn.Module):
                                     **_factory(dtype, device))
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
-        self.silu_mul = silu_mul  # swapped for a compiled version by LlamaModel.compile_regions
+        self.activation_down = swiglu_down  # swapped for a compiled version by LlamaModel.compile_regions
 
     def forward(self, x: Tensor) -> Tensor:
-        # The matmuls stay outside compiled code: a recompute replay then stops before
-        # linear_fc2, whose input is saved before it runs.
-        return self.linear_fc2(self.silu_mul(self.linear_fc1(x)))
+        # A recompute replay stops once all that was saved is rebuilt: before linear_fc2's matmul
+        # on the eager path (a linear saves its input first), after it with SwiGLUDown (a
+        # Function saves when it returns).
+        return self.activation_down(self.linear_fc1(x), self.linear_fc2)
 
 
 class TransformerLayer(nn.Module):
@@ -355,8 +365,9 @@ class LlamaModel(nn.Module):
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
-        copy of each serves every layer. On CUDA, SwiGLU runs remat's Triton kernels instead,
-        which are faster than inductor's there and save the same tensor.
+        copy of each serves every layer. On CUDA, SwiGLU and linear_fc2 run as one Function with
+        remat's Triton kernels instead, which are faster than inductor's code there and do not
+        save the activation (the backward writes it again).
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
@@ -365,11 +376,11 @@ class LlamaModel(nn.Module):
         """
         compiled_qkv, compiled_merge, compiled_act = (
             torch.compile(project_qkv, backend=backend), torch.compile(merge_heads, backend=backend),
-            swiglu.on_cuda(torch.compile(silu_mul, backend=backend)))
+            swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
-            layer.mlp.silu_mul = compiled_act
+            layer.mlp.activation_down = compiled_act
         self.loss_kernels = compiled_loss_kernels(backend)
 
     def num_parameters(self) -> int:

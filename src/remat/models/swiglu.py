@@ -1,12 +1,19 @@
-"""SwiGLU on Megatron's fused gate/up tensor as two Triton kernels, for CUDA.
+"""SwiGLU and the down projection (linear_fc2) after it, as one autograd Function with two
+Triton kernels, for CUDA.
 
-Inductor compiles SwiGLU's backward as a `cat` of the two halves' gradients, and that kernel
-moved 2.25 TB/s on an H200 at W1's shapes; these read gate, up and the incoming gradient once and
-write both halves of the gradient in one pass, at 3.4 TB/s (benchmarks/results/kernels_w1_h200.json).
-Like inductor's code, they compute in float32 and round once, and save only the gate/up input.
+The activation silu(gate) * up is what linear_fc2 would save for its weight gradient: 448 MiB a
+layer at W1's shapes. The Function saves only the fused gate/up input (which the activation's
+own backward needs anyway) and writes the activation again from the kernel that computes its
+gradient, which reads gate/up already: one extra write instead of a saved tensor, as inductor's
+partitioner does for compiled code. That kernel also writes both halves of the gradient in one
+pass (inductor compiles it as a `cat`, which moved 2.25 TB/s on an H200 at W1's shapes, against
+3.4 for this one: benchmarks/results/kernels_w1_h200.json). The kernels compute in float32 and
+round once; the backward's activation is bit-identical to the forward's.
 
-Triton is imported when the kernels are first built, so CPU-only installs never need it; with
-TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests check them).
+Triton is imported when the kernels are first launched, so CPU-only installs never need it; with
+TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests check them). On the
+meta device nothing is launched: the Function then only allocates, which is what remat's
+estimate needs of it.
 """
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ import importlib.util
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 _BLOCK = 1024
 # They compute in float32: float64 would lose precision, so it takes the fallback.
@@ -33,47 +41,63 @@ def _kernels() -> Any:
     return swiglu_kernels
 
 
-def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> Tensor:
-    """Run kernel `name` over out's rows (of ffn columns) on out's device; Triton launches on the
-    current device otherwise."""
-    if out.numel():
+def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> None:
+    """Run kernel `name` over out's rows (of 2 * ffn or ffn columns) on out's device; Triton
+    launches on the current device otherwise."""
+    if out.numel() and out.device.type != "meta":
         guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
         with guard:
-            getattr(_kernels(), name)[out.numel() // out.shape[-1], -(-ffn // _BLOCK)](*args, out, ffn, BLOCK=_BLOCK)
-    return out
+            getattr(_kernels(), name)[out.numel() // out.shape[-1], -(-ffn // _BLOCK)](*args, ffn, BLOCK=_BLOCK)
 
 
-class SiluMul(torch.autograd.Function):
-    """silu(gate) * up for gate_up = [..., 2 * ffn] (gate first). Not twice differentiable."""
+class SwiGLUDown(torch.autograd.Function):
+    """F.linear(silu(gate) * up, weight) for gate_up = [..., 2 * ffn] (gate first), saving
+    gate_up and the weight only. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gate_up: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
         if gate_up.shape[-1] % 2:
             raise ValueError(f"SwiGLU needs an even last dimension (gate then up), got {tuple(gate_up.shape)}")
         gate_up = gate_up.contiguous()
         ffn = gate_up.shape[-1] // 2
-        ctx.save_for_backward(gate_up)
-        return _launch("silu_mul_forward", gate_up.new_empty(gate_up.shape[:-1] + (ffn,)), ffn, gate_up)
+        ctx.save_for_backward(gate_up, weight)
+        act = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
+        _launch("silu_mul_forward", act, ffn, gate_up, act)
+        return F.linear(act, weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
         if torch.is_grad_enabled():  # create_graph=True: the kernel's result would have no graph
             raise RuntimeError("remat's Triton SwiGLU is not twice differentiable; for second derivatives "
                                "run the model without compile_regions()")
-        (gate_up,) = ctx.saved_tensors
+        gate_up, weight = ctx.saved_tensors
         # a saved-tensor hook may hand back other strides than it was given
         gate_up, grad = gate_up.contiguous(), grad.contiguous()
-        return _launch("silu_mul_backward", torch.empty_like(gate_up), grad.shape[-1], gate_up, grad)
+        ffn = gate_up.shape[-1] // 2
+        d_act = grad.matmul(weight)
+        d_gate_up, act = torch.empty_like(gate_up), torch.empty_like(d_act)
+        _launch("silu_mul_backward", d_gate_up, ffn, gate_up, d_act, d_gate_up, act)
+        del d_act
+        d_weight = None
+        if ctx.needs_input_grad[1]:  # as autograd computes linear's weight gradient
+            d_weight = grad.reshape(-1, grad.shape[-1]).t().mm(act.reshape(-1, ffn))
+        return d_gate_up, d_weight
 
 
-def on_cuda(fallback: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """SwiGLU that runs the Triton kernels on CUDA tensors of KERNEL_DTYPES (when Triton is
-    installed) and `fallback` on anything else."""
+def activation_down(gate_up: Tensor, linear_fc2: nn.Linear) -> Tensor:
+    """linear_fc2(silu(gate) * up) through SwiGLUDown (bias-free linear_fc2)."""
+    return SwiGLUDown.apply(gate_up, linear_fc2.weight)
+
+
+def on_cuda(fallback: Callable[[Tensor, nn.Linear], Tensor]) -> Callable[[Tensor, nn.Linear], Tensor]:
+    """SwiGLU then linear_fc2 through SwiGLUDown for CUDA tensors of KERNEL_DTYPES (when Triton
+    is installed) and a bias-free linear_fc2; `fallback` for anything else."""
     use_triton = triton_available()
 
-    def silu_mul(gate_up: Tensor) -> Tensor:
-        if use_triton and gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES:
-            return SiluMul.apply(gate_up)
-        return fallback(gate_up)
+    def dispatch(gate_up: Tensor, linear_fc2: nn.Linear) -> Tensor:
+        if (use_triton and gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES
+                and linear_fc2.bias is None):
+            return activation_down(gate_up, linear_fc2)
+        return fallback(gate_up, linear_fc2)
 
-    return silu_mul
+    return dispatch
