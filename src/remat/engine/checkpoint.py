@@ -174,7 +174,7 @@ class Region:
         keep = keep | {i for i, n in self._output_refs.items() if n > 0}
         # Without outputs to rebuild, stop as soon as the last saved tensor is back: autograd
         # saves an op's inputs before running it, so the region's last op (e.g. an MLP's down
-        # projection) is not recomputed at all.
+        # projection) is not recomputed at all; an autograd Function saves when it returns.
         stop_early = not keep
         slots: dict[int, torch.Tensor] = {}
 
