@@ -175,7 +175,7 @@ def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
     assert "tensor_model_parallel_size" in capsys.readouterr().err
 
 
-def test_compiled_regions_on_cuda_save_what_inductor_saves() -> None:
+def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
     """On CUDA, SwiGLU and the down projection save only the gate/up input (the backward writes
     the activation again; measured on an H200): MLP recompute then frees gate/up (2 x ffn)."""
     mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])

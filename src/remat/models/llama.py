@@ -374,13 +374,13 @@ class LlamaModel(nn.Module):
         `backend` is torch.compile's; on meta tensors remat's estimate uses
         "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
-        compiled_qkv, compiled_merge, compiled_act = (
+        compiled_qkv, compiled_merge, activation_down = (
             torch.compile(project_qkv, backend=backend), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
-            layer.mlp.activation_down = compiled_act
+            layer.mlp.activation_down = activation_down
         self.loss_kernels = compiled_loss_kernels(backend)
 
     def num_parameters(self) -> int:
