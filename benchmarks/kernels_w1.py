@@ -5,11 +5,13 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
   compiled by inductor (and with inductor's cat lowered as a concat kernel) under an eager linear,
   and remat's SwiGLUDown (Triton kernels; the backward writes the activation again instead of
   saving it), with the bytes each saves;
+- RMSNorm forward and backward (input and weight gradients): torch's fused kernel, inductor's,
+  and remat's RMSNormFunction (Triton, one-pass backward), with its launch settings swept;
 - scaling the loss head's weight gradient by grad_output (a 0-dim CUDA tensor);
 - the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, and
   the weight gradient accumulated into an existing gradient (beta=1).
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,scale,gemm]   writes $OUT/kernels_w1.json
+  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,scale,gemm]   writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ import torch.nn.functional as F
 from profile_w1 import median_cuda_seconds
 
 from remat.models.llama import silu_mul
+from remat.models.rmsnorm import RMSNormFunction, rms_norm
 from remat.models.swiglu import SwiGLUDown
+from remat.models.triton_ops import launch
 
 OUT = Path(os.environ.get("OUT", "."))
 TOKENS, HIDDEN, FFN, VOCAB, QKV = 16384, 4096, 14336, 128256, 6144
@@ -63,6 +67,37 @@ def swiglu_rows() -> dict:
     return rows
 
 
+def rmsnorm_rows() -> dict:
+    x = torch.randn(2, TOKENS // 2, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
+    weight = (1 + torch.randn(HIDDEN, device=dev, dtype=bf16) / 4).requires_grad_()
+    grad = torch.randn_like(x)
+    eps = 1e-5
+    variants = {"torch F.rms_norm (eager)": rms_norm, "inductor": torch.compile(rms_norm),
+                "triton RMSNormFunction (remat)": RMSNormFunction.apply}
+    ref_x, ref_w = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    reference = torch.autograd.grad(rms_norm(ref_x, ref_w, eps), (ref_x, ref_w), grad.double())
+    rows: dict = {}
+    for name, fn in variants.items():
+        out = fn(x, weight, eps)
+        mine = torch.autograd.grad(out, (x, weight), grad, retain_graph=True)
+        rows[name] = dict(fwd_s=bench(lambda: fn(x, weight, eps)),
+                          bwd_s=bench(lambda: torch.autograd.grad(out, (x, weight), grad, retain_graph=True)),
+                          **{f"d_{k}_max_rel_err_vs_fp64": float((m.double() - r).abs().max() / r.abs().max())
+                             for k, m, r in zip(("x", "weight"), mine, reference)})
+    # the raw kernels' launch settings: warps, and rows per backward program
+    rstd = torch.empty(TOKENS, device=dev)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    for warps in (4, 8, 16):
+        rows[f"forward kernel, {warps} warps"] = bench(lambda: launch(
+            "rms_norm_forward", (TOKENS,), y, x, weight, y, rstd, HIDDEN, eps, BLOCK=HIDDEN, num_warps=warps))
+        for per_program in (16, 32, 64, 128):
+            partial = torch.empty(TOKENS // per_program, HIDDEN, device=dev)
+            rows[f"backward kernel + sum, {warps} warps, {per_program} rows/program"] = bench(lambda: (launch(
+                "rms_norm_backward", (len(partial),), dx, x, weight, grad, rstd, dx, partial, TOKENS, HIDDEN,
+                ROWS=per_program, BLOCK=HIDDEN, num_warps=warps), partial.sum(0)))
+    return rows
+
+
 def scale_rows() -> dict:
     grad_w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf16)
     grad_w32 = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
@@ -97,7 +132,7 @@ def gemm_rows() -> dict:
     return rows
 
 
-SECTIONS = {"swiglu": swiglu_rows, "scale": scale_rows, "gemm": gemm_rows}
+SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "scale": scale_rows, "gemm": gemm_rows}
 
 
 def main() -> None:

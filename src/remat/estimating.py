@@ -13,7 +13,8 @@ number comes from the same window model the planner uses. What one GPU of a para
   micro-batches (Megatron's interleaved schedule, more with virtual stages).
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
-target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. Step time is the
+target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves; for CUDA, RMSNorm
+and SwiGLU run remat's Triton-backed Functions, which allocate on meta and launch nothing. Step time is the
 counted FLOPs at an assumed sustained rate.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from remat.config import (
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace, unmeasured_problems
-from remat.models import LlamaConfig, LlamaModel, build, recipe_config, swiglu
+from remat.models import LlamaConfig, LlamaModel, RMSNorm, build, recipe_config, rmsnorm, swiglu
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -231,7 +232,7 @@ def _sequence_parallel(model: LlamaModel, tp: int) -> None:
 
 class _TargetKernels(TorchFunctionMode):
     """On meta tensors torch takes its unfused paths; run what the `target` device would run:
-    fused attention (cuDNN on CUDA, flash on CPU) and, on CUDA, the fused RMSNorm kernel."""
+    fused attention (cuDNN on CUDA, flash on CPU)."""
 
     def __init__(self, target: str) -> None:
         super().__init__()
@@ -243,10 +244,6 @@ class _TargetKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
-        if func is F.rms_norm and self.target == "cuda":
-            x, shape = args[0], args[1]
-            weight = args[2] if len(args) > 2 else kwargs.get("weight")
-            return _FusedRMSNorm.apply(x, len(shape), weight)
         return func(*args, **kwargs)
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
@@ -257,21 +254,6 @@ class _TargetKernels(TorchFunctionMode):
                 q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """CUDA's fused RMSNorm by shape: saves its input and the fp32 inverse RMS per row."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, dims: int, weight: Tensor | None) -> Tensor:  # type: ignore[override]
-        rstd = x.new_empty(x.shape[:-dims] + (1,) * dims, dtype=torch.float32)
-        ctx.save_for_backward(x, weight, rstd)
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, Tensor | None]:  # type: ignore[override]
-        x, weight, _ = ctx.saved_tensors
-        return torch.empty_like(x), None, None if weight is None else torch.empty_like(weight)
 
 
 def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
@@ -334,6 +316,11 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         if spec.target == "cuda":  # CUDA's SwiGLU Function allocates on meta and launches nothing
             for layer in model.decoder.layers:
                 layer.mlp.activation_down = swiglu.activation_down
+    if spec.target == "cuda":
+        # remat's RMSNorm Function saves what torch's fused CUDA kernel saves, and runs on meta
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rmsnorm.triton_rms_norm
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1
     if sp:
         _sequence_parallel(model, facts.tensor_model_parallel_size)

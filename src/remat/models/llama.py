@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models import swiglu
+from remat.models import rmsnorm, swiglu
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
 
@@ -98,10 +98,17 @@ def _factory(dtype: torch.dtype | None, device: torch.device | str | None) -> di
     return {"dtype": dtype, "device": device}
 
 
-def _rms_norm(config: LlamaConfig, dtype: torch.dtype | None,
-              device: torch.device | str | None) -> nn.RMSNorm:
-    # nn.RMSNorm runs F.rms_norm (fused where torch has a fused kernel).
-    return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, **_factory(dtype, device))
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm over the hidden size, computed by `kernel`: torch's F.rms_norm (fused where torch
+    has a fused kernel), swapped by LlamaModel.compile_regions for remat's Triton one on CUDA."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(config.hidden_size, eps=config.norm_epsilon, **_factory(dtype, device))
+        self.kernel: rmsnorm.NormFn = rmsnorm.rms_norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernel(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -263,9 +270,9 @@ class TransformerLayer(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = _rms_norm(config, dtype, device)
+        self.input_layernorm = RMSNorm(config, dtype=dtype, device=device)
         self.self_attention = SelfAttention(config, dtype=dtype, device=device)
-        self.pre_mlp_layernorm = _rms_norm(config, dtype, device)
+        self.pre_mlp_layernorm = RMSNorm(config, dtype=dtype, device=device)
         self.mlp = MLP(config, dtype=dtype, device=device)
         self.layer_site = Site("layer")
         self.input_norm_site = Site("layernorm")
@@ -294,7 +301,7 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
         )
-        self.final_layernorm = _rms_norm(config, dtype, device) if final_layernorm else None
+        self.final_layernorm = RMSNorm(config, dtype=dtype, device=device) if final_layernorm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         for layer in self.layers:
@@ -365,9 +372,10 @@ class LlamaModel(nn.Module):
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
-        copy of each serves every layer. On CUDA, SwiGLU and linear_fc2 run as one Function with
-        remat's Triton kernels instead, which are faster than inductor's code there and do not
-        save the activation (the backward writes it again).
+        copy of each serves every layer. On CUDA two pieces run remat's Triton kernels instead,
+        which are faster than inductor's code and torch's kernels there: SwiGLU and linear_fc2
+        as one Function that does not save the activation (the backward writes it again), and
+        RMSNorm with a one-pass backward.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
@@ -381,6 +389,10 @@ class LlamaModel(nn.Module):
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.activation_down = activation_down
+        norm = rmsnorm.on_cuda()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = norm
         self.loss_kernels = compiled_loss_kernels(backend)
 
     def num_parameters(self) -> int:

@@ -8,46 +8,25 @@ gradient, which reads gate/up already: one extra write instead of a saved tensor
 partitioner does for compiled code. That kernel also writes both halves of the gradient in one
 pass (inductor compiles it as a `cat`, which moved 2.25 TB/s on an H200 at W1's shapes, against
 3.4 for this one: benchmarks/results/kernels_w1_h200.json). The kernels compute in float32 and
-round once; the backward's activation is bit-identical to the forward's.
-
-Triton is imported when the kernels are first launched, so CPU-only installs never need it; with
-TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests check them). On the
-meta device nothing is launched: the Function then only allocates, which is what remat's
-estimate needs of it.
+round once; the backward's activation is bit-identical to the forward's. Launching, meta
+tensors and CPU testing: remat.models.triton_ops.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from remat.models.triton_ops import KERNEL_DTYPES, launch, refuse_double_backward, triton_available
+
 _BLOCK = 1024
-# They compute in float32: float64 would lose precision, so it takes the fallback.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
-def _kernels() -> Any:
-    from remat.models import swiglu_kernels
-    return swiglu_kernels
 
 
 def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> None:
-    """Run kernel `name` over out's rows (of 2 * ffn or ffn columns) on out's device; Triton
-    launches on the current device otherwise."""
-    if out.numel() and out.device.type != "meta":
-        guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
-        with guard:
-            getattr(_kernels(), name)[out.numel() // out.shape[-1], -(-ffn // _BLOCK)](*args, ffn, BLOCK=_BLOCK)
+    """Run kernel `name` over out's rows (of 2 * ffn or ffn columns)."""
+    launch(name, (out.numel() // out.shape[-1], -(-ffn // _BLOCK)), out, *args, ffn, BLOCK=_BLOCK)
 
 
 class SwiGLUDown(torch.autograd.Function):
@@ -67,9 +46,7 @@ class SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # create_graph=True: the kernel's result would have no graph
-            raise RuntimeError("remat's Triton SwiGLU is not twice differentiable; for second derivatives "
-                               "run the model without compile_regions()")
+        refuse_double_backward("SwiGLU")
         gate_up, weight = ctx.saved_tensors
         # a saved-tensor hook may hand back other strides than it was given
         gate_up, grad = gate_up.contiguous(), grad.contiguous()

@@ -1,0 +1,47 @@
+"""What remat's Triton-backed Functions share: whether Triton is there, the dtypes the kernels
+take, and a launch that does nothing on the meta device.
+
+Triton is imported when a kernel is first launched, so CPU-only installs never need it; with
+TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests check them). On the
+meta device nothing is launched: a Function then only allocates, which is what remat's estimate
+needs of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# The kernels compute in float32: float64 would lose precision, so it takes the fallbacks.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _kernels() -> Any:
+    from remat.models import triton_kernels
+    return triton_kernels
+
+
+def launch(name: str, grid: tuple[int, ...], on: Tensor, *args: Any, **meta: Any) -> None:
+    """Run kernel `name` over `grid` on the device of `on` (Triton launches on the current device
+    otherwise); nothing when `on` is empty or on meta."""
+    if on.numel() and on.device.type != "meta":
+        guard = torch.cuda.device(on.device) if on.is_cuda else contextlib.nullcontext()
+        with guard:
+            getattr(_kernels(), name)[grid](*args, **meta)
+
+
+def refuse_double_backward(what: str) -> None:
+    """A kernel's result has no graph: refuse create_graph=True instead of returning wrong
+    second derivatives."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"remat's Triton {what} is not twice differentiable; for second derivatives "
+                           "run the model without compile_regions()")
