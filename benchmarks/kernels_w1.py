@@ -7,11 +7,13 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
   saving it), with the bytes each saves;
 - RMSNorm forward and backward (input and weight gradients): torch's fused kernel, inductor's,
   and remat's RMSNormFunction (Triton, one-pass backward), with its launch settings swept;
+- the loss head's chunk (4096 tokens x 128256 logits): loss and gradients written over the
+  logits, inductor's code against remat's Triton kernel, with its block and warps swept;
 - scaling the loss head's weight gradient by grad_output (a 0-dim CUDA tensor);
 - the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, and
   the weight gradient accumulated into an existing gradient (beta=1).
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,scale,gemm]   writes $OUT/kernels_w1.json
+  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm]   writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from profile_w1 import median_cuda_seconds
 
 from remat.models.llama import silu_mul
+from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
 from remat.models.rmsnorm import RMSNormFunction, rms_norm
 from remat.models.swiglu import SwiGLUDown
 from remat.models.triton_ops import launch
@@ -98,6 +101,30 @@ def rmsnorm_rows() -> dict:
     return rows
 
 
+def loss_rows() -> dict:
+    chunk = 4096
+    logits = 3 * torch.randn(chunk, VOCAB, device=dev, dtype=bf16)
+    labels = torch.randint(0, VOCAB, (chunk,), device=dev)
+    valid = torch.ones(chunk, dtype=torch.bool, device=dev)
+    scale = torch.full((chunk,), 1 / chunk, device=dev)
+    want_loss, want_grad = chunk_loss_in_place(logits.double(), labels, valid, scale.double(), True)
+    rows: dict = {}
+    for name, fn in {"inductor (chunk_loss_fusable)": torch.compile(chunk_loss_fusable),
+                     "triton (remat)": chunk_loss_triton}.items():
+        loss, grad = fn(logits.clone(), labels, valid, scale, True)
+        buffer = logits.clone()  # each call writes gradients over it: the same work every time
+        rows[name] = dict(s=bench(lambda: fn(buffer, labels, valid, scale, True)),
+                          loss_rel_err_vs_fp64=float((loss.double() - want_loss).abs() / want_loss),
+                          grad_max_rel_err_vs_fp64=float((grad.double() - want_grad).abs().max() / want_grad.abs().max()))
+    losses = torch.empty(chunk, device=dev)
+    for block in (2048, 4096, 8192, 16384):
+        for warps in (8, 16, 32):
+            rows[f"kernel, block {block}, {warps} warps"] = bench(lambda: launch(
+                "cross_entropy_chunk", (chunk,), logits, logits, labels, scale, losses, VOCAB, NEED_GRAD=True,
+                N_BLOCKS=-(-VOCAB // block), BLOCK=block, num_warps=warps))
+    return rows
+
+
 def scale_rows() -> dict:
     grad_w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf16)
     grad_w32 = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
@@ -132,7 +159,7 @@ def gemm_rows() -> dict:
     return rows
 
 
-SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "scale": scale_rows, "gemm": gemm_rows}
+SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "loss": loss_rows, "scale": scale_rows, "gemm": gemm_rows}
 
 
 def main() -> None:

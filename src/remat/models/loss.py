@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from remat.models.triton_ops import KERNEL_DTYPES, launch, triton_available
+
 
 ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
@@ -49,6 +51,38 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
     return loss, logits.copy_(d_logits)
 
 
+# Vocabulary columns a program holds at once (a 128K row: 16 blocks a pass) and its warps: the
+# fastest of 12 settings on an H200 at W1's shapes (benchmarks/results/kernels_w1_h200.json).
+_LOSS_BLOCK, _LOSS_WARPS = 8192, 8
+
+
+def chunk_loss_triton(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
+                      need_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """The same in one Triton kernel, a program per token: two passes over its logits (the second
+    served mostly by L2) where inductor's code made three. Contiguous float32/bf16/fp16 logits."""
+    rows, vocab = logits.shape
+    losses = logits.new_empty(rows, dtype=torch.float32)
+    block = min(_LOSS_BLOCK, 1 << max(vocab - 1, 0).bit_length())
+    launch("cross_entropy_chunk", (rows,), logits, logits, labels, row_scale, losses, vocab,
+           NEED_GRAD=need_grad, N_BLOCKS=-(-vocab // block), BLOCK=block, num_warps=_LOSS_WARPS)
+    loss = torch.where(valid, losses, 0.0).sum().to(row_scale.dtype)
+    return loss, logits if need_grad else None
+
+
+def on_cuda(fallback: ChunkFn) -> ChunkFn:
+    """chunk_loss_triton for contiguous CUDA logits of KERNEL_DTYPES (when Triton is installed);
+    `fallback` for anything else."""
+    use_triton = triton_available()
+
+    def dispatch(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
+                 need_grad: bool) -> tuple[Tensor, Tensor | None]:
+        if use_triton and logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous():
+            return chunk_loss_triton(logits, labels, valid, row_scale, need_grad)
+        return fallback(logits, labels, valid, row_scale, need_grad)
+
+    return dispatch
+
+
 def scale_grad(grad: Tensor, grad_output: Tensor) -> Tensor:
     """A gradient computed for grad_output 1, scaled by backward's grad_output (0-dim)."""
     return grad * grad_output
@@ -67,7 +101,7 @@ class LossKernels:
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
     # Eager, a multiply by a 0-dim CUDA tensor broadcasts it and takes torch's unvectorized path:
     # 1.8 ms against 0.53 compiled on W1's 1 GiB weight gradient (H200).
-    return LossKernels(torch.compile(chunk_loss_fusable, backend=backend),
+    return LossKernels(on_cuda(torch.compile(chunk_loss_fusable, backend=backend)),
                        torch.compile(scale_grad, backend=backend))
 
 

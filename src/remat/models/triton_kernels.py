@@ -66,3 +66,32 @@ def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROW
         tl.store(dx + offsets, ((gw - x_hat * c) * r).to(dx.dtype.element_ty), mask=mask)
         dw += g * x_hat
     tl.store(dw_partial + pid * n_cols + cols, dw, mask=cols < n_cols)
+
+
+@triton.jit
+def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl.constexpr,
+                        N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of logits: its loss logsumexp - logit[label] into losses, and (NEED_GRAD) the
+    gradient (softmax - onehot) * row_scale written over the logits. Two passes over the row;
+    the second finds it in L2 when few rows run at once."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * n_cols
+    m = float("-inf")
+    total = 0.0
+    for i in range(N_BLOCKS):  # online logsumexp
+        cols = i * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(v, axis=0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(v - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(total)
+    label = tl.load(labels + row)
+    tl.store(losses + row, lse - tl.load(base + label).to(tl.float32))
+    if NEED_GRAD:
+        scale = tl.load(row_scale + row)
+        for i in range(N_BLOCKS):
+            cols = i * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            v = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(v - lse) - tl.where(cols == label, 1.0, 0.0)
+            tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=mask)
