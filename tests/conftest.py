@@ -35,6 +35,22 @@ def measure_peak(model, batch, plan, optimizer=None) -> int:
     return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
 
 
+def verify_preset(model, ids, preset: str):
+    """remat.verify of a Megatron preset ("full": uniform, one layer; else one selective label) on
+    next-token batch ids [b, s + 1]."""
+    config = (remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+              if preset == "full" else remat.RecomputeConfig(recompute_granularity="selective",
+                                                             recompute_modules=[preset]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        return remat.verify(model, config, ids[:, :-1], ids[:, 1:])
+
+
+@pytest.fixture
+def verified_preset():
+    return verify_preset
+
+
 @pytest.fixture
 def measured_peak():
     return measure_peak

@@ -3,15 +3,12 @@ gradients against float64 autograd of F.rms_norm, determinism, what it saves, th
 dispatch, the meta device, and the model's norms running it under recompute plans."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
-import remat
 from remat.models import RMSNorm, build
 from remat.models.rmsnorm import RMSNormFunction, on_cuda, rms_norm, triton_rms_norm
-from remat.verify import verify
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +121,7 @@ def test_dispatch_runs_the_fallback_off_cuda_and_for_other_dtypes() -> None:
 
 
 @pytest.mark.parametrize("plan", ["layernorm", "mlp", "full"])
-def test_in_the_model_plans_stay_bit_identical(plan: str) -> None:
+def test_in_the_model_plans_stay_bit_identical(plan: str, verified_preset) -> None:
     """The model's norms running the Function (as compile_regions does on CUDA) compose with the
     engine: discard, recompute and full recompute give the gradients of no recompute bit for bit;
     layernorm discard frees exactly each norm's output and its float32 1/rms rows (the input,
@@ -135,11 +132,7 @@ def test_in_the_model_plans_stay_bit_identical(plan: str) -> None:
         if isinstance(module, RMSNorm):
             module.kernel = triton_rms_norm
     ids = torch.randint(0, model.config.vocab_size, (2, 17), device=DEVICE)
-    config = (remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-              if plan == "full" else remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=[plan]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", remat.RematWarning)
-        report = verify(model, config, ids[:, :-1], ids[:, 1:])
+    report = verified_preset(model, ids, plan)
     assert report.bit_identical
     norm = model.decoder.layers[0].input_layernorm
     assert type(norm(torch.randn(2, 64, device=DEVICE, requires_grad=True)).grad_fn).__name__ == "RMSNormFunctionBackward"

@@ -3,18 +3,16 @@ on): values and gradients against float64 autograd of the eager formula, what it
 activation its backward rebuilds, the device dispatch and the meta device."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import remat
 from remat.models import build, swiglu
 from remat.models.llama import swiglu_down
 from remat.models.swiglu import SwiGLUDown, on_cuda
-from remat.verify import run_step, verify
+from remat.verify import run_step
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,7 +131,7 @@ def test_dispatch_runs_the_fallback_off_cuda_and_for_a_biased_linear() -> None:
 
 
 @pytest.mark.parametrize("plan", ["layernorm", "mlp", "full"])
-def test_in_the_model_plans_stay_bit_identical_and_the_activation_is_not_saved(plan: str) -> None:
+def test_in_the_model_plans_stay_bit_identical_and_the_activation_is_not_saved(plan: str, verified_preset) -> None:
     """The model's MLP running the Function (as compile_regions does on CUDA) composes with the
     engine: recompute, discard and full recompute give the gradients of no recompute bit for bit,
     and against the eager MLP each layer saves the activation and silu(gate) less."""
@@ -143,11 +141,7 @@ def test_in_the_model_plans_stay_bit_identical_and_the_activation_is_not_saved(p
     eager_saved = run_step(model, ids[:, :-1], ids[:, 1:], seed=0).saved.bytes
     for layer in model.decoder.layers:
         layer.mlp.activation_down = swiglu.activation_down
-    config = (remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-              if plan == "full" else remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=[plan]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", remat.RematWarning)
-        report = verify(model, config, ids[:, :-1], ids[:, 1:])
+    report = verified_preset(model, ids, plan)
     assert report.bit_identical
     tokens, ffn = 2 * 16, model.config.ffn_hidden_size
     assert eager_saved - report.baseline.saved.bytes == 2 * 2 * tokens * ffn * 4
