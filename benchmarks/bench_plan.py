@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -145,8 +146,7 @@ def main() -> None:
                                               micro_batch_size=spec.micro_batch_size, compile=spec.compile),
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d"),
-                  command=f"PYTHONPATH=src python benchmarks/bench_plan.py --shape {args.shape}"
-                          + (" --offload" if args.offload else ""),
+                  command="PYTHONPATH=src python benchmarks/bench_plan.py " + " ".join(sys.argv[1:]),
                   trace_s=round(trace_s, 1), solve_s=round(solve_s, 2),
                   base_step_s=trace.base_step_time_s, anchor=anchor, plans=rows, pareto=pareto)
     (OUT / f"plan_{tag}.json").write_text(json.dumps(record, indent=1))

@@ -1,6 +1,6 @@
 """remat estimate (shapes only, on this machine's CPU) against peaks measured on the H200.
 
-For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1_offload,70b}_h200.json:
+For every plan that benchmarks/bench_plan.py measured (benchmarks/results/plan_{w1,w1_offload,70b}_h200.json:
 forward+backward, compiled regions, no optimizer), estimate the same recipe, shape and plan on
 the meta device for a CUDA target and compare peak allocated memory, host memory (offload) and
 step time.
@@ -25,10 +25,7 @@ from remat.plans import Plan
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(os.environ.get("OUT", RESULTS))
 GIB = 2**30
-# plan_w1_h200.json is left out: it was measured before the compiled loss chunk wrote its gradients
-# over the logits (every W1 peak 0.98 GiB higher than today's code); plan_w1_offload_h200.json,
-# measured since, holds the same presets and budgets, offload plans besides.
-MEASURED = ("w1_offload", "70b")
+MEASURED = ("w1", "w1_offload", "70b")
 
 
 def plan_of(record: dict, num_layers: int) -> Plan | RecomputeConfig | None:
