@@ -185,6 +185,19 @@ def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
     assert none.stages[0].activations - recomputed.stages[0].activations == SMALL["num_layers"] * 2 * ffn * tokens * 2
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_cuda_layernorm_discard_frees_each_norm_output_and_its_scale(compiled: bool) -> None:
+    """For CUDA the norms run remat's RMSNorm Function (what torch's fused kernel saves: the input
+    and a float32 1/rms per row): discarding both norm outputs of a layer frees them and the two
+    scales, the inputs being saved anyway."""
+    layernorm = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm"])
+    none, discarded = _quiet(estimate, _spec(compile=compiled, target="cuda", dtype=torch.bfloat16),
+                             [("none", None), ("layernorm", layernorm)])
+    tokens, hidden = MB * SMALL["seq_length"], 64
+    assert none.stages[0].activations - discarded.stages[0].activations == (
+        SMALL["num_layers"] * 2 * (tokens * hidden * 2 + tokens * 4))
+
+
 OFFLOAD_PLANS = [
     ("layer offload", Plan([{"layer": "offload", "mlp": "recompute"}, {"core_attn": "offload"}, {}, {}],
                            min_offloaded_tensor_size=64)),

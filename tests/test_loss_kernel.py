@@ -37,6 +37,18 @@ def test_matches_the_float64_chunk(rows: int, vocab: int, dtype: torch.dtype) ->
     torch.testing.assert_close(grad.double(), want_grad, **TOLERANCE[dtype])
 
 
+def test_a_maximum_in_a_later_block_rescales_the_running_sum() -> None:
+    """Logits rising along the vocabulary and every row's maximum in the last, partial block: the
+    online logsumexp must rescale what it summed over the earlier blocks."""
+    logits, labels, valid, scale = _chunk(3, 2 * 8192 + 37, torch.float32)
+    logits += torch.linspace(0, 30, logits.shape[1], device=DEVICE)
+    logits[:, -1] = logits.amax(1) + 2
+    want_loss, want_grad = chunk_loss_in_place(logits.double(), labels, valid, scale.double(), True)
+    loss, grad = chunk_loss_triton(logits.clone(), labels, valid, scale, True)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, **TOLERANCE[torch.float32])
+
+
 def test_without_gradients_the_logits_stay() -> None:
     logits, labels, valid, scale = _chunk(5, 300, torch.float32)
     buffer = logits.clone()

@@ -44,6 +44,22 @@ def test_matches_float64_autograd_of_torch_rms_norm(shape: tuple[int, ...], dtyp
         torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("eps", [1e-2, None])
+def test_eps_matters_where_rows_are_small(eps: float | None) -> None:
+    """A zero row and a row of 1e-3s, where eps sets the scale; None is the dtype's epsilon, as
+    torch takes it."""
+    x = torch.stack([torch.zeros(48), torch.full((48,), 1e-3), torch.randn(48)]).to(DEVICE).requires_grad_()
+    weight = torch.linspace(0.5, 1.5, 48, device=DEVICE, requires_grad=True)
+    grad = torch.randn(3, 48, device=DEVICE)
+    out = RMSNormFunction.apply(x, weight, eps)
+    got = (out, *torch.autograd.grad(out, (x, weight), grad))
+    ref_x, ref_w = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = rms_norm(ref_x, ref_w, torch.finfo(torch.float32).eps if eps is None else eps)
+    want = (ref, *torch.autograd.grad(ref, (ref_x, ref_w), grad.double()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
 def test_backward_is_deterministic() -> None:
     """The weight gradient is summed per program over fixed rows, then over programs in order."""
     torch.manual_seed(0)

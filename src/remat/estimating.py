@@ -13,9 +13,9 @@ number comes from the same window model the planner uses. What one GPU of a para
   micro-batches (Megatron's interleaved schedule, more with virtual stages).
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
-target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves; for CUDA, RMSNorm
-and SwiGLU run remat's Triton-backed Functions, which allocate on meta and launch nothing. Step time is the
-counted FLOPs at an assumed sustained rate.
+target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
+(and with compiled regions SwiGLU) runs remat's Triton-backed Functions, which allocate on meta and
+launch nothing. Step time is the counted FLOPs at an assumed sustained rate.
 """
 from __future__ import annotations
 
@@ -258,8 +258,8 @@ class _TargetKernels(TorchFunctionMode):
 
 def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """The compiled loss chunk by shape: inductor fuses it into kernels that allocate only the
-    chunk's loss and write the logit gradients over the logits."""
+    """The compiled loss chunk by shape: inductor's kernels (remat's one on CUDA) allocate only
+    the chunk's loss and write the logit gradients over the logits."""
     loss = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     return loss, logits if need_grad else None
 

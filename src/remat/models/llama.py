@@ -372,10 +372,10 @@ class LlamaModel(nn.Module):
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
-        copy of each serves every layer. On CUDA two pieces run remat's Triton kernels instead,
-        which are faster than inductor's code and torch's kernels there: SwiGLU and linear_fc2
-        as one Function that does not save the activation (the backward writes it again), and
-        RMSNorm with a one-pass backward.
+        copy of each serves every layer. On CUDA, remat's Triton kernels run instead where they
+        measured faster (benchmarks/results/kernels_w1_h200.json): SwiGLU and linear_fc2 as one
+        Function that does not save the activation (the backward writes it again), RMSNorm with a
+        one-pass backward, and each loss chunk in one kernel.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, launch, triton_available
+from remat.models.triton_ops import KERNEL_DTYPES, launch, row_block, triton_available
 
 
 ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
@@ -59,10 +59,11 @@ _LOSS_BLOCK, _LOSS_WARPS = 8192, 8
 def chunk_loss_triton(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
     """The same in one Triton kernel, a program per token: two passes over its logits (the second
-    served mostly by L2) where inductor's code made three. Contiguous float32/bf16/fp16 logits."""
+    served mostly by L2) where inductor's code made three. Contiguous float32/bf16/fp16 logits,
+    finite (a matmul's), labels in [0, vocab): the kernel checks neither."""
     rows, vocab = logits.shape
     losses = logits.new_empty(rows, dtype=torch.float32)
-    block = min(_LOSS_BLOCK, 1 << max(vocab - 1, 0).bit_length())
+    block = min(_LOSS_BLOCK, row_block(vocab))
     launch("cross_entropy_chunk", (rows,), logits, logits, labels, row_scale, losses, vocab,
            NEED_GRAD=need_grad, N_BLOCKS=-(-vocab // block), BLOCK=block, num_warps=_LOSS_WARPS)
     loss = torch.where(valid, losses, 0.0).sum().to(row_scale.dtype)

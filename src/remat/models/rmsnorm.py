@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, launch, refuse_double_backward, triton_available
+from remat.models.triton_ops import KERNEL_DTYPES, launch, refuse_double_backward, row_block, triton_available
 
 # A row lives in registers: wider hidden sizes take the fallback.
 MAX_WIDTH = 65536
-NormFn = Callable[[Tensor, Tensor, float], Tensor]
+NormFn = Callable[[Tensor, Tensor, float | None], Tensor]
 
 
 def _block(width: int) -> tuple[int, int]:
     """The kernels' block (the row, padded to a power of two) and warps for it."""
-    block = 1 << max(width - 1, 0).bit_length()
+    block = row_block(width)
     return block, min(max(block // 512, 4), 16)
 
 
@@ -33,17 +33,18 @@ def _rows_per_program(rows: int, device: torch.device) -> int:
     """Rows each backward program takes (a power of two, few compiled variants): enough
     programs to fill the GPU, each adding one row of float32 partial weight gradients to sum."""
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return 1 << max(-(-rows // programs) - 1, 0).bit_length()
+    return row_block(-(-rows // programs))
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """F.rms_norm(x, (h,), weight, eps) for x [..., h] and weight [h] of x's dtype. Not twice
-    differentiable."""
+    """F.rms_norm(x, (h,), weight, eps) for x [..., h] and weight [h] of x's dtype (eps None: the
+    dtype's machine epsilon, as torch takes it). Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float | None) -> Tensor:  # type: ignore[override]
         if weight.shape != x.shape[-1:]:
             raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit inputs {tuple(x.shape)}")
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
         x, weight = x.contiguous(), weight.contiguous()
         width = x.shape[-1]
         y = torch.empty_like(x)
@@ -71,12 +72,12 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float | None) -> Tensor:
     """torch's RMSNorm over the last dimension."""
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def triton_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def triton_rms_norm(x: Tensor, weight: Tensor, eps: float | None) -> Tensor:
     """RMSNorm over the last dimension through RMSNormFunction."""
     return RMSNormFunction.apply(x, weight, eps)
 
@@ -87,7 +88,7 @@ def on_cuda(fallback: NormFn = rms_norm) -> NormFn:
     `fallback` for anything else."""
     use_triton = triton_available()
 
-    def dispatch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def dispatch(x: Tensor, weight: Tensor, eps: float | None) -> Tensor:
         if (use_triton and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
                 and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled("cuda")):
             return triton_rms_norm(x, weight, eps)

@@ -1,4 +1,4 @@
-"""remat's Triton kernels (SwiGLU, RMSNorm); imported only when one is first launched
+"""remat's Triton kernels (SwiGLU, RMSNorm, the loss chunk); imported only when one is first launched
 (remat.models.triton_ops)."""
 import triton
 import triton.language as tl
@@ -65,7 +65,7 @@ def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROW
         c = tl.sum(gw * x_hat, axis=0) / n_cols
         tl.store(dx + offsets, ((gw - x_hat * c) * r).to(dx.dtype.element_ty), mask=mask)
         dw += g * x_hat
-    tl.store(dw_partial + pid * n_cols + cols, dw, mask=cols < n_cols)
+    tl.store(dw_partial + pid.to(tl.int64) * n_cols + cols, dw, mask=cols < n_cols)
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl
                         N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     """One row of logits: its loss logsumexp - logit[label] into losses, and (NEED_GRAD) the
     gradient (softmax - onehot) * row_scale written over the logits. Two passes over the row;
-    the second finds it in L2 when few rows run at once."""
+    the second finds it in L2 when few rows run at once. Logits finite, labels in [0, n_cols)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * n_cols
     m = float("-inf")

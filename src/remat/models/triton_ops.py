@@ -20,6 +20,11 @@ from torch import Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def row_block(width: int) -> int:
+    """A kernel block holding `width` columns: the next power of two (Triton blocks are)."""
+    return 1 << max(width - 1, 0).bit_length()
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
