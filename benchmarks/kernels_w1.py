@@ -10,8 +10,10 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
 - the loss head's chunk (4096 tokens x 128256 logits): loss and gradients written over the
   logits, inductor's code against remat's Triton kernel, with its block and warps swept;
 - scaling the loss head's weight gradient by grad_output (a 0-dim CUDA tensor);
-- the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, and
-  the weight gradient accumulated into an existing gradient (beta=1).
+- the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, the
+  weight gradient accumulated into an existing gradient (beta=1), and for the two projections
+  that feed the residual stream the residual add in the GEMM's epilogue (addmm, beta=1) against
+  a separate add.
 
   PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm]   writes $OUT/kernels_w1.json
 """
@@ -155,6 +157,10 @@ def gemm_rows() -> dict:
                  "wgrad (x^T@g)^T": bench(lambda: (x.t() @ g).t()),
                  "wgrad g^T@x + acc, beta=1": bench(lambda: acc.addmm_(g.t(), x)),
                  "wgrad then add (autograd accumulation)": bench(lambda: acc.add_(g.t() @ x))}
+        if out_f == HIDDEN:  # linear_proj and linear_fc2 feed the residual stream
+            residual = torch.randn(tokens, out_f, device=dev, dtype=bf16)
+            times |= {"fwd + residual, addmm beta=1": bench(lambda: torch.addmm(residual, x, w.t())),
+                      "fwd then residual add": bench(lambda: residual + F.linear(x, w))}
         rows[name] = {k: dict(s=round(v, 6), tflops=round(flop / v / 1e12, 1)) for k, v in times.items()}
     return rows
 
