@@ -3,7 +3,6 @@ on): values and gradients against float64 autograd of the eager formula, what it
 activation its backward rebuilds, the device dispatch and the meta device."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn

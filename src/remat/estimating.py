@@ -43,7 +43,7 @@ from remat.config import (
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace, unmeasured_problems
-from remat.models import LlamaConfig, LlamaModel, RMSNorm, build, recipe_config, rmsnorm, swiglu
+from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, swiglu
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -316,11 +316,8 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         if spec.target == "cuda":  # CUDA's SwiGLU Function allocates on meta and launches nothing
             for layer in model.decoder.layers:
                 layer.mlp.activation_down = swiglu.activation_down
-    if spec.target == "cuda":
-        # remat's RMSNorm Function saves what torch's fused CUDA kernel saves, and runs on meta
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = rmsnorm.triton_rms_norm
+    if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
+        model.set_norm_kernel(rmsnorm.triton_rms_norm)
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1
     if sp:
         _sequence_parallel(model, facts.tensor_model_parallel_size)

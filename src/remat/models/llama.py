@@ -389,11 +389,14 @@ class LlamaModel(nn.Module):
             layer.self_attention.project_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.activation_down = activation_down
-        norm = rmsnorm.on_cuda()
+        self.set_norm_kernel(rmsnorm.on_cuda())
+        self.loss_kernels = compiled_loss_kernels(backend)
+
+    def set_norm_kernel(self, kernel: rmsnorm.NormFn) -> None:
+        """Compute every RMSNorm of the model (layers' and final) with `kernel`."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.kernel = norm
-        self.loss_kernels = compiled_loss_kernels(backend)
+                module.kernel = kernel
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

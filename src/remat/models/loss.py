@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, launch, row_block, triton_available
+from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
 
 
 ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
@@ -73,15 +73,8 @@ def chunk_loss_triton(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: 
 def on_cuda(fallback: ChunkFn) -> ChunkFn:
     """chunk_loss_triton for contiguous CUDA logits of KERNEL_DTYPES (when Triton is installed);
     `fallback` for anything else."""
-    use_triton = triton_available()
-
-    def dispatch(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                 need_grad: bool) -> tuple[Tensor, Tensor | None]:
-        if use_triton and logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous():
-            return chunk_loss_triton(logits, labels, valid, row_scale, need_grad)
-        return fallback(logits, labels, valid, row_scale, need_grad)
-
-    return dispatch
+    return dispatch(chunk_loss_triton, fallback, lambda logits, *_: (
+        logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous()))
 
 
 def scale_grad(grad: Tensor, grad_output: Tensor) -> Tensor:

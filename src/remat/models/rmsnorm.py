@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, launch, refuse_double_backward, row_block, triton_available
+from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
 
 # A row lives in registers: wider hidden sizes take the fallback.
 MAX_WIDTH = 65536
@@ -86,12 +86,6 @@ def on_cuda(fallback: NormFn = rms_norm) -> NormFn:
     """RMSNorm through RMSNormFunction for CUDA tensors of KERNEL_DTYPES with a weight of the same
     dtype (when Triton is installed and autocast is off, which would pick the norm's dtype);
     `fallback` for anything else."""
-    use_triton = triton_available()
-
-    def dispatch(x: Tensor, weight: Tensor, eps: float | None) -> Tensor:
-        if (use_triton and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
-                and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled("cuda")):
-            return triton_rms_norm(x, weight, eps)
-        return fallback(x, weight, eps)
-
-    return dispatch
+    return dispatch(triton_rms_norm, fallback, lambda x, weight, eps: (
+        x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.shape[-1] <= MAX_WIDTH
+        and not torch.is_autocast_enabled("cuda")))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models.triton_ops import KERNEL_DTYPES, launch, refuse_double_backward, triton_available
+from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
 
@@ -69,12 +69,5 @@ def activation_down(gate_up: Tensor, linear_fc2: nn.Linear) -> Tensor:
 def on_cuda(fallback: Callable[[Tensor, nn.Linear], Tensor]) -> Callable[[Tensor, nn.Linear], Tensor]:
     """SwiGLU then linear_fc2 through SwiGLUDown for CUDA tensors of KERNEL_DTYPES (when Triton
     is installed) and a bias-free linear_fc2; `fallback` for anything else."""
-    use_triton = triton_available()
-
-    def dispatch(gate_up: Tensor, linear_fc2: nn.Linear) -> Tensor:
-        if (use_triton and gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES
-                and linear_fc2.bias is None):
-            return activation_down(gate_up, linear_fc2)
-        return fallback(gate_up, linear_fc2)
-
-    return dispatch
+    return dispatch(activation_down, fallback, lambda gate_up, linear_fc2: (
+        gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES and linear_fc2.bias is None))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
 
 # The kernels compute in float32: float64 would lose precision, so it takes the fallbacks.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
 def row_block(width: int) -> int:
@@ -33,6 +34,18 @@ def triton_available() -> bool:
 def _kernels() -> Any:
     from remat.models import triton_kernels
     return triton_kernels
+
+
+def dispatch(kernel: Fn, fallback: Fn, takes: Callable[..., bool]) -> Fn:
+    """`kernel` for the calls whose arguments it `takes` (and CUDA tensors of KERNEL_DTYPES, which
+    `takes` checks), `fallback` for the rest and everywhere when Triton is not installed."""
+    if not triton_available():
+        return fallback
+
+    def call(*args: Any) -> Any:
+        return (kernel if takes(*args) else fallback)(*args)
+
+    return call  # type: ignore[return-value]
 
 
 def launch(name: str, grid: tuple[int, ...], on: Tensor, *args: Any, **meta: Any) -> None:
