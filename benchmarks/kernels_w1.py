@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from profile_w1 import median_cuda_seconds
 
-from remat.models.llama import silu_mul
+from remat.models import rope
+from remat.models.llama import LlamaConfig, RotaryEmbedding, project_qkv, silu_mul
 from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
 from remat.models.rmsnorm import RMSNormFunction, rms_norm
 from remat.models.swiglu import SwiGLUDown
@@ -165,7 +166,52 @@ def gemm_rows() -> dict:
     return rows
 
 
-SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "loss": loss_rows, "scale": scale_rows, "gemm": gemm_rows}
+def rope_rows() -> dict:
+    """The QKV projection with RoPE: inductor's compiled formula against remat's RotaryQKV."""
+    x = torch.randn(2, TOKENS // 2, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
+    weight = (torch.randn(QKV, HIDDEN, device=dev, dtype=bf16) / HIDDEN ** 0.5).requires_grad_()
+    rotary = RotaryEmbedding(LlamaConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=32,
+                                         num_query_groups=8, ffn_hidden_size=FFN, vocab_size=VOCAB,
+                                         seq_length=TOKENS // 2), dtype=bf16, device=dev)
+    args = (*rotary(TOKENS // 2), 32, 8)
+    variants = {"inductor (compiled project_qkv)": torch.compile(project_qkv), "triton RotaryQKV (remat)": rope.project_qkv}
+    want = project_qkv(x.double(), weight.double(), *(t.double() for t in args[:2]), *args[2:])
+    rows = {}
+    for name, fn in variants.items():
+        out = fn(x, weight, *args)
+        grads = [torch.randn_like(t) for t in out]
+        rows[name] = dict(
+            forward_s=bench(lambda: fn(x, weight, *args)),
+            forward_backward_s=bench(lambda: torch.autograd.grad(fn(x, weight, *args), (x, weight), grads)),
+            q_max_abs_err_vs_fp64=float((out[0].detach().double() - want[0]).abs().max()))
+    return rows
+
+
+def head_rows() -> dict:
+    """The loss head's three GEMMs per chunk size, with the logits row-major [tokens, vocab] (what
+    remat computes) and transposed [vocab, tokens] (the same product, other operand order)."""
+    rows = {}
+    w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf16)
+    acc = torch.zeros(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
+    for tokens in (2048, 4096, 8192, 16384):
+        h = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
+        d = torch.randn(tokens, VOCAB, device=dev, dtype=bf16)
+        d_t = d.t().contiguous()
+        out = torch.empty(tokens, HIDDEN, device=dev, dtype=bf16)
+        flop = 2 * VOCAB * HIDDEN * tokens
+        times = {"fwd h@W^T": bench(lambda: h @ w.t()),
+                 "fwd W@h^T (logits transposed)": bench(lambda: w @ h.t()),
+                 "dgrad d@W": bench(lambda: torch.mm(d, w, out=out)),
+                 "dgrad (d^T)^T@W": bench(lambda: torch.mm(d_t.t(), w, out=out)),
+                 "wgrad fp32 += d^T@h": bench(lambda: torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)),
+                 "wgrad fp32 += d^T@h, d^T contiguous": bench(
+                     lambda: torch.addmm(acc, d_t, h, out_dtype=torch.float32, out=acc))}
+        rows[f"{tokens} tokens"] = {k: dict(s=round(v, 6), tflops=round(flop / v / 1e12, 1)) for k, v in times.items()}
+    return rows
+
+
+SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "loss": loss_rows, "scale": scale_rows,
+            "gemm": gemm_rows, "head": head_rows, "rope": rope_rows}
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ OUT = Path(os.environ.get("OUT", "."))
 ANCHOR = Path(__file__).parent / "anchors" / "torch_baseline.py"
 KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
          ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
-         ("triton", ("triton", "silu_mul", "rms_norm", "cross_entropy")))  # remat's own Triton kernels too
+         ("triton", ("triton", "silu_mul", "rms_norm", "cross_entropy", "rotary_qkv")))  # remat's own Triton kernels too
 
 
 def _kind(name: str) -> str:

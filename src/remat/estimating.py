@@ -14,7 +14,7 @@ number comes from the same window model the planner uses. What one GPU of a para
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
 target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
-(and with compiled regions SwiGLU) runs remat's Triton-backed Functions, which allocate on meta and
+(and with compiled regions SwiGLU and the QKV split) runs remat's Triton-backed Functions, which allocate on meta and
 launch nothing. Step time is the counted FLOPs at an assumed sustained rate.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from remat.config import (
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, trace, unmeasured_problems
-from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, swiglu
+from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, rope, swiglu
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -313,9 +313,10 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     if spec.compile:  # inductor cannot run on meta tensors; this backend partitions as it does
         model.compile_regions(backend="aot_eager_decomp_partition")
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
-        if spec.target == "cuda":  # CUDA's SwiGLU Function allocates on meta and launches nothing
+        if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
             for layer in model.decoder.layers:
                 layer.mlp.activation_down = swiglu.activation_down
+                layer.self_attention.project_qkv = rope.project_qkv
     if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
         model.set_norm_kernel(rmsnorm.triton_rms_norm)
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.models import rmsnorm, swiglu
+from remat.models import rmsnorm, rope, swiglu
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
 
@@ -374,8 +374,9 @@ class LlamaModel(nn.Module):
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
         copy of each serves every layer. On CUDA, remat's Triton kernels run instead where they
         measured faster (benchmarks/results/kernels_w1_h200.json): SwiGLU and linear_fc2 as one
-        Function that does not save the activation (the backward writes it again), RMSNorm with a
-        one-pass backward, and each loss chunk in one kernel.
+        Function that does not save the activation (the backward writes it again), the QKV split
+        with RoPE in one kernel each way, RMSNorm with a one-pass backward, and each loss chunk in
+        one kernel.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
@@ -383,7 +384,7 @@ class LlamaModel(nn.Module):
         "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
         compiled_qkv, compiled_merge, activation_down = (
-            torch.compile(project_qkv, backend=backend), torch.compile(merge_heads, backend=backend),
+            rope.on_cuda(torch.compile(project_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
         for layer in self.decoder.layers:
             layer.self_attention.project_qkv = compiled_qkv

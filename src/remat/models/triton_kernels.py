@@ -1,5 +1,5 @@
-"""remat's Triton kernels (SwiGLU, RMSNorm, the loss chunk); imported only when one is first launched
-(remat.models.triton_ops)."""
+"""remat's Triton kernels (SwiGLU, RMSNorm, the loss chunk, the QKV split with RoPE); imported
+only when one is first launched (remat.models.triton_ops)."""
 import triton
 import triton.language as tl
 
@@ -95,3 +95,55 @@ def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl
             v = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             g = tl.exp(v - lse) - tl.where(cols == label, 1.0, 0.0)
             tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=mask)
+
+
+
+@triton.jit
+def _rotary_rows(src, src_rows, dst, dst_rows, mask, c1, c2, s1, s2, HALF: tl.constexpr,
+                 HALF_BLOCK: tl.constexpr, MODE: tl.constexpr):
+    """Rows of 2 * HALF at element offsets src_rows into dst_rows, each half a [rows, HALF_BLOCK]
+    tile: MODE 1 rotate-half RoPE (y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2), MODE -1 its transpose
+    (x1 = y1 c1 + y2 s2, x2 = y2 c2 - y1 s1), MODE 0 a copy."""
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    a = tl.load(src + src_rows[:, None] + d, mask=mask).to(tl.float32)
+    b = tl.load(src + src_rows[:, None] + HALF + d, mask=mask).to(tl.float32)
+    if MODE == 1:
+        a, b = a * c1 - b * s1, b * c2 + a * s2
+    elif MODE == -1:
+        a, b = a * c1 + b * s2, b * c2 - a * s1
+    tl.store(dst + dst_rows[:, None] + d, a.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + dst_rows[:, None] + HALF + d, b.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_qkv(fused, q, k, v, cos, sin, seq_len, HEADS: tl.constexpr, GROUPS: tl.constexpr,
+               PER_GROUP: tl.constexpr, HALF: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+               GROUPS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, FORWARD: tl.constexpr):
+    """One token. FORWARD: its fused projection row (per query group PER_GROUP query heads, a key
+    and a value head) into q, k rotated and v copied; else q, k, v's gradients back into the fused
+    row's gradient. cos and sin are [seq_len, 2 * HALF] tables."""
+    tok = tl.program_id(0).to(tl.int64)
+    head_dim: tl.constexpr = 2 * HALF
+    d = tl.arange(0, HALF_BLOCK)
+    table = (tok % seq_len) * head_dim + d
+    c1 = tl.load(cos + table, mask=d < HALF).to(tl.float32)[None, :]
+    c2 = tl.load(cos + table + HALF, mask=d < HALF).to(tl.float32)[None, :]
+    s1 = tl.load(sin + table, mask=d < HALF).to(tl.float32)[None, :]
+    s2 = tl.load(sin + table + HALF, mask=d < HALF).to(tl.float32)[None, :]
+    fused_row = tok * GROUPS * (PER_GROUP + 2) * head_dim
+    n = tl.arange(0, HEADS_BLOCK)
+    q_slot = fused_row + ((n // PER_GROUP) * (PER_GROUP + 2) + n % PER_GROUP) * head_dim
+    q_rows = tok * HEADS * head_dim + n * head_dim
+    q_mask = (n < HEADS)[:, None] & (d < HALF)[None, :]
+    g = tl.arange(0, GROUPS_BLOCK)
+    k_slot = fused_row + (g * (PER_GROUP + 2) + PER_GROUP) * head_dim
+    kv_rows = tok * GROUPS * head_dim + g * head_dim
+    kv_mask = (g < GROUPS)[:, None] & (d < HALF)[None, :]
+    if FORWARD:
+        _rotary_rows(fused, q_slot, q, q_rows, q_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, 1)
+        _rotary_rows(fused, k_slot, k, kv_rows, kv_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, 1)
+        _rotary_rows(fused, k_slot + head_dim, v, kv_rows, kv_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, 0)
+    else:
+        _rotary_rows(q, q_rows, fused, q_slot, q_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, -1)
+        _rotary_rows(k, kv_rows, fused, k_slot, kv_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, -1)
+        _rotary_rows(v, kv_rows, fused, k_slot + head_dim, kv_mask, c1, c2, s1, s2, HALF, HALF_BLOCK, 0)

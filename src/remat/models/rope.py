@@ -1,0 +1,79 @@
+"""The fused QKV projection's split into heads with RoPE, as one autograd Function with one Triton
+kernel each way, for CUDA.
+
+The projection's output holds, per query group, its query heads then one key and one value head
+(Megatron's layout; remat.models.llama.project_qkv). The forward kernel writes q and k rotated and
+v copied, one program per token; the backward kernel writes their gradients back into that
+layout, rotated back. Inductor compiled the backward as a `cat` of strided slices, which ran at
+about a third of the memory bandwidth on an H200 at W1's shapes (0.23 ms a layer,
+benchmarks/results/profile_w1_h200.json). RoPE is linear, so the Function saves only the cos/sin
+tables (slices of the model's buffers): the projection's own input and weight are what the
+linear saves, as in the compiled version. The kernels compute in float32 and round once.
+Launching, meta tensors and CPU testing: remat.models.triton_ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
+
+ProjectFn = Callable[[Tensor, Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
+
+
+def _launch(fused: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+            forward: bool) -> None:
+    b, s, heads, head_dim = q.shape
+    groups = k.shape[2]
+    launch("rotary_qkv", (b * s,), fused, fused, q, k, v, cos, sin, s, HEADS=heads, GROUPS=groups,
+           PER_GROUP=heads // groups, HALF=head_dim // 2, HEADS_BLOCK=row_block(heads),
+           GROUPS_BLOCK=row_block(groups), HALF_BLOCK=row_block(head_dim // 2), FORWARD=forward)
+
+
+class RotaryQKV(torch.autograd.Function):
+    """qkv [b, s, groups * (heads / groups + 2) * d] -> q [b, s, heads, d], k and v [b, s, groups, d]
+    (contiguous): q and k rotate-half RoPE'd with cos/sin [s, d], v copied. Saves cos and sin only.
+    Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: Tensor, cos: Tensor, sin: Tensor,  # type: ignore[override]
+                num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, width = qkv.shape
+        head_dim = cos.shape[-1]
+        if head_dim % 2 or num_heads % num_groups or width != (num_heads + 2 * num_groups) * head_dim:
+            raise ValueError(f"a fused QKV row of {width} for {num_heads} heads in {num_groups} groups of "
+                             f"head dim {head_dim} (even) needs (heads + 2 * groups) * head dim columns")
+        if cos.shape != (s, head_dim) or sin.shape != cos.shape:
+            raise ValueError(f"cos and sin must be [{s}, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        q = qkv.new_empty(b, s, num_heads, head_dim)
+        k, v = (qkv.new_empty(b, s, num_groups, head_dim) for _ in range(2))
+        _launch(qkv, q, k, v, cos, sin, forward=True)
+        ctx.save_for_backward(cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        refuse_double_backward("QKV RoPE")
+        cos, sin = ctx.saved_tensors
+        # attention's gradients come back in the strides it was given: contiguous here
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+        b, s, heads, head_dim = dq.shape
+        d_qkv = dq.new_empty(b, s, (heads + 2 * dk.shape[2]) * head_dim)
+        _launch(d_qkv, dq, dk, dv, cos.contiguous(), sin.contiguous(), forward=False)
+        return d_qkv, None, None, None, None
+
+
+def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+                num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """remat.models.llama.project_qkv through RotaryQKV: the projection, then the kernel."""
+    return RotaryQKV.apply(F.linear(x, weight), cos, sin, num_heads, num_groups)
+
+
+def on_cuda(fallback: ProjectFn) -> ProjectFn:
+    """project_qkv through RotaryQKV for CUDA inputs of KERNEL_DTYPES (when Triton is installed);
+    `fallback` for anything else."""
+    return dispatch(project_qkv, fallback, lambda x, *_: x.is_cuda and x.dtype in KERNEL_DTYPES)

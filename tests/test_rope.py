@@ -1,0 +1,151 @@
+"""The CUDA QKV split with RoPE (on CPU in Triton's interpreter, which conftest turns on): values
+and gradients against float64 autograd of the eager formula, what it saves, the refusals, the
+device dispatch, the meta device and the model's plans."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.models import build, rope
+from remat.models.llama import project_qkv as eager_project_qkv
+from remat.models.rope import RotaryQKV, on_cuda, project_qkv
+from remat.verify import run_step
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _inputs(heads: int, groups: int, head_dim: int, dtype: torch.dtype = torch.float32, b: int = 2,
+            s: int = 5, hidden: int = 24) -> tuple[torch.Tensor, ...]:
+    """x, the fused weight, and cos/sin as the model slices them from longer tables (whose two
+    halves differ here, so a kernel that mixed them up would show)."""
+    x = torch.randn(b, s, hidden, device=DEVICE, dtype=dtype, requires_grad=True)
+    weight = (torch.randn((heads + 2 * groups) * head_dim, hidden, device=DEVICE, dtype=dtype) / 5).requires_grad_()
+    angles = torch.randn(s + 3, head_dim, device=DEVICE)
+    return x, weight, angles.cos().to(dtype)[:s], angles.sin().to(dtype)[:s]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("heads, groups, head_dim", [(4, 2, 16), (6, 2, 12), (8, 8, 16), (3, 1, 8)])
+def test_matches_float64_autograd_of_the_eager_formula(heads: int, groups: int, head_dim: int,
+                                                       dtype: torch.dtype) -> None:
+    """The kernels alone (the eager formula's projection an identity, exact in float64): query
+    heads per group a power of two or not, one group or as many as heads, a head dim whose half is
+    not a power of two; every dtype the kernels take, each value rounded once."""
+    torch.manual_seed(0)
+    _, _, cos, sin = _inputs(heads, groups, head_dim, dtype)
+    width = (heads + 2 * groups) * head_dim
+    qkv = torch.randn(2, 5, width, device=DEVICE, dtype=dtype, requires_grad=True)
+    out = RotaryQKV.apply(qkv, cos, sin, heads, groups)
+    grads = [torch.randn_like(t) for t in out]
+    (got,) = torch.autograd.grad(out, qkv, grads)
+    qkv64 = qkv.detach().double().requires_grad_()
+    identity = torch.eye(width, device=DEVICE, dtype=torch.float64)
+    want_out = eager_project_qkv(qkv64, identity, cos.double(), sin.double(), heads, groups)
+    (want,) = torch.autograd.grad(want_out, qkv64, [g.double() for g in grads])
+    for a, b in zip((*out, got), (*want_out, want)):
+        assert a.dtype == dtype and a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a.double(), b, **TOLERANCE[dtype])
+
+
+def test_with_the_projection_matches_the_eager_formula() -> None:
+    torch.manual_seed(0)
+    x, weight, cos, sin = _inputs(6, 2, 12)
+    out = project_qkv(x, weight, cos, sin, 6, 2)
+    grads = [torch.randn_like(t) for t in out]
+    want_out = eager_project_qkv(x, weight, cos, sin, 6, 2)
+    for a, b in zip((*out, *torch.autograd.grad(out, (x, weight), grads)),
+                    (*want_out, *torch.autograd.grad(want_out, (x, weight), grads))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_gradients() -> None:
+    """Attention hands back its gradients in the strides it was given; any strides work."""
+    torch.manual_seed(0)
+    x, weight, cos, sin = _inputs(4, 2, 16)
+    out = project_qkv(x, weight, cos, sin, 4, 2)
+    grads = [torch.randn(t.shape[::-1], device=DEVICE).permute(3, 2, 1, 0) for t in out]
+    got = torch.autograd.grad(out, (x, weight), grads)
+    want = torch.autograd.grad(eager_project_qkv(x, weight, cos, sin, 4, 2), (x, weight), grads)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_saves_the_tables_only_and_with_the_projection_what_the_formula_saves() -> None:
+    """RoPE is linear: its backward needs cos and sin, nothing of q or k. With the projection the
+    Function saves what the eager formula and inductor's partition of it save (remat's estimate
+    counts the Function's bytes for CUDA)."""
+    def saved_storages(fn, *args) -> set[int]:
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn(*args)
+        return {t.untyped_storage().data_ptr() for t in saved}
+
+    x, weight, cos, sin = _inputs(4, 2, 16)
+    qkv = torch.randn(2, 5, 8 * 16, device=DEVICE, requires_grad=True)
+    assert saved_storages(RotaryQKV.apply, qkv, cos, sin, 4, 2) == {
+        t.untyped_storage().data_ptr() for t in (cos, sin)}
+    compiled = torch.compile(eager_project_qkv, backend="aot_eager_decomp_partition")
+    assert saved_storages(project_qkv, x, weight, cos, sin, 4, 2) == saved_storages(
+        compiled, x, weight, cos, sin, 4, 2) == saved_storages(eager_project_qkv, x, weight, cos, sin, 4, 2) == {
+        t.untyped_storage().data_ptr() for t in (x, weight, cos, sin)}
+
+
+def test_bad_layouts_and_second_derivatives_are_refused() -> None:
+    x, weight, cos, sin = _inputs(4, 2, 16)
+    qkv = torch.randn(2, 5, 8 * 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match=r"needs \(heads \+ 2 \* groups\) \* head dim columns"):
+        RotaryQKV.apply(qkv, cos, sin, 4, 3)
+    with pytest.raises(ValueError, match=r"cos and sin must be \[5, 16\]"):
+        RotaryQKV.apply(qkv, cos[:4], sin[:4], 4, 2)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        q, _, _ = project_qkv(x, weight, cos, sin, 4, 2)
+        torch.autograd.grad(q.sum(), x, create_graph=True)
+
+
+def test_on_meta_it_allocates_what_cuda_would() -> None:
+    x = torch.empty(2, 5, 24, device="meta", requires_grad=True)
+    weight = torch.empty(8 * 16, 24, device="meta", requires_grad=True)
+    cos = torch.empty(5, 16, device="meta")
+    out = project_qkv(x, weight, cos, cos, 4, 2)
+    assert [t.shape for t in out] == [(2, 5, 4, 16), (2, 5, 2, 16), (2, 5, 2, 16)]
+    d_x, d_weight = torch.autograd.grad(out, (x, weight), [torch.empty_like(t) for t in out])
+    assert d_x.shape == x.shape and d_weight.shape == weight.shape
+
+
+def test_dispatch_runs_the_fallback_off_cuda_and_for_float64() -> None:
+    calls: list[torch.Tensor] = []
+
+    def fallback(x: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+        calls.append(x)
+        return eager_project_qkv(x, *args)
+
+    x, weight, cos, sin = (t.detach().cpu() for t in _inputs(4, 2, 16))
+    for got, want in zip(on_cuda(fallback)(x, weight, cos, sin, 4, 2), eager_project_qkv(x, weight, cos, sin, 4, 2)):
+        torch.testing.assert_close(got, want)
+    assert calls == [x]
+    if torch.cuda.is_available():
+        x, weight, cos, sin = (t.cuda() for t in (x, weight, cos, sin))
+        q, _, _ = on_cuda(fallback)(x.requires_grad_(), weight, cos, sin, 4, 2)
+        assert len(calls) == 1 and type(q.grad_fn).__name__ == "RotaryQKVBackward"  # the kernel ran
+        x64 = x.detach().double()  # the kernels compute in float32
+        on_cuda(fallback)(x64, weight.double(), cos.double(), sin.double(), 4, 2)
+        assert len(calls) == 2 and calls[-1] is x64
+
+
+@pytest.mark.parametrize("plan", ["layernorm", "core_attn", "full"])
+def test_in_the_model_plans_stay_bit_identical_and_save_what_the_formula_saves(plan: str, verified_preset) -> None:
+    """The model's attention running the Function (as compile_regions does on CUDA) composes with
+    the engine: discard, recompute and full recompute give the gradients of no recompute bit for
+    bit, and no recompute saves the bytes of the eager formula."""
+    torch.manual_seed(0)
+    model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16, device=DEVICE)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), device=DEVICE)
+    eager_saved = run_step(model, ids[:, :-1], ids[:, 1:], seed=0).saved
+    for layer in model.decoder.layers:
+        layer.self_attention.project_qkv = rope.project_qkv
+    report = verified_preset(model, ids, plan)
+    assert report.bit_identical
+    assert report.baseline.saved == eager_saved
