@@ -97,7 +97,6 @@ def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl
             tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=mask)
 
 
-
 @triton.jit
 def _rotary_rows(src, src_rows, dst, dst_rows, mask, c1, c2, s1, s2, HALF: tl.constexpr,
                  HALF_BLOCK: tl.constexpr, MODE: tl.constexpr):
