@@ -43,9 +43,13 @@ class RotaryQKV(torch.autograd.Function):
                 num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
         b, s, width = qkv.shape
         head_dim = cos.shape[-1]
-        if head_dim % 2 or num_heads % num_groups or width != (num_heads + 2 * num_groups) * head_dim:
-            raise ValueError(f"a fused QKV row of {width} for {num_heads} heads in {num_groups} groups of "
-                             f"head dim {head_dim} (even) needs (heads + 2 * groups) * head dim columns")
+        if num_groups < 1 or num_heads % num_groups:
+            raise ValueError(f"{num_heads} query heads do not split into {num_groups} groups")
+        if head_dim % 2:
+            raise ValueError(f"rotate-half RoPE needs an even head dim, got {head_dim}")
+        if width != (num_heads + 2 * num_groups) * head_dim:
+            raise ValueError(f"a fused QKV row of {num_heads} query heads and {num_groups} key and value heads "
+                             f"of dim {head_dim} has {(num_heads + 2 * num_groups) * head_dim} columns, got {width}")
         if cos.shape != (s, head_dim) or sin.shape != cos.shape:
             raise ValueError(f"cos and sin must be [{s}, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
@@ -59,7 +63,8 @@ class RotaryQKV(torch.autograd.Function):
     def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         refuse_double_backward("QKV RoPE")
         cos, sin = ctx.saved_tensors
-        # attention's gradients come back in the strides it was given: contiguous here
+        # incoming gradients (expanded zeros for an unused output) and a saved-tensor hook's tensors
+        # may have other strides
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
         b, s, heads, head_dim = dq.shape
         d_qkv = dq.new_empty(b, s, (heads + 2 * dk.shape[2]) * head_dim)
@@ -73,7 +78,16 @@ def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: 
     return RotaryQKV.apply(F.linear(x, weight), cos, sin, num_heads, num_groups)
 
 
+def _kernel_takes(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *_: int) -> bool:
+    # Under autocast, or with tables of another dtype, the formula would give q and k another
+    # dtype than the kernel writes; tables that require grad get none from the Function.
+    return (x.is_cuda and x.dtype in KERNEL_DTYPES and not torch.is_autocast_enabled("cuda")
+            and all(t.dtype == x.dtype and t.device == x.device for t in (weight, cos, sin))
+            and not (cos.requires_grad or sin.requires_grad))
+
+
 def on_cuda(fallback: ProjectFn) -> ProjectFn:
-    """project_qkv through RotaryQKV for CUDA inputs of KERNEL_DTYPES (when Triton is installed);
+    """project_qkv through RotaryQKV for CUDA inputs of KERNEL_DTYPES with the weight and the
+    cos/sin tables (constant) of x's dtype and device, autocast off (when Triton is installed);
     `fallback` for anything else."""
-    return dispatch(project_qkv, fallback, lambda x, *_: x.is_cuda and x.dtype in KERNEL_DTYPES)
+    return dispatch(project_qkv, fallback, _kernel_takes)
