@@ -13,9 +13,12 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
 - the linear layers' GEMMs: forward, input gradient, weight gradient in both operand orders, the
   weight gradient accumulated into an existing gradient (beta=1), and for the two projections
   that feed the residual stream the residual add in the GEMM's epilogue (addmm, beta=1) against
-  a separate add.
+  a separate add;
+- the loss head's three GEMMs at chunks of 2048-16384 tokens, the logits row-major and transposed;
+- the QKV projection with RoPE: inductor's compiled formula against remat's RotaryQKV.
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm]   writes $OUT/kernels_w1.json
+  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm,head,rope]
+  writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
 

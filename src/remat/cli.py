@@ -200,7 +200,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--hidden_size", type=int, metavar="N")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model's regions between Sites (QKV+RoPE, SwiGLU, loss softmax); "
-                        "on CUDA, SwiGLU+linear_fc2, RMSNorm and the loss chunk run remat's Triton kernels")
+                        "on CUDA, SwiGLU+linear_fc2, the QKV split with RoPE, RMSNorm and the loss chunk run "
+                        "remat's Triton kernels")
     g.add_argument("--no_optimizer", action="store_true",
                    help="forward+backward only, gradients accumulating, as the torch anchor measures")
     return g

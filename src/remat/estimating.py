@@ -14,8 +14,8 @@ number comes from the same window model the planner uses. What one GPU of a para
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
 target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
-(and with compiled regions SwiGLU and the QKV split) runs remat's Triton-backed Functions, which allocate on meta and
-launch nothing. Step time is the counted FLOPs at an assumed sustained rate.
+(and with compiled regions SwiGLU and the QKV split) runs remat's Triton-backed Functions, which
+allocate on meta and launch nothing. Step time is the counted FLOPs at an assumed sustained rate.
 """
 from __future__ import annotations
 
