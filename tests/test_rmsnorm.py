@@ -134,6 +134,9 @@ def test_dispatch_runs_the_fallback_off_cuda_and_for_other_dtypes() -> None:
         x64 = torch.randn(3, 8, device="cuda", dtype=torch.float64)  # the kernels compute in float32
         on_cuda(fallback)(x64, weight.cuda().double(), EPS)
         assert len(calls) == 3 and calls[-1] is x64
+        with pytest.raises(RuntimeError):  # a weight on another device: torch's own error, not a launch
+            on_cuda(fallback)(x, weight, EPS)
+        assert len(calls) == 4
 
 
 @pytest.mark.parametrize("plan", ["layernorm", "mlp", "full"])

@@ -128,8 +128,9 @@ def test_on_meta_it_allocates_what_cuda_would() -> None:
 
 
 def test_dispatch_runs_the_fallback_where_the_kernel_would_differ_from_the_formula() -> None:
-    """Off CUDA; on CUDA for float64, tables of another dtype or that require grad, and under
-    autocast (where the formula would give q and k another dtype than the kernel writes)."""
+    """Off CUDA; on CUDA for float64, tables of another dtype or that require grad, a weight on
+    another device, and under autocast (where the formula would give q and k another dtype than
+    the kernel writes)."""
     calls: list[torch.Tensor] = []
 
     def fallback(x: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
@@ -150,6 +151,9 @@ def test_dispatch_runs_the_fallback_where_the_kernel_would_differ_from_the_formu
         with torch.autocast("cuda", dtype=torch.float16):
             on_cuda(fallback)(x, weight, cos, sin, 4, 2)
         assert len(calls) == 5
+        with pytest.raises(RuntimeError):  # a weight on another device: torch's own error, not a launch
+            on_cuda(fallback)(x, weight.cpu(), cos, sin, 4, 2)
+        assert len(calls) == 6
 
 
 @pytest.mark.parametrize("plan", ["layernorm", "core_attn", "full"])
