@@ -2,10 +2,13 @@
 torch.compile run of its own model, kernel time by kind (GEMM, attention, compiled Triton, other)
 and the top kernels, from torch.profiler over two forward+backward steps after warm-up.
 
-  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor] [--trace] [--harness]
+  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor] [--trace] [--harness] [--gaps]
   writes $OUT/profile_w1.json; --trace also one step of each as a gzipped Chrome trace (CPU ops
   with shapes, kernels) in $OUT/trace_*.json.gz; --harness also times remat's step through
-  `remat bench`'s harness (bench_w1's spec) beside the plain loop.
+  `remat bench`'s harness (bench_w1's spec) beside the plain loop; --gaps also finds where the GPU
+  waits for the CPU in a step timed as the harnesses time it (synchronized before it starts):
+  the CPU time to issue the forward and the backward beside their GPU time, and the largest
+  idle gaps with the CPU ops that launched the kernel after each.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -88,6 +92,69 @@ def _profile(step, warm: int = 3, steps: int = 2, trace: Path | None = None) -> 
                 top=[dict(s=round(s, 5), calls=c, name=n) for s, c, n in kernels[:30]])
 
 
+def _phases(forward, reps: int = 5) -> dict:
+    """Median CPU seconds to issue a synchronized step's forward and backward, beside their GPU
+    seconds: where issuing is slower than running, the GPU waits."""
+    rows = []
+    for _ in range(reps):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        marks[0].record()
+        loss = forward()
+        t1 = time.perf_counter()
+        marks[1].record()
+        loss.backward()
+        t2 = time.perf_counter()
+        marks[2].record()
+        torch.cuda.synchronize()
+        rows.append((t1 - t0, t2 - t1, marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3))
+    columns = [sorted(column)[reps // 2] for column in zip(*rows)]
+    return dict(zip(("cpu_forward_s", "cpu_backward_s", "gpu_forward_s", "gpu_backward_s"),
+                    (round(c, 4) for c in columns)))
+
+
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _gaps(step, path: Path, top: int = 15, min_us: float = 20.0) -> dict:
+    """GPU idle in one step started after a synchronize, from a CPU+CUDA Chrome trace: the total,
+    and the largest gaps with their offset in the step, the kernels around them and the CPU ops
+    (outermost first) that were running when the kernel after the gap was launched."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in GPU_EVENTS), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e]
+    start = min(e["ts"] for e in ops)
+
+    def cpu_stack(ts: float, tid) -> list[str]:
+        holding = [e for e in ops if e["tid"] == tid and e["ts"] <= ts <= e["ts"] + e["dur"]]
+        return [e["name"][:80] for e in sorted(holding, key=lambda e: -e["dur"])]
+
+    gaps = []
+    for before, after in zip(kernels, kernels[1:]):
+        idle = after["ts"] - (before["ts"] + before["dur"])
+        if idle >= min_us:
+            gaps.append((idle, before, after))
+    first = kernels[0]
+    launch = launches.get(first["args"].get("correlation"))
+    rows = [dict(idle_us=round(idle, 1), at_ms=round((after["ts"] - start) / 1e3, 2), before=before["name"][:80],
+                 after=after["name"][:80],
+                 cpu=cpu_stack(launches[after["args"]["correlation"]]["ts"], launches[after["args"]["correlation"]]["tid"])
+                 if after["args"].get("correlation") in launches else [])
+            for idle, before, after in sorted(gaps, key=lambda g: -g[0])[:top]]
+    return dict(step_ms=round((kernels[-1]["ts"] + kernels[-1]["dur"] - start) / 1e3, 2),
+                first_kernel_at_ms=round((first["ts"] - start) / 1e3, 2),
+                first_kernel_cpu=cpu_stack(launch["ts"], launch["tid"]) if launch else [],
+                idle_ms=round(sum(g[0] for g in gaps) / 1e3, 2), gaps_over_min=len(gaps), top=rows)
+
+
 W1_SPEC = dict(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=2,
                device="cuda", compile=True, optimizer=False)
 
@@ -100,30 +167,38 @@ def harness_step_s() -> float:
     return round(result.fwd_bwd_time_s, 4)
 
 
-def remat_step():
-    spec = BenchSpec(**W1_SPEC)
+def remat_forward(**overrides: int):
+    """remat's W1 forward (no recompute, compiled regions); `overrides` change the recipe's config."""
+    spec = BenchSpec(**{**W1_SPEC, "overrides": {**W1_SPEC["overrides"], **overrides}})
     model = build_model(spec)
     model.init_weights()
     ids, labels = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
-
-    def step() -> None:
-        model(ids, labels).backward()
-    return step
+    return lambda: model(ids, labels)
 
 
-def anchor_step():
+def anchor_forward(compiled: bool = True):
     spec = importlib.util.spec_from_file_location("torch_baseline", ANCHOR)
     anchor = importlib.util.module_from_spec(spec)
     sys.modules["torch_baseline"] = anchor
     spec.loader.exec_module(anchor)
     model = anchor.Model().to("cuda", torch.bfloat16)
-    compiled = torch.compile(model)
+    run = torch.compile(model) if compiled else model
     ids = torch.randint(0, anchor.V, (anchor.B, anchor.S), device="cuda")
     tgt = torch.randint(0, anchor.V, (anchor.B, anchor.S), device="cuda")
+    return lambda: run(ids, tgt)
 
-    def step() -> None:
-        compiled(ids, tgt).backward()
-    return step
+
+def as_step(forward):
+    return lambda: forward().backward()
+
+
+def _run(forward, name: str, args: argparse.Namespace, warm: int) -> dict:
+    result = _profile(as_step(forward), warm=warm, trace=OUT / f"trace_{name}.json.gz" if args.trace else None)
+    if args.gaps:
+        result["phases"] = _phases(forward)
+        result["gaps"] = _gaps(as_step(forward), OUT / f"gaps_{name}.json")
+    print(json.dumps(result, indent=1), flush=True)
+    return result
 
 
 def main() -> None:
@@ -131,6 +206,7 @@ def main() -> None:
     parser.add_argument("--skip-anchor", action="store_true")
     parser.add_argument("--trace", action="store_true", help="export one step of each as a Chrome trace")
     parser.add_argument("--harness", action="store_true", help="also time remat's step through the harness")
+    parser.add_argument("--gaps", action="store_true", help="also find where the GPU waits for the CPU")
     args = parser.parse_args()
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="PYTHONPATH=src python benchmarks/profile_w1.py", runs={})
@@ -138,14 +214,10 @@ def main() -> None:
         record["remat_harness_step_s"] = harness_step_s()
         print(json.dumps(dict(remat_harness_step_s=record["remat_harness_step_s"])), flush=True)
         torch.cuda.empty_cache()
-    record["runs"]["remat_none_compiled"] = _profile(
-        remat_step(), trace=OUT / "trace_remat.json.gz" if args.trace else None)
-    print(json.dumps(record["runs"]["remat_none_compiled"], indent=1), flush=True)
+    record["runs"]["remat_none_compiled"] = _run(remat_forward(), "remat", args, warm=3)
     torch.cuda.empty_cache()
     if not args.skip_anchor:
-        record["runs"]["anchor_compile_1.0"] = _profile(
-            anchor_step(), warm=2, trace=OUT / "trace_anchor.json.gz" if args.trace else None)
-        print(json.dumps(record["runs"]["anchor_compile_1.0"], indent=1), flush=True)
+        record["runs"]["anchor_compile_1.0"] = _run(anchor_forward(), "anchor", args, warm=2)
     (OUT / "profile_w1.json").write_text(json.dumps(record, indent=1))
 
 
