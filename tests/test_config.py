@@ -150,6 +150,7 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_attention_backend_value", {"attention_backend": "flsh"}, "attention_backend", "did you mean 'flash'"),
     ("rule_dropout_range", {"attention_dropout": 1.5}, "attention_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": -0.1}, "hidden_dropout", "probability"),
+    ("rule_dropout_range", {"hidden_dropout": 1.0}, "hidden_dropout", "below 1"),
 ]
 
 # (rule, settings): a nearby valid configuration for each rule.
@@ -214,7 +215,7 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_fp8_value", {"fp8": "hybrid"}),
     ("rule_fp8_recipe_value", {"fp8_recipe": "mxfp8"}),
     ("rule_attention_backend_value", {"attention_backend": "flash"}),
-    ("rule_dropout_range", {"attention_dropout": 0, "hidden_dropout": 1}),
+    ("rule_dropout_range", {"attention_dropout": 0, "hidden_dropout": 0.99}),
 ]
 
 # (warning rule, settings, field, phrase) and a nearby setting that stays quiet.
@@ -648,3 +649,22 @@ def test_check_model_rejects_distributed_saved_activations_until_they_run() -> N
                              facts=TrainingFacts(tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match="distribute_saved_activations"):
         check_model(config, layout)
+
+
+GOOD_PLAN_FILE = {"remat_plan": 1, "layers": [{"mlp": "recompute"}, {}], "full_recompute": [[1, 2]],
+                  "min_offloaded_tensor_size": 0}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"remat_plan": 2}, "remat_plan"),
+    ({"layers": 3}, "layers"),
+    ({"layers": [{}, "mlp"]}, "layers"),
+    ({"full_recompute": [[0, 1, 2]]}, "full_recompute"),
+    ({"full_recompute": [[True, 2]]}, "full_recompute"),
+    ({"min_offloaded_tensor_size": -1}, "min_offloaded_tensor_size"),
+    ({"min_offloaded_tensor_size": 1.5}, "min_offloaded_tensor_size"),
+    ({"recompute_modules": ["mlp"]}, "recompute_modules"),
+])
+def test_plan_file_problems_name_the_key_at_fault(change: dict[str, Any], field: str) -> None:
+    assert config.plan_file_problems(GOOD_PLAN_FILE) == []
+    assert [p.field for p in config.plan_file_problems({**GOOD_PLAN_FILE, **change})] == [field]

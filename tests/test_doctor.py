@@ -237,7 +237,15 @@ def test_a_request_that_fits_needs_nothing_and_expandable_fragmentation_needs_le
     assert recs and EXPANDABLE_SEGMENTS not in [r.setting for r in recs]
 
 
-# --- watch() --------------------------------------------------------------------------------------
+# --- diagnose() and watch() -----------------------------------------------------------------------
+
+
+def test_diagnose_classifies_the_allocator_now(monkeypatch) -> None:
+    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(CHECKERED, request))
+    report = doctor.diagnose(request_bytes=4 * GIB)
+    assert report.diagnosis.kind == "fragmentation" and report.recommendations[0].setting == EXPANDABLE_SEGMENTS
+    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request))
+    assert doctor.diagnose(request_bytes=4 * GIB, micro_batch_size=2).diagnosis.kind == "capacity"
 
 
 def test_watch_diagnoses_an_oom_and_reraises(monkeypatch) -> None:
@@ -411,6 +419,25 @@ def test_cli_classifies_a_snapshot(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "remat doctor: capacity" in out and "-mb 1" in out
     assert "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB" in out
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--results", "{missing}"], "missing.json: cannot read the file"),
+    (["--results", "{bad}"], "bad.json: is not valid JSON"),
+    (["--results", "{other}"], "other.json: is not a remat bench result"),
+    (["--snapshot", "{missing}", "--limit", "80GiB"], "missing.json: cannot read the file"),
+    (["--snapshot", "{bad_pickle}", "--limit", "80GiB"], "bad.pickle: is not valid pickle"),
+    (["--oom_message", OLD, "--request", "much"], "request: cannot read 'much'"),
+    (["--snapshot", "{other}", "--limit", "lots"], "limit: cannot read 'lots'"),
+])
+def test_cli_reports_unreadable_files_and_sizes_by_name(tmp_path, capsys, flags, said) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"a": 1}))
+    (tmp_path / "bad.pickle").write_bytes(b"not a pickle")
+    paths = dict(missing=tmp_path / "missing.json", bad=tmp_path / "bad.json", other=tmp_path / "other.json",
+                 bad_pickle=tmp_path / "bad.pickle")
+    assert main(["doctor", *(f.format(**paths) for f in flags)]) == 1
+    assert said in capsys.readouterr().err
 
 
 def test_cli_says_what_to_pass(tmp_path, capsys) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import remat
 from remat.models import (
     LlamaConfig, LlamaModel, TransformerLayer, build, chunked_linear_cross_entropy, compiled_loss_kernels,
     recipe_config, recipes,
@@ -186,16 +187,26 @@ def test_unknown_names_suggest_the_valid_ones():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(hidden_size=65), "divisible by num_attention_heads"),
-    (dict(num_query_groups=3), "divisible by num_query_groups"),
-    (dict(hidden_size=60, num_attention_heads=4, num_query_groups=4), "even"),
-    (dict(num_layers=0), "num_layers must be a positive integer"),
-    (dict(attention_dropout=1.0), r"attention_dropout must be in \[0, 1\)"),
-    (dict(attention_backend="flash"), "attention_backend must be one of sdpa, eager"),
+    (dict(hidden_size=65), "hidden_size: .* must be divisible by num_attention_heads"),
+    (dict(num_query_groups=3), "num_query_groups: .* must be divisible by num_query_groups"),
+    (dict(hidden_size=60, num_attention_heads=4, num_query_groups=4), "hidden_size: head dim 15 must be even"),
+    (dict(kv_channels=15), "kv_channels: head dim 15 must be even"),
+    (dict(kv_channels=0), "kv_channels: must be a positive integer or None"),
+    (dict(num_layers=0), "num_layers: must be a positive integer"),
+    (dict(loss_chunk_size=True), "loss_chunk_size: must be a positive integer"),
+    (dict(norm_epsilon=0.0), "norm_epsilon: must be positive"),
+    (dict(attention_dropout=1.0), r"attention_dropout: must be in \[0, 1\)"),
+    (dict(attention_backend="flash"), "attention_backend: must be one of sdpa, eager"),
 ])
 def test_invalid_shapes_say_what_to_change(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(remat.ConfigError, match=message):
         recipe_config("llama3_tiny", **overrides)
+
+
+def test_every_shape_problem_is_reported_at_once():
+    with pytest.raises(remat.ConfigError) as info:
+        recipe_config("llama3_tiny", num_layers=0, hidden_dropout=1.0, vocab_size=-1)
+    assert [p.field for p in info.value.problems] == ["num_layers", "vocab_size", "hidden_dropout"]
 
 
 def test_meta_build_of_large_recipes():

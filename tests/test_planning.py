@@ -181,4 +181,6 @@ def test_cli_plan_rejects_a_host_budget_without_offload(capsys) -> None:
 
 def test_cli_plan_rejects_a_bad_budget_before_tracing(capsys) -> None:
     assert main(["plan", "--memory-budget", "lots"]) == 1
-    assert "cannot read 'lots'" in capsys.readouterr().err
+    assert "memory_budget: cannot read 'lots'" in capsys.readouterr().err
+    assert main(["plan", "--memory-budget", "1GiB", "--offload", "--host-memory-budget", "some"]) == 1
+    assert "host_memory_budget: cannot read 'some'" in capsys.readouterr().err

@@ -20,6 +20,9 @@ from remat.config import (
     Problem,
     RecomputeConfig,
     RematWarning,
+    device_problems,
+    plan_file_flag_problems,
+    recompute_flag_problems,
 )
 from remat.plans import Plan, load_plan_or_config
 
@@ -85,17 +88,16 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> RecomputeConfig | Plan:
     """What a command line means: --config FILE (Megatron keys or a per-layer plan), then the
     model's facts, then the flags."""
-    if args.recompute_num_layers is not None and args.recompute_modules is not None:
-        raise ConfigError([Problem(
-            "-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
-            "--recompute_modules recomputes the listed modules in every layer")])
+    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules))
+    if problems:
+        raise ConfigError(problems)
     keys: dict[str, Any] = {}
     if args.config:
         loaded = load_plan_or_config(args.config)
         if isinstance(loaded, Plan):
-            if megatron_overrides(args):
-                raise ConfigError([Problem("--config", "a per-layer plan file sets every action "
-                                           "itself; drop the recompute and parallel flags")])
+            problems = list(plan_file_flag_problems(megatron_overrides(args)))
+            if problems:
+                raise ConfigError(problems)
             return loaded
         keys.update(loaded.to_megatron())
     keys.update(model_facts)
@@ -118,9 +120,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
         config = resolve_config(args, facts)
-        if isinstance(config, Plan) and model is None:
-            raise ConfigError([Problem("--config", "a per-layer plan is checked against a model: "
-                                       "pass -mr RECIPE")])
+        problems = list(plan_file_flag_problems({}, model is not None)) if isinstance(config, Plan) else []
+        if problems:
+            raise ConfigError(problems)
         plan = apply(model, config) if model is not None else None
     _print_warnings(caught)
     if isinstance(config, RecomputeConfig):
@@ -139,8 +141,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from remat.models import build
     from remat.verify import verify
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
+    problems = device_problems(args.device)
+    if problems:
+        raise ConfigError(problems)
     torch.use_deterministic_algorithms(args.device == "cpu")
     torch.manual_seed(args.seed)
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length",
@@ -445,8 +448,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
-    budget = found.run(parse_bytes, args.memory_budget, field="memory_budget")
-    host_budget = (found.run(parse_bytes, args.host_memory_budget, field="host_memory_budget")
+    budget = found.run(parse_bytes, args.memory_budget)
+    host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
                    if args.host_memory_budget is not None else None)
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
     found.raise_if_any()
@@ -629,11 +632,11 @@ def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
     return table
 
 
-def _size(text: str) -> int:
+def _size(text: str, field: str) -> int:
     """Plain digits are bytes (a request size from a log); anything else as --memory-budget reads it."""
     from remat.planning import parse_bytes
 
-    return int(text) if text.strip().isdigit() else parse_bytes(text)
+    return int(text) if text.strip().isdigit() else parse_bytes(text, field, "plain digits are bytes")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -692,7 +695,7 @@ def _doctor_state(args: argparse.Namespace) -> int:
     from remat.config import snapshot_limit_problems
 
     found = _Problems()
-    request = found.run(_size, args.request, field="request") if args.request else None
+    request = found.run(_size, args.request, "request") if args.request else None
     if args.oom_message:
         state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
         if state is not None and request is not None:
@@ -700,7 +703,7 @@ def _doctor_state(args: argparse.Namespace) -> int:
     else:
         if args.limit is None:
             found.add([Problem("limit", "a snapshot records no device size; pass --limit (e.g. 80GiB)")])
-        limit = found.run(_size, args.limit, field="limit") if args.limit else None
+        limit = found.run(_size, args.limit, "limit") if args.limit else None
         snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
         found.raise_if_any()
         state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)

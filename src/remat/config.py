@@ -424,21 +424,24 @@ def _convert_moe_layer_recompute(settings: dict[str, Any]) -> list[Problem]:
     return []
 
 
-def load_mapping(path: Path) -> Mapping[str, Any]:
-    """The top-level mapping of a YAML or JSON file; ConfigError saying what is wrong otherwise."""
-    loaders: dict[str, Callable[[str], Any]] = {".json": json.loads, ".yaml": yaml.safe_load, ".yml": yaml.safe_load}
-    load = loaders.get(path.suffix.lower())
-    if load is None:
-        raise ConfigError([Problem(str(path), "unsupported file type; use a .yaml, .yml or .json file")])
+def read_file(path: Path, parse: Callable[[bytes], Any], kind: str) -> Any:
+    """parse(the file's bytes); ConfigError naming the file when it cannot be read or parsed."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        raw = path.read_bytes()
+    except OSError as err:
         raise ConfigError([Problem(str(path), f"cannot read the file ({err}); check the path")]) from None
     try:
-        data = load(text)
-    except (ValueError, yaml.YAMLError) as err:
-        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
-        raise ConfigError([Problem(str(path), f"is not valid {kind} ({err}); fix the syntax")]) from None
+        return parse(raw)
+    except Exception as err:  # whatever the parser raises, the file is not what it should be
+        raise ConfigError([Problem(str(path), f"is not valid {kind} ({err}); check the file")]) from None
+
+
+def load_mapping(path: Path) -> Mapping[str, Any]:
+    """The top-level mapping of a YAML or JSON file; ConfigError saying what is wrong otherwise."""
+    kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix.lower())
+    if kind is None:
+        raise ConfigError([Problem(str(path), "unsupported file type; use a .yaml, .yml or .json file")])
+    data = read_file(path, json.loads if kind == "JSON" else yaml.safe_load, kind)
     if not isinstance(data, Mapping):
         raise ConfigError([Problem(str(path), "must hold a mapping at the top level, e.g."
                                               " 'recompute_granularity: selective' or 'remat_plan: 1'")])
@@ -840,8 +843,8 @@ def rule_attention_backend_value(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 def rule_dropout_range(c: RecomputeConfig) -> Iterator[Problem]:  # remat: a probability
     for name in ("attention_dropout", "hidden_dropout"):
         p = getattr(c.facts, name)
-        if not 0 <= p <= 1:
-            yield Problem(name, f"got {p}; set a probability between 0 and 1")
+        if not 0 <= p < 1:  # 1 would zero every activation (and the models refuse it)
+            yield Problem(name, f"got {p}; set a probability of at least 0 and below 1")
 
 
 @_warning_rule
@@ -930,6 +933,50 @@ def _describe_graphs(f: TrainingFacts) -> str:
     if f.cuda_graph_impl == "none":
         return "cuda graphs: off"
     return f"cuda graphs: {f.cuda_graph_impl}, capturing {', '.join(f.cuda_graph_scope) or 'whole layers'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference models' shapes (remat.models.LlamaConfig's fields).
+
+# remat's models compute attention with torch's SDPA (fused kernels) or eagerly (s x s scores kept).
+MODEL_ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
+_MODEL_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "seq_length", "vocab_size", "loss_chunk_size")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def model_shape_problems(shape: Mapping[str, Any]) -> list[Problem]:
+    """What is wrong with a reference model's shape, each problem naming the field to change."""
+    problems = [Problem(name, f"must be a positive integer, got {shape[name]!r}")
+                for name in _MODEL_SIZES if not _positive_int(shape[name])]
+    problems += [Problem(name, f"must be positive, got {shape[name]!r}")
+                 for name in ("norm_epsilon", "rotary_base", "init_method_std") if not shape[name] > 0]
+    problems += [Problem(name, f"must be in [0, 1), got {shape[name]!r}")
+                 for name in ("attention_dropout", "hidden_dropout") if not 0.0 <= shape[name] < 1.0]
+    if shape["attention_backend"] not in MODEL_ATTENTION_BACKENDS:
+        problems.append(Problem("attention_backend", f"must be one of {', '.join(MODEL_ATTENTION_BACKENDS)}, "
+                                                     f"got {shape['attention_backend']!r}"))
+    kv_channels = shape["kv_channels"]
+    if kv_channels is not None and not _positive_int(kv_channels):
+        problems.append(Problem("kv_channels", f"must be a positive integer or None, got {kv_channels!r}"))
+    if problems:  # the divisibility rules need valid sizes
+        return problems
+    hidden, heads, groups = shape["hidden_size"], shape["num_attention_heads"], shape["num_query_groups"]
+    if kv_channels is None and hidden % heads:
+        problems.append(Problem("hidden_size", f"({hidden}) must be divisible by num_attention_heads ({heads}); "
+                                               "change one so that the head dim is an integer"))
+    if heads % groups:
+        problems.append(Problem("num_query_groups", f"num_attention_heads ({heads}) must be divisible by "
+                                                    f"num_query_groups ({groups}); pick a divisor of it"))
+    head_dim = kv_channels or hidden // heads
+    if head_dim % 2:
+        problems.append(Problem("kv_channels" if kv_channels else "hidden_size",
+                                f"head dim {head_dim} must be even for rotary embeddings; change kv_channels, "
+                                "or hidden_size or num_attention_heads"))
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1118,6 +1165,34 @@ def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]])
                                                           " which recomputes the whole layer; set it to 'keep'")
 
 
+PLAN_FORMAT = 1  # the `remat_plan:` version a plan file starts with
+_PLAN_KEYS = ("remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size")
+
+
+def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """What is wrong with the shape of a per-layer plan file's mapping (before any model is known)."""
+    problems = []
+    if data.get("remat_plan") != PLAN_FORMAT:
+        problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
+                                "of a plan file; is this a RecomputeConfig instead?"))
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
+        problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
+    ranges = data.get("full_recompute", [])
+    if not isinstance(ranges, list) or not all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(map(_is_index, r)) for r in ranges
+    ):
+        problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
+    min_size = data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE)
+    if not _is_index(min_size) or min_size < 0:
+        problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
+                                " of elements, 0 or more"))
+    unknown = sorted(map(str, set(data) - set(_PLAN_KEYS)))
+    if unknown:
+        problems.append(Problem(", ".join(unknown), f"unknown plan keys; a plan has {', '.join(_PLAN_KEYS)}"))
+    return problems
+
+
 def check_plan(
     layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]], layout: ModelLayout
 ) -> None:
@@ -1140,8 +1215,8 @@ def check_plan(
 
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
-# Sustained bf16 dense throughput assumed for estimated step times: remat's no-recompute W1 run on
-# an H200 measured 590-630 TFLOP/s (benchmarks/results).
+# Sustained bf16 dense throughput assumed for estimated step times: remat's W1 plans on an H200
+# measured 520-655 TFLOP/s (benchmarks/results/plan_w1_h200.json).
 DEFAULT_TFLOPS = 600.0
 # Host link bandwidth assumed for estimated offload copies, each way: pinned copies on the H200
 # measured 55 GB/s (benchmarks/results/offload_w1_h200.json).
@@ -1242,15 +1317,25 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     yield from _device_problems(s)
 
 
-def _device_problems(s: BenchSettings) -> Iterator[Problem]:
-    import torch  # config stays importable without touching torch until a bench is checked
+def device_problems(device: str) -> list[Problem]:
+    """A device a command runs on: cpu, cuda or cuda:N, and a GPU where one is asked for."""
+    import torch  # config stays importable without touching torch until a run is checked
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", s.device):
-        yield Problem("device", f"{s.device!r} is not a device; use cpu, cuda or cuda:N")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        return [Problem("device", f"{device!r} is not a device; use cpu, cuda or cuda:N")]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return [Problem("device", "a CUDA GPU was asked for but this machine has none; run on CPU with a"
+                                  " tiny recipe (remat recipes lists it)")]
+    return []
+
+
+def _device_problems(s: BenchSettings) -> Iterator[Problem]:
+    import torch
+
+    problems = device_problems(s.device)
+    yield from problems
+    if problems:
         return
-    if s.device.startswith("cuda") and not torch.cuda.is_available():
-        yield Problem("device", "a CUDA GPU was asked for but this machine has none; run on CPU with a"
-                                " tiny recipe (remat recipes lists them)")
     if s.device == "cpu" and s.num_parameters is not None and s.num_parameters > CPU_MAX_PARAMETERS:
         yield Problem("device", f"{s.num_parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
                                 " recipe or shrink it (--num_layers, --hidden_size)")
@@ -1260,6 +1345,22 @@ def _device_problems(s: BenchSettings) -> Iterator[Problem]:
         present = torch.cuda.get_device_name(s.device)
         if s.gpu not in present.lower():
             yield Problem("gpu", f"-g {s.gpu} but this machine's GPU is {present}; fix -g or drop it")
+
+
+def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None) -> Iterator[Problem]:
+    """Bridge's perf flags: -rl and --recompute_modules each choose the granularity."""
+    if recompute_num_layers is not None and recompute_modules is not None:
+        yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
+                                                 "--recompute_modules recomputes the listed modules in every layer")
+
+
+def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = True) -> Iterator[Problem]:
+    """A per-layer plan file passed with --config, beside the command's other flags."""
+    if other_flags:
+        yield Problem("--config", "a per-layer plan file sets every action itself; drop the recompute and "
+                                  "parallel flags")
+    if not model_given:
+        yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
 
 
 def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:

@@ -23,7 +23,10 @@ import torch
 
 from remat.bench.result import BenchResult
 from remat.config import (
+    ConfigError,
+    Problem,
     format_bytes,
+    read_file,
     recorded_config,
     rule_cpu_offload_not_with_pipeline,
     rule_full_recompute_graph_scope,
@@ -152,9 +155,8 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     """A snapshot written by `torch.cuda.memory._dump_snapshot` (a pickle: load only your own) or as JSON."""
     p = Path(path)
     if p.suffix.lower() == ".json":
-        return json.loads(p.read_text())
-    with open(p, "rb") as f:
-        return pickle.load(f)
+        return read_file(p, json.loads, "JSON")
+    return read_file(p, pickle.loads, "pickle")
 
 
 # --- the OOM message ------------------------------------------------------------------------------
@@ -632,5 +634,9 @@ def check_results(results: Sequence[BenchResult]) -> list[Finding]:
 
 def load_results(path: str | Path) -> list[BenchResult]:
     """`remat bench --json` (one result) or `remat sweep --json` (a list)."""
-    data = json.loads(Path(path).read_text())
-    return [BenchResult.from_dict(d) for d in (data if isinstance(data, list) else [data])]
+    data = read_file(Path(path), json.loads, "JSON")
+    try:
+        return [BenchResult.from_dict(d) for d in (data if isinstance(data, list) else [data])]
+    except (TypeError, AttributeError) as err:
+        raise ConfigError([Problem(str(path), f"is not a remat bench result ({err}); pass what `remat bench "
+                                              "--json` or `remat sweep --json` wrote")]) from None

@@ -29,15 +29,16 @@ _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2*
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(text: str | int) -> int:
-    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number is GiB."""
+def parse_bytes(text: str | int, field: str = "memory_budget", bare: str = "a bare number means GiB") -> int:
+    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number is GiB. A problem
+    is reported under `field`, with `bare` saying how the caller reads a bare number."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ConfigError([Problem("memory_budget", f"cannot read {text!r} as a memory size; write "
-                                   "it like 60GiB, 80GB or 512MiB (a bare number means GiB)")])
+        raise ConfigError([Problem(field, f"cannot read {text!r} as a memory size; write "
+                                   f"it like 60GiB, 80GB or 512MiB ({bare})")])
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -112,7 +113,7 @@ def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | N
     """Solve over a trace's measurements; NoPlanFits (a ConfigError) says by how much it misses.
     `host_budget` caps the bytes offload may move to host memory (a trace with offload measured)."""
     budget_bytes = parse_bytes(budget)
-    host_bytes = None if host_budget is None else parse_bytes(host_budget)
+    host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
     problems = list(planning_problems(trace_.offload, host_bytes))
     if problems:
         raise ConfigError(problems)
@@ -130,7 +131,7 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
-    host_bytes = None if host_budget is None else parse_bytes(host_budget)
+    host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
     problems = list(planning_problems(offload, host_bytes, batch[0].device.type))
     if problems:
         raise ConfigError(problems)

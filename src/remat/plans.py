@@ -17,14 +17,13 @@ from remat.config import (
     LAYER,
     MIN_OFFLOADED_TENSOR_SIZE,
     OFFLOAD_SITES,
+    PLAN_FORMAT,
     ConfigError,
     ModelLayout,
-    Problem,
     RecomputeConfig,
     load_mapping,
+    plan_file_problems,
 )
-
-PLAN_FORMAT = 1
 
 
 @dataclass
@@ -86,30 +85,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        problems = []
-        if data.get("remat_plan") != PLAN_FORMAT:
-            problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
-                                    "of a plan file; is this a RecomputeConfig instead?"))
-        layers = data.get("layers")
-        if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
-            problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
-        ranges = data.get("full_recompute", [])
-        if not isinstance(ranges, list) or not all(
-            isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(i, int) for i in r)
-            for r in ranges
-        ):
-            problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
-        min_size = data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE)
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-            problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
-                                    " of elements, 0 or more"))
-        unknown = sorted(set(data) - {"remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size"})
-        if unknown:
-            problems.append(Problem(", ".join(unknown), "unknown plan keys; a plan has remat_plan, "
-                                    "layers, full_recompute and min_offloaded_tensor_size"))
+        problems = plan_file_problems(data)
         if problems:
             raise ConfigError(problems)
-        return cls([dict(a) for a in layers], [(int(s), int(e)) for s, e in ranges], min_size)
+        return cls([dict(a) for a in data["layers"]], [(int(s), int(e)) for s, e in data.get("full_recompute", [])],
+                   data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

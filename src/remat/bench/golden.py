@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from remat.bench.result import BenchResult
+from remat.config import ConfigError, threshold_problems
 
 Verdict = Literal["ok", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
 OK: Verdict = "ok"
@@ -82,8 +83,9 @@ def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, t
 def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAULT_THRESHOLD) -> list[MetricCheck]:
     """Check every metric present on both sides. When the statuses differ only the `status` pseudo-metric is
     reported: an OOM run's partial numbers say nothing about the configuration's steady state."""
-    if threshold < 0:
-        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    problems = list(threshold_problems(threshold))
+    if problems:
+        raise ConfigError(problems)
     if current.status != golden.status:
         return [
             _check(

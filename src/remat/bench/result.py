@@ -17,7 +17,7 @@ class MemoryBreakdown:
     weights: int
     grads: int
     optimizer: int
-    activations: int | None  # None where the device reports no allocator statistics (CPU)
+    activations: int
 
 
 @dataclass

@@ -45,7 +45,7 @@ class BenchSpec:
     task: str = "pretrain"  # "sft" masks the first quarter of each sequence's labels (the prompt)
     compute_dtype: str = "bf16"
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
-    compile: bool = False  # torch.compile each layer's attention and MLP regions
+    compile: bool = False  # LlamaModel.compile_regions(): the code between Sites compiled, Triton kernels on CUDA
     seed: int = 1234
     gpu: str | None = None  # Bridge's -g label, checked against the device
     num_gpus: int = 1
@@ -211,7 +211,7 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: BenchSpec,
-               peak: int | None) -> MemoryBreakdown:
+               peak: int) -> MemoryBreakdown:
     weights = _tensor_bytes(model.parameters())
     grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
     optim = _optimizer_bytes(optimizer)
@@ -219,7 +219,7 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
     # frees them, or several micro-batches); otherwise they are built during backward and are
     # part of what the rest of the peak holds.
     persistent_grads = grads if optimizer is None or spec.micro_batches > 1 else 0
-    activations = None if peak is None else max(peak - weights - optim - persistent_grads, 0)
+    activations = max(peak - weights - optim - persistent_grads, 0)
     return MemoryBreakdown(weights, grads, optim, activations)
 
 

@@ -268,7 +268,7 @@ class DiscardScope:
     """Saved-tensor hooks around a layer: consumers of a discarded output save a reference."""
 
     def __init__(self) -> None:
-        self._registered: dict[tuple[torch.device, int], _Registered] = {}
+        self._registered: dict[int, _Registered] = {}  # by storage_key
         self._hooks = saved_tensors_hooks(self.pack, unpack_saved)
 
     def __enter__(self) -> "DiscardScope":

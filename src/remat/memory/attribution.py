@@ -32,13 +32,6 @@ class Attribution:
     optimizer_state: int
     activations: dict[Owner, int]  # saved for backward and alive, by (layer, site)
 
-    def by_layer(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for (layer, _), nbytes in self.activations.items():
-            if layer is not None:
-                out[layer] = out.get(layer, 0) + nbytes
-        return out
-
     def rows(self) -> list[tuple[str, int]]:
         """(what, bytes), for a report: static state, then activations by layer and site."""
         rows = [("weights", self.weights), ("grads", self.grads), ("optimizer state", self.optimizer_state)]

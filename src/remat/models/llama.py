@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from remat.config import ConfigError, model_shape_problems
 from remat.models import rmsnorm, rope, swiglu
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
-
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
 
 
 @dataclass
@@ -45,40 +44,9 @@ class LlamaConfig:
     kv_channels: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "seq_length", "vocab_size", "loss_chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("norm_epsilon", "rotary_base", "init_method_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.kv_channels is not None and (isinstance(self.kv_channels, bool) or not isinstance(
-                self.kv_channels, int) or self.kv_channels < 1):
-            raise ValueError(f"kv_channels must be a positive integer or None, got {self.kv_channels!r}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}); change one so that the head dim is an integer"
-            )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_query_groups ({self.num_query_groups}); pick a divisor of it"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head dim {self.head_dim} must be even for rotary embeddings; change kv_channels, "
-                f"or hidden_size or num_attention_heads"
-            )
+        problems = model_shape_problems({name: getattr(self, name) for name in self.field_names()})
+        if problems:
+            raise ConfigError(problems)
 
     @property
     def head_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""Named model recipes with the true Llama-3 shapes, plus tiny ones for tests and CPU runs."""
+"""Named model recipes with the true Llama-3 shapes, plus a tiny one for tests and CPU runs."""
 from __future__ import annotations
 
 import difflib
