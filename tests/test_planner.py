@@ -120,19 +120,71 @@ def test_no_plan_fits_says_by_how_much_and_what_to_change() -> None:
         solve(problem, 1024 * MiB)
 
 
-def test_128_layers_solve_in_seconds() -> None:
-    layers, choices = 128, []
+# One Llama-3-8B layer at sequence 4096 as `remat estimate` traces it on meta (bytes, seconds at
+# 600 TFLOP/s): what each site combination frees, adds and costs, and a recompute group's
+# cost. Identical layers and times computed from FLOPs make ties a MILP proves slowly: HiGHS
+# took over a minute at some budgets for 128 of them.
+_COMBOS_8B = [  # (actions, freed, seconds, own forward window, own backward window)
+    ({}, 0, 0.0, 0, 0),
+    ({"mlp": "recompute"}, 469762048, 0.0016034544571733329, -67108864, 0),
+    ({"layernorm": "recompute"}, 32768, 0.0, -32768, -32768),
+    ({"mlp": "recompute", "layernorm": "recompute"}, 469794816, 0.0016034544571733329, -67141632, -32768),
+    ({"layernorm": "discard"}, 67141632, 0.0, -32768, -67141632),
+    ({"mlp": "recompute", "layernorm": "discard"}, 536903680, 0.0016034544571733329, -67141632, -33570816),
+    ({"core_attn": "recompute"}, 524304, 0.00045812984490666703, -524304, -524304),
+    ({"mlp": "recompute", "core_attn": "recompute"}, 470286352, 0.00206158430208, -67633168, -524304),
+    ({"layernorm": "recompute", "core_attn": "recompute"}, 557072, 0.00045812984490666703, -557072, -557072),
+    ({"mlp": "recompute", "core_attn": "recompute", "layernorm": "recompute"}, 470319120, 0.00206158430208,
+     -67665936, -557072),
+    ({"core_attn": "recompute", "layernorm": "discard"}, 67665936, 0.00045812984490666703, -557072, -67665936),
+    ({"mlp": "recompute", "core_attn": "recompute", "layernorm": "discard"}, 537427984, 0.00206158430208,
+     -67665936, -34095120),
+]
+_LAYER_8B, _GROUP_FIRST_8B, _GROUP_SECONDS_8B = 688422928, 185106448, 0.0026342466082133337
+
+
+def _traced_8b(layers: int = 128, max_group: int = 16) -> PlanningProblem:
+    choices = []
     for i in range(layers):
-        for k, (freed, cost) in enumerate([(0, 0.0), (40, 0.004), (90, 0.011), (100, 0.016), (120, 0.02)]):
-            choices.append(Choice(i, i + 1, {"variant": str(k)}, freed * MiB, cost, {f"bwd{i}": -k * MiB}))
-        for size in range(2, 9):
-            if i + size <= layers:
-                choices.append(Choice(i, i + size, None, (125 * size + 20 * (size - 1)) * MiB, 0.025 * size,
-                                      {f"bwd{j}": 150 * MiB for j in range(i, i + size)}))
-    base = [130 * i + 1000 for i in range(layers)] + [130 * layers + 2000] + [
-        130 * i + 1200 for i in reversed(range(layers))]
-    problem = PlanningProblem(layers, choices, _windows(layers, base))
-    start = time.perf_counter()
-    solution = solve(problem, layers * 60 * MiB)
-    assert time.perf_counter() - start < 30
-    assert solution.peak_bytes <= layers * 60 * MiB
+        choices += [Choice(i, i + 1, actions, freed, seconds, {f"fwd{i}": fwd, f"bwd{i}": bwd})
+                    for actions, freed, seconds, fwd, bwd in _COMBOS_8B]
+        for size in range(1, min(max_group, layers - i) + 1):  # the group keeps only its input
+            own = {f"fwd{i + j}": -_GROUP_FIRST_8B - j * _LAYER_8B + (j > 0) * 33554432 for j in range(size)}
+            choices.append(Choice(i, i + size, None, size * _LAYER_8B - 33554432, size * _GROUP_SECONDS_8B,
+                                  {**own, **{f"bwd{i + j}": 0 for j in range(size)}}))
+    names = ([("pre", None, 0, 115909607424)]
+             + [(f"fwd{i}", i, i, 116631584784 + i * _LAYER_8B) for i in range(layers)]
+             + [("head", None, layers, 120179511312 + layers * _LAYER_8B)]
+             + [(f"bwd{i}", i, i, 116832911384 + i * _LAYER_8B) for i in reversed(range(layers))]
+             + [("tail", None, 0, 116960280584), ("optimizer", None, 0, 115876052992)])
+    return PlanningProblem(layers, choices, [Window(*w) for w in names])
+
+
+def test_128_traced_layers_solve_in_seconds() -> None:
+    problem = _traced_8b()
+    highest = problem.peak([c for c in problem.choices if c.actions == {}])
+    with pytest.raises(NoPlanFits) as info:
+        start = time.perf_counter()
+        solve(problem, 1)
+    assert time.perf_counter() - start < 20
+    lowest = info.value.lowest.peak_bytes
+    for fraction in (0.0, 0.05, 0.3, 0.6, 0.9):
+        budget = int(lowest + fraction * (highest - lowest))
+        start = time.perf_counter()
+        solution = solve(problem, budget)
+        assert time.perf_counter() - start < 20
+        assert solution.peak_bytes == problem.peak(solution.choices) <= budget
+
+
+def test_a_choice_measured_beyond_the_next_layer_is_solved_by_the_milp() -> None:
+    """The dynamic program assumes choices reach their own and the next layer's windows only;
+    anything else goes to the mixed-integer program, with the same answer as brute force."""
+    windows = _windows(3, [300, 320, 340, 500, 360, 330, 310])
+    far = Choice(0, 1, {"layer": "offload"}, 50 * MiB, 0.001, {"fwd0": 0, "bwd0": 0, "bwd2": 40 * MiB})
+    choices = [far, *(Choice(i, i + 1, {}, 0, 0.0) for i in range(3)),
+               *(Choice(i, i + 1, {"mlp": "recompute"}, 30 * MiB, 0.01) for i in range(3))]
+    problem = PlanningProblem(3, choices, windows)
+    for budget in (470 * MiB, 455 * MiB, 440 * MiB):
+        best = min((c for c in _covers(problem) if problem.peak(c) <= budget),
+                   key=lambda c: sum(x.added_time_s for x in c))
+        assert solve(problem, budget).added_time_s == pytest.approx(sum(x.added_time_s for x in best))

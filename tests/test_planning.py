@@ -118,11 +118,13 @@ def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
 
 
 def _synthetic(attn_freed: int) -> Trace:
-    """Two layers; core_attn recompute frees `attn_freed` and costs nothing; mlp frees 10 MiB at 1 ms."""
+    """Two layers; core_attn recompute frees `attn_freed` and costs nothing; mlp frees 10 MiB at 1 ms,
+    both together the sum, in the same time."""
     none = Effect(0, {("fwd", 0): 0, ("bwd", 0): 0})
     combos = {frozenset(): none,
               frozenset({("core_attn", "recompute")}): Effect(attn_freed, {}, 0.0),
-              frozenset({("mlp", "recompute")}): Effect(10 * MiB, {}, 0.001)}
+              frozenset({("mlp", "recompute")}): Effect(10 * MiB, {}, 0.001),
+              frozenset({("core_attn", "recompute"), ("mlp", "recompute")}): Effect(10 * MiB + attn_freed, {}, 0.001)}
     effects = LayerEffects(combos, {1: Effect(20 * MiB, {}, 0.01), 2: Effect(40 * MiB, {}, 0.02)}, 0, 0.01)
     windows = (Window("fwd0", 0, 0, 50 * MiB), Window("fwd1", 1, 1, 60 * MiB), Window("head", None, 2, 100 * MiB),
                Window("bwd1", 1, 1, 90 * MiB), Window("bwd0", 0, 0, 70 * MiB))
@@ -131,8 +133,10 @@ def _synthetic(attn_freed: int) -> Trace:
 
 
 def test_a_site_that_frees_nothing_is_never_chosen() -> None:
-    result = plan_from_trace(_synthetic(0), 85 * MiB)
-    assert all("core_attn" not in a for a in result.plan.layers)
+    trace = _synthetic(0)
+    offered = [c.actions for c in trace.problem().choices if c.actions]
+    assert {"mlp": "recompute"} in offered and not any("core_attn" in a for a in offered)
+    result = plan_from_trace(trace, 85 * MiB)
     assert result.plan.layers == [{"mlp": "recompute"}, {"mlp": "recompute"}]
     free = plan_from_trace(_synthetic(10 * MiB), 85 * MiB)  # the same saving for free is taken
     assert free.plan.layers == [{"core_attn": "recompute"}, {"core_attn": "recompute"}]

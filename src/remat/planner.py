@@ -5,7 +5,14 @@ recomputed whole. Every layer is covered by exactly one choice. Memory is tracke
 the step (each layer's forward and backward, the loss head, the optimizer step): a window's peak
 is its no-recompute peak, plus what the choices covering its layer add in it, minus what every
 choice whose saved tensors it still holds frees. The step's peak is the largest window; time is
-the recompute the choices add. A mixed-integer program (scipy's HiGHS) finds the optimum.
+the recompute the choices add.
+
+Choices only reach their own layers' windows, the next layer's (offload) and, through the bytes
+they free, the windows that hold them; so a dynamic program over the layers finds the fastest
+plan exactly: its states are the Pareto front of (bytes freed so far, time added so far) after
+each prefix of layers, per previous choice still measured in the next layer. The mixed-integer
+program (scipy's HiGHS) answers what the program does not carry: a cap on host bytes, and the
+lowest peak any plan reaches when none fits.
 """
 from __future__ import annotations
 
@@ -102,14 +109,115 @@ class NoPlanFits(ConfigError):
 def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | None = None) -> Solution:
     """The plan with the least added time whose peak fits the budget (and whose offloaded bytes
     fit `host_budget_bytes`); NoPlanFits otherwise."""
-    best = _milp(problem, budget_bytes, host_budget_bytes, minimize_memory=False)
+    dynamic = host_budget_bytes is None and _layer_local(problem)
+    if dynamic:
+        chosen = _cover_dp(problem, budget_bytes)
+        best = None if chosen is None else _solution(problem, chosen)
+    else:
+        best = _milp(problem, budget_bytes, host_budget_bytes, minimize_memory=False)
     if best is not None:
         return best
-    lowest = _milp(problem, None, host_budget_bytes, minimize_memory=True)
+    if dynamic:
+        chosen = _cover_dp(problem, None)
+        lowest = None if chosen is None else _solution(problem, chosen)
+    else:
+        lowest = _milp(problem, None, host_budget_bytes, minimize_memory=True)
     if lowest is None:
         raise ConfigError([Problem("choices", "the choices do not cover every layer exactly once")])
     window = next(w for w in problem.windows if w.name == lowest.peak_window)
     raise NoPlanFits(budget_bytes, lowest, window.layer is not None or window.holds > 0)
+
+
+def _cost(c: Choice) -> float:
+    # ties (times measured as zero) go to the plan that changes the fewest layers: 1 us each, below
+    # any real recompute
+    return c.added_time_s + 1e-6 * (0 if c.actions == {} else c.end - c.start)
+
+
+def _layer_local(problem: PlanningProblem) -> bool:
+    """Whether every choice is measured only in windows of its own layers and the next one (what
+    the dynamic program assumes), every layer window holds the layers before it, and every other
+    window none or all of them."""
+    by_name = {w.name: w for w in problem.windows}
+    return all(w.holds == w.layer if w.layer is not None else w.holds in (0, problem.num_layers)
+               for w in problem.windows) and all(
+        name in by_name and by_name[name].layer is not None and c.start <= by_name[name].layer <= c.end
+        for c in problem.choices for name in c.window_bytes)
+
+
+def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | None:
+    """The dynamic program: with a budget, the fastest cover that fits it (None if none does);
+    without, the cover with the lowest peak. A layer's windows peak at what its choice measured
+    there minus the bytes freed before it (later choices do not reach them), so a state is the
+    bytes freed so far and a value: the time added so far, or the highest peak so far."""
+    n = problem.num_layers
+    by_layer: dict[int, list[Window]] = {}
+    for w in problem.windows:
+        if w.layer is not None:
+            by_layer.setdefault(w.layer, []).append(w)
+    choices = list(problem.choices)
+    starting: dict[int, list[int]] = {}
+    for j, c in enumerate(choices):
+        starting.setdefault(c.start, []).append(j)
+    # fronts[s][index of the previous choice if it is measured in layer s's windows, else None] =
+    # (freed, value, back): freed descending, value strictly descending with it; back[k] = (s',
+    # key', k', choice index), or None at the start
+    fronts: list[dict[int | None, tuple[np.ndarray, np.ndarray, list]]] = [{} for _ in range(n + 1)]
+    arrivals: list[dict[int | None, list]] = [{} for _ in range(n + 1)]
+    arrivals[0][None] = [(np.zeros(1, dtype=np.int64), np.full(1, 0.0 if budget is not None else -np.inf), [None])]
+    for s in range(n + 1):
+        fronts[s] = {key: _pareto(parts) for key, parts in arrivals[s].items()}
+        for j in starting.get(s, []):
+            c = choices[j]
+            nxt = j if any(w.name in c.window_bytes for w in by_layer.get(c.end, [])) else None
+            for key, (freed, value, _) in fronts[s].items():
+                prev = None if key is None else choices[key]
+                # each window of the choice's layers peaks at: base + own - freed before s (the
+                # previous choice's bytes there as measured, if it was)
+                high = max((w.base_bytes + c.window_bytes.get(w.name, 0)
+                            + (prev.freed_bytes + prev.window_bytes[w.name]
+                               if prev is not None and w.layer == s and w.name in prev.window_bytes else 0)
+                            for layer in range(s, c.end) for w in by_layer.get(layer, [])), default=-np.inf)
+                if budget is None:
+                    ok = np.arange(len(freed))
+                    new_value = np.maximum(value, high - freed)
+                else:
+                    ok = np.flatnonzero(freed >= high - budget)
+                    new_value = value[ok] + _cost(c)
+                if len(ok):
+                    arrivals[c.end].setdefault(nxt, []).append(
+                        (freed[ok] + c.freed_bytes, new_value, [(s, key, int(k), j) for k in ok]))
+    best: tuple[float, int | None, int] | None = None
+    for key, (freed, value, _) in fronts[n].items():
+        rest = np.full(len(freed), -np.inf)  # the windows outside the layers: none or all held
+        for w in problem.windows:
+            if w.layer is None:
+                rest = np.maximum(rest, w.base_bytes - (freed if w.holds >= n else 0))
+        if budget is None:
+            score = np.maximum(value, rest)
+        else:
+            score = np.where(rest <= budget, value, np.inf)
+        k = int(np.argmin(score))
+        if np.isfinite(score[k]) and (best is None or score[k] < best[0]):
+            best = (float(score[k]), key, k)
+    if best is None:
+        return None
+    chosen, step = [], fronts[n][best[1]][2][best[2]]
+    while step is not None:
+        s, key, k, j = step
+        chosen.append(choices[j])
+        step = fronts[s][key][2][k]
+    return chosen
+
+
+def _pareto(parts: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """The states no other state beats (at least as many bytes freed in no more time)."""
+    freed = np.concatenate([p[0] for p in parts])
+    time = np.concatenate([p[1] for p in parts])
+    back = [b for p in parts for b in p[2]]
+    order = np.lexsort((time, -freed))  # most freed first, fastest first among equals
+    keep = order[time[order] < np.minimum.accumulate(np.r_[np.inf, time[order]])[:-1]]
+    return freed[keep], time[keep], [back[k] for k in keep]
 
 
 _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit below HiGHS' tolerances

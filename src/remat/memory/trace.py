@@ -165,9 +165,17 @@ class Trace:
         return out
 
     def problem(self) -> PlanningProblem:
-        """What the planner solves: every choice worth making (one that frees nothing and lowers
-        no window only costs time, so it is never offered), over this step's windows."""
-        useful = [c for c in self.choices() if not c.actions or _frees_something(c)]
+        """What the planner solves: every choice worth making, over this step's windows. Not
+        offered: a choice that frees nothing and lowers no window, and one that acts on a site
+        whose action changes no byte beside the layer's other actions (core_attn under a fused
+        attention beside mlp recompute): either only costs time."""
+        choices = self.choices()
+        by_layer: dict[int, list[Choice]] = {}
+        for c in choices:
+            if c.actions:
+                by_layer.setdefault(c.start, []).append(c)
+        useful = [c for c in choices if not c.actions or (
+            _frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))]
         return PlanningProblem(self.layout.num_layers, useful, self.windows)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
@@ -195,6 +203,17 @@ class Trace:
 
 def _frees_something(choice: Choice) -> bool:
     return choice.freed_bytes > 0 or any(b < 0 for b in choice.window_bytes.values())
+
+
+def _no_worse_with_fewer_actions(fewer: Choice, more: Choice) -> bool:
+    """`fewer` keeps some of the sites `more` acts on (and does the same elsewhere), and is no
+    worse in any window: `more`'s extra actions would only cost time."""
+    extra = _combo(more.actions or {})
+    if fewer.actions is None or not _combo(fewer.actions) < extra:
+        return False
+    windows = set(fewer.window_bytes) | set(more.window_bytes)
+    return fewer.freed_bytes >= more.freed_bytes and fewer.host_bytes <= more.host_bytes and all(
+        fewer.window_bytes.get(w, 0) <= more.window_bytes.get(w, 0) for w in windows)
 
 
 def _combo(actions: dict[str, str]) -> Combo:
