@@ -244,6 +244,11 @@ def test_dry_run_prints_config_and_plan_and_runs_nothing(capsys: pytest.CaptureF
     assert "layer 0: full recompute" in out and "layer 1: keep everything" in out  # the per-layer plan
     assert not out_json.exists()
     assert not (tmp_path / "default-history.sqlite").exists()
+    if not torch.cuda.is_available():  # a full-size recipe dry-runs on a CPU; running it there is refused
+        code, out, err = cli(capsys, "bench", "-mr", "llama3_8b", "-d")
+        assert code == 0 and "layers 0-31: keep everything" in out, err
+        code, _, err = cli(capsys, "bench", "-mr", "llama3_8b", "-ms", "3")
+        assert code == 1 and "8.03B parameters is a GPU job" in err and "use -ms 4 or more" in err
 
 
 @pytest.mark.usefixtures("no_steps")

@@ -263,7 +263,7 @@ def _spec(args: argparse.Namespace) -> Any:
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=args.compile,
                      gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
-                     command=args.command_line)
+                     command=args.command_line, dryrun=getattr(args, "dryrun", False))
 
 
 def _cuda_available() -> bool:

@@ -1310,7 +1310,7 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
                                            f" micro-batch size {s.micro_batch_size}; use a multiple of it")
     if s.warmup_steps < 0 or s.max_steps <= s.warmup_steps:
         yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
-                                   f" steps; use -ms {s.warmup_steps + 2} or more")
+                                   f" steps; use -ms {s.warmup_steps + 1} or more")
     if s.num_gpus != 1:
         yield Problem("num_gpus", f"is {s.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
                                   " through torchrun arrive with the parallel issue); use -ng 1")

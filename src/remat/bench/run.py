@@ -52,13 +52,14 @@ class BenchSpec:
     # False: forward+backward only, gradients accumulating across steps, as the anchor measures
     optimizer: bool = True
     command: str = field(default_factory=lambda: shlex.join(sys.argv))  # recorded with results
+    dryrun: bool = False  # only built on meta and printed: a full-size recipe is fine on a CPU
 
     def __post_init__(self) -> None:
         model = build(self.recipe, device="meta", **self.overrides)
         check_bench(BenchSettings(
             self.compute_dtype, self.device, self.micro_batch_size, self.global_batch_size,
-            self.max_steps, self.warmup_steps, self.task, model.num_parameters(), self.gpu,
-            self.num_gpus, self.compile))
+            self.max_steps, self.warmup_steps, self.task, None if self.dryrun else model.num_parameters(),
+            self.gpu, self.num_gpus, self.compile))
 
     @property
     def micro_batches(self) -> int:
