@@ -9,10 +9,10 @@ the recompute the choices add.
 
 Choices only reach their own layers' windows, the next layer's (offload) and, through the bytes
 they free, the windows that hold them; so a dynamic program over the layers finds the fastest
-plan exactly: its states are the Pareto front of (bytes freed so far, time added so far) after
-each prefix of layers, per previous choice still measured in the next layer. The mixed-integer
-program (scipy's HiGHS) answers what the program does not carry: a cap on host bytes, and the
-lowest peak any plan reaches when none fits.
+plan, and the lowest peak when none fits, exactly: its states are the Pareto front of (bytes
+freed so far, time added or highest peak so far) after each prefix of layers, per previous choice
+still measured in the next layer. The mixed-integer program (scipy's HiGHS) answers what the
+dynamic program does not carry: a cap on host bytes, a choice measured further away.
 """
 from __future__ import annotations
 
@@ -110,18 +110,17 @@ def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | 
     """The plan with the least added time whose peak fits the budget (and whose offloaded bytes
     fit `host_budget_bytes`); NoPlanFits otherwise."""
     dynamic = host_budget_bytes is None and _layer_local(problem)
-    if dynamic:
-        chosen = _cover_dp(problem, budget_bytes)
-        best = None if chosen is None else _solution(problem, chosen)
-    else:
-        best = _milp(problem, budget_bytes, host_budget_bytes, minimize_memory=False)
+
+    def optimum(budget: int | None) -> Solution | None:  # budget None: the lowest peak
+        if not dynamic:
+            return _milp(problem, budget, host_budget_bytes, minimize_memory=budget is None)
+        chosen = _cover_dp(problem, budget)
+        return None if chosen is None else _solution(problem, chosen)
+
+    best = optimum(budget_bytes)
     if best is not None:
         return best
-    if dynamic:
-        chosen = _cover_dp(problem, None)
-        lowest = None if chosen is None else _solution(problem, chosen)
-    else:
-        lowest = _milp(problem, None, host_budget_bytes, minimize_memory=True)
+    lowest = optimum(None)
     if lowest is None:
         raise ConfigError([Problem("choices", "the choices do not cover every layer exactly once")])
     window = next(w for w in problem.windows if w.name == lowest.peak_window)
@@ -129,8 +128,8 @@ def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | 
 
 
 def _cost(c: Choice) -> float:
-    # ties (times measured as zero) go to the plan that changes the fewest layers: 1 us each, below
-    # any real recompute
+    # ties (times measured as zero) go to the plan that changes the fewest layers: 1 us each, above
+    # HiGHS' absolute gap (1e-6) and below any real recompute
     return c.added_time_s + 1e-6 * (0 if c.actions == {} else c.end - c.start)
 
 
@@ -211,13 +210,13 @@ def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | No
 
 
 def _pareto(parts: list) -> tuple[np.ndarray, np.ndarray, list]:
-    """The states no other state beats (at least as many bytes freed in no more time)."""
+    """The states no other state beats (at least as many bytes freed at no higher value)."""
     freed = np.concatenate([p[0] for p in parts])
-    time = np.concatenate([p[1] for p in parts])
+    value = np.concatenate([p[1] for p in parts])
     back = [b for p in parts for b in p[2]]
-    order = np.lexsort((time, -freed))  # most freed first, fastest first among equals
-    keep = order[time[order] < np.minimum.accumulate(np.r_[np.inf, time[order]])[:-1]]
-    return freed[keep], time[keep], [back[k] for k in keep]
+    order = np.lexsort((value, -freed))  # most freed first, lowest value first among equals
+    keep = order[value[order] < np.minimum.accumulate(np.r_[np.inf, value[order]])[:-1]]
+    return freed[keep], value[keep], [back[k] for k in keep]
 
 
 _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit below HiGHS' tolerances
@@ -239,11 +238,7 @@ def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
         host = np.array([c.host_bytes / _UNIT for c in choices] + [0.0])
         constraints.append(LinearConstraint(host[None, :], -np.inf, host_budget / _UNIT))
     upper = np.inf if budget is None else budget / _UNIT
-    time = np.array([c.added_time_s for c in choices] + [0.0])
-    # ties (times measured as zero) go to the plan that changes the fewest layers: 1 us each, above
-    # HiGHS' absolute gap (1e-6) and below any real recompute
-    changed = np.array([0.0 if c.actions == {} else c.end - c.start for c in choices] + [0.0])
-    objective = np.r_[np.zeros(n), 1.0] if minimize_memory else time + 1e-6 * changed
+    objective = np.r_[np.zeros(n), 1.0] if minimize_memory else np.array([_cost(c) for c in choices] + [0.0])
     result = milp(objective, constraints=constraints, integrality=np.r_[np.ones(n), 0],
                   bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), upper]),
                   options={"mip_rel_gap": 0.0})  # exact: the default stops within 0.01%
