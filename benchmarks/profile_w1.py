@@ -167,7 +167,7 @@ def harness_step_s() -> float:
     return round(result.fwd_bwd_time_s, 4)
 
 
-def remat_forward(**overrides: int):
+def remat_forward(**overrides: int | bool):
     """remat's W1 forward (no recompute, compiled regions); `overrides` change the recipe's config."""
     spec = BenchSpec(**{**W1_SPEC, "overrides": {**W1_SPEC["overrides"], **overrides}})
     model = build_model(spec)

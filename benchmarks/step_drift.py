@@ -4,8 +4,9 @@ after one torch.profiler session, and the mean of 8 steps run back to back witho
 for remat's no-recompute step (optionally at other loss-head chunk sizes) and the anchor's eager
 and compiled ones. Tells run-to-run noise from a real difference before the two are compared.
 
-  PYTHONPATH=src python benchmarks/step_drift.py [--what remat,remat:8192,anchor_eager,anchor_compile] [--blocks 4]
-  (remat:N: loss_chunk_size N) writes $OUT/step_drift.json
+  PYTHONPATH=src python benchmarks/step_drift.py [--what remat,remat:8192,remat:nofuse,anchor_eager,anchor_compile]
+      [--blocks 4]
+  (remat:N: loss_chunk_size N; remat:nofuse: gradient_accumulation_fusion off) writes $OUT/step_drift.json
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ OUT = Path(os.environ.get("OUT", "."))
 
 
 def build(name: str):
-    if name.startswith("remat"):
-        chunk = name.partition(":")[2]
-        return remat_forward(**({"loss_chunk_size": int(chunk)} if chunk else {}))
+    variant = name.partition(":")[2]
+    if name == "remat:nofuse":
+        return remat_forward(gradient_accumulation_fusion=False)
+    if name.partition(":")[0] == "remat" and (not variant or variant.isdigit()):
+        return remat_forward(**({"loss_chunk_size": int(variant)} if variant else {}))
     if name in ("anchor_eager", "anchor_compile"):
         return anchor_forward(compiled=name == "anchor_compile")
-    raise SystemExit(f"unknown step {name!r}: remat[:chunk], anchor_eager or anchor_compile")
+    raise SystemExit(f"unknown step {name!r}: remat[:chunk], remat:nofuse, anchor_eager or anchor_compile")
 
 
 def blocks(step, n: int) -> list[float]:

@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from remat.models import build, rope
-from remat.models.llama import project_qkv as eager_project_qkv
-from remat.models.rope import RotaryQKV, on_cuda, project_qkv
+from remat.models.llama import split_qkv as eager_split_qkv
+from remat.models.rope import RotaryQKV, on_cuda, split_qkv
 from remat.verify import run_step
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def eager_project_qkv(x: torch.Tensor, weight: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """The model's projection then its eager split."""
+    return eager_split_qkv(F.linear(x, weight), *args)
+
+
+def project_qkv(x: torch.Tensor, weight: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """The model's projection then the Function."""
+    return split_qkv(F.linear(x, weight), *args)
 
 
 def _inputs(heads: int, groups: int, head_dim: int, dtype: torch.dtype = torch.float32, b: int = 2,
@@ -43,7 +54,7 @@ def test_matches_float64_autograd_of_the_eager_formula(heads: int, groups: int, 
     (got,) = torch.autograd.grad(out, qkv, grads)
     qkv64 = qkv.detach().double().requires_grad_()
     identity = torch.eye(width, device=DEVICE, dtype=torch.float64)
-    want_out = eager_project_qkv(qkv64, identity, cos.double(), sin.double(), heads, groups)
+    want_out = eager_split_qkv(qkv64 @ identity, cos.double(), sin.double(), heads, groups)
     (want,) = torch.autograd.grad(want_out, qkv64, [g.double() for g in grads])
     for a, b in zip((*out, got), (*want_out, want)):
         assert a.dtype == dtype and a.shape == b.shape and a.is_contiguous()
@@ -128,31 +139,32 @@ def test_on_meta_it_allocates_what_cuda_would() -> None:
 
 
 def test_dispatch_runs_the_fallback_where_the_kernel_would_differ_from_the_formula() -> None:
-    """Off CUDA; on CUDA for float64, tables of another dtype or that require grad, a weight on
+    """Off CUDA; on CUDA for float64, tables of another dtype or that require grad, tables on
     another device, and under autocast (where the formula would give q and k another dtype than
     the kernel writes)."""
     calls: list[torch.Tensor] = []
 
-    def fallback(x: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
-        calls.append(x)
-        return eager_project_qkv(x, *args)
+    def fallback(qkv: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+        calls.append(qkv)
+        return eager_split_qkv(qkv, *args)
 
     x, weight, cos, sin = (t.detach().cpu() for t in _inputs(4, 2, 16))
-    for got, want in zip(on_cuda(fallback)(x, weight, cos, sin, 4, 2), eager_project_qkv(x, weight, cos, sin, 4, 2)):
+    qkv = F.linear(x, weight)
+    for got, want in zip(on_cuda(fallback)(qkv, cos, sin, 4, 2), eager_split_qkv(qkv, cos, sin, 4, 2)):
         torch.testing.assert_close(got, want)
-    assert calls == [x]
+    assert calls == [qkv]
     if torch.cuda.is_available():
-        x, weight, cos, sin = (t.cuda().bfloat16() for t in (x, weight, cos, sin))
-        q, _, _ = on_cuda(fallback)(x.requires_grad_(), weight, cos, sin, 4, 2)
+        qkv, cos, sin = (t.cuda().bfloat16() for t in (qkv, cos, sin))
+        q, _, _ = on_cuda(fallback)(qkv.requires_grad_(), cos, sin, 4, 2)
         assert len(calls) == 1 and type(q.grad_fn).__name__ == "RotaryQKVBackward"  # the kernel ran
-        on_cuda(fallback)(x.double(), weight.double(), cos.double(), sin.double(), 4, 2)
-        on_cuda(fallback)(x, weight, cos.float(), sin.float(), 4, 2)
-        on_cuda(fallback)(x, weight, cos.detach().requires_grad_(), sin, 4, 2)
+        on_cuda(fallback)(qkv.double(), cos.double(), sin.double(), 4, 2)
+        on_cuda(fallback)(qkv, cos.float(), sin.float(), 4, 2)
+        on_cuda(fallback)(qkv, cos.detach().requires_grad_(), sin, 4, 2)
         with torch.autocast("cuda", dtype=torch.float16):
-            on_cuda(fallback)(x, weight, cos, sin, 4, 2)
+            on_cuda(fallback)(qkv, cos, sin, 4, 2)
         assert len(calls) == 5
-        with pytest.raises(RuntimeError):  # a weight on another device: torch's own error, not a launch
-            on_cuda(fallback)(x, weight.cpu(), cos, sin, 4, 2)
+        with pytest.raises(RuntimeError):  # tables on another device: torch's own error, not a launch
+            on_cuda(fallback)(qkv, cos.cpu(), sin.cpu(), 4, 2)
         assert len(calls) == 6
 
 
@@ -166,7 +178,7 @@ def test_in_the_model_plans_stay_bit_identical_and_save_what_the_formula_saves(p
     ids = torch.randint(0, model.config.vocab_size, (2, 17), device=DEVICE)
     eager_saved = run_step(model, ids[:, :-1], ids[:, 1:], seed=0).saved
     for layer in model.decoder.layers:
-        layer.self_attention.project_qkv = rope.project_qkv
+        layer.self_attention.split_qkv = rope.split_qkv
     report = verified_preset(model, ids, plan)
     assert report.bit_identical
     assert report.baseline.saved == eager_saved

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.models import build, swiglu
@@ -24,10 +23,8 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 def _reference(gate_up: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Output and gradients in float64 autograd of the eager formula."""
     x, w = gate_up.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    fc2 = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float64, device=w.device)
-    fc2.weight = nn.Parameter(w)
-    out = swiglu_down(x, fc2)
-    return (out, *torch.autograd.grad(out, (x, fc2.weight), grad.double()))
+    out = swiglu_down(x, w, False)
+    return (out, *torch.autograd.grad(out, (x, w), grad.double()))
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
@@ -38,7 +35,7 @@ def test_matches_float64_autograd_of_the_eager_formula(shape: tuple[int, ...], d
     torch.manual_seed(0)
     gate_up = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
     weight = (torch.randn(6, shape[-1] // 2, device=DEVICE, dtype=dtype) / 8).requires_grad_()
-    out = SwiGLUDown.apply(gate_up, weight)
+    out = SwiGLUDown.apply(gate_up, weight, False)
     grad = torch.randn_like(out)
     d_gate_up, d_weight = torch.autograd.grad(out, (gate_up, weight), grad)
     ref_out, ref_gate_up, ref_weight = _reference(gate_up, weight, grad)
@@ -52,20 +49,20 @@ def test_backward_rebuilds_the_forward_activation_bit_for_bit() -> None:
     forward's (read back through an identity down projection, which is exact)."""
     torch.manual_seed(0)
     gate_up = torch.randn(5, 2 * 96, device=DEVICE, dtype=torch.bfloat16)
-    activation = SwiGLUDown.apply(gate_up, torch.eye(96, device=DEVICE, dtype=torch.bfloat16))
+    activation = SwiGLUDown.apply(gate_up, torch.eye(96, device=DEVICE, dtype=torch.bfloat16), False)
     weight = torch.randn(4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(5, 4, device=DEVICE, dtype=torch.bfloat16)
-    (d_weight,) = torch.autograd.grad(SwiGLUDown.apply(gate_up, weight), weight, grad)
+    (d_weight,) = torch.autograd.grad(SwiGLUDown.apply(gate_up, weight, False), weight, grad)
     assert torch.equal(d_weight, grad.t().mm(activation))
 
 
 def test_odd_width_and_second_derivatives_are_refused() -> None:
     weight = torch.randn(3, 4, device=DEVICE)
     with pytest.raises(ValueError, match="even last dimension"):
-        SwiGLUDown.apply(torch.randn(2, 7, device=DEVICE), weight)
+        SwiGLUDown.apply(torch.randn(2, 7, device=DEVICE), weight, False)
     gate_up = torch.randn(3, 2 * 4, device=DEVICE, requires_grad=True)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
-        torch.autograd.grad(SwiGLUDown.apply(gate_up, weight).sum(), gate_up, create_graph=True)
+        torch.autograd.grad(SwiGLUDown.apply(gate_up, weight, False).sum(), gate_up, create_graph=True)
 
 
 def test_non_contiguous_input_and_gradient() -> None:
@@ -73,7 +70,7 @@ def test_non_contiguous_input_and_gradient() -> None:
     gate_up = torch.randn(2 * 96, 4, device=DEVICE).t().requires_grad_()  # [4, 192], column-major
     weight = torch.randn(8, 96, device=DEVICE, requires_grad=True)
     grad = torch.randn(8, 4, device=DEVICE).t()
-    got = torch.autograd.grad(SwiGLUDown.apply(gate_up, weight), (gate_up, weight), grad)
+    got = torch.autograd.grad(SwiGLUDown.apply(gate_up, weight, False), (gate_up, weight), grad)
     for g, want in zip(got, _reference(gate_up, weight, grad)[1:]):
         torch.testing.assert_close(g.double(), want, **TOLERANCE[torch.float32])
 
@@ -81,7 +78,7 @@ def test_non_contiguous_input_and_gradient() -> None:
 def test_frozen_weight_skips_its_gradient_matmul() -> None:
     def backward_flops(weight_grad: bool) -> int:
         gate_up = torch.randn(3, 2 * 8, device=DEVICE, requires_grad=True)
-        out = SwiGLUDown.apply(gate_up, torch.randn(4, 8, device=DEVICE, requires_grad=weight_grad))
+        out = SwiGLUDown.apply(gate_up, torch.randn(4, 8, device=DEVICE, requires_grad=weight_grad), False)
         with FlopCounterMode(display=False) as counter:
             out.sum().backward()
         return counter.get_total_flops()
@@ -96,7 +93,7 @@ def test_saves_the_gate_up_input_and_the_weight_only() -> None:
     weight = torch.randn(8, 32, device=DEVICE, requires_grad=True)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        SwiGLUDown.apply(gate_up, weight)
+        SwiGLUDown.apply(gate_up, weight, False)
     assert sorted(t.untyped_storage().data_ptr() for t in saved) == sorted(
         t.untyped_storage().data_ptr() for t in (gate_up, weight))
 
@@ -104,29 +101,28 @@ def test_saves_the_gate_up_input_and_the_weight_only() -> None:
 def test_on_meta_it_allocates_what_cuda_would() -> None:
     gate_up = torch.empty(2, 3, 2 * 16, device="meta", requires_grad=True)
     weight = torch.empty(8, 16, device="meta", requires_grad=True)
-    out = SwiGLUDown.apply(gate_up, weight)
+    out = SwiGLUDown.apply(gate_up, weight, False)
     d_gate_up, d_weight = torch.autograd.grad(out, (gate_up, weight), torch.empty_like(out))
     assert out.shape == (2, 3, 8) and d_gate_up.shape == gate_up.shape and d_weight.shape == weight.shape
 
 
-def test_dispatch_runs_the_fallback_off_cuda_and_for_a_biased_linear() -> None:
+def test_dispatch_runs_the_fallback_off_cuda_and_for_float64() -> None:
     calls: list[torch.Tensor] = []
 
-    def fallback(x: torch.Tensor, linear_fc2: nn.Linear) -> torch.Tensor:
+    def fallback(x: torch.Tensor, weight: torch.Tensor, fuse_grads: bool) -> torch.Tensor:
         calls.append(x)
-        return swiglu_down(x, linear_fc2)
+        return swiglu_down(x, weight, fuse_grads)
 
-    x, fc2 = torch.randn(3, 8), nn.Linear(4, 2, bias=False)
-    torch.testing.assert_close(on_cuda(fallback)(x, fc2), swiglu_down(x, fc2))
+    x, weight = torch.randn(3, 8), torch.randn(2, 4)
+    torch.testing.assert_close(on_cuda(fallback)(x, weight, False), swiglu_down(x, weight, False))
     assert calls == [x]
     if torch.cuda.is_available():
         x = torch.randn(3, 8, device="cuda", requires_grad=True)
-        y = on_cuda(fallback)(x, fc2.cuda())
+        y = on_cuda(fallback)(x, weight.cuda(), False)
         assert len(calls) == 1 and type(y.grad_fn).__name__ == "SwiGLUDownBackward"  # the kernels ran
-        on_cuda(fallback)(x, nn.Linear(4, 2, device="cuda"))  # a bias: the Function has none
         x64 = torch.randn(3, 8, device="cuda", dtype=torch.float64)  # the kernels compute in float32
-        on_cuda(fallback)(x64, fc2.double())
-        assert len(calls) == 3 and calls[-1] is x64
+        on_cuda(fallback)(x64, weight.cuda().double(), False)
+        assert len(calls) == 2 and calls[-1] is x64
 
 
 @pytest.mark.parametrize("plan", ["layernorm", "mlp", "full"])

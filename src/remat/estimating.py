@@ -316,7 +316,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
             for layer in model.decoder.layers:
                 layer.mlp.activation_down = swiglu.activation_down
-                layer.self_attention.project_qkv = rope.project_qkv
+                layer.self_attention.split_qkv = rope.split_qkv
     if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
         model.set_norm_kernel(rmsnorm.triton_rms_norm)
     sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from remat.config import ConfigError, model_shape_problems
 from remat.models import rmsnorm, rope, swiglu
+from remat.models.linear import linear
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
 
@@ -42,6 +43,9 @@ class LlamaConfig:
     # Head dim; None: hidden_size / num_attention_heads. A tensor-parallel shard keeps the head
     # dim with fewer heads, so its attention width differs from hidden_size.
     kv_channels: int | None = None
+    # Add each linear's weight gradient into .grad inside its GEMM when gradients accumulate
+    # (remat.models.linear): Megatron's flag of the same name.
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:
         problems = model_shape_problems({name: getattr(self, name) for name in self.field_names()})
@@ -129,9 +133,10 @@ def _expand_kv(x: Tensor, num_heads: int) -> Tensor:
     return x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
-def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-                num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused QKV projection and RoPE: x [b, s, h] -> q [b, s, heads, d], k and v [b, s, groups, d].
+def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+              num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused QKV projection's output into heads, with RoPE: qkv [b, s, (heads + 2 * groups) * d]
+    -> q [b, s, heads, d], k and v [b, s, groups, d].
 
     Megatron's fused layout: per query group, its query heads then one key and one value head.
     A pure function of tensors, so one compiled copy serves every layer. Heads stay in the
@@ -139,10 +144,9 @@ def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: 
     come back in the same strides, then need no copy into the compiled backward. v is copied out
     of the projection's output: as a view it would keep all of q, k and v alive for backward.
     """
-    b, s, _ = x.shape
+    b, s, _ = qkv.shape
     heads_per_group, head_dim = num_heads // num_groups, cos.shape[-1]
-    qkv = F.linear(x, weight).view(b, s, num_groups, heads_per_group + 2, head_dim)
-    q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
+    q, k, v = qkv.view(b, s, num_groups, heads_per_group + 2, head_dim).split([heads_per_group, 1, 1], dim=3)
     q = q.reshape(b, s, num_heads, head_dim)
     return apply_rotary(q, cos, sin), apply_rotary(k.squeeze(3), cos, sin), v.squeeze(3).contiguous()
 
@@ -170,14 +174,15 @@ class SelfAttention(nn.Module):
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
         # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
-        self.project_qkv = project_qkv
+        self.fuse_grads = config.gradient_accumulation_fusion
+        self.split_qkv = split_qkv
         self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = (t.transpose(1, 2) for t in
-                   self.project_qkv(x, self.linear_qkv.weight, cos, sin, self.num_heads, self.num_groups))
+        qkv = linear(x, self.linear_qkv.weight, self.fuse_grads)
+        q, k, v = (t.transpose(1, 2) for t in self.split_qkv(qkv, cos, sin, self.num_heads, self.num_groups))
         o = self.core_attn_site(self.core_attention, q, k, v)
-        return self.linear_proj(self.merge_heads(o))
+        return linear(self.merge_heads(o), self.linear_proj.weight, self.fuse_grads)
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """softmax(causal(QK^T / sqrt(d))) V with dropout: the only place s x s scores exist.
@@ -206,10 +211,10 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_down(gate_up: Tensor, linear_fc2: nn.Linear,
+def swiglu_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool,
                 activation: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
-    """linear_fc2(silu(gate) * up)."""
-    return linear_fc2(activation(gate_up))
+    """linear_fc2(silu(gate) * up) for linear_fc2's weight (remat.models.linear.linear's `fuse`)."""
+    return linear(activation(gate_up), weight, fuse_grads)
 
 
 class MLP(nn.Module):
@@ -222,13 +227,15 @@ class MLP(nn.Module):
                                     **_factory(dtype, device))
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
+        self.fuse_grads = config.gradient_accumulation_fusion
         self.activation_down = swiglu_down  # swapped for a compiled version by LlamaModel.compile_regions
 
     def forward(self, x: Tensor) -> Tensor:
         # A recompute replay stops once all that was saved is rebuilt: before linear_fc2's matmul
         # on the eager path (a linear saves its input first), after it with SwiGLUDown (a
         # Function saves when it returns).
-        return self.activation_down(self.linear_fc1(x), self.linear_fc2)
+        return self.activation_down(linear(x, self.linear_fc1.weight, self.fuse_grads), self.linear_fc2.weight,
+                                    self.fuse_grads)
 
 
 class TransformerLayer(nn.Module):
@@ -335,6 +342,7 @@ class LlamaModel(nn.Module):
         return chunked_linear_cross_entropy(
             x.reshape(-1, x.shape[-1]), self.output_layer.weight, labels.reshape(-1),
             self.config.loss_chunk_size, kernels=self.loss_kernels,
+            fuse_grads=self.config.gradient_accumulation_fusion,
         )
 
     def compile_regions(self, backend: str = "inductor") -> None:
@@ -352,10 +360,10 @@ class LlamaModel(nn.Module):
         "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
         compiled_qkv, compiled_merge, activation_down = (
-            rope.on_cuda(torch.compile(project_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
+            rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
         for layer in self.decoder.layers:
-            layer.self_attention.project_qkv = compiled_qkv
+            layer.self_attention.split_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.activation_down = activation_down
         self.set_norm_kernel(rmsnorm.on_cuda())

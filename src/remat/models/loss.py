@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from remat.models.linear import scale_weight_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
 
 
@@ -169,27 +170,34 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         ignore_index: int,
         kernels: LossKernels,
+        fuse_grads: bool,
     ) -> Tensor:
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
         loss, grad_hidden, grad_weight = _loss_and_grads(
             hidden, weight, labels, chunk_size, ignore_index, need_hidden, need_weight, kernels.chunk
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.scale = kernels.scale  # type: ignore[attr-defined]
+        # the parameter itself, not saved for backward: only where its gradient goes matters
+        ctx.weight, ctx.scale, ctx.fuse_grads = weight, kernels.scale, fuse_grads  # type: ignore[attr-defined]
         return loss
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
-        grad_hidden, grad_weight = (None if g is None else ctx.scale(g, grad_output)  # type: ignore[attr-defined]
-                                    for g in ctx.saved_tensors)  # type: ignore[attr-defined]
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        scale = ctx.scale  # type: ignore[attr-defined]
+        if grad_hidden is not None:
+            grad_hidden = scale(grad_hidden, grad_output)
+        if grad_weight is not None:
+            grad_weight = scale_weight_grad(ctx.weight, grad_weight, grad_output, scale,  # type: ignore[attr-defined]
+                                            ctx.fuse_grads)  # type: ignore[attr-defined]
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, ignore_index: int = -100,
-    *, kernels: LossKernels = LossKernels(),
+    *, kernels: LossKernels = LossKernels(), fuse_grads: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` (mean), in chunks.
 
@@ -197,7 +205,8 @@ def chunked_linear_cross_entropy(
     time; gradients are computed in the forward pass only for inputs that require grad.
     `kernels` compute a chunk's loss and logit gradients and scale the gradients in backward:
     eager, or `compiled_loss_kernels()`, which fuses the chunk into a few passes over the logits
-    and writes the gradients over them.
+    and writes the gradients over them. With `fuse_grads`, backward adds the weight's gradient
+    into weight.grad as it scales it (remat.models.linear.scale_weight_grad).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -209,6 +218,7 @@ def chunked_linear_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, kernels)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, kernels,
+                                                fuse_grads)
     # Under no_grad the Function would still report needs_input_grad and compute gradients.
     return _loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, False, False, kernels.chunk)[0]

@@ -2,13 +2,13 @@
 kernel each way, for CUDA.
 
 The projection's output holds, per query group, its query heads then one key and one value head
-(Megatron's layout; remat.models.llama.project_qkv). The forward kernel writes q and k rotated and
+(Megatron's layout; remat.models.llama.split_qkv). The forward kernel writes q and k rotated and
 v copied, one program per token; the backward kernel writes their gradients back into that
 layout, rotated back. Inductor compiled the backward as a `cat` of strided slices, which ran at
 about a third of the memory bandwidth on an H200 at W1's shapes (0.23 ms a layer,
 benchmarks/results/profile_w1_h200.json). RoPE is linear, so the Function saves only the cos/sin
-tables (slices of the model's buffers): the projection's own input and weight are what the
-linear saves, as in the compiled version. The kernels compute in float32 and round once.
+tables (slices of the model's buffers): the projection before it saves its own input. The
+kernels compute in float32 and round once.
 Launching, meta tensors and CPU testing: remat.models.triton_ops.
 """
 from __future__ import annotations
@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
 
-ProjectFn = Callable[[Tensor, Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
+SplitFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
 
 
 def _launch(fused: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
@@ -72,22 +71,22 @@ class RotaryQKV(torch.autograd.Function):
         return d_qkv, None, None, None, None
 
 
-def project_qkv(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-                num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """remat.models.llama.project_qkv through RotaryQKV: the projection, then the kernel."""
-    return RotaryQKV.apply(F.linear(x, weight), cos, sin, num_heads, num_groups)
+def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+              num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """remat.models.llama.split_qkv through RotaryQKV."""
+    return RotaryQKV.apply(qkv, cos, sin, num_heads, num_groups)
 
 
-def _kernel_takes(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *_: int) -> bool:
+def _kernel_takes(qkv: Tensor, cos: Tensor, sin: Tensor, *_: int) -> bool:
     # Under autocast, or with tables of another dtype, the formula would give q and k another
     # dtype than the kernel writes; tables that require grad get none from the Function.
-    return (x.is_cuda and x.dtype in KERNEL_DTYPES and not torch.is_autocast_enabled("cuda")
-            and all(t.dtype == x.dtype and t.device == x.device for t in (weight, cos, sin))
+    return (qkv.is_cuda and qkv.dtype in KERNEL_DTYPES and not torch.is_autocast_enabled("cuda")
+            and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (cos, sin))
             and not (cos.requires_grad or sin.requires_grad))
 
 
-def on_cuda(fallback: ProjectFn) -> ProjectFn:
-    """project_qkv through RotaryQKV for CUDA inputs of KERNEL_DTYPES with the weight and the
-    cos/sin tables (constant) of x's dtype and device, autocast off (when Triton is installed);
-    `fallback` for anything else."""
-    return dispatch(project_qkv, fallback, _kernel_takes)
+def on_cuda(fallback: SplitFn) -> SplitFn:
+    """split_qkv through RotaryQKV for CUDA inputs of KERNEL_DTYPES with cos/sin tables
+    (constant) of qkv's dtype and device, autocast off (when Triton is installed); `fallback` for
+    anything else."""
+    return dispatch(split_qkv, fallback, _kernel_takes)

@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from remat.models.linear import weight_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
@@ -31,21 +32,23 @@ def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> None:
 
 class SwiGLUDown(torch.autograd.Function):
     """F.linear(silu(gate) * up, weight) for gate_up = [..., 2 * ffn] (gate first), saving
-    gate_up and the weight only. Not twice differentiable."""
+    gate_up and the weight only; `fuse_grads` as remat.models.linear.linear's `fuse`. Not twice
+    differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gate_up: Tensor, weight: Tensor, fuse_grads: bool) -> Tensor:  # type: ignore[override]
         if gate_up.shape[-1] % 2:
             raise ValueError(f"SwiGLU needs an even last dimension (gate then up), got {tuple(gate_up.shape)}")
         gate_up = gate_up.contiguous()
         ffn = gate_up.shape[-1] // 2
         ctx.save_for_backward(gate_up, weight)
+        ctx.fuse_grads = fuse_grads
         act = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
         _launch("silu_mul_forward", act, ffn, gate_up, act)
         return F.linear(act, weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:  # type: ignore[override]
         refuse_double_backward("SwiGLU")
         gate_up, weight = ctx.saved_tensors
         # a saved-tensor hook may hand back other strides than it was given
@@ -56,18 +59,21 @@ class SwiGLUDown(torch.autograd.Function):
         _launch("silu_mul_backward", d_gate_up, ffn, gate_up, d_act, d_gate_up, act)
         del d_act
         d_weight = None
-        if ctx.needs_input_grad[1]:  # as autograd computes linear's weight gradient
-            d_weight = grad.reshape(-1, grad.shape[-1]).t().mm(act.reshape(-1, ffn))
-        return d_gate_up, d_weight
+        if ctx.needs_input_grad[1]:
+            d_weight = weight_grad(weight, grad.reshape(-1, grad.shape[-1]), act.reshape(-1, ffn), ctx.fuse_grads)
+        return d_gate_up, d_weight, None
 
 
-def activation_down(gate_up: Tensor, linear_fc2: nn.Linear) -> Tensor:
-    """linear_fc2(silu(gate) * up) through SwiGLUDown (bias-free linear_fc2)."""
-    return SwiGLUDown.apply(gate_up, linear_fc2.weight)
+ActivationDownFn = Callable[[Tensor, Tensor, bool], Tensor]
 
 
-def on_cuda(fallback: Callable[[Tensor, nn.Linear], Tensor]) -> Callable[[Tensor, nn.Linear], Tensor]:
+def activation_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool) -> Tensor:
+    """F.linear(silu(gate) * up, weight) through SwiGLUDown."""
+    return SwiGLUDown.apply(gate_up, weight, fuse_grads)
+
+
+def on_cuda(fallback: ActivationDownFn) -> ActivationDownFn:
     """SwiGLU then linear_fc2 through SwiGLUDown for CUDA tensors of KERNEL_DTYPES (when Triton
-    is installed) and a bias-free linear_fc2; `fallback` for anything else."""
-    return dispatch(activation_down, fallback, lambda gate_up, linear_fc2: (
-        gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES and linear_fc2.bias is None))
+    is installed); `fallback` for anything else."""
+    return dispatch(activation_down, fallback, lambda gate_up, weight, fuse_grads: (
+        gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES))

@@ -1,0 +1,88 @@
+"""Gradient accumulation fused into the weight-gradient GEMM (Megatron's
+``gradient_accumulation_fusion``).
+
+When a weight's ``.grad`` already holds a gradient (a later micro-batch, or steps without
+zero_grad), autograd computes the new weight gradient into a fresh tensor and then adds it into
+``.grad`` with one more kernel, which reads both and writes the sum. Here the GEMM adds into
+``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it (at W1's shapes the
+adds took 4.3 ms of a 418 ms step, benchmarks/results/profile_w1_h200.json). The sum is rounded
+once instead of twice.
+
+The Function then returns no weight gradient, so it accumulates only where autograd would have
+accumulated the same sum: in ``backward()`` (not ``autograd.grad``, which returns gradients
+instead), without create_graph, into a plain ``.grad`` of the weight's dtype and shape, and with no
+tensor hooks on the weight that would expect to see the gradient. Otherwise it returns the
+gradient as torch's linear does.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+
+def _accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
+    """Whether to add `weight`'s gradient into weight.grad here: `fuse` asks for it, and the
+    backward now running would add it there."""
+    grad = weight.grad
+    if (not fuse or grad is None or torch.is_grad_enabled() or grad.is_sparse or grad.shape != weight.shape
+            or grad.dtype != weight.dtype or not grad.is_contiguous()
+            or weight._backward_hooks or weight._post_accumulate_grad_hooks):
+        return False
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(weight).node)
+    except RuntimeError:  # raised for a leaf that autograd.grad is asked for: it returns the gradient
+        return False
+
+
+def weight_grad(weight: Tensor, grad_out: Tensor, inputs: Tensor, fuse: bool) -> Tensor | None:
+    """The gradient of ``inputs @ weight.T`` w.r.t. weight for grad_out (both 2-D, rows of tokens):
+    with `fuse`, added into weight.grad by the GEMM when backward accumulates there (None is then
+    returned); else computed as autograd would."""
+    if _accumulates_into_grad(weight, fuse):
+        weight.grad.addmm_(grad_out.t(), inputs)  # type: ignore[union-attr]
+        return None
+    return grad_out.t().mm(inputs)
+
+
+def scale_weight_grad(weight: Tensor, grad: Tensor, grad_output: Tensor,
+                      scale: Callable[[Tensor, Tensor], Tensor], fuse: bool) -> Tensor | None:
+    """A weight gradient computed for grad_output 1, times backward's grad_output (0-dim): with
+    `fuse`, added into weight.grad in one kernel when backward accumulates there (None is then
+    returned); else `scale(grad, grad_output)`."""
+    if _accumulates_into_grad(weight, fuse):
+        weight.grad.addcmul_(grad, grad_output)  # type: ignore[union-attr]
+        return None
+    return scale(grad, grad_output)
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    """F.linear(x, weight) without bias, saving x and weight as torch's linear does, whose
+    backward adds the weight gradient into weight.grad where autograd would add it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        d_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = weight_grad(weight, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]), True)
+        return d_x, d_weight
+
+
+def linear(x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
+    """F.linear(x, weight) (no bias); with `fuse`, its backward adds the weight gradient into
+    weight.grad inside the GEMM when autograd would accumulate it there."""
+    # under autocast F.linear casts its inputs, and the Function would save the uncast ones
+    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    if fuse and torch.is_grad_enabled() and weight.requires_grad and not autocast:
+        return _AccumulatingLinear.apply(x, weight)
+    return F.linear(x, weight)
