@@ -2,7 +2,7 @@
 torch.compile run of its own model, kernel time by kind (GEMM, attention, compiled Triton, other)
 and the top kernels, from torch.profiler over two forward+backward steps after warm-up.
 
-  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor] [--trace] [--harness] [--gaps]
+  PYTHONPATH=src python benchmarks/profile_w1.py [--skip-anchor] [--trace] [--harness] [--gaps] [--nofuse]
   writes $OUT/profile_w1.json; --trace also one step of each as a gzipped Chrome trace (CPU ops
   with shapes, kernels) in $OUT/trace_*.json.gz; --harness also times remat's step through
   `remat bench`'s harness (bench_w1's spec) beside the plain loop; --gaps also finds where the GPU
@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="export one step of each as a Chrome trace")
     parser.add_argument("--harness", action="store_true", help="also time remat's step through the harness")
     parser.add_argument("--gaps", action="store_true", help="also find where the GPU waits for the CPU")
+    parser.add_argument("--nofuse", action="store_true",
+                        help="also profile remat with gradient_accumulation_fusion off")
     args = parser.parse_args()
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="PYTHONPATH=src python benchmarks/profile_w1.py", runs={})
@@ -216,6 +218,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     record["runs"]["remat_none_compiled"] = _run(remat_forward(), "remat", args, warm=3)
     torch.cuda.empty_cache()
+    if args.nofuse:
+        record["runs"]["remat_none_compiled_nofuse"] = _run(
+            remat_forward(gradient_accumulation_fusion=False), "remat_nofuse", args, warm=3)
+        torch.cuda.empty_cache()
     if not args.skip_anchor:
         record["runs"]["anchor_compile_1.0"] = _run(anchor_forward(), "anchor", args, warm=2)
     (OUT / "profile_w1.json").write_text(json.dumps(record, indent=1))
