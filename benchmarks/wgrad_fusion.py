@@ -1,4 +1,4 @@
-"""What adding a weight gradient into .grad inside the GEMM (beta = 1, remat.models.linear) costs
+"""What adding a weight gradient into .grad inside the GEMM (beta = 1, remat.models.grad_accumulation) costs
 against computing it and adding it with a second kernel, at W1's shapes (16384 tokens): one
 weight-gradient GEMM per projection of a layer, and the loss head's scaled add. CUDA events,
 median of 20 after 3 warm-ups.

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from remat.config import ConfigError, model_shape_problems
 from remat.models import rmsnorm, rope, swiglu
-from remat.models.linear import linear
+from remat.models.grad_accumulation import linear
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites import Site
 
@@ -44,7 +44,7 @@ class LlamaConfig:
     # dim with fewer heads, so its attention width differs from hidden_size.
     kv_channels: int | None = None
     # Add each linear's weight gradient into .grad inside its GEMM when gradients accumulate
-    # (remat.models.linear): Megatron's flag of the same name.
+    # (remat.models.grad_accumulation): Megatron's flag of the same name.
     gradient_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:
@@ -213,7 +213,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def swiglu_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool,
                 activation: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
-    """linear_fc2(silu(gate) * up) for linear_fc2's weight (remat.models.linear.linear's `fuse`)."""
+    """linear_fc2(silu(gate) * up) for linear_fc2's weight (remat.models.grad_accumulation.linear's `fuse`)."""
     return linear(activation(gate_up), weight, fuse_grads)
 
 

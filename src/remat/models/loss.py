@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from remat.models.linear import scale_weight_grad
+from remat.models.grad_accumulation import accumulates_into_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
 
 
@@ -83,21 +83,30 @@ def scale_grad(grad: Tensor, grad_output: Tensor) -> Tensor:
     return grad * grad_output
 
 
+def add_scaled_grad(acc: Tensor, grad: Tensor, grad_output: Tensor) -> None:
+    """acc += grad * grad_output (0-dim), rounded once: a gradient computed for grad_output 1
+    added into an existing .grad."""
+    acc.addcmul_(grad, grad_output)
+
+
 @dataclass(frozen=True)
 class LossKernels:
     """The loss head's elementwise work, eager or compiled: a chunk's loss and logit gradients,
-    and the scaling of the gradients computed in forward by backward's grad_output."""
+    and the scaling of the gradients computed in forward by backward's grad_output (into a new
+    tensor, or added into the weight's .grad)."""
 
     chunk: ChunkFn = chunk_loss_in_place
     scale: Callable[[Tensor, Tensor], Tensor] = scale_grad
+    add_scaled: Callable[[Tensor, Tensor, Tensor], None] = add_scaled_grad
 
 
 @functools.cache
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
     # Eager, a multiply by a 0-dim CUDA tensor broadcasts it and takes torch's unvectorized path:
-    # 1.8 ms against 0.53 compiled on W1's 1 GiB weight gradient (H200).
+    # 1.8 ms against 0.53 compiled on W1's 1 GiB weight gradient (H200); the add into .grad took
+    # 3.45 ms eager (benchmarks/results/profile_w1_h200.json, call F).
     return LossKernels(on_cuda(torch.compile(chunk_loss_fusable, backend=backend)),
-                       torch.compile(scale_grad, backend=backend))
+                       torch.compile(scale_grad, backend=backend), torch.compile(add_scaled_grad, backend=backend))
 
 
 # torch >= 2.8 on CUDA: a bf16/fp16 GEMM may write (mm) or add into (addmm) a float32 output.
@@ -178,7 +187,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         # the parameter itself, not saved for backward: only where its gradient goes matters
-        ctx.weight, ctx.scale, ctx.fuse_grads = weight, kernels.scale, fuse_grads  # type: ignore[attr-defined]
+        ctx.weight, ctx.kernels, ctx.fuse_grads = weight, kernels, fuse_grads  # type: ignore[attr-defined]
         return loss
 
     @staticmethod
@@ -186,12 +195,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor
     ) -> tuple[Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
-        scale = ctx.scale  # type: ignore[attr-defined]
+        kernels, weight = ctx.kernels, ctx.weight  # type: ignore[attr-defined]
         if grad_hidden is not None:
-            grad_hidden = scale(grad_hidden, grad_output)
-        if grad_weight is not None:
-            grad_weight = scale_weight_grad(ctx.weight, grad_weight, grad_output, scale,  # type: ignore[attr-defined]
-                                            ctx.fuse_grads)  # type: ignore[attr-defined]
+            grad_hidden = kernels.scale(grad_hidden, grad_output)
+        if grad_weight is not None and accumulates_into_grad(weight, ctx.fuse_grads):  # type: ignore[attr-defined]
+            kernels.add_scaled(weight.grad, grad_weight, grad_output)
+            grad_weight = None
+        elif grad_weight is not None:
+            grad_weight = kernels.scale(grad_weight, grad_output)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -206,7 +217,7 @@ def chunked_linear_cross_entropy(
     `kernels` compute a chunk's loss and logit gradients and scale the gradients in backward:
     eager, or `compiled_loss_kernels()`, which fuses the chunk into a few passes over the logits
     and writes the gradients over them. With `fuse_grads`, backward adds the weight's gradient
-    into weight.grad as it scales it (remat.models.linear.scale_weight_grad).
+    into weight.grad as it scales it (where remat.models.grad_accumulation.accumulates_into_grad).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.linear import weight_grad
+from remat.models.grad_accumulation import weight_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
@@ -32,7 +32,7 @@ def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> None:
 
 class SwiGLUDown(torch.autograd.Function):
     """F.linear(silu(gate) * up, weight) for gate_up = [..., 2 * ffn] (gate first), saving
-    gate_up and the weight only; `fuse_grads` as remat.models.linear.linear's `fuse`. Not twice
+    gate_up and the weight only; `fuse_grads` as remat.models.grad_accumulation.linear's `fuse`. Not twice
     differentiable."""
 
     @staticmethod

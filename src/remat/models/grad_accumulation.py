@@ -4,9 +4,11 @@
 When a weight's ``.grad`` already holds a gradient (a later micro-batch, or steps without
 zero_grad), autograd computes the new weight gradient into a fresh tensor and then adds it into
 ``.grad`` with one more kernel, which reads both and writes the sum. Here the GEMM adds into
-``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it (at W1's shapes the
-adds took 4.3 ms of a 418 ms step, benchmarks/results/profile_w1_h200.json). The sum is rounded
-once instead of twice.
+``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it. At W1's shapes on
+an H200 the 32 adds took 3.1 ms of a 420 ms step, and the GEMMs adding into .grad 1.1 ms more
+than the plain ones (benchmarks/results/profile_w1_h200.json, call F; wgrad_fusion_h200.json). The sum is rounded once
+instead of twice. The loss head (remat.models.loss), which computes its weight gradient in forward,
+adds it into ``.grad`` as it scales it, under the same conditions (accumulates_into_grad).
 
 The Function then returns no weight gradient, so it accumulates only where autograd would have
 accumulated the same sum: in ``backward()`` (not ``autograd.grad``, which returns gradients
@@ -16,7 +18,7 @@ gradient as torch's linear does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 
-def _accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
+def accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
     """Whether to add `weight`'s gradient into weight.grad here: `fuse` asks for it, and the
     backward now running would add it there."""
     grad = weight.grad
@@ -42,21 +44,10 @@ def weight_grad(weight: Tensor, grad_out: Tensor, inputs: Tensor, fuse: bool) ->
     """The gradient of ``inputs @ weight.T`` w.r.t. weight for grad_out (both 2-D, rows of tokens):
     with `fuse`, added into weight.grad by the GEMM when backward accumulates there (None is then
     returned); else computed as autograd would."""
-    if _accumulates_into_grad(weight, fuse):
+    if accumulates_into_grad(weight, fuse):
         weight.grad.addmm_(grad_out.t(), inputs)  # type: ignore[union-attr]
         return None
     return grad_out.t().mm(inputs)
-
-
-def scale_weight_grad(weight: Tensor, grad: Tensor, grad_output: Tensor,
-                      scale: Callable[[Tensor, Tensor], Tensor], fuse: bool) -> Tensor | None:
-    """A weight gradient computed for grad_output 1, times backward's grad_output (0-dim): with
-    `fuse`, added into weight.grad in one kernel when backward accumulates there (None is then
-    returned); else `scale(grad, grad_output)`."""
-    if _accumulates_into_grad(weight, fuse):
-        weight.grad.addcmul_(grad, grad_output)  # type: ignore[union-attr]
-        return None
-    return scale(grad, grad_output)
 
 
 class _AccumulatingLinear(torch.autograd.Function):
@@ -86,3 +77,4 @@ def linear(x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
     if fuse and torch.is_grad_enabled() and weight.requires_grad and not autocast:
         return _AccumulatingLinear.apply(x, weight)
     return F.linear(x, weight)
+
