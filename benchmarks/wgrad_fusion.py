@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from profile_w1 import median_cuda_seconds
 
 OUT = Path(os.environ.get("OUT", "."))
 TOKENS = 16384
@@ -22,18 +23,8 @@ SHAPES = {"linear_qkv": (6144, 4096), "linear_proj": (4096, 4096), "linear_fc1":
           "linear_fc2": (4096, 14336), "output_layer": (128256, 4096)}
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(sorted(times)[repeats // 2], 4)
+def median_ms(fn: Callable[[], object]) -> float:
+    return round(median_cuda_seconds(fn, reps=20, warmup=3) * 1e3, 4)
 
 
 def measure(name: str, n_out: int, n_in: int) -> dict[str, float]:
