@@ -57,7 +57,7 @@ def test_estimate_agrees_exactly_with_the_trace_of_a_cpu_model(backend) -> None:
     model = remat.models.build("llama3_tiny", dtype=torch.float32, **overrides)
     ids = torch.randint(0, model.config.vocab_size, (MB, SHAPE["seq_length"] + 1))
     # contiguous labels, as the bench's data gives (a strided view would be copied by the loss)
-    traced = _quiet(remat.trace, model, ids[:, :-1], ids[:, 1:].contiguous(), timing_repeats=1)
+    traced = _quiet(remat.trace, model, (ids[:, :-1], ids[:, 1:].contiguous()), timing_repeats=1)
     for (name, plan), est in zip(PLANS, estimates):
         predicted = _quiet(traced.predict, plan)
         (stage,) = est.stages
@@ -212,7 +212,7 @@ def test_offload_estimates_agree_exactly_with_the_trace_of_a_cpu_model() -> None
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float32, **overrides)
     ids = torch.randint(0, model.config.vocab_size, (MB, SHAPE["seq_length"] + 1))
-    traced = _quiet(remat.trace, model, ids[:, :-1], ids[:, 1:].contiguous(), timing_repeats=1, offload=True,
+    traced = _quiet(remat.trace, model, (ids[:, :-1], ids[:, 1:].contiguous()), timing_repeats=1, offload=True,
                     min_offloaded_tensor_size=64)
     for (name, plan), est in zip(PLANS[:1] + OFFLOAD_PLANS, estimates):
         predicted = traced.predict(plan)

@@ -36,7 +36,7 @@ def traced():
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=4, seq_length=32)
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
     batch = ids[:, :-1], ids[:, 1:]
-    return model, batch, remat.trace(model, *batch, timing_repeats=1)
+    return model, batch, remat.trace(model, batch, timing_repeats=1)
 
 
 def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
@@ -63,7 +63,7 @@ def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
 @pytest.fixture(scope="module")
 def offload_traced(traced):
     model, batch, _ = traced
-    return model, batch, remat.trace(model, *batch, timing_repeats=1, offload=True,
+    return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True,
                                      min_offloaded_tensor_size=256)
 
 

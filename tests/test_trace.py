@@ -26,7 +26,7 @@ def traced(request):
     batch = ids[:, :-1], ids[:, 1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        return model, batch, remat.trace(model, *batch, timing_repeats=1)
+        return model, batch, remat.trace(model, batch, timing_repeats=1)
 
 
 def _measured(model, batch, plan) -> int:
@@ -78,7 +78,7 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None
     batch = ids[:, :-1], ids[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    trace = remat.trace(model, *batch, optimizer=optimizer, timing_repeats=1)
+    trace = remat.trace(model, batch, optimizer=optimizer, timing_repeats=1)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr held at 0
     assert optimizer.param_groups[0]["lr"] == 1e-3
     assert [w.name for w in trace.windows] == [
@@ -118,7 +118,7 @@ def offload_traced():
     batch = ids[:, :-1], ids[:, 1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        return model, batch, remat.trace(model, *batch, timing_repeats=1, offload=True,
+        return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True,
                            min_offloaded_tensor_size=256)
 
 
@@ -198,14 +198,14 @@ def test_longer_offloaded_groups_free_their_extra_layers_in_the_next_layers_wind
     model = remat.models.build("llama3_tiny", num_layers=2, seq_length=8, device="meta")
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     with pytest.raises(remat.ConfigError, match="shapes-only trace"):
-        remat.trace(model, ids, ids, offload=True, flops_per_s=1e12)
+        remat.trace(model, (ids, ids), offload=True, flops_per_s=1e12)
 
 
 def test_trace_leaves_the_model_without_a_plan() -> None:
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=1, seq_length=8)
     remat.apply(model, remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]))
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
-    trace = remat.trace(model, ids[:, :-1], ids[:, 1:])
+    trace = remat.trace(model, (ids[:, :-1], ids[:, 1:]))
     assert all(s.action is None for group in remat.find_sites(model).inner for s in group)
     assert trace.layers[0].input_bytes == 0  # one layer: no multi-layer group to measure it with
 

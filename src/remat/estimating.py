@@ -334,7 +334,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     with _TargetKernels(spec.target):
         offload = {} if offload_threshold is None else dict(
             offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
-        measured = trace(model, inputs, labels, optimizer=optimizer, micro_batches=spec.micro_batches,
+        measured = trace(model, (inputs, labels), optimizer=optimizer, micro_batches=spec.micro_batches,
                          timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
                          progress=lambda what: note(f"stage {stage}: {what}"))
     state = [t for s_ in optimizer.state.values() for t in s_.values()] if optimizer else []

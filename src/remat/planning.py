@@ -135,5 +135,5 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     problems = list(planning_problems(offload, host_bytes, batch[0].device.type))
     if problems:
         raise ConfigError(problems)
-    traced = trace(model, *batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
+    traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
     return plan_from_trace(traced, budget_bytes, host_bytes)

@@ -304,7 +304,7 @@ def trace_spec(spec: BenchSpec, model: LlamaModel | None = None, offload: bool =
     model.train()
     batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
     optimizer = make_optimizer(model, spec)
-    measured = trace(model, *batch, optimizer=optimizer, micro_batches=spec.micro_batches, offload=offload,
+    measured = trace(model, batch, optimizer=optimizer, micro_batches=spec.micro_batches, offload=offload,
                      min_offloaded_tensor_size=min_offloaded_tensor_size, progress=progress)
     del optimizer, batch
     release_memory(model)

@@ -451,12 +451,13 @@ _FLOP_FORMULAS = {
 }
 
 
-def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
+def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
           optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
           timing_repeats: int = 3, seed: int = 0, flops_per_s: float | None = None,
           offload: bool = False, min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
           host_bytes_per_s: float | None = None, progress: Callable[[str], None] | None = None) -> Trace:
-    """Measure, with training steps on this batch, what every action saves and costs in every layer.
+    """Measure, with training steps on `batch` (input_ids, labels, as `remat.plan` takes it),
+    what every action saves and costs in every layer.
 
     The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
     across steps, as `bench --no_optimizer` runs). The optimizer's learning rate is 0 while
@@ -472,6 +473,7 @@ def trace(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     if not layout.has_layer_sites:
         raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
                                             "to tell one layer's memory from the next; add layer Sites")])
+    input_ids, labels = batch
     problems = list(planning_problems(offload, None, input_ids.device.type, host_bytes_per_s))
     if problems:
         raise ConfigError(problems)
