@@ -302,6 +302,17 @@ def test_memory_table_renders() -> None:
     assert "20.00 GiB at OOM" in render(memory_table(oom_result()))
 
 
+
+def test_memory_table_counts_gradients_built_in_backward_once() -> None:
+    """With one micro-batch and an optimizer step the gradients are built during backward: the
+    activations' row holds them, so their own row gives no second share of the peak."""
+    result = make_result()
+    result.memory = dataclasses.replace(result.memory, grads_persist=False)
+    text = render(memory_table(result))
+    assert "within activations" in text and "20.0%" in text  # weights still have their share
+    assert "within activations" not in render(memory_table(make_result()))
+
+
 def test_checks_table_renders() -> None:
     checks = [
         check_of("tflops_per_gpu", 100.0, 80.0),

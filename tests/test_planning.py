@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import remat
+from remat.bench.history import recent
 from remat.cli import main
 from remat.config import ModelLayout
 from remat.memory.trace import Effect, LayerEffects, Trace
@@ -143,11 +144,12 @@ def test_a_site_that_frees_nothing_is_never_chosen() -> None:
 
 
 def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) -> None:
-    out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
-    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--no_progress", "--no_history",
+    out, record, history = tmp_path / "plan.yaml", tmp_path / "plan.json", tmp_path / "history.sqlite"
+    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--no_progress", "--history", str(history),
             "--memory-budget", "2.2MiB", "-o", str(out), "--verify", "--json", str(record), "-ms", "2",
             "--warmup_steps", "1"]
     assert main(argv) == 0
+    assert [r.name for r in recent(path=history)] == ["plan"]  # the verifying run is recorded
     text = capsys.readouterr().out
     assert "fastest plan under 2.20 MiB" in text and "predicted vs measured" in text
     data = json.loads(record.read_text())

@@ -476,6 +476,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             bench = run_bench(spec, result.config or result.plan, model=model, name="plan", progress=bar)
         _console.print(_verify_plan_table(result, bench, spec))
         record["measured"] = bench.to_dict()
+        _record([bench], args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

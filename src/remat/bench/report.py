@@ -76,7 +76,11 @@ def memory_table(result: BenchResult) -> Table:
     for label, attr in _BREAKDOWN:
         n_bytes = getattr(result.memory, attr) if result.memory is not None else None
         share = n_bytes / peak if n_bytes is not None and peak else None
-        table.add_row(label, format_gib(n_bytes), _number(share, ".1%"))
+        if attr == "grads" and result.memory is not None and not result.memory.grads_persist:
+            # built during backward: what of them is alive at the peak is in the activations' row
+            table.add_row(label, format_gib(n_bytes), "within activations")
+        else:
+            table.add_row(label, format_gib(n_bytes), _number(share, ".1%"))
     table.add_section()
     allocated, reserved = _peak_cells(result)
     table.add_row("peak allocated", allocated, "")

@@ -18,6 +18,9 @@ class MemoryBreakdown:
     grads: int
     optimizer: int
     activations: int
+    # False: the gradients are built during backward, so the part of them alive at the peak is
+    # inside `activations` (their share of the peak is not counted again)
+    grads_persist: bool = True
 
 
 @dataclass

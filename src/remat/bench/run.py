@@ -219,9 +219,9 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
     # Gradients outlive the step's forward only when they accumulate (no optimizer step that
     # frees them, or several micro-batches); otherwise they are built during backward and are
     # part of what the rest of the peak holds.
-    persistent_grads = grads if optimizer is None or spec.micro_batches > 1 else 0
-    activations = max(peak - weights - optim - persistent_grads, 0)
-    return MemoryBreakdown(weights, grads, optim, activations)
+    persist = optimizer is None or spec.micro_batches > 1
+    activations = max(peak - weights - optim - (grads if persist else 0), 0)
+    return MemoryBreakdown(weights, grads, optim, activations, grads_persist=persist)
 
 
 def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str | None) -> dict[str, Any]:
