@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from remat.apply import find_sites
+from remat.bench.run import adamw, optimizer_state_bytes
 from remat.config import (
     DEFAULT_HOST_GBPS,
     DEFAULT_TFLOPS,
@@ -265,8 +266,8 @@ def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: 
 
 
 class _AdamWState(torch.optim.Optimizer):
-    """What fused AdamW holds: two moments per parameter, updated in place (no temporaries).
-    Meta tensors cannot run the fused kernel; memory is all the estimate needs."""
+    """What fused AdamW (the bench's on CUDA) holds: two moments per parameter, updated in place
+    (no temporaries). Meta tensors cannot run the fused kernel; memory is all the estimate needs."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params, {"lr": 0.0})
@@ -329,7 +330,9 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     else:
         local = s // facts.tensor_model_parallel_size if sp else s
         inputs = torch.zeros(b, local, shard.hidden_size, dtype=spec.dtype, device=meta, requires_grad=True)
-    optimizer = _AdamWState(model.parameters()) if spec.optimizer else None
+    optimizer: torch.optim.Optimizer | None = None
+    if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
+        optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
         offload = {} if offload_threshold is None else dict(
@@ -337,10 +340,9 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         measured = trace(model, (inputs, labels), optimizer=optimizer, micro_batches=spec.micro_batches,
                          timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
                          progress=lambda what: note(f"stage {stage}: {what}"))
-    state = [t for s_ in optimizer.state.values() for t in s_.values()] if optimizer else []
     hidden = inputs if not first else torch.empty(b, s // (facts.tensor_model_parallel_size if sp else 1),
                                                   shard.hidden_size, dtype=spec.dtype, device=meta)
-    return _StageTrace(measured, storage_bytes(model.parameters()), storage_bytes(state),
+    return _StageTrace(measured, storage_bytes(model.parameters()), optimizer_state_bytes(optimizer),
                        0 if first else hidden.untyped_storage().nbytes(),
                        0 if last else hidden.untyped_storage().nbytes(),
                        optimizer is None or spec.micro_batches > 1)

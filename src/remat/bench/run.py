@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -159,12 +159,15 @@ def _step(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.op
     return total, start, mid, clock.mark()
 
 
+def adamw(params: Iterable[nn.Parameter], fused: bool) -> torch.optim.AdamW:
+    """AdamW as Megatron's recipes set it: fused on GPU (moments updated in place, no
+    temporaries); elsewhere torch's loop over the tensors, which allocates a few per tensor."""
+    return torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+
+
 def make_optimizer(model: nn.Module, spec: BenchSpec) -> torch.optim.Optimizer | None:
-    """AdamW as Megatron's recipes set it (fused on GPU), or None for forward+backward runs."""
-    if not spec.optimizer:
-        return None
-    return torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
-                             fused=spec.device.startswith("cuda"))
+    """The bench's AdamW, or None for forward+backward runs."""
+    return adamw(model.parameters(), fused=spec.device.startswith("cuda")) if spec.optimizer else None
 
 
 def _train(model: nn.Module, spec: BenchSpec,
@@ -204,7 +207,7 @@ def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     # moments (exp_avg, exp_avg_sq); the per-parameter step counters are scalars
     states = optimizer.state.values() if optimizer is not None else []
     return _tensor_bytes(v for s in states for k, v in s.items()
@@ -215,7 +218,7 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
                peak: int) -> MemoryBreakdown:
     weights = _tensor_bytes(model.parameters())
     grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
-    optim = _optimizer_bytes(optimizer)
+    optim = optimizer_state_bytes(optimizer)
     # Gradients outlive the step's forward only when they accumulate (no optimizer step that
     # frees them, or several micro-batches); otherwise they are built during backward and are
     # part of what the rest of the peak holds.
