@@ -88,6 +88,8 @@ REJECTED = [
     pytest.param(["-c", "fp8_cs"], ["compute_dtype: 'fp8_cs' is not supported yet", "use -c bf16"], id="fp8"),
     pytest.param(["-c", "nonsense"], ["compute_dtype: 'nonsense' is not a compute dtype"], id="dtype-unknown"),
     pytest.param(["-c", "bf61"], ["did you mean 'bf16'?"], id="dtype-typo"),
+    pytest.param(["-c", "fp8"], ["'fp8' is not a compute dtype; Megatron Bridge's are ", "'fp8_cs'", "use -c bf16"],
+                 id="dtype-bridge-prefix"),
     pytest.param(["-ng", "2"], ["num_gpus: is 2", "use -ng 1"], id="num-gpus"),
     pytest.param(["-tp", "2"], ["tensor_model_parallel_size: is 2"], id="tp"),
     pytest.param(["-pp", "2"], ["pipeline_model_parallel_size: is 2"], id="pp"),

@@ -1294,9 +1294,11 @@ class BenchSettings:
 def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     if s.compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
         known = s.compute_dtype in BRIDGE_COMPUTE_DTYPES
+        # a typo is pointed at what runs, not at a Bridge dtype that would be refused next
         yield Problem("compute_dtype", f"{s.compute_dtype!r} is " + (
-            "not supported yet" if known else f"not a compute dtype{_did_you_mean(s.compute_dtype, BRIDGE_COMPUTE_DTYPES)}"
-        ) + "; use -c bf16")
+            "not supported yet" if known else
+            f"not a compute dtype{_did_you_mean(s.compute_dtype, SUPPORTED_COMPUTE_DTYPES)}; Megatron Bridge's "
+            f"are {_one_of(BRIDGE_COMPUTE_DTYPES)}") + "; use -c bf16")
     if s.task not in TASKS:
         yield Problem("task", f"{s.task!r} is not a task; use one of {_one_of(TASKS)}")
     if s.gpu is not None and s.gpu not in GPUS:
