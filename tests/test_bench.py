@@ -310,6 +310,16 @@ def test_bench_result_name_matches_the_config(capsys: pytest.CaptureFixture[str]
     assert json.loads(out_json.read_text())["name"] == name
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_bench_records_whether_gradient_accumulation_is_fused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                              fused: bool) -> None:
+    out_json = tmp_path / "r.json"
+    flags = [] if fused else ["--no_gradient_accumulation_fusion"]
+    code, _, err = cli(capsys, "bench", *TINY, *flags, "--no_history", "--json", str(out_json))
+    assert code == 0, err
+    assert json.loads(out_json.read_text())["shape"]["gradient_accumulation_fusion"] is fused
+
+
 def test_plan_name() -> None:
     assert plan_name(None) == "none"
     assert plan_name(RecomputeConfig.from_megatron({})) == "none"

@@ -201,6 +201,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
     g.add_argument("--num_layers", type=int, metavar="N")
     g.add_argument("--hidden_size", type=int, metavar="N")
+    g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
+                   help="let autograd add each weight gradient into .grad with its own kernel instead of the "
+                        "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model's regions between Sites (QKV+RoPE, SwiGLU, loss softmax); "
                         "on CUDA, SwiGLU+linear_fc2, the QKV split with RoPE, RMSNorm and the loss chunk run "
@@ -250,8 +253,11 @@ class _Problems:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
-            if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
+                 if getattr(args, k) is not None}
+    if args.no_gradient_accumulation_fusion:
+        overrides["gradient_accumulation_fusion"] = False
+    return overrides
 
 
 def _spec(args: argparse.Namespace) -> Any:
