@@ -159,6 +159,10 @@ def test_mismatch_notes() -> None:
     assert "shape.seq_length differs: golden 2048, current 4096" in notes
     assert "config.recompute_granularity differs: golden 'selective', current 'full'" in notes
     assert "config.recompute_modules differs: golden ['mlp'], current '<absent>'" in notes
+    # a golden from before gradient accumulation was fused ran without it
+    fused = make_result(shape={**gold.shape, "gradient_accumulation_fusion": True})
+    assert mismatch_notes(fused, gold) == ["shape.gradient_accumulation_fusion differs: golden False, current True"]
+    assert mismatch_notes(make_result(shape={**gold.shape, "gradient_accumulation_fusion": False}), gold) == []
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

@@ -3,16 +3,18 @@ weight-sized temporary it does not allocate, and every case where autograd would
 into .grad (where it must return the gradient instead, as torch's linear does)."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.config import RecomputeConfig
 from remat.memory.live import peak_during
-from remat.models import build
+from remat.models import build, swiglu
 from remat.models.grad_accumulation import linear
 from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels, scale_grad
 
@@ -28,6 +30,18 @@ def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Ten
     return x, weight, torch.randn(2, TOKENS // 2, OUT, dtype=dtype), weight.grad.clone()
 
 
+class _Ops(TorchDispatchMode):
+    """How many times each aten op (by name, e.g. "addmm_") runs inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _fused_sum(old: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return old.addmm(grad.reshape(TOKENS, OUT).t(), x.detach().reshape(TOKENS, IN))
 
@@ -38,7 +52,10 @@ def test_backward_adds_into_the_gradient_inside_the_gemm(dtype: torch.dtype) -> 
     rounding of autograd's two steps; the input gradient is torch's bit for bit."""
     x, weight, grad, old = _inputs(dtype)
     held = weight.grad
-    linear(x, weight, True).backward(grad)
+    out = linear(x, weight, True)
+    with _Ops() as ops:
+        out.backward(grad)
+    assert ops.counts["addmm_"] == 1 and ops.counts["add_"] == 0  # no separate add
     assert weight.grad is held and torch.equal(weight.grad, _fused_sum(old, x, grad))
     x_ref, weight_ref = x.detach().requires_grad_(), weight.detach().requires_grad_()
     weight_ref.grad = old.clone()
@@ -95,10 +112,14 @@ def test_where_autograd_would_not_add_into_grad_it_returns_the_gradient(case: st
         weight.grad, old = None, torch.zeros_like(old)
     elif case == "non-contiguous gradient":
         weight.grad = old.t().contiguous().t()
-    linear(x, weight, case != "fusion off").backward(grad, create_graph=case == "create_graph")
+    out = linear(x, weight, case != "fusion off")
+    with _Ops() as ops:
+        out.backward(grad, create_graph=case == "create_graph")
+    assert ops.counts["addmm_"] == 0  # the gradient computed apart, then stored or added by autograd
     want = _unfused(x, weight, grad)
-    assert torch.equal(weight.grad, want if case == "no gradient yet" else old + want)
+    assert torch.equal(weight.grad.detach(), want if case == "no gradient yet" else old + want)
     assert len(seen) == (1 if "hook" in case else 0)
+    assert (weight.grad.grad_fn is not None) == (case == "create_graph")
 
 
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
@@ -125,30 +146,67 @@ def test_the_loss_head_adds_its_scaled_gradient_in_one_step(fuse: bool, kernels:
         torch.testing.assert_close(weight.grad, want, rtol=2**-8, atol=2**-10)
 
 
-def _two_steps(fuse: bool, plan: Callable[[torch.nn.Module], None] = lambda m: None) -> dict[str, torch.Tensor]:
+def _two_steps(fuse: bool, plan: Callable[[torch.nn.Module], None] = lambda m: None
+               ) -> tuple[dict[str, torch.Tensor], Counter[str]]:
+    """The gradients accumulated over two steps of a 2-layer model, and the ops of the second
+    backward."""
     torch.manual_seed(0)
     model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16,
                   gradient_accumulation_fusion=fuse)
     plan(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
-    for _ in range(2):
-        model(ids[:, :-1], ids[:, 1:]).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    loss = model(ids[:, :-1], ids[:, 1:])
+    with _Ops() as ops:
+        loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}, ops.counts
 
 
 def test_the_model_accumulates_the_same_gradients_fused_or_not() -> None:
-    fused, plain = _two_steps(True), _two_steps(False)
+    (fused, fused_ops), (plain, plain_ops) = _two_steps(True), _two_steps(False)
+    # linear_qkv, linear_proj and linear_fc1 in each layer (the eager linear_fc2 is torch's)
+    assert (fused_ops["addmm_"], plain_ops["addmm_"]) == (2 * 3, 0)
+    assert (fused_ops["addcmul_"], plain_ops["addcmul_"]) == (1, 0)  # the loss head
     assert fused.keys() == plain.keys()
     for name in fused:
         torch.testing.assert_close(fused[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _swiglu_function(model: torch.nn.Module) -> None:
+    """The MLPs through SwiGLUDown, as compile_regions sets them on CUDA (its linear_fc2 fuses)."""
+    pytest.importorskip("triton")
+    for layer in model.decoder.layers:
+        layer.mlp.activation_down = swiglu.activation_down
+
+
+@pytest.mark.parametrize("mlp", ["eager", "SwiGLUDown"])
 @pytest.mark.parametrize("config", [
     RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
     RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)])
-def test_recompute_accumulates_the_gradients_of_no_recompute_bit_for_bit(config: RecomputeConfig) -> None:
-    """Over two steps the second adds into .grad inside the GEMMs, in the recomputed backward too."""
-    plain, recomputed = _two_steps(True), _two_steps(True, lambda model: remat.apply(model, config))
+def test_recompute_accumulates_the_gradients_of_no_recompute_bit_for_bit(config: RecomputeConfig, mlp: str) -> None:
+    """The second step adds into .grad inside the GEMMs in the recomputed backward too (whose
+    saved weights come back through the engine's hooks), with the gradients of no recompute."""
+    kernels = _swiglu_function if mlp == "SwiGLUDown" else (lambda model: None)
+
+    def with_plan(model: torch.nn.Module) -> None:
+        kernels(model)
+        remat.apply(model, config)
+
+    (plain, plain_ops), (recomputed, ops) = _two_steps(True, kernels), _two_steps(True, with_plan)
+    assert ops["addmm_"] == plain_ops["addmm_"] == 2 * (4 if mlp == "SwiGLUDown" else 3)
     for name in plain:
         assert torch.equal(plain[name], recomputed[name]), name
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_weight_that_is_not_a_leaf_is_left_to_autograd_without_a_warning() -> None:
+    """A weight computed from a parameter (a cast, say) has no .grad of its own to add into; it is
+    not even read (torch warns on reading a non-leaf's .grad)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(TOKENS, IN, requires_grad=True)
+    param = torch.randn(OUT, IN, requires_grad=True)
+    x, weight = torch.randn(2, TOKENS // 2, IN), param * 1
+    chunked_linear_cross_entropy(hidden, weight, torch.randint(0, OUT, (TOKENS,)), 4, fuse_grads=True).backward()
+    linear(x, param * 1, True).sum().backward()
+    assert param.grad is not None
 

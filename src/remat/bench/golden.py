@@ -124,6 +124,11 @@ def _dict_notes(label: str, golden: dict[str, Any], current: dict[str, Any]) -> 
     ]
 
 
+def _shape(result: BenchResult) -> dict[str, Any]:
+    # a result recorded before remat fused gradient accumulation ran without it
+    return {"gradient_accumulation_fusion": False, **result.shape}
+
+
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
     """Differences that make the comparison not like for like (recipe, GPU, shape, recompute config)."""
     notes = [
@@ -131,7 +136,7 @@ def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
         for field in ("recipe", "gpu")
         if getattr(golden, field) != getattr(current, field)
     ]
-    notes += _dict_notes("shape", golden.shape, current.shape)
+    notes += _dict_notes("shape", _shape(golden), _shape(current))
     notes += _dict_notes("config", golden.config, current.config)
     return notes
 

@@ -14,7 +14,8 @@ The Function then returns no weight gradient, so it accumulates only where autog
 accumulated the same sum: in ``backward()`` (not ``autograd.grad``, which returns gradients
 instead), without create_graph, into a plain ``.grad`` of the weight's dtype and shape, and with no
 tensor hooks on the weight that would expect to see the gradient. Otherwise it returns the
-gradient as torch's linear does.
+gradient as torch's linear does. Hooks registered on the weight's AccumulateGrad node itself (as
+torch's DDP does) are not seen: they run with no gradient from a fused call.
 """
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ from torch.autograd.graph import get_gradient_edge
 
 def accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
     """Whether to add `weight`'s gradient into weight.grad here: `fuse` asks for it, and the
-    backward now running would add it there."""
+    backward now running would add it there. `weight` must be the leaf itself: what a saved-tensor
+    hook (recompute, offload) hands back is another tensor, whose .grad is not the weight's."""
+    if not fuse or not weight.is_leaf:
+        return False
     grad = weight.grad
-    if (not fuse or grad is None or torch.is_grad_enabled() or grad.is_sparse or grad.shape != weight.shape
+    if (grad is None or torch.is_grad_enabled() or grad.is_sparse or grad.shape != weight.shape
             or grad.dtype != weight.dtype or not grad.is_contiguous()
             or weight._backward_hooks or weight._post_accumulate_grad_hooks):
         return False
@@ -41,9 +45,9 @@ def accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
 
 
 def weight_grad(weight: Tensor, grad_out: Tensor, inputs: Tensor, fuse: bool) -> Tensor | None:
-    """The gradient of ``inputs @ weight.T`` w.r.t. weight for grad_out (both 2-D, rows of tokens):
-    with `fuse`, added into weight.grad by the GEMM when backward accumulates there (None is then
-    returned); else computed as autograd would."""
+    """The gradient of ``inputs @ weight.T`` w.r.t. `weight` (the parameter itself, not a saved
+    copy) for grad_out (both 2-D, rows of tokens): with `fuse`, added into weight.grad by the GEMM
+    when backward accumulates there (None is then returned); else computed as autograd would."""
     if accumulates_into_grad(weight, fuse):
         weight.grad.addmm_(grad_out.t(), inputs)  # type: ignore[union-attr]
         return None
@@ -52,11 +56,14 @@ def weight_grad(weight: Tensor, grad_out: Tensor, inputs: Tensor, fuse: bool) ->
 
 class _AccumulatingLinear(torch.autograd.Function):
     """F.linear(x, weight) without bias, saving x and weight as torch's linear does, whose
-    backward adds the weight gradient into weight.grad where autograd would add it."""
+    backward adds the weight gradient into weight.grad where autograd would add it. Unlike
+    torch's linear it saves when it returns, after its matmul: a recompute replay that stops at
+    the last saved tensor runs the matmul (llama.swiglu_down keeps torch's linear for that)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the parameter itself: saved tensors may come back as other tensors
         return F.linear(x, weight)
 
     @staticmethod
@@ -65,7 +72,7 @@ class _AccumulatingLinear(torch.autograd.Function):
         d_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = weight_grad(weight, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]), True)
+            d_weight = weight_grad(ctx.weight, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]), True)
         return d_x, d_weight
 
 

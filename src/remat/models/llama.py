@@ -213,8 +213,10 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def swiglu_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool,
                 activation: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
-    """linear_fc2(silu(gate) * up) for linear_fc2's weight (remat.models.grad_accumulation.linear's `fuse`)."""
-    return linear(activation(gate_up), weight, fuse_grads)
+    """linear_fc2(silu(gate) * up) for linear_fc2's weight. `fuse_grads` is not taken here:
+    torch's linear saves its input before its matmul, so a recompute replay of the MLP (or of a
+    whole layer) stops before linear_fc2's GEMM, which costs more than the add fused away."""
+    return F.linear(activation(gate_up), weight)
 
 
 class MLP(nn.Module):

@@ -42,7 +42,8 @@ class SwiGLUDown(torch.autograd.Function):
         gate_up = gate_up.contiguous()
         ffn = gate_up.shape[-1] // 2
         ctx.save_for_backward(gate_up, weight)
-        ctx.fuse_grads = fuse_grads
+        # the parameter itself: saved tensors may come back as other tensors
+        ctx.weight, ctx.fuse_grads = weight, fuse_grads
         act = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
         _launch("silu_mul_forward", act, ffn, gate_up, act)
         return F.linear(act, weight)
@@ -60,7 +61,8 @@ class SwiGLUDown(torch.autograd.Function):
         del d_act
         d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = weight_grad(weight, grad.reshape(-1, grad.shape[-1]), act.reshape(-1, ffn), ctx.fuse_grads)
+            d_weight = weight_grad(ctx.weight, grad.reshape(-1, grad.shape[-1]), act.reshape(-1, ffn),
+                                   ctx.fuse_grads)
         return d_gate_up, d_weight, None
 
 
