@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from profile_w1 import median_cuda_seconds
 
 from remat.models import rope
-from remat.models.llama import LlamaConfig, RotaryEmbedding, project_qkv, silu_mul
+from remat.models.llama import LlamaConfig, RotaryEmbedding, silu_mul, split_qkv
 from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
 from remat.models.rmsnorm import RMSNormFunction, rms_norm
 from remat.models.swiglu import SwiGLUDown
@@ -57,7 +57,7 @@ def swiglu_rows() -> dict:
                         torch.compile(silu_mul, options={"max_pointwise_cat_inputs": 0}))
     variants = {"inductor": lambda x, w: F.linear(compiled(x), w),
                 "inductor, cat as concat kernel": lambda x, w: F.linear(concat(x), w),
-                "triton SwiGLUDown (remat)": SwiGLUDown.apply}
+                "triton SwiGLUDown (remat)": lambda x, w: SwiGLUDown.apply(x, w, False)}
     ref_in, ref_w = gate_up.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     reference = torch.autograd.grad(F.linear(silu_mul(ref_in), ref_w), (ref_in, ref_w), grad.double())
     rows = {}
@@ -177,8 +177,10 @@ def rope_rows() -> dict:
                                          num_query_groups=8, ffn_hidden_size=FFN, vocab_size=VOCAB,
                                          seq_length=TOKENS // 2), dtype=bf16, device=dev)
     args = (*rotary(TOKENS // 2), 32, 8)
-    variants = {"inductor (compiled project_qkv)": torch.compile(project_qkv), "triton RotaryQKV (remat)": rope.project_qkv}
-    want = project_qkv(x.double(), weight.double(), *(t.double() for t in args[:2]), *args[2:])
+    compiled = torch.compile(split_qkv)
+    variants = {"inductor (compiled split_qkv)": lambda x, w, *a: compiled(F.linear(x, w), *a),
+                "triton RotaryQKV (remat)": lambda x, w, *a: rope.split_qkv(F.linear(x, w), *a)}
+    want = split_qkv(F.linear(x.double(), weight.double()), *(t.double() for t in args[:2]), *args[2:])
     rows = {}
     for name, fn in variants.items():
         out = fn(x, weight, *args)

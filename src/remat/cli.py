@@ -205,7 +205,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="let autograd add each weight gradient into .grad with its own kernel instead of the "
                         "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model's regions between Sites (QKV+RoPE, SwiGLU, loss softmax); "
+                   help="torch.compile the model's regions between Sites (QKV split+RoPE, SwiGLU, loss softmax); "
                         "on CUDA, SwiGLU+linear_fc2, the QKV split with RoPE, RMSNorm and the loss chunk run "
                         "remat's Triton kernels")
     g.add_argument("--no_optimizer", action="store_true",

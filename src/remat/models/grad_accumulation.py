@@ -5,9 +5,9 @@ When a weight's ``.grad`` already holds a gradient (a later micro-batch, or step
 zero_grad), autograd computes the new weight gradient into a fresh tensor and then adds it into
 ``.grad`` with one more kernel, which reads both and writes the sum. Here the GEMM adds into
 ``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it. At W1's shapes on
-an H200 the 32 adds took 3.1 ms of a 420 ms step, and the GEMMs adding into .grad 1.1 ms more
-than the plain ones (benchmarks/results/profile_w1_h200.json, call F; wgrad_fusion_h200.json). The sum is rounded once
-instead of twice. The loss head (remat.models.loss), which computes its weight gradient in forward,
+an H200 the 33 adds took 3.1 ms of a 420 ms step, and the GEMMs adding into .grad took about as
+long as the plain ones (benchmarks/results/profile_w1_h200.json, call F; wgrad_fusion_h200.json).
+The sum is rounded once instead of twice. The loss head (remat.models.loss), which computes its weight gradient in forward,
 adds it into ``.grad`` as it scales it, under the same conditions (accumulates_into_grad).
 
 The Function then returns no weight gradient, so it accumulates only where autograd would have
@@ -27,11 +27,18 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 
-def accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
-    """Whether to add `weight`'s gradient into weight.grad here: `fuse` asks for it, and the
-    backward now running would add it there. `weight` must be the leaf itself: what a saved-tensor
-    hook (recompute, offload) hands back is another tensor, whose .grad is not the weight's."""
-    if not fuse or not weight.is_leaf:
+def kept_for_grad(weight: Tensor) -> Tensor | None:
+    """What a Function keeps on its ctx to add into weight.grad in backward: the leaf itself, since
+    what a saved-tensor hook (recompute, offload) hands back is another tensor, whose .grad is not
+    the weight's; None for a weight that is not a leaf (no .grad of its own), which then stays
+    held only through the saved-tensor hooks."""
+    return weight if weight.is_leaf else None
+
+
+def accumulates_into_grad(weight: Tensor | None, fuse: bool) -> bool:
+    """Whether to add `weight`'s gradient (`weight` as kept_for_grad gives it) into weight.grad
+    here: `fuse` asks for it, and the backward now running would add it there."""
+    if not fuse or weight is None:
         return False
     grad = weight.grad
     if (grad is None or torch.is_grad_enabled() or grad.is_sparse or grad.shape != weight.shape
@@ -44,10 +51,10 @@ def accumulates_into_grad(weight: Tensor, fuse: bool) -> bool:
         return False
 
 
-def weight_grad(weight: Tensor, grad_out: Tensor, inputs: Tensor, fuse: bool) -> Tensor | None:
-    """The gradient of ``inputs @ weight.T`` w.r.t. `weight` (the parameter itself, not a saved
-    copy) for grad_out (both 2-D, rows of tokens): with `fuse`, added into weight.grad by the GEMM
-    when backward accumulates there (None is then returned); else computed as autograd would."""
+def weight_grad(weight: Tensor | None, grad_out: Tensor, inputs: Tensor, fuse: bool) -> Tensor | None:
+    """The gradient of ``inputs @ weight.T`` w.r.t. the weight (`weight` as kept_for_grad gives it)
+    for grad_out (both 2-D, rows of tokens): with `fuse`, added into weight.grad by the GEMM when
+    backward accumulates there (None is then returned); else computed as autograd would."""
     if accumulates_into_grad(weight, fuse):
         weight.grad.addmm_(grad_out.t(), inputs)  # type: ignore[union-attr]
         return None
@@ -63,7 +70,7 @@ class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.weight = weight  # the parameter itself: saved tensors may come back as other tensors
+        ctx.weight = kept_for_grad(weight)
         return F.linear(x, weight)
 
     @staticmethod
@@ -84,4 +91,3 @@ def linear(x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
     if fuse and torch.is_grad_enabled() and weight.requires_grad and not autocast:
         return _AccumulatingLinear.apply(x, weight)
     return F.linear(x, weight)
-

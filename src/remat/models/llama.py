@@ -173,8 +173,8 @@ class SelfAttention(nn.Module):
                                      **_factory(dtype, device))
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
-        # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
         self.fuse_grads = config.gradient_accumulation_fusion
+        # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
         self.split_qkv = split_qkv
         self.merge_heads = merge_heads
 
@@ -348,7 +348,7 @@ class LlamaModel(nn.Module):
         )
 
     def compile_regions(self, backend: str = "inductor") -> None:
-        """torch.compile the pure functions around each layer's Sites (QKV projection with RoPE,
+        """torch.compile the pure functions around each layer's Sites (the QKV split with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
         copy of each serves every layer. On CUDA, remat's Triton kernels run instead where they
         measured faster (benchmarks/results/kernels_w1_h200.json): SwiGLU and linear_fc2 as one

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from remat.models.grad_accumulation import accumulates_into_grad
+from remat.models.grad_accumulation import accumulates_into_grad, kept_for_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
 
 
@@ -186,8 +186,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hidden, weight, labels, chunk_size, ignore_index, need_hidden, need_weight, kernels.chunk
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
-        # the parameter itself, not saved for backward: only where its gradient goes matters
-        ctx.weight, ctx.kernels, ctx.fuse_grads = weight, kernels, fuse_grads  # type: ignore[attr-defined]
+        ctx.weight, ctx.kernels, ctx.fuse_grads = kept_for_grad(weight), kernels, fuse_grads  # type: ignore[attr-defined]
         return loss
 
     @staticmethod

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.grad_accumulation import weight_grad
+from remat.models.grad_accumulation import kept_for_grad, weight_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
@@ -42,8 +42,7 @@ class SwiGLUDown(torch.autograd.Function):
         gate_up = gate_up.contiguous()
         ffn = gate_up.shape[-1] // 2
         ctx.save_for_backward(gate_up, weight)
-        # the parameter itself: saved tensors may come back as other tensors
-        ctx.weight, ctx.fuse_grads = weight, fuse_grads
+        ctx.weight, ctx.fuse_grads = kept_for_grad(weight), fuse_grads
         act = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
         _launch("silu_mul_forward", act, ffn, gate_up, act)
         return F.linear(act, weight)
