@@ -43,7 +43,7 @@ from remat.config import (
     parallel_shape_problems,
 )
 from remat.memory.meter import storage_bytes
-from remat.memory.trace import Trace, trace, unmeasured_problems
+from remat.memory.trace import Trace, gradients_persist, trace, unmeasured_problems
 from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, rope, swiglu
 from remat.plans import Plan, PlanLike
 
@@ -345,7 +345,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     return _StageTrace(measured, storage_bytes(model.parameters()), optimizer_state_bytes(optimizer),
                        0 if first else hidden.untyped_storage().nbytes(),
                        0 if last else hidden.untyped_storage().nbytes(),
-                       optimizer is None or spec.micro_batches > 1)
+                       gradients_persist(optimizer, spec.micro_batches))
 
 
 def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:

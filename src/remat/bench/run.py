@@ -25,7 +25,7 @@ from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
-from remat.memory.trace import Trace, trace
+from remat.memory.trace import Trace, gradients_persist, trace
 from remat.models import LlamaModel, build
 from remat.plans import Plan, PlanLike
 
@@ -219,10 +219,8 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
     weights = _tensor_bytes(model.parameters())
     grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
     optim = optimizer_state_bytes(optimizer)
-    # Gradients outlive the step's forward only when they accumulate (no optimizer step that
-    # frees them, or several micro-batches); otherwise they are built during backward and are
-    # part of what the rest of the peak holds.
-    persist = optimizer is None or spec.micro_batches > 1
+    # Gradients built during backward are part of what the rest of the peak holds.
+    persist = gradients_persist(optimizer, spec.micro_batches)
     activations = max(peak - weights - optim - (grads if persist else 0), 0)
     return MemoryBreakdown(weights, grads, optim, activations, grads_persist=persist)
 

@@ -330,6 +330,13 @@ class _Windows:
         return self.record
 
 
+def gradients_persist(optimizer: torch.optim.Optimizer | None, micro_batches: int) -> bool:
+    """Whether gradients exist when a step starts: they accumulate across steps without an
+    optimizer, and across micro-batches with several; otherwise the optimizer step frees them and
+    backward builds them again."""
+    return optimizer is None or micro_batches > 1
+
+
 @dataclass
 class _Stepper:
     """Runs the training step the trace measures, the way `remat bench` runs it: forward,
@@ -338,7 +345,7 @@ class _Stepper:
     model: nn.Module
     batch: tuple[torch.Tensor, torch.Tensor]
     optimizer: torch.optim.Optimizer | None
-    grads_persist: bool  # no optimizer, or several micro-batches: gradients exist at step start
+    grads_persist: bool  # gradients_persist(): gradients exist at step start
     seed: int
     flops_per_s: float | None = None  # the rate that times a step on the meta device
     min_offloaded: int = MIN_OFFLOADED_TENSOR_SIZE  # every offload plan runs with this threshold
@@ -479,7 +486,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         raise ConfigError(problems)
     note = progress or (lambda message: None)
     n = layout.num_layers
-    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
+    stepper = _Stepper(model, (input_ids, labels), optimizer, gradients_persist(optimizer, micro_batches), seed,
                        flops_per_s, min_offloaded_tensor_size, host_bytes_per_s)
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
@@ -562,7 +569,7 @@ def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     regions pass per_op=False: samples then come at each window's start and peak only (a
     dispatch mode watching every op would run compiled regions eagerly and change what they save)."""
     resolved = _resolve(plan, find_sites(model).layout)
-    stepper = _Stepper(model, (input_ids, labels), optimizer, optimizer is None or micro_batches > 1, seed,
+    stepper = _Stepper(model, (input_ids, labels), optimizer, gradients_persist(optimizer, micro_batches), seed,
                        min_offloaded=resolved.min_offloaded_tensor_size)
     marks: list[tuple[int, str]] = []
     found: list[_Samples] = []
