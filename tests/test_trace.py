@@ -219,7 +219,7 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    recorded = timeline(model, ids[:, :-1], ids[:, 1:].contiguous(), optimizer=optimizer,
+    recorded = timeline(model, (ids[:, :-1], ids[:, 1:].contiguous()), optimizer=optimizer,
                         plan=remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]))
     assert [name for _, name in recorded.marks] == [
         "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
@@ -231,7 +231,7 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     path = timeline_plot(recorded, tmp_path / "step.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # per window (for compiled regions, which a per-op dispatch mode would run eagerly)
-    coarse = timeline(model, ids[:, :-1], ids[:, 1:].contiguous(), optimizer=optimizer, plan=None, per_op=False)
+    coarse = timeline(model, (ids[:, :-1], ids[:, 1:].contiguous()), optimizer=optimizer, plan=None, per_op=False)
     assert [name for _, name in coarse.marks] == [name for _, name in recorded.marks]
     assert len(coarse.allocated) == 2 * (len(coarse.marks) + 1)  # each window's peak, each start
     assert max(coarse.allocated) == max(coarse.peaks.values())

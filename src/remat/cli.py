@@ -688,7 +688,7 @@ def _doctor_timeline(args: argparse.Namespace) -> int:
     model = build_model(spec)
     model.train()
     batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
-    recorded = timeline(model, *batch, optimizer=make_optimizer(model, spec), plan=plan,
+    recorded = timeline(model, batch, optimizer=make_optimizer(model, spec), plan=plan,
                         micro_batches=spec.micro_batches, per_op=not spec.compile)
     path = timeline_plot(recorded, args.timeline, title=f"{spec.recipe} on {spec.device}: one step, "
                                                          f"{spec.micro_batch_size} x {model.config.seq_length} tokens")

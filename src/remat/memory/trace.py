@@ -561,15 +561,16 @@ class _EveryOp(TorchDispatchMode):
         return out
 
 
-def timeline(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
+def timeline(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
              optimizer: torch.optim.Optimizer | None = None, plan: RecomputeConfig | Plan | None = None,
              micro_batches: int = 1, seed: int = 0, per_op: bool = True) -> Timeline:
-    """Allocated (and on CUDA reserved) bytes after every op of one training step under `plan`,
-    the step `trace` measures, with each layer's forward and backward marked. With compiled
-    regions pass per_op=False: samples then come at each window's start and peak only (a
-    dispatch mode watching every op would run compiled regions eagerly and change what they save)."""
+    """Allocated (and on CUDA reserved) bytes after every op of one training step on `batch`
+    (input_ids, labels) under `plan`, the step `trace` measures, with each layer's forward and
+    backward marked. With compiled regions pass per_op=False: samples then come at each window's
+    start and peak only (a dispatch mode watching every op would run compiled regions eagerly and
+    change what they save)."""
     resolved = _resolve(plan, find_sites(model).layout)
-    stepper = _Stepper(model, (input_ids, labels), optimizer, gradients_persist(optimizer, micro_batches), seed,
+    stepper = _Stepper(model, batch, optimizer, gradients_persist(optimizer, micro_batches), seed,
                        min_offloaded=resolved.min_offloaded_tensor_size)
     marks: list[tuple[int, str]] = []
     found: list[_Samples] = []
