@@ -114,10 +114,27 @@ def test_plan_of_the_solution_matches_its_choices() -> None:
 
 
 def test_no_plan_fits_says_by_how_much_and_what_to_change() -> None:
-    problem = PlanningProblem(2, [Choice(i, i + 1, {}, 0, 0.0) for i in range(2)]
-                              + [Choice(0, 2, None, 100 * MiB, 0.1)], _windows(2, [900, 1000, 1432, 1200, 900]))
+    choices = [Choice(i, i + 1, {}, 0, 0.0) for i in range(2)] + [Choice(0, 2, None, 100 * MiB, 0.1)]
+    windows = _windows(2, [900, 1000, 1432, 1200, 900])
     with pytest.raises(NoPlanFits, match=r"1\.30 GiB.*0\.30 GiB more, in window head.*micro-batch"):
-        solve(problem, 1024 * MiB)
+        solve(PlanningProblem(2, choices, windows), 1024 * MiB)
+    # with what a step starts from known: 1332 MiB = 800 held + 532 that scale with the micro-batch,
+    # which must come down to 224 MiB: 0.42x
+    with pytest.raises(NoPlanFits, match=r"0\.78 GiB is held across steps .* 0\.52 GiB is activations .* "
+                                         r"one 0\.42x the size or smaller would fit"):
+        solve(PlanningProblem(2, choices, windows, held_bytes=800 * MiB), 1024 * MiB)
+    with pytest.raises(NoPlanFits, match=r"held across steps take 1\.07 GiB alone: no recompute plan helps"):
+        solve(PlanningProblem(2, choices, windows, held_bytes=1100 * MiB), 1024 * MiB)
+
+
+def test_equal_times_go_to_the_plan_with_fewer_actions() -> None:
+    """Times measured as zero (a tiny model): one action that fits beats three that free a little
+    more, and a site action beats recomputing the layer whole."""
+    one = Choice(0, 1, {"mlp": "recompute"}, 10 * MiB, 0.0)
+    three = Choice(0, 1, {"mlp": "recompute", "core_attn": "recompute", "layernorm": "discard"}, 11 * MiB, 0.0)
+    whole = Choice(0, 1, None, 12 * MiB, 0.0)
+    problem = PlanningProblem(1, [Choice(0, 1, {}, 0, 0.0), three, whole, one], _windows(1, [50, 100, 60]))
+    assert solve(problem, 95 * MiB).choices == (one,)
 
 
 # One Llama-3-8B layer at sequence 4096 as `remat estimate` traces it on meta (bytes, seconds at

@@ -12,7 +12,7 @@ from remat.cli import main
 from remat.config import ModelLayout
 from remat.memory.trace import Effect, LayerEffects, Trace
 from remat.planner import NoPlanFits, Window
-from remat.planning import parse_bytes, plan_from_trace, uniform_config
+from remat.planning import megatron_keys, parse_bytes, plan_from_trace, uniform_config
 from remat.plans import Plan, load_plan_or_config
 
 MiB, GiB = 2**20, 2**30
@@ -25,10 +25,18 @@ def test_parse_bytes(text, expected) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "60XB", "-3GiB", "0", "1e3GB"])
+@pytest.mark.parametrize("text", ["", "GiB", "60XB", "-3GiB", "1e3GB"])
 def test_parse_bytes_rejects_with_an_example(text) -> None:
     with pytest.raises(remat.ConfigError, match="like 60GiB"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("size, message", [
+    ("0", "is no memory"), ("0GiB", "is no memory"), (0, "is 0 bytes"), (-5, "is -5 bytes"),
+    (1.5e9, "is a float; give bytes as an int or text with a unit")])
+def test_parse_bytes_rejects_sizes_that_are_no_memory_or_ambiguous(size, message) -> None:
+    with pytest.raises(remat.ConfigError, match=message):
+        parse_bytes(size)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +64,7 @@ def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
 
 def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
     _, _, trace = traced
-    with pytest.raises(NoPlanFits, match="more, in window") as info:
+    with pytest.raises(NoPlanFits, match="more, in window .* held across steps take .* alone") as info:
         plan_from_trace(trace, 1024)
     assert info.value.lowest.peak_bytes > 1024
 
@@ -157,7 +165,10 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
     # bench also allocates each step's tokens and a loss total: a few hundred bytes more
     assert data["measured"]["peak_allocated_bytes"] == pytest.approx(data["predicted"]["peak_bytes"], rel=1e-3)
     loaded = load_plan_or_config(out)
-    assert loaded == (Plan.from_dict(data["plan"]) if isinstance(loaded, Plan) else loaded)
+    layout = remat.find_sites(remat.models.build("llama3_tiny", num_layers=3, seq_length=32)).layout
+    assert (loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, layout)) == Plan.from_dict(data["plan"])
+    assert data["megatron"] == (None if isinstance(loaded, Plan) else megatron_keys(loaded))
+    assert bool(data["explain"]) == (Plan.from_dict(data["plan"]) != Plan.none(3))
     assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--config", str(out),
                  "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
 
@@ -190,3 +201,25 @@ def test_cli_plan_rejects_a_bad_budget_before_tracing(capsys) -> None:
     assert "memory_budget: cannot read 'lots'" in capsys.readouterr().err
     assert main(["plan", "--memory-budget", "1GiB", "--offload", "--host-memory-budget", "some"]) == 1
     assert "host_memory_budget: cannot read 'some'" in capsys.readouterr().err
+
+
+def test_budgets_the_weights_alone_exceed_and_bad_groups_fail_before_tracing(capsys) -> None:
+    assert main(["plan", "-mr", "llama3_tiny", "--memory-budget", "1KiB", "--max_group", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "memory_budget: the weights alone take" in err and "max_group: is 0; use 1 or more" in err
+    model = remat.models.build("llama3_tiny", num_layers=2, seq_length=8)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with pytest.raises(remat.ConfigError, match="the weights alone take"):
+        remat.plan(model, "1KiB", (ids[:, :-1], ids[:, 1:]))
+
+
+def test_explain_merges_only_layers_doing_the_same_at_the_same_cost() -> None:
+    from remat.planner import Choice
+    from remat.planning import PlanResult
+
+    mlp = {"mlp": "recompute"}
+    choices = (Choice(0, 1, mlp, 8 * MiB, 0.001), Choice(1, 2, mlp, 8 * MiB, 0.001),
+               Choice(2, 3, mlp, 6 * MiB, 0.001), Choice(3, 4, {}, 0, 0.0), Choice(4, 6, None, 30 * MiB, 0.02))
+    result = PlanResult(0, Plan.none(6), None, _synthetic(0).predict(None), choices)
+    assert list(result.explain()) == [("0-1", "mlp=recompute", 8 * MiB, 0.001), ("2", "mlp=recompute", 6 * MiB, 0.001),
+                                      ("4-5", "full recompute, group of 2", 15 * MiB, 0.01)]

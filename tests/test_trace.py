@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import remat
 from remat.apply import offloader_of
+from remat.memory.meter import held_tensors, storage_bytes
+from remat.memory.trace import Effect, _at_least_their_parts
 from remat.plans import Plan
 from remat.verify import run_step
 
@@ -68,7 +70,6 @@ def test_predicted_peak_equals_the_measured_peak_for_random_plans(traced, measur
     model, batch, trace = traced
     prediction = trace.predict(plan)
     assert prediction.peak_bytes == measured_peak(model, batch, plan)
-    assert prediction.step_time_s >= trace.base_step_time_s
 
 
 def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None:
@@ -80,6 +81,7 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None
     before = [p.detach().clone() for p in model.parameters()]
     trace = remat.trace(model, batch, optimizer=optimizer, timing_repeats=1)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr held at 0
+    assert trace.held_bytes == storage_bytes(held_tensors(model, optimizer)) > storage_bytes(model.parameters())
     assert optimizer.param_groups[0]["lr"] == 1e-3
     assert [w.name for w in trace.windows] == [
         "pre", "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
@@ -235,3 +237,15 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     assert [name for _, name in coarse.marks] == [name for _, name in recorded.marks]
     assert len(coarse.allocated) == 2 * (len(coarse.marks) + 1)  # each window's peak, each start
     assert max(coarse.allocated) == max(coarse.peaks.values())
+
+
+def test_a_combination_costs_at_least_each_of_its_parts() -> None:
+    """Timing noise measured layernorm discard with mlp recompute cheaper than mlp alone, and all
+    three sites at nothing: each is raised to its dearest part; a part keeps its own time."""
+    mlp, ln, attn = ("mlp", "recompute"), ("layernorm", "discard"), ("core_attn", "recompute")
+    measured = {frozenset(): Effect(0, {}), frozenset({mlp}): Effect(8, {}, 0.036),
+                frozenset({ln}): Effect(2, {}, 0.001), frozenset({ln, mlp}): Effect(10, {}, 0.014),
+                frozenset({attn, ln, mlp}): Effect(11, {}, 0.0)}
+    times = {combo: e.added_time_s for combo, e in _at_least_their_parts(measured).items()}
+    assert times == {frozenset(): 0.0, frozenset({mlp}): 0.036, frozenset({ln}): 0.001,
+                     frozenset({ln, mlp}): 0.036, frozenset({attn, ln, mlp}): 0.036}

@@ -448,8 +448,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from remat.bench.run import progress_bar, run_bench, trace_spec
-    from remat.config import planning_problems
+    from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
+    from remat.config import plan_search_problems, planning_problems
+    from remat.memory.meter import storage_bytes
     from remat.planning import parse_bytes, plan_from_trace
 
     found = _Problems()
@@ -459,10 +460,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                    if args.host_memory_budget is not None else None)
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
     found.raise_if_any()
+    model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
+    found.add(plan_search_problems(budget, storage_bytes(model.parameters()), args.max_group))
+    found.raise_if_any()
     with progress_bar(not args.no_progress) as bar:
         task = bar.add_task("trace", total=None, loss="") if bar is not None else None
         model, measured = trace_spec(
-            spec, offload=args.offload, min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+            spec, model, offload=args.offload, min_offloaded_tensor_size=args.min_offloaded_tensor_size,
             progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
     measured = dataclasses.replace(measured, max_group=args.max_group)
     _console.print(_trace_table(measured))
@@ -475,7 +479,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         result.plan.save(args.output)
     _console.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
-    record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(),
+    record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(), "megatron": keys,
+                              "explain": [dict(layers=layers, action=what, freed_bytes=freed, added_s=seconds)
+                                          for layers, what, freed, seconds in result.explain()],
                               "predicted": dataclasses.asdict(result.prediction)}
     if args.verify:
         with progress_bar(not args.no_progress) as bar:

@@ -1263,6 +1263,18 @@ def planning_problems(offload: bool, host_budget_bytes: int | None, device_type:
                                    f"{DEFAULT_HOST_GBPS:g})")
 
 
+def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -> Iterator[Problem]:
+    """What the planner can be asked before it traces: a budget the weights leave room in, and
+    whole-layer groups it may form."""
+    if weight_bytes >= budget_bytes:
+        yield Problem("memory_budget", (
+            f"the weights alone take {format_bytes(weight_bytes)}, more than the {format_bytes(budget_bytes)} "
+            "budget: no recompute plan helps; shard them (FSDP2) or spread the model over more GPUs "
+            "(tensor or pipeline parallel)"))
+    if max_group < 1:
+        yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Benchmark settings (`remat bench`, `remat sweep`).
 

@@ -19,8 +19,10 @@ from remat.config import (
     RecomputeConfig,
     RematWarning,
     TrainingFacts,
+    plan_search_problems,
     planning_problems,
 )
+from remat.memory.meter import storage_bytes
 from remat.memory.trace import Prediction, Trace, trace
 from remat.planner import Choice, solve
 from remat.plans import Plan
@@ -30,16 +32,24 @@ _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2*
 
 
 def parse_bytes(text: str | int, field: str = "memory_budget", bare: str = "a bare number means GiB") -> int:
-    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number is GiB. A problem
-    is reported under `field`, with `bare` saying how the caller reads a bare number."""
+    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number in text is GiB. A
+    problem is reported under `field`, with `bare` saying how the caller reads a bare number."""
     if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
         return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not isinstance(text, str):  # a float could mean bytes or GiB: make the caller say which
+        raise ConfigError([Problem(field, f"{text!r} is a {type(text).__name__}; give bytes as an int or "
+                                          f"text with a unit, like '60GiB'")])
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+    if match is None or unit not in _UNITS:
         raise ConfigError([Problem(field, f"cannot read {text!r} as a memory size; write "
                                    f"it like 60GiB, 80GB or 512MiB ({bare})")])
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ConfigError([Problem(field, f"{text!r} is no memory; give a positive size")])
+    return size
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class PlanResult:
 
     def explain(self) -> Iterator[tuple[str, str, int, float]]:
         """(layers, action, bytes freed per layer, seconds added per layer) for runs of layers
-        doing the same; layers that keep everything are left out."""
+        doing the same at the same cost; layers that keep everything are left out."""
         rows: list[tuple[int, int, str, int, float]] = []
         for c in self.choices:
             if c.actions is None:
@@ -66,10 +76,11 @@ class PlanResult:
             if not what:
                 continue
             per = c.end - c.start
-            if rows and rows[-1][2] == what and rows[-1][1] == c.start - 1:
-                rows[-1] = (rows[-1][0], c.end - 1, *rows[-1][2:])
+            row = (c.start, c.end - 1, what, c.freed_bytes // per, c.added_time_s / per)
+            if rows and rows[-1][2:] == row[2:] and rows[-1][1] == c.start - 1:
+                rows[-1] = (rows[-1][0], *row[1:])
             else:
-                rows.append((c.start, c.end - 1, what, c.freed_bytes // per, c.added_time_s / per))
+                rows.append(row)
         for first, last, what, freed, seconds in rows:
             yield (str(first) if first == last else f"{first}-{last}", what, freed, seconds)
 
@@ -132,7 +143,8 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
-    problems = list(planning_problems(offload, host_bytes, batch[0].device.type))
+    problems = [*planning_problems(offload, host_bytes, batch[0].device.type),
+                *plan_search_problems(budget_bytes, storage_bytes(model.parameters()), Trace.max_group)]
     if problems:
         raise ConfigError(problems)
     traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)

@@ -122,6 +122,7 @@ class Trace:
     max_group: int = 16  # longest full-recompute group the planner considers
     offload: bool = False  # whether offload was measured
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # the threshold offload was measured with
+    held_bytes: int | None = None  # allocated when a steady step starts: weights, grads, optimizer state, batch
 
     def choice(self, start: int, end: int, actions: dict[str, str] | None,
                offload_input: bool = False) -> Choice:
@@ -176,7 +177,7 @@ class Trace:
                 by_layer.setdefault(c.start, []).append(c)
         useful = [c for c in choices if not c.actions or (
             _frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))]
-        return PlanningProblem(self.layout.num_layers, useful, self.windows)
+        return PlanningProblem(self.layout.num_layers, useful, self.windows, self.held_bytes)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
@@ -278,6 +279,7 @@ def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[An
 
 @dataclass
 class _Record:
+    held_bytes: int = 0  # allocated when the step starts
     saved_bytes: int = 0
     peaks: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0  # offloaded during the step
@@ -361,6 +363,7 @@ class _Stepper:
         out = self.model(*self.batch)
         if windows and meter:
             gc.collect()
+            windows.record.held_bytes = before
             windows.record.saved_bytes = meter.now() - before
         # a pipeline stage before the last returns hidden states: the next stage sends their gradient
         out.backward(None if out.dim() == 0 else torch.ones_like(out))
@@ -509,7 +512,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
     return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
-                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size)
+                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size, held_bytes=base.held_bytes)
 
 
 @contextmanager
@@ -645,7 +648,7 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
             everywhere.layers[i] = dict(combo)
         return replace(measured, added_time_s=added_time(everywhere, layers) + copy_time(measured.host_bytes))
 
-    combos = {combo: measure_combo(combo) for combo in _combos(layout.labels[r])}
+    combos = _at_least_their_parts({combo: measure_combo(combo) for combo in _combos(layout.labels[r])})
     if offload and followed:
         combos.update((combo, measure_combo(combo)) for combo in _offload_combos(layout.labels[r]))
     groups = {size: effect(Plan(Plan.none(n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1)
@@ -664,6 +667,14 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
                   + copy_time(offloaded[1].host_bytes))
         offloaded = {size: replace(e, added_time_s=size * layer_time + copies) for size, e in offloaded.items()}
     return LayerEffects(combos, groups, input_bytes, layer_time, offloaded)
+
+
+def _at_least_their_parts(combos: dict[Combo, Effect]) -> dict[Combo, Effect]:
+    """Recompute and discard only add work, so a combination of them costs at least each of its
+    parts. Timing noise (a tiny model on CPU) can measure it cheaper; the planner would then take
+    actions it does not need. (Not for offload: recomputing more leaves less to copy.)"""
+    return {combo: replace(e, added_time_s=max(other.added_time_s for part, other in combos.items() if part <= combo))
+            for combo, e in combos.items()}
 
 
 def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
