@@ -160,6 +160,7 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
     assert [r.name for r in recent(path=history)] == ["plan"]  # the verifying run is recorded
     text = capsys.readouterr().out
     assert "fastest plan under 2.20 MiB" in text and "predicted vs measured" in text
+    assert "what each site saves for backward" in text and "layer 0 mlp" in text
     data = json.loads(record.read_text())
     assert data["predicted"]["peak_bytes"] <= 2.2 * MiB
     # bench also allocates each step's tokens and a loss total: a few hundred bytes more

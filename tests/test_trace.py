@@ -249,3 +249,37 @@ def test_a_combination_costs_at_least_each_of_its_parts() -> None:
     times = {combo: e.added_time_s for combo, e in _at_least_their_parts(measured).items()}
     assert times == {frozenset(): 0.0, frozenset({mlp}): 0.036, frozenset({ln}): 0.001,
                      frozenset({ln, mlp}): 0.036, frozenset({attn, ln, mlp}): 0.036}
+
+
+def _freed_alone_from_what_sites_save(trace, layer: int, label: str) -> int:
+    """The independent count (saved-tensor hooks, not the meter): a recompute keeps the site's
+    inputs and what other sites save, and frees the rest of what it saved."""
+    s = trace.storages[(layer, label)]
+    return s.saved_bytes - s.input_bytes - s.shared_bytes
+
+
+def test_what_each_site_saves_accounts_for_what_recomputing_it_frees(traced) -> None:
+    _, _, trace = traced
+    for i in range(LAYERS):
+        for label in LABELS:
+            freed = trace.layers[i].combos[frozenset({(label, "recompute")})].freed_bytes
+            assert freed == _freed_alone_from_what_sites_save(trace, i, label) > 0
+    assert trace.storages[(None, "loss head")].saved_bytes > 0
+
+
+def test_a_site_whose_saved_output_another_site_saves_too_frees_almost_nothing() -> None:
+    """SDPA without dropout: core_attn saves q, k, v (its inputs), the output (which linear_proj,
+    outside the sites, saves too) and the logsumexp: recomputing it frees the logsumexp only."""
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        trace = remat.trace(model, (ids[:, :-1], ids[:, 1:]), timing_repeats=1)
+    config, float64 = model.config, 8
+    core = trace.storages[(1, "core_attn")]
+    assert core.shared_with == {(1, "layer")}
+    assert core.shared_bytes == 2 * 16 * config.hidden_size * float64  # the attention output
+    lse = 2 * config.num_attention_heads * 16 * float64  # one per head and token, in the model's dtype on CPU
+    assert trace.layers[1].combos[frozenset({("core_attn", "recompute")})].freed_bytes == lse
+    assert _freed_alone_from_what_sites_save(trace, 1, "core_attn") == lse

@@ -469,6 +469,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             spec, model, offload=args.offload, min_offloaded_tensor_size=args.min_offloaded_tensor_size,
             progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
     measured = dataclasses.replace(measured, max_group=args.max_group)
+    _console.print(_storage_table(measured))
     _console.print(_trace_table(measured))
     result = plan_from_trace(measured, budget, host_budget)
     _console.print(_plan_table(result))
@@ -603,6 +604,25 @@ def _trace_table(measured: Any) -> Any:
     for what, freed, ms in describe(measured):
         table.add_row(what, format_gib(freed), f"{ms:.2f} ms")
     table.caption = f"no-recompute step: {measured.base_step_time_s * 1e3:.1f} ms"
+    return table
+
+
+def _storage_table(measured: Any) -> Any:
+    from rich.table import Table
+
+    from remat.bench.report import format_gib
+    from remat.memory.trace import describe_sites
+
+    table = Table(title="what each site saves for backward (no recompute)")
+    for column in ("site", "saves", "its inputs", "saved by other sites too", "recomputed alone frees"):
+        table.add_column(column, justify="left" if column == "site" else "right")
+    for site, s, frees in describe_sites(measured):
+        others = ", ".join(label for _, label in sorted(s.shared_with))
+        table.add_row(site, format_gib(s.saved_bytes), format_gib(s.input_bytes),
+                      f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
+                      "-" if frees is None else format_gib(frees))
+    table.caption = ("recomputing a site keeps its inputs and what other sites save: it frees what it saves "
+                     "less those, unless something else holds them")
     return table
 
 

@@ -5,20 +5,24 @@ While an `Attributor` is entered, a saved-tensor hook notes the storage of every
 saves with the Site running at the time (hooks on the model's Sites keep a stack of them). What a
 recompute region saves never reaches this hook: the region keeps slots, not tensors, and the
 inputs it keeps are left to "other allocated". At any moment `attribute()` sums the storages
-still alive, each counted once, first owner first.
+still alive, each counted once, first owner first; `sites()` gives each site all it saved, with
+what of that is its own inputs and what other sites save too.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections import Counter, defaultdict
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from remat.apply import find_sites
+from remat.config import LAYER
 from remat.engine import storage_key
 from remat.memory.meter import storage_bytes
 
@@ -44,6 +48,16 @@ class Attribution:
         return self.weights + self.grads + self.optimizer_state + sum(self.activations.values())
 
 
+@dataclass(frozen=True)
+class SiteStorages:
+    """The unique storages one site's ops saved for backward that are alive now."""
+
+    saved_bytes: int
+    input_bytes: int  # the site's inputs, saved or not: recomputing the site keeps them
+    shared_bytes: int  # saved storages that are not its inputs and another site saves too
+    shared_with: frozenset[Owner]
+
+
 class Attributor(AbstractContextManager):
     """`with Attributor(model, optimizer) as a:` around forward (and backward); `a.attribute()`."""
 
@@ -51,7 +65,8 @@ class Attributor(AbstractContextManager):
         self.model, self.optimizer = model, optimizer
         self._stack: list[Owner] = []
         self._after_layers = False
-        self._saved: dict[int, tuple[weakref.ref[torch.UntypedStorage], Owner]] = {}
+        self._saved: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[Owner]]] = {}
+        self._inputs: dict[Owner, dict[int, int]] = {}  # storage -> bytes each site took as input, this forward
         self._exit = ExitStack()
 
     def __enter__(self) -> Attributor:
@@ -60,7 +75,7 @@ class Attributor(AbstractContextManager):
             for site in [layer_site, *sites.inner[i]]:
                 owner = (i, site.label)
                 self._exit.callback(site.register_forward_pre_hook(
-                    lambda m, args, owner=owner: self._stack.append(owner)).remove)
+                    lambda m, args, owner=owner: self._enter(owner, args)).remove)
                 self._exit.callback(site.register_forward_hook(
                     lambda m, args, out, last=i == len(sites.layers) - 1: self._pop(last)).remove)
         self._exit.enter_context(saved_tensors_hooks(self._pack, lambda t: t))
@@ -69,30 +84,72 @@ class Attributor(AbstractContextManager):
     def __exit__(self, *exc: object) -> None:
         self._exit.close()
 
+    def _enter(self, owner: Owner, args: tuple[object, ...]) -> None:
+        if owner == (0, LAYER):  # a forward begins: earlier inputs are gone or replayed
+            self._inputs.clear()
+        self._inputs.setdefault(owner, {}).update(
+            (storage_key(a), a.untyped_storage().nbytes()) for a in args if isinstance(a, torch.Tensor))
+        self._stack.append(owner)
+
     def _pop(self, last: bool) -> None:
         self._stack.pop()
         self._after_layers = last and not self._stack
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self._saved and t.untyped_storage().nbytes():
-            outside = "loss head" if self._after_layers else "embedding"
-            owner = self._stack[-1] if self._stack else (None, outside)
-            self._saved[key] = (weakref.ref(t.untyped_storage()), owner)
+        key, storage = storage_key(t), t.untyped_storage()
+        if not storage.nbytes():
+            return t
+        outside = "loss head" if self._after_layers else "embedding"
+        owner = self._stack[-1] if self._stack else (None, outside)
+        known = self._saved.get(key)
+        if known is None or known[0]() is not storage:  # a new storage, or a dead one's address reused
+            self._saved[key] = (weakref.ref(storage), [owner])
+        elif owner not in known[1]:
+            known[1].append(owner)
         return t
 
-    def attribute(self) -> Attribution:
-        params = list(self.model.parameters())
-        state = ([v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-                 if self.optimizer is not None else [])
-        grads = [p.grad for p in params if p.grad is not None]
-        # buffers (RoPE tables) live on anyway: a view of one saved for backward is not an activation
-        static = {storage_key(t) for t in itertools.chain(params, grads, state, self.model.buffers())}
-        activations: dict[Owner, int] = {}
-        for key, (ref, owner) in list(self._saved.items()):
+    def _alive(self) -> Iterator[tuple[int, torch.UntypedStorage, list[Owner]]]:
+        """The saved storages alive now that are activations (not weights, grads, optimizer
+        state or buffers such as RoPE tables, whose views may be saved too)."""
+        static = self._static()
+        for key, (ref, owners) in list(self._saved.items()):
             storage = ref()
             if storage is None:
                 del self._saved[key]
             elif key not in static:
-                activations[owner] = activations.get(owner, 0) + storage.nbytes()
-        return Attribution(storage_bytes(params), storage_bytes(grads), storage_bytes(state), activations)
+                yield key, storage, owners
+
+    def sites(self) -> dict[Owner, SiteStorages]:
+        """Each site's saved storages alive now (a storage two sites save counts for both)."""
+        saved: Counter[Owner] = Counter()
+        shared: Counter[Owner] = Counter()
+        shared_with: defaultdict[Owner, set[Owner]] = defaultdict(set)
+        for key, storage, owners in self._alive():
+            for owner in owners:
+                saved[owner] += storage.nbytes()
+                others = [other for other in owners if other != owner]
+                if others and key not in self._inputs.get(owner, {}):
+                    shared[owner] += storage.nbytes()
+                    shared_with[owner].update(others)
+        static = self._static()
+        inputs = {owner: sum(n for key, n in found.items() if key not in static) for owner, found in self._inputs.items()}
+        return {owner: SiteStorages(nbytes, inputs.get(owner, 0), shared[owner], frozenset(shared_with[owner]))
+                for owner, nbytes in saved.items()}
+
+    def attribute(self) -> Attribution:
+        activations: dict[Owner, int] = {}
+        for _, storage, owners in self._alive():  # each storage once, for the site that saved it first
+            activations[owners[0]] = activations.get(owners[0], 0) + storage.nbytes()
+        weights, grads, state = self._held()
+        return Attribution(storage_bytes(weights), storage_bytes(grads), storage_bytes(state), activations)
+
+    def _static(self) -> set[int]:
+        """Storages that live on anyway: weights, grads, optimizer state, buffers (RoPE tables)."""
+        return {storage_key(t) for t in itertools.chain(*self._held(), self.model.buffers())}
+
+    def _held(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Weights, gradients, optimizer state."""
+        params = list(self.model.parameters())
+        state = ([v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                 if self.optimizer is not None else [])
+        return params, [p.grad for p in params if p.grad is not None], state

@@ -46,6 +46,7 @@ from remat.config import (
     offload_prediction_problems,
     planning_problems,
 )
+from remat.memory.attribution import Attributor, Owner, SiteStorages
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
 from remat.planner import Choice, PlanningProblem, Window
 from remat.plans import Plan
@@ -123,6 +124,8 @@ class Trace:
     offload: bool = False  # whether offload was measured
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # the threshold offload was measured with
     held_bytes: int | None = None  # allocated when a steady step starts: weights, grads, optimizer state, batch
+    # what each site of each layer (and the embedding, the loss head) saves in a no-recompute step
+    storages: dict[Owner, SiteStorages] = field(default_factory=dict)
 
     def choice(self, start: int, end: int, actions: dict[str, str] | None,
                offload_input: bool = False) -> Choice:
@@ -357,10 +360,13 @@ class _Stepper:
     def cuda(self) -> bool:
         return self.batch[0].device.type == "cuda"
 
-    def step(self, windows: _Windows | None = None, meter: Meter | None = None) -> None:
+    def step(self, windows: _Windows | None = None, meter: Meter | None = None,
+             after_forward: Callable[[], None] | None = None) -> None:
         torch.manual_seed(self.seed)
         before = meter.now() if meter else 0
         out = self.model(*self.batch)
+        if after_forward is not None:
+            after_forward()
         if windows and meter:
             gc.collect()
             windows.record.held_bytes = before
@@ -404,6 +410,15 @@ class _Stepper:
         if offloader is not None:
             record.host_bytes = offloader.stats().offloaded_bytes
         return record
+
+    def site_storages(self) -> dict[Owner, SiteStorages]:
+        """What each site saves for backward in a no-recompute step: a step of its own, since the
+        saved-tensor hook that notes it would run inside the measured ones."""
+        apply(self.model, None)
+        found: dict[Owner, SiteStorages] = {}
+        with Attributor(self.model, self.optimizer) as attributor:
+            self.step(after_forward=lambda: found.update(attributor.sites()))
+        return found
 
     def seconds(self, plan: Plan, repeats: int) -> float:
         """Median step time under `plan` (CUDA events on GPU, wall clock on CPU); on the meta
@@ -499,6 +514,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
             note("baseline")
             base = stepper.measure(Plan.none(n))
             base_time = stepper.seconds(Plan.none(n), timing_repeats)
+            storages = stepper.site_storages()
             kinds: dict[tuple[Any, ...], list[int]] = {}
             for i in range(n):
                 kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
@@ -512,7 +528,8 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
     return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
-                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size, held_bytes=base.held_bytes)
+                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size, held_bytes=base.held_bytes,
+                 storages=storages)
 
 
 @contextmanager
@@ -683,6 +700,25 @@ def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
     for start, _ in ranges:
         plan.layers[start][LAYER] = "offload"
     return plan
+
+
+def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None]]:
+    """(site, what it saves in a no-recompute step, what recomputing it alone frees as measured)
+    for the first layer of each kind ("other ops": the layer's ops outside its sites), then the
+    embedding and the loss head (nothing measured for those)."""
+    seen: set[int] = set()
+    for i, effects in enumerate(trace.layers):
+        if id(effects) in seen:
+            continue
+        seen.add(id(effects))
+        for label in [*sorted(trace.layout.labels[i]), LAYER]:
+            if (i, label) in trace.storages:
+                alone = effects.combos.get(frozenset({(label, "recompute")}))
+                yield (f"layer {i} " + ("other ops" if label == LAYER else label), trace.storages[(i, label)],
+                       None if alone is None else alone.freed_bytes)
+    for (layer, label), storages in trace.storages.items():
+        if layer is None:
+            yield label, storages, None
 
 
 def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
