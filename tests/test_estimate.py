@@ -2,6 +2,7 @@
 of tensor, sequence, context and pipeline parallelism."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -169,6 +170,28 @@ def test_a_plan_range_across_a_stage_boundary_is_refused() -> None:
     plan = Plan([{}] * 2, [(0, 2)])
     with pytest.raises(ConfigError, match="cross the boundary"):
         _quiet(estimate, _spec(facts=facts), [("plan", plan)])
+
+
+VPP = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+
+
+def _figures(est) -> list[tuple]:
+    return [(s.layers, s.activations, s.peak, s.peak_window, s.micro_batch_time_s) for s in est.stages]
+
+
+@pytest.mark.parametrize("method, ranges", [
+    # 12 layers in 4 chunks of 3: block recomputes the first 2 layers of each chunk, uniform groups
+    # 2 layers from each chunk's start (a stage's 6 layers lowered at once would differ for both)
+    ("block", [(0, 1), (1, 2), (3, 4), (4, 5), (6, 7), (7, 8), (9, 10), (10, 11)]),
+    ("uniform", [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8), (8, 9), (9, 11), (11, 12)]),
+])
+def test_full_recompute_configs_act_per_virtual_stage_as_megatron(method, ranges) -> None:
+    overrides = {**SMALL, "num_layers": 12}
+    config = RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=2,
+                             facts=dataclasses.replace(VPP, num_layers=12))
+    lowered, plan = _quiet(estimate, _spec(overrides=overrides, facts=VPP, micro_batches=2),
+                           [("config", config), ("plan", Plan([{}] * 12, ranges))])
+    assert _figures(lowered) == _figures(plan)
 
 
 def test_cli_estimates_configs_per_stage_as_json(tmp_path, capsys) -> None:
