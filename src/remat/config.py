@@ -1238,6 +1238,28 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
                                    f"e.g. {DEFAULT_HOST_GBPS:g}")
 
 
+def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,
+                            facts: TrainingFacts) -> Iterator[Problem]:
+    """A per-layer plan's full-recompute ranges under pipeline parallelism. Each model chunk (a
+    pipeline stage, or one of a rank's virtual stages) runs as its own block, and Megatron
+    recomputes within it: a range cannot reach into the next chunk, which runs apart from it (on
+    another rank, or later on the same one)."""
+    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size
+    per_chunk = _layers_per_virtual_stage(num_layers, pp, vpp)
+    if pp == 1 or per_chunk is None:  # no chunks, or a split the pipeline rules already refuse
+        return
+    for k, (start, end) in enumerate(full_recompute):
+        cuts = list(range(start - start % per_chunk + per_chunk, end, per_chunk))
+        if not cuts:
+            continue
+        shown = ", ".join(map(str, range(start // per_chunk, (end - 1) // per_chunk + 1)))
+        where = (f"virtual pipeline stages {shown} ({per_chunk} layers each; stage c runs on pipeline rank "
+                 f"c mod {pp})" if vpp else f"pipeline stages {shown} ({per_chunk} layers each)")
+        yield Problem(f"full_recompute[{k}]", f"[{start}, {end}) spans {where}, and each stage recomputes only "
+                                              f"its own layers; split the range at layer"
+                                              f"{'s' if len(cuts) > 1 else ''} {', '.join(map(str, cuts))}")
+
+
 def offload_prediction_problems(layers: Sequence[Mapping[str, str]],
                                  full_recompute: Sequence[tuple[int, int]]) -> Iterator[Problem]:
     """Offload the trace cannot price: in the last layer (of a model or pipeline stage), whose
