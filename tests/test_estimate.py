@@ -253,6 +253,22 @@ def test_cli_presets_block_half_a_virtual_stage(tmp_path) -> None:
     assert json.loads(out.read_text())[-1]["name"] == "full_block_1"  # 1 layer of each 2-layer chunk
 
 
+@pytest.mark.parametrize("flags, chosen", [
+    (["-ol", "1", "--recompute_modules", "core_attn"],
+     "recompute_granularity, recompute_modules, cpu_offloading, cpu_offloading_num_layers"),
+    (["-rl", "1"], "recompute_granularity, recompute_method, recompute_num_layers"),
+    (["--config", "PLAN"], "--config (a per-layer plan)"),
+])
+def test_cli_refuses_recompute_flags_beside_configs(flags, chosen, tmp_path, capsys) -> None:
+    """--configs lists what is estimated: a config the flags choose too is refused, not dropped."""
+    Plan.none(2).save(tmp_path / "plan.yaml")
+    flags = [str(tmp_path / "plan.yaml") if f == "PLAN" else f for f in flags]
+    assert main(["estimate", "--num_layers", "2", "-sl", "32", "-ng", "1", "--target", "cpu", "--no_progress",
+                 "--configs", "none", *flags]) == 1
+    assert f"--configs: estimates only the entries it lists, so what the flags set ({chosen})" in (
+        capsys.readouterr().err.replace("\n", ""))
+
+
 def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
     assert main(["estimate", "-tp", "3", "-ng", "3", "--no_progress"]) == 1
     assert "tensor_model_parallel_size" in capsys.readouterr().err

@@ -1387,6 +1387,19 @@ def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = 
         yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
 
 
+def configs_flag_problems(flags: RecomputeConfig | None) -> Iterator[Problem]:
+    """`remat estimate --configs` estimates the entries it lists: a config the recompute and
+    offload flags (or --config) choose beside them would be dropped. `flags` is what they resolve
+    to; None for a per-layer plan file."""
+    defaults = {f.name: _default(f) for f in dataclasses.fields(RecomputeConfig)}
+    chosen = (["--config (a per-layer plan)"] if flags is None
+              else [name for name in _RECOMPUTE_PARSERS if getattr(flags, name) != defaults[name]])
+    if chosen:
+        yield Problem("--configs", f"estimates only the entries it lists, so what the flags set ({', '.join(chosen)})"
+                                   " would be ignored; give it as an entry (like mlp+core_attn or full_block_2; "
+                                   "offload in a config or plan file) or drop either the flags or --configs")
+
+
 def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
     """What the recompute rules accept but this one-GPU bench does not run (yet)."""
     sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
