@@ -2,6 +2,7 @@
 of tensor, sequence, context and pipeline parallelism."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -17,6 +18,7 @@ from remat.config import (
     TrainingFacts,
     batch_split_problems,
     parallel_shape_problems,
+    pipeline_range_problems,
 )
 from remat.estimating import EstimateSpec, estimate, in_flight
 from remat.plans import Plan
@@ -164,11 +166,71 @@ def test_a_spec_reports_every_problem_at_once() -> None:
     assert _spec(target="cuda", tflops=1, micro_batches=1).target == "cuda"
 
 
-def test_a_plan_range_across_a_stage_boundary_is_refused() -> None:
-    facts = TrainingFacts(pipeline_model_parallel_size=2)
-    plan = Plan([{}] * 2, [(0, 2)])
-    with pytest.raises(ConfigError, match="cross the boundary"):
-        _quiet(estimate, _spec(facts=facts), [("plan", plan)])
+@pytest.mark.parametrize("num_layers, vpp", [(2, None), (4, 2)])
+def test_a_plan_range_across_a_model_chunk_is_refused(num_layers, vpp) -> None:
+    """Layers 0 and 1 are different stages' (with -vp 2 over 4 layers: rank 0 runs 0 and 2)."""
+    facts = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
+    plan = Plan([{}] * num_layers, [(0, 2)])
+    with pytest.raises(ConfigError, match=r"full_recompute\[0\]: \[0, 2\) spans .* split the range at layer 1$"):
+        _quiet(estimate, _spec(facts=facts, overrides={**SMALL, "num_layers": num_layers}), [("plan", plan)])
+
+
+def test_pipeline_range_rule_fails_and_passes() -> None:
+    facts = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    problems = list(pipeline_range_problems([(0, 2), (3, 8)], 8, facts))  # chunks of 2 layers
+    assert [p.field for p in problems] == ["full_recompute[1]"]
+    assert problems[0].message.startswith("[3, 8) spans virtual pipeline stages 1, 2, 3 (2 layers each;")
+    assert problems[0].message.endswith("split the range at layers 4, 6")
+    assert not list(pipeline_range_problems([(1, 2), (7, 8)], 8, facts))
+    assert not list(pipeline_range_problems([(0, 8)], 8, TrainingFacts()))
+
+
+VPP = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+
+
+def _figures(est) -> list[tuple]:
+    return [(s.layers, s.activations, s.peak, s.peak_window, s.micro_batch_time_s) for s in est.stages]
+
+
+def test_a_per_layer_plan_under_virtual_stages_acts_on_each_ranks_interleaved_layers() -> None:
+    """4 layers, pp 2, vpp 2: chunks of one layer, rank 0 runs layers 0 and 2, rank 1 layers 1 and 3
+    (a contiguous split would give rank 0 layers 0 and 1)."""
+    mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
+    rank_0 = Plan([{"mlp": "recompute"}, {}, {"mlp": "recompute"}, {}])
+    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, facts=VPP, micro_batches=2),
+                                    [("none", None), ("mlp", mlp), ("rank 0", rank_0)])
+    assert _figures(plan) == [_figures(everywhere)[0], _figures(none)[1]]
+
+
+def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_without_them() -> None:
+    """With one micro-batch each rank holds one in flight either way, so a plan under -vp 2
+    predicts what the same actions on the same ranks predict without virtual stages: rank 0 runs
+    layers 0, 1, 4, 5 of 8, rank 1 layers 2, 3, 6, 7."""
+    layers = [{}, {}, {"mlp": "recompute"}, {"layernorm": "discard"}, {"core_attn": "recompute"}, {},
+              {}, {"mlp": "recompute"}]
+    interleaved = Plan(layers, [(0, 2), (6, 7)])
+    by_rank = Plan([layers[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)], [(0, 2), (6, 7)])
+    overrides = {**SMALL, "num_layers": 8}
+    (virtual,) = _quiet(estimate, _spec(overrides=overrides, facts=VPP, micro_batches=1), [("plan", interleaved)])
+    (plain,) = _quiet(estimate, _spec(overrides=overrides, facts=TrainingFacts(pipeline_model_parallel_size=2),
+                                      micro_batches=1), [("plan", by_rank)])
+    assert [s.in_flight for s in virtual.stages] == [s.in_flight for s in plain.stages] == [1, 1]
+    assert _figures(virtual) == _figures(plain)
+
+
+@pytest.mark.parametrize("method, ranges", [
+    # 12 layers in 4 chunks of 3: block recomputes the first 2 layers of each chunk, uniform groups
+    # 2 layers from each chunk's start (a stage's 6 layers lowered at once would differ for both)
+    ("block", [(0, 1), (1, 2), (3, 4), (4, 5), (6, 7), (7, 8), (9, 10), (10, 11)]),
+    ("uniform", [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8), (8, 9), (9, 11), (11, 12)]),
+])
+def test_full_recompute_configs_act_per_virtual_stage_as_megatron(method, ranges) -> None:
+    overrides = {**SMALL, "num_layers": 12}
+    config = RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=2,
+                             facts=dataclasses.replace(VPP, num_layers=12))
+    lowered, plan = _quiet(estimate, _spec(overrides=overrides, facts=VPP, micro_batches=2),
+                           [("config", config), ("plan", Plan([{}] * 12, ranges))])
+    assert _figures(lowered) == _figures(plan)
 
 
 def test_cli_estimates_configs_per_stage_as_json(tmp_path, capsys) -> None:
@@ -189,6 +251,22 @@ def test_cli_presets_block_half_a_virtual_stage(tmp_path) -> None:
     assert main(["estimate", "--num_layers", "4", "-sl", "32", "-pp", "2", "-vp", "2", "-ng", "2",
                  "--configs", "presets", "--target", "cpu", "--no_progress", "--json", str(out)]) == 0
     assert json.loads(out.read_text())[-1]["name"] == "full_block_1"  # 1 layer of each 2-layer chunk
+
+
+@pytest.mark.parametrize("flags, chosen", [
+    (["-ol", "1", "--recompute_modules", "core_attn"],
+     "recompute_granularity, recompute_modules, cpu_offloading, cpu_offloading_num_layers"),
+    (["-rl", "1"], "recompute_granularity, recompute_method, recompute_num_layers"),
+    (["--config", "PLAN"], "--config (a per-layer plan)"),
+])
+def test_cli_refuses_recompute_flags_beside_configs(flags, chosen, tmp_path, capsys) -> None:
+    """--configs lists what is estimated: a config the flags choose too is refused, not dropped."""
+    Plan.none(2).save(tmp_path / "plan.yaml")
+    flags = [str(tmp_path / "plan.yaml") if f == "PLAN" else f for f in flags]
+    assert main(["estimate", "--num_layers", "2", "-sl", "32", "-ng", "1", "--target", "cpu", "--no_progress",
+                 "--configs", "none", *flags]) == 1
+    assert f"--configs: estimates only the entries it lists, so what the flags set ({chosen})" in (
+        capsys.readouterr().err.replace("\n", ""))
 
 
 def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
@@ -274,6 +352,8 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
     import remat.estimating as estimating
 
     monkeypatch.setattr(estimating, "_trace_stage", lambda *a, **k: pytest.fail("traced before checking"))
+    with pytest.raises(ConfigError, match="the plan has 1 layers but the model has 2"):
+        estimate(_spec(), [("short", Plan([{}]))])
     two_sites = Plan([{"core_attn": "offload", "layernorm": "offload"}, {}], min_offloaded_tensor_size=64)
     with pytest.raises(ConfigError, match="did not measure core_attn=offload, layernorm=offload"):
         estimate(_spec(), [("two sites", two_sites)])

@@ -500,7 +500,7 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     """The spec and the configs of an estimate command line, every problem reported together."""
     from remat.apply import apply
     from remat.bench import plan_name
-    from remat.config import batch_split_problems
+    from remat.config import batch_split_problems, configs_flag_problems
     from remat.estimating import EstimateSpec
 
     found = _Problems()
@@ -511,6 +511,7 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     model = _meta_model(args)
     plans: list[tuple[str, Any]] = []
     if args.configs:
+        found.add(configs_flag_problems(flags if isinstance(flags, RecomputeConfig) else None))
         parallel = {k: v for k, v in dataclasses.asdict(facts).items()
                     if k.endswith("_size") or k == "sequence_parallel"}
         stage_layers = dataclasses.replace(facts, num_layers=keys["num_layers"]).layers_per_virtual_stage
@@ -874,8 +875,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     _add_recompute_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY",
-                   help="estimate these instead of the flags' config: none, mlp+core_attn, full_uniform_1, "
-                        "full_block_K, a config or plan file, or `presets` for Megatron's usual ones")
+                   help="estimate these (not beside recompute or offload flags): none, mlp+core_attn, "
+                        "full_uniform_1, full_block_K, a config or plan file, or `presets` for Megatron's "
+                        "usual ones")
     p.add_argument("--target", choices=ESTIMATE_TARGETS, default="cuda",
                    help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
     p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",

@@ -1238,6 +1238,28 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
                                    f"e.g. {DEFAULT_HOST_GBPS:g}")
 
 
+def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,
+                            facts: TrainingFacts) -> Iterator[Problem]:
+    """A per-layer plan's full-recompute ranges under pipeline parallelism. Each model chunk (a
+    pipeline stage, or one of a rank's virtual stages) runs as its own block, and Megatron
+    recomputes within it: a range cannot reach into the next chunk, which runs apart from it (on
+    another rank, or later on the same one)."""
+    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size
+    per_chunk = _layers_per_virtual_stage(num_layers, pp, vpp)
+    if pp == 1 or per_chunk is None:  # no chunks, or a split the pipeline rules already refuse
+        return
+    for k, (start, end) in enumerate(full_recompute):
+        cuts = list(range(start - start % per_chunk + per_chunk, end, per_chunk))
+        if not cuts:
+            continue
+        shown = ", ".join(map(str, range(start // per_chunk, (end - 1) // per_chunk + 1)))
+        where = (f"virtual pipeline stages {shown} ({per_chunk} layers each; stage c runs on pipeline rank "
+                 f"c mod {pp})" if vpp else f"pipeline stages {shown} ({per_chunk} layers each)")
+        yield Problem(f"full_recompute[{k}]", f"[{start}, {end}) spans {where}, and each stage recomputes only "
+                                              f"its own layers; split the range at layer"
+                                              f"{'s' if len(cuts) > 1 else ''} {', '.join(map(str, cuts))}")
+
+
 def offload_prediction_problems(layers: Sequence[Mapping[str, str]],
                                  full_recompute: Sequence[tuple[int, int]]) -> Iterator[Problem]:
     """Offload the trace cannot price: in the last layer (of a model or pipeline stage), whose
@@ -1375,6 +1397,19 @@ def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = 
                                   "parallel flags")
     if not model_given:
         yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
+
+
+def configs_flag_problems(flags: RecomputeConfig | None) -> Iterator[Problem]:
+    """`remat estimate --configs` estimates the entries it lists: a config the recompute and
+    offload flags (or --config) choose beside them would be dropped. `flags` is what they resolve
+    to; None for a per-layer plan file."""
+    defaults = {f.name: _default(f) for f in dataclasses.fields(RecomputeConfig)}
+    chosen = (["--config (a per-layer plan)"] if flags is None
+              else [name for name in _RECOMPUTE_PARSERS if getattr(flags, name) != defaults[name]])
+    if chosen:
+        yield Problem("--configs", f"estimates only the entries it lists, so what the flags set ({', '.join(chosen)})"
+                                   " would be ignored; give it as an entry (like mlp+core_attn or full_block_2; "
+                                   "offload in a config or plan file) or drop either the flags or --configs")
 
 
 def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:

@@ -8,9 +8,10 @@ number comes from the same window model the planner uses. What one GPU of a para
   parallel also runs norms and residuals on seq/tp tokens, with torch's all-gather before
   attention and MLP and reduce-scatter after them emulated by shape;
 - context parallel: seq/cp tokens per rank;
-- pipeline parallel: the stage's layers, the first stage with the embedding, the last with the
-  final norm and loss head; under 1F1B stage k holds the saved activations of pp - k
-  micro-batches (Megatron's interleaved schedule, more with virtual stages).
+- pipeline parallel: the stage's layers (with virtual stages, its interleaved model chunks), the
+  first stage with the embedding, the last with the final norm and loss head; under 1F1B stage k
+  holds the saved activations of pp - k micro-batches (Megatron's interleaved schedule, more with
+  virtual stages).
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
 target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
@@ -38,9 +39,11 @@ from remat.config import (
     Problem,
     RecomputeConfig,
     TrainingFacts,
+    check_plan,
     estimate_problems,
     offload_prediction_problems,
     parallel_shape_problems,
+    pipeline_range_problems,
 )
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, gradients_persist, trace, unmeasured_problems
@@ -136,7 +139,11 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     """
     pp = spec.stages
     layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
-    lowered = [_lowered(plan, layout) for _, plan in plans]  # every error before the first trace
+    problems = [p for _, plan in plans if isinstance(plan, Plan)
+                for p in _plan_problems(plan, layout, spec.facts)]
+    if problems:  # every error before the first trace
+        raise ConfigError(problems)
+    lowered = [_lowered(plan, layout) for _, plan in plans]
     offloading = [p for p in lowered if p.offloads()]
     thresholds = {p.min_offloaded_tensor_size for p in offloading}
     if len(thresholds) > 1:
@@ -348,9 +355,19 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
                        gradients_persist(optimizer, spec.micro_batches))
 
 
+def _stage_layers(facts: TrainingFacts, num_layers: int, stage: int) -> list[int]:
+    """The model's layers pipeline rank `stage` runs, in order: Megatron's model chunks stage,
+    stage + pp, stage + 2 pp, ... (one chunk per rank without virtual stages)."""
+    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1
+    per_chunk = num_layers // (pp * vpp)
+    return [i for chunk in range(stage, pp * vpp, pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
+
+
 def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
     """A whole-model plan as one stage sees it: a config lowered onto the stage's chunks of
-    layers, a per-layer plan cut to the stage's layers."""
+    layers, a per-layer plan cut to the layers of the stage's chunks. The stage's trace runs its
+    chunks back to back: the embedding before rank 0's first chunk, the loss head after the last
+    rank's last chunk, as Megatron runs them."""
     facts = spec.facts
     per_stage = spec.model_config.num_layers // facts.pipeline_model_parallel_size
     if isinstance(plan, RecomputeConfig):
@@ -359,14 +376,21 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
         # Megatron lowers recompute_num_layers per virtual chunk: keep that many chunks
         return _per_chunk(plan, stage_facts, facts.virtual_pipeline_model_parallel_size or 1)
     if isinstance(plan, Plan) and spec.stages > 1:
-        first, end = stage * per_stage, (stage + 1) * per_stage
-        across = [(s, e) for s, e in plan.full_recompute if s < end and e > first and not first <= s < e <= end]
-        if across:
-            raise ConfigError([Problem("full_recompute", f"ranges {across} cross the boundary of pipeline "
-                                       f"stage {stage} (layers {first}-{end - 1}); split them at it")])
-        ranges = [(s - first, e - first) for s, e in plan.full_recompute if first <= s and e <= end]
-        return Plan([dict(a) for a in plan.layers[first:end]], ranges, plan.min_offloaded_tensor_size)
+        layers = _stage_layers(facts, len(plan.layers), stage)
+        local = {layer: i for i, layer in enumerate(layers)}
+        # a range lies within one chunk (pipeline_range_problems), consecutive here too
+        ranges = [(local[s], local[s] + e - s) for s, e in plan.full_recompute if s in local]
+        return Plan([dict(plan.layers[i]) for i in layers], ranges, plan.min_offloaded_tensor_size)
     return plan
+
+
+def _plan_problems(plan: Plan, layout: ModelLayout, facts: TrainingFacts) -> list[Problem]:
+    """A per-layer plan checked against the whole model and its pipeline chunks."""
+    try:
+        check_plan(plan.layers, plan.full_recompute, layout)
+    except ConfigError as err:
+        return err.problems
+    return list(pipeline_range_problems(plan.full_recompute, layout.num_layers, facts))
 
 
 def _lowered(plan: PlanLike, layout: ModelLayout) -> Plan:
