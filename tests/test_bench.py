@@ -663,6 +663,15 @@ def test_sft_masks_the_prompt() -> None:
     assert b.shape["task"] == "sft"
 
 
+def test_timings_are_medians_of_the_steady_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An even number of steady steps: the median is the mean of the middle two, not the upper one."""
+    # per step: the whole step's seconds, then forward+backward's; two warm-up steps are left out
+    seconds = iter([9.0, 9.0, 9.0, 9.0, 1.0, 0.5, 2.0, 1.5])
+    monkeypatch.setattr(bench_run._Clock, "seconds", lambda self, start, end: next(seconds))
+    result = run_bench(tiny_spec(max_steps=4, warmup_steps=2))
+    assert (result.step_time_s, result.fwd_bwd_time_s) == (1.5, 1.0)
+
+
 def test_micro_batches_accumulate_to_the_global_batch() -> None:
     spec = tiny_spec(global_batch_size=3 * MB)
     assert spec.micro_batches == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import shlex
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -198,11 +199,6 @@ def _train(model: nn.Module, spec: BenchSpec,
     return steps, optimizer
 
 
-def _median(xs: Sequence[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[len(ordered) // 2]
-
-
 def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -275,7 +271,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
             progress.update(task, loss="[red]OOM[/]")
         return BenchResult(status="oom", oom=oom, **record)
     steady = slice(spec.warmup_steps, None)
-    step_s, fwd_bwd_s = _median(steps.step[steady]), _median(steps.fwd_bwd[steady])
+    step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     flops = model_flops(model.config, model.config.seq_length,
                         spec.micro_batch_size * spec.micro_batches)
     peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak
