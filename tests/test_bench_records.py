@@ -317,6 +317,14 @@ def test_memory_table_counts_gradients_built_in_backward_once() -> None:
     assert "within activations" not in render(memory_table(make_result()))
 
 
+def test_checks_table_writes_throughput_as_the_results_table_does() -> None:
+    """CPU-sized throughputs keep three significant digits instead of rounding to 0.00."""
+    check = check_of("tflops_per_gpu", 6.86e-05, 7.12e-05)
+    row = next(line for line in render(checks_table([check])).splitlines() if "tflops_per_gpu" in line)
+    assert "6.86e-05" in row and "7.12e-05" in row
+    assert "6.86e-05" in render(results_table([make_result(tflops_per_gpu=6.86e-05)]))
+
+
 def test_checks_table_renders() -> None:
     checks = [
         check_of("tflops_per_gpu", 100.0, 80.0),
