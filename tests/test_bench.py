@@ -102,6 +102,7 @@ REJECTED = [
     pytest.param(["-mb", "0"], ["micro_batch_size: is 0"], id="mb-zero"),
     pytest.param(["-ms", "3", "--warmup_steps", "3"], ["max_steps: 3 steps leave no steady step"], id="ms-eq-warmup"),
     pytest.param(["-ms", "2", "--warmup_steps", "3"], ["max_steps: 2 steps"], id="ms-below-warmup"),
+    pytest.param(["--warmup_steps", "-1"], ["warmup_steps: is -1; use --warmup_steps 0 or more"], id="warmup-negative"),
     pytest.param(["--task", "bogus"], ["task: 'bogus' is not a task", "'pretrain', 'sft'"], id="task"),
     pytest.param(["-g", "h300"], ["gpu: 'h300' is not a GPU name (did you mean 'h200'?)"], id="gpu-unknown"),
     pytest.param(["-g", "h100", "--device", "cpu"], ["-g h100 names a GPU but this run is on CPU"], id="gpu-on-cpu"),
@@ -684,6 +685,9 @@ def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
         tiny_spec(compute_dtype="fp8_cs", max_steps=1)
     assert {p.field for p in info.value.problems} == {"compute_dtype", "max_steps"}
+    with pytest.raises(ConfigError) as info:
+        tiny_spec(warmup_steps=-1)
+    assert [p.field for p in info.value.problems] == ["warmup_steps"]  # not max_steps: -ms 3 is fine
 
 
 SHARED_ANCHOR = Path(__file__).parents[2] / "shared" / "anchors" / "torch_baseline.py"

@@ -1310,7 +1310,9 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     ):
         yield Problem("global_batch_size", f"{s.global_batch_size} is not a positive multiple of the"
                                            f" micro-batch size {s.micro_batch_size}; use a multiple of it")
-    if s.warmup_steps < 0 or s.max_steps <= s.warmup_steps:
+    if s.warmup_steps < 0:
+        yield Problem("warmup_steps", f"is {s.warmup_steps}; use --warmup_steps 0 or more")
+    elif s.max_steps <= s.warmup_steps:
         yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
                                    f" steps; use -ms {s.warmup_steps + 1} or more")
     if s.num_gpus != 1:
