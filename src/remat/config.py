@@ -1268,6 +1268,7 @@ def planning_problems(offload: bool, host_budget_bytes: int | None, device_type:
 
 BRIDGE_COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 SUPPORTED_COMPUTE_DTYPES: tuple[str, ...] = ("bf16",)
+BRIDGE_TASKS: tuple[str, ...] = ("pretrain", "sft", "peft")
 TASKS: tuple[str, ...] = ("pretrain", "sft")
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
 # Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
@@ -1300,7 +1301,10 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
             f"not a compute dtype{_did_you_mean(s.compute_dtype, SUPPORTED_COMPUTE_DTYPES)}; Megatron Bridge's "
             f"are {_one_of(BRIDGE_COMPUTE_DTYPES)}") + "; use -c bf16")
     if s.task not in TASKS:
-        yield Problem("task", f"{s.task!r} is not a task; use one of {_one_of(TASKS)}")
+        yield Problem("task", f"{s.task!r} is " + (
+            "not supported yet" if s.task in BRIDGE_TASKS else
+            f"not a task{_did_you_mean(s.task, TASKS)}; Megatron Bridge's are {_one_of(BRIDGE_TASKS)}")
+            + f"; use {' or '.join(TASKS)}")
     if s.gpu is not None and s.gpu not in GPUS:
         yield Problem("gpu", f"{s.gpu!r} is not a GPU name{_did_you_mean(s.gpu, GPUS)}; use one of {_one_of(GPUS)}")
     if s.micro_batch_size < 1:
