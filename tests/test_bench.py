@@ -226,12 +226,20 @@ def run_bench_free_golden() -> dict[str, Any]:
                        tflops_per_gpu=1.0, losses=[6.0]).to_dict()
 
 
-def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("device_name", "accepted", "refused"), [
+    ("NVIDIA H200", "h200", "h100"),
+    ("NVIDIA H100 80GB HBM3", "h100", "h200"),
+    ("NVIDIA GB200", "gb200", "b200"),  # a word of the name, not a part of one
+    ("NVIDIA B200", "b200", "gb200"),
+])
+def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch, device_name: str, accepted: str,
+                                                 refused: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
-    tiny_spec(device="cuda", gpu="h200")  # the right label is accepted
-    with pytest.raises(ConfigError):
-        tiny_spec(device="cuda", gpu="h100")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: device_name)
+    tiny_spec(device="cuda", gpu=accepted)
+    with pytest.raises(ConfigError) as info:
+        tiny_spec(device="cuda", gpu=refused)
+    assert str(info.value) == f"gpu: -g {refused} but this machine's GPU is {device_name}; fix -g or drop it"
 
 
 # --- 2. dry run and a real run -------------------------------------------------------------------------------------

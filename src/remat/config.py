@@ -1351,7 +1351,8 @@ def _device_problems(s: BenchSettings) -> Iterator[Problem]:
         yield Problem("gpu", f"-g {s.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
     elif s.gpu in GPUS and s.device.startswith("cuda") and torch.cuda.is_available():
         present = torch.cuda.get_device_name(s.device)
-        if s.gpu not in present.lower():
+        # whole words of the name: "b200" is not a GB200
+        if s.gpu not in re.findall(r"[a-z0-9]+", present.lower()):
             yield Problem("gpu", f"-g {s.gpu} but this machine's GPU is {present}; fix -g or drop it")
 
 
