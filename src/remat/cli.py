@@ -88,7 +88,8 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> RecomputeConfig | Plan:
     """What a command line means: --config FILE (Megatron keys or a per-layer plan), then the
     model's facts, then the flags."""
-    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules))
+    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules,
+                                            args.recompute_granularity))
     if problems:
         raise ConfigError(problems)
     keys: dict[str, Any] = {}

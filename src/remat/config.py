@@ -1356,11 +1356,20 @@ def _device_problems(s: BenchSettings) -> Iterator[Problem]:
             yield Problem("gpu", f"-g {s.gpu} but this machine's GPU is {present}; fix -g or drop it")
 
 
-def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None) -> Iterator[Problem]:
+def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None,
+                            recompute_granularity: str | None = None) -> Iterator[Problem]:
     """Bridge's perf flags: -rl and --recompute_modules each choose the granularity."""
     if recompute_num_layers is not None and recompute_modules is not None:
         yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
                                                  "--recompute_modules recomputes the listed modules in every layer")
+    elif recompute_modules is not None and recompute_granularity == "full":
+        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules for"
+                                                 " selective recompute; drop --recompute_granularity full (the modules"
+                                                 " imply selective), or drop --recompute_modules and pass -rl N")
+    elif recompute_num_layers is not None and recompute_granularity == "selective":
+        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes N"
+                                                 " whole layers (full); drop --recompute_granularity selective (-rl"
+                                                 " implies full), or drop -rl and pass --recompute_modules")
 
 
 def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = True) -> Iterator[Problem]:
