@@ -124,6 +124,9 @@ REJECTED = [
     pytest.param(["--recompute_modules", "mlpp"], ["unknown label 'mlpp' (did you mean 'mlp'?)"], id="label-typo"),
     pytest.param(["--recompute_method", "uniform", "--recompute_granularity", "full"], ["recompute_num_layers"],
                  id="full-without-layers"),
+    pytest.param(["--recompute_method", "uniform"], ["recompute_method: 'uniform' applies only to full recompute, which is"
+                                                     " off, so this run would recompute nothing; add -rl N"],
+                 id="method-without-rl"),
     pytest.param(["-mr", "llama3_tin"], ["did you mean 'llama3_tiny'?"], id="recipe-typo"),
 ]
 
@@ -182,6 +185,19 @@ def test_sweep_rejects_bad_settings_and_entries(capsys: pytest.CaptureFixture[st
     code, _, err = cli(capsys, "sweep", *TINY, "--configs", "full_uniform_3", "--plot", str(plot))
     assert code == 1 and "recompute_num_layers: 3 is out of range" in err
     assert not plot.exists()
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_sweep_refuses_a_config_file_whose_full_recompute_settings_would_be_ignored(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "half.yaml"
+    config.write_text("recompute_method: block\nrecompute_num_layers: 1\n")  # no recompute_granularity: full
+    code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", str(config),
+                       "--plot", str(tmp_path / "p.png"))
+    assert code == 1
+    assert "half.yaml: recompute_method: 'block' applies only to full recompute" in err
+    assert "half.yaml: recompute_num_layers: 1 applies only to full recompute" in err
+    assert "warning" not in err  # refused, not advised
 
 
 def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.CaptureFixture[str],

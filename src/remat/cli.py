@@ -323,7 +323,7 @@ def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """Every problem of a bench command line, from every stage, before anything runs."""
     from remat.apply import apply
     from remat.bench.golden import load_golden
-    from remat.config import execution_problems, threshold_problems
+    from remat.config import bench_config_problems, execution_problems, threshold_problems
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
@@ -334,7 +334,7 @@ def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     if facts is not None:
         plan = found.run(resolve_config, args, facts)
     if isinstance(plan, RecomputeConfig):
-        found.add(execution_problems(plan.facts))
+        found.add(bench_config_problems(plan))
     if plan is not None or (facts is not None and not found.problems):
         resolved = found.run(apply, _meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
@@ -384,14 +384,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     """Every problem of a sweep, each entry checked against the model, before anything runs."""
-    from remat.config import execution_problems
+    from remat.config import bench_config_problems
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
     facts = found.run(_model_facts, args, field="model_recipe_name")
     plans: list[tuple[str, Any]] = []
     if facts is not None:
-        plans = _entries(found, _meta_model(args), args.configs, facts, execution_problems)
+        plans = _entries(found, _meta_model(args), args.configs, facts, bench_config_problems)
     found.raise_if_any()
     return spec, plans
 
@@ -400,7 +400,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
              execution: Any = None, stage_layers: int | None = None) -> list[tuple[str, Any]]:
     """Sweep entries (None or ["presets"]: Megatron's presets, full block over half of the
     `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
-    `execution` lists what a config asks that the runner cannot do."""
+    `execution` lists what a config asks that the runner would not run as asked."""
     from remat.apply import apply, find_sites
     from remat.bench.presets import megatron_presets, parse_entry
 
@@ -413,7 +413,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
         if parsed is None:
             continue
         if execution is not None and isinstance(parsed[1], RecomputeConfig):
-            found.add(Problem(f"{entry}: {p.field}", p.message) for p in execution(parsed[1].facts))
+            found.add(Problem(f"{entry}: {p.field}", p.message) for p in execution(parsed[1]))
         if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
             plans.append(parsed)
     return plans

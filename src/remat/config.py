@@ -1398,6 +1398,17 @@ def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
                                          " --cuda_graph_scope")
 
 
+def bench_config_problems(c: RecomputeConfig) -> Iterator[Problem]:
+    """A config the bench would not measure as asked: what it does not execute, and the settings that
+    take effect only with full recompute while the granularity is null (Megatron ignores them and
+    the library warns, but a bench would silently measure no recompute)."""
+    yield from execution_problems(c.facts)
+    for p in rule_settings_without_granularity(c):
+        yield Problem(p.field, f"{getattr(c, p.field)!r} applies only to full recompute, which is off, so this run"
+                               f" would recompute nothing; add -rl N (in a config file: recompute_granularity:"
+                               f" full with recompute_method and recompute_num_layers), or drop {p.field}")
+
+
 def parallel_shape_problems(facts: TrainingFacts, *, num_attention_heads: int, num_query_groups: int,
                             ffn_hidden_size: int, seq_length: int) -> Iterator[Problem]:
     """What a model's shapes need to split across tensor- and context-parallel ranks."""
