@@ -7,6 +7,7 @@ simulated out-of-memory errors, sweeps and presets, determinism of the mock data
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -24,7 +25,7 @@ from remat.bench.history import recent
 from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import MockData
 from remat.cli import main
-from remat.config import ConfigError, RecomputeConfig
+from remat.config import ConfigError, RecomputeConfig, output_path_problems
 from remat.models import build
 from remat.models.llama import MLP
 from remat.plans import Plan
@@ -219,6 +220,36 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
 
 
 @pytest.mark.usefixtures("no_steps")
+def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """What a run writes once it is over (minutes later on a GPU) cannot fail then: a directory in a file's
+    place, or a file in a folder's, is refused first."""
+    folder, a_file = tmp_path / "folder", tmp_path / "file.txt"
+    folder.mkdir()
+    a_file.write_text("")
+    code, out, err = cli(capsys, "bench", *TINY, "--json", str(folder), "--save-golden", str(a_file / "g.json"),
+                         "--history", str(folder))
+    assert code == 1 and "remat bench" not in out
+    assert "invalid config (3 problems)" in err
+    assert f"--json: {folder} is a directory; give a file path in it" in err
+    assert f"--save-golden: {a_file} is a file, so {a_file / 'g.json'} cannot be created in it" in err
+    assert f"--history: {folder} is a directory" in err
+    code, out, err = cli(capsys, "sweep", *TINY, "--configs", "none", "--plot", str(folder), "--json",
+                         str(a_file / "s.json"))
+    assert code == 1 and "remat sweep" not in out
+    assert f"--plot: {folder} is a directory" in err and f"--json: {a_file} is a file" in err
+    assert "--history" not in err  # $REMAT_HISTORY: a path that does not exist yet in a folder that does
+
+
+def test_an_output_path_that_cannot_be_written_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # as a user without write permission
+    assert [str(p) for p in output_path_problems("--json", tmp_path / "new" / "r.json")] == [
+        f"--json: {tmp_path} is not writable, so {tmp_path / 'new' / 'r.json'} cannot be created; choose another folder"]
+    (tmp_path / "r.json").write_text("{}")
+    assert [p.message for p in output_path_problems("--json", tmp_path / "r.json")] == [
+        f"{tmp_path / 'r.json'} cannot be overwritten (no write permission); choose another path"]
+
+
+@pytest.mark.usefixtures("no_steps")
 def test_bench_rejects_cuda_graphs_it_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--cuda_graph_impl", "local")
     assert code == 1 and "cuda_graph_impl" in err
@@ -293,7 +324,7 @@ def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str])
 
 
 def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out_json = tmp_path / "r.json"
+    out_json = tmp_path / "new" / "r.json"  # missing folders are created, as for --save-golden and --plot
     code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "--recompute_modules", "mlp", "--no_history",
                          "--json", str(out_json))
     assert code == 0, err

@@ -6,7 +6,8 @@ import dataclasses
 import shlex
 import sys
 import warnings
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 
@@ -319,8 +320,33 @@ def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
             append(result, args.history)
 
 
-def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """Every problem of a bench command line, from every stage, before anything runs."""
+# (flag, attribute) of the files bench and sweep write once they have run, besides the history
+_OUTPUTS = (("--json", "json"), ("--save-golden", "save_golden"), ("--plot", "plot"))
+
+
+def _output_problems(args: argparse.Namespace) -> list[Problem]:
+    """The files a bench or sweep writes once it has run, checked before it runs."""
+    from remat.bench.history import default_history_path
+    from remat.config import output_path_problems
+
+    if args.dryrun:
+        return []
+    written = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
+    written["--history"] = None if args.no_history else args.history or default_history_path()
+    return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
+
+
+def _write_json(data: Any, path: str) -> None:
+    """--json output; like every file the commands write, its missing folders are created."""
+    import json
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+
+
+def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tuple[Any, Any, Any, Any]:
+    """Every problem of a bench command line, from every stage (and `more`), before anything runs."""
     from remat.apply import apply
     from remat.bench.golden import load_golden
     from remat.config import bench_config_problems, execution_problems, threshold_problems
@@ -338,13 +364,12 @@ def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     if plan is not None or (facts is not None and not found.problems):
         resolved = found.run(apply, _meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
+    found.add(more)
     found.raise_if_any()
     return spec, plan, resolved, golden
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench import plan_name, run_bench
     from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden
     from remat.bench.report import checks_table, memory_table, results_table
@@ -352,7 +377,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        spec, plan, resolved, golden = _check_bench(args)
+        spec, plan, resolved, golden = _check_bench(args, _output_problems(args))
     _print_warnings(caught)
     if args.dryrun:
         _console.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
@@ -368,8 +393,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if result.memory is not None:
         _console.print(memory_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
+        _write_json(result.to_dict(), args.json)
     _record([result], args)
     if args.save_golden:
         save_golden(result, args.save_golden)
@@ -392,6 +416,7 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     plans: list[tuple[str, Any]] = []
     if facts is not None:
         plans = _entries(found, _meta_model(args), args.configs, facts, bench_config_problems)
+    found.add(_output_problems(args))
     found.raise_if_any()
     return spec, plans
 
@@ -420,8 +445,6 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench import sweep
     from remat.bench.plot import pareto_plot
     from remat.bench.report import results_table
@@ -438,8 +461,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     _console.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=1)
+        _write_json([r.to_dict() for r in results], args.json)
     _record(results, args)
     path = pareto_plot(results, args.plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
     _console.print(f"Pareto plot: {path}")
@@ -447,8 +469,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench.run import progress_bar, run_bench, trace_spec
     from remat.config import planning_problems
     from remat.planning import parse_bytes, plan_from_trace
@@ -485,8 +505,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         record["measured"] = bench.to_dict()
         _record([bench], args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json(record, args.json)
     return 0
 
 
@@ -526,8 +545,6 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench.run import progress_bar
     from remat.estimating import estimate
 
@@ -541,8 +558,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     _print_warnings(caught)
     _console.print(_estimate_table(spec, results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=1)
+        _write_json([r.to_dict() for r in results], args.json)
     return 0
 
 

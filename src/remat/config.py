@@ -1470,6 +1470,21 @@ def threshold_problems(threshold: float) -> Iterator[Problem]:
                                    " e.g. 0.05")
 
 
+def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """A file written once a run is over, checked before it starts (the writers create missing folders)."""
+    target = Path(path)
+    if target.is_dir():
+        yield Problem(flag, f"{path} is a directory; give a file path in it")
+        return
+    folder = next(p for p in target.absolute().parents if p.exists())  # the nearest that exists
+    if target.exists() and not os.access(target, os.W_OK):
+        yield Problem(flag, f"{path} cannot be overwritten (no write permission); choose another path")
+    elif not folder.is_dir():
+        yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
+    elif not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
+
+
 def check_bench(settings: BenchSettings) -> None:
     """Raise ConfigError listing every problem with a benchmark's run settings."""
     problems = list(_bench_problems(settings))
