@@ -297,22 +297,37 @@ def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.usefixtures("no_steps")
 def test_dry_run_prints_config_and_plan_and_runs_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out_json = tmp_path / "r.json"
     start = time.perf_counter()
-    code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "-rl", "1", "-d", "--json", str(out_json))
+    code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "-rl", "1", "-d")
     elapsed = time.perf_counter() - start
     assert code == 0, err
     assert elapsed < 5
     assert "llama3_tiny on cpu: micro-batch 2, 2 micro-batches a step, 3 steps (1 warm-up), bf16" in out
     assert "recompute: full, block" in out  # the resolved config
     assert "layer 0: full recompute" in out and "layer 1: keep everything" in out  # the per-layer plan
-    assert not out_json.exists()
     assert not (tmp_path / "default-history.sqlite").exists()
     if not torch.cuda.is_available():  # a full-size recipe dry-runs on a CPU; running it there is refused
         code, out, err = cli(capsys, "bench", "-mr", "llama3_8b", "-d")
         assert code == 0 and "layers 0-31: keep everything" in out, err
         code, _, err = cli(capsys, "bench", "-mr", "llama3_8b", "-ms", "3")
         assert code == 1 and "8.03B parameters is a GPU job" in err and "use -ms 4 or more" in err
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_flags_a_run_would_ignore_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A dry run writes nothing, and a threshold without a golden compares nothing: as a host-memory
+    budget without --offload, such flags are errors rather than silently dropped."""
+    out_json, golden, plot = tmp_path / "r.json", tmp_path / "g.json", tmp_path / "p.png"
+    code, _, err = cli(capsys, "bench", *TINY, "-d", "--json", str(out_json), "--save-golden", str(golden))
+    assert code == 1 and "invalid config (2 problems)" in err
+    assert "--json: a dry run (-d) runs nothing, so nothing is written; drop it or drop -d" in err
+    assert "--save-golden: a dry run (-d) runs nothing" in err
+    code, _, err = cli(capsys, "sweep", *TINY, "-d", "--json", str(out_json), "--plot", str(plot))
+    assert code == 1 and "--json: a dry run" in err and "--plot: a dry run" in err
+    code, _, err = cli(capsys, "bench", *TINY, "--threshold", "0.1")
+    assert code == 1
+    assert "threshold: sets how much a golden comparison may differ, and there is none; pass --golden FILE" in err
+    assert not any(p.exists() for p in (out_json, golden, plot))
 
 
 @pytest.mark.usefixtures("no_steps")

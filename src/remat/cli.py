@@ -322,17 +322,21 @@ def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
 
 # (flag, attribute) of the files bench and sweep write once they have run, besides the history
 _OUTPUTS = (("--json", "json"), ("--save-golden", "save_golden"), ("--plot", "plot"))
+_DEFAULT_PLOT = "pareto.png"
 
 
-def _output_problems(args: argparse.Namespace) -> list[Problem]:
-    """The files a bench or sweep writes once it has run, checked before it runs."""
+def _output_problems(args: argparse.Namespace, default_plot: str | None = None) -> list[Problem]:
+    """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
+    writes none, the output flags given are refused."""
     from remat.bench.history import default_history_path
-    from remat.config import output_path_problems
+    from remat.config import dryrun_output_problems, output_path_problems
 
+    given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
+    given = {flag: path for flag, path in given.items() if path is not None}
     if args.dryrun:
-        return []
-    written = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
-    written["--history"] = None if args.no_history else args.history or default_history_path()
+        return list(dryrun_output_problems(given))
+    written = {"--plot": default_plot, **given,
+               "--history": None if args.no_history else args.history or default_history_path()}
     return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
 
 
@@ -349,13 +353,13 @@ def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tupl
     """Every problem of a bench command line, from every stage (and `more`), before anything runs."""
     from remat.apply import apply
     from remat.bench.golden import load_golden
-    from remat.config import bench_config_problems, execution_problems, threshold_problems
+    from remat.config import bench_config_problems, execution_problems, golden_flag_problems
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
     facts = found.run(_model_facts, args, field="model_recipe_name")
     found.add(execution_problems(_flag_facts(args)))
-    found.add(threshold_problems(args.threshold))
+    found.add(golden_flag_problems(args.threshold, args.golden is not None))
     plan = resolved = None
     if facts is not None:
         plan = found.run(resolve_config, args, facts)
@@ -401,7 +405,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0 if result.status == "ok" else 1
     for note in mismatch_notes(result, golden):
         _errors.print(f"[yellow]note:[/] {note}")
-    checks = compare(result, golden, args.threshold)
+    checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
     _console.print(checks_table(checks))
     return 1 if golden_failed(checks) else 0
 
@@ -416,7 +420,7 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     plans: list[tuple[str, Any]] = []
     if facts is not None:
         plans = _entries(found, _meta_model(args), args.configs, facts, bench_config_problems)
-    found.add(_output_problems(args))
+    found.add(_output_problems(args, _DEFAULT_PLOT))
     found.raise_if_any()
     return spec, plans
 
@@ -463,7 +467,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         _write_json([r.to_dict() for r in results], args.json)
     _record(results, args)
-    path = pareto_plot(results, args.plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
+    path = pareto_plot(results, args.plot or _DEFAULT_PLOT, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
     _console.print(f"Pareto plot: {path}")
     return 0
 
@@ -819,8 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--golden", metavar="FILE", help="compare with a stored result; exit 1 on a difference")
     p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"relative difference that fails a golden comparison, both ways (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--threshold", type=float,
+                   help=f"with --golden: relative difference that fails the comparison, both ways (default "
+                        f"{DEFAULT_THRESHOLD})")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
                        description="Bench many configs on one model in one process. Entries: none, "
@@ -828,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "YAML/JSON config or plan file. Default: Megatron's usual presets.")
     _add_run_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
-    p.add_argument("--plot", default="pareto.png", metavar="PNG")
+    p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {_DEFAULT_PLOT})")
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
     p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
     p.set_defaults(func=_cmd_sweep)
@@ -894,7 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had (e.g. 80GiB)")
     _add_run_flags(p)
     _add_recompute_flags(p)
-    p.set_defaults(func=_cmd_doctor, golden=None, threshold=DEFAULT_THRESHOLD)
+    p.set_defaults(func=_cmd_doctor, golden=None, threshold=None)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

@@ -1485,6 +1485,21 @@ def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Pr
         yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
 
 
+def dryrun_output_problems(flags: Iterable[str]) -> Iterator[Problem]:
+    """Output flags beside -d, which runs nothing and so writes nothing."""
+    for flag in flags:
+        yield Problem(flag, "a dry run (-d) runs nothing, so nothing is written; drop it or drop -d")
+
+
+def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterator[Problem]:
+    """--threshold only means something for a golden comparison."""
+    if threshold is not None and not golden_given:
+        yield Problem("threshold", "sets how much a golden comparison may differ, and there is none; pass"
+                                   " --golden FILE or drop --threshold")
+    elif threshold is not None:
+        yield from threshold_problems(threshold)
+
+
 def check_bench(settings: BenchSettings) -> None:
     """Raise ConfigError listing every problem with a benchmark's run settings."""
     problems = list(_bench_problems(settings))
