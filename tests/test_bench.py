@@ -23,10 +23,10 @@ from remat.bench import BenchResult, BenchSpec, plan_name, run_bench, sweep
 from remat.bench.flops import model_flops
 from remat.bench.history import recent
 from remat.bench.presets import megatron_presets, parse_entry
-from remat.bench.run import MockData
+from remat.bench.run import MockData, run_shape
 from remat.cli import main
 from remat.config import ConfigError, RecomputeConfig, output_path_problems
-from remat.models import build
+from remat.models import build, recipe_config
 from remat.models.llama import MLP
 from remat.plans import Plan
 
@@ -466,13 +466,37 @@ def test_golden_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert _verdicts(out) == {"peak_allocated_bytes": "REGRESSION", "loss": "ok"}
 
 
-def test_golden_of_another_config_is_noted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_golden_of_another_config_gpu_or_metrics_is_noted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     golden = tmp_path / "none.json"
     code, _, _ = cli(capsys, "bench", *TINY, "--no_history", "--save-golden", str(golden))
     assert code == 0
     code, _, err = cli(capsys, "bench", *TINY, "-rl", "1", "--no_history", "--golden", str(golden),
                        "--threshold", "1e9")
-    assert "note: config.recompute_granularity differs" in err
+    assert code == 0 and "note: config.recompute_granularity differs" in err
+    # a GPU golden: reserved memory, which a CPU run has none of, is named as not compared
+    on_gpu = _edit_golden(golden, tmp_path / "gpu.json", gpu="NVIDIA H200", peak_reserved_bytes=2**30)
+    code, out, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(on_gpu), "--threshold", "1e9")
+    assert code == 0, err
+    assert "note: gpu differs: golden 'NVIDIA H200', current 'cpu'" in err
+    assert "note: peak_reserved_bytes not compared: the golden has it, this run has none" in err
+    assert set(_verdicts(out)) == {"tflops_per_gpu", "peak_allocated_bytes", "loss"}
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_golden_of_another_recipe_or_shape_is_refused_before_running(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    record = run_bench_free_golden()
+    record["shape"] = run_shape(tiny_spec(), recipe_config("llama3_tiny", num_layers=NUM_LAYERS, seq_length=SEQ))
+    golden = tmp_path / "g.json"
+    golden.write_text(json.dumps(record))
+    code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "-d")
+    assert code == 0, err  # like for like
+    other = _edit_golden(golden, tmp_path / "other.json", recipe="llama3_8b",
+                         shape=lambda shape: {**shape, "seq_length": 2 * SEQ})
+    code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(other))
+    assert code == 1
+    assert ("golden: was measured on another run (recipe differs: golden 'llama3_8b', current 'llama3_tiny'; "
+            f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and shape") in err
 
 
 @pytest.mark.usefixtures("no_steps")

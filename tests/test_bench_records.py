@@ -15,7 +15,16 @@ from rich.console import Console
 from rich.table import Table
 
 from remat.bench import history
-from remat.bench.golden import MetricCheck, compare, golden_failed, load_golden, mismatch_notes, save_golden
+from remat.bench.golden import (
+    MetricCheck,
+    compare,
+    golden_failed,
+    load_golden,
+    mismatch_notes,
+    run_differences,
+    save_golden,
+    uncompared,
+)
 from remat.bench.plot import pareto_frontier, pareto_plot
 from remat.bench.report import checks_table, format_gib, memory_table, results_table
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
@@ -127,11 +136,17 @@ def test_ok_against_oom_golden_is_unexpected_improvement() -> None:
     assert [(c.metric, c.verdict) for c in checks] == [("status", "UNEXPECTED IMPROVEMENT")]
 
 
-def test_missing_metrics_are_skipped() -> None:
+def test_missing_metrics_are_skipped_and_named() -> None:
     current = make_result(tflops_per_gpu=None, losses=[])
     gold = make_result(peak_reserved_bytes=None)
     assert [c.metric for c in compare(current, gold)] == ["peak_allocated_bytes"]
-    assert compare(oom_result(), oom_result()) == []
+    assert uncompared(current, gold) == [
+        "tflops_per_gpu not compared: the golden has it, this run has none",
+        "peak_reserved_bytes not compared: this run has it, the golden has none; save a new golden to compare it",
+        "loss not compared: the golden has it, this run has none",
+    ]
+    assert compare(oom_result(), oom_result()) == [] and uncompared(oom_result(), oom_result()) == []
+    assert uncompared(oom_result(), make_result()) == []  # only the status is compared, by design
 
 
 def test_nan_loss_is_regression() -> None:
@@ -148,21 +163,28 @@ def test_negative_threshold_rejected() -> None:
         compare(make_result(), make_result(), threshold=-0.1)
 
 
-def test_mismatch_notes() -> None:
+def test_mismatch_notes_name_the_gpu_and_config() -> None:
     gold = make_result()
     assert mismatch_notes(make_result(), gold) == []
-    current = make_result(
-        recipe="qwen3_8b", shape={**gold.shape, "seq_length": 4096}, config={"recompute_granularity": "full"}
-    )
-    notes = mismatch_notes(current, gold)
-    assert notes[0] == "recipe differs: golden 'llama3_8b', current 'qwen3_8b'"
-    assert "shape.seq_length differs: golden 2048, current 4096" in notes
-    assert "config.recompute_granularity differs: golden 'selective', current 'full'" in notes
-    assert "config.recompute_modules differs: golden ['mlp'], current '<absent>'" in notes
+    current = make_result(gpu="NVIDIA H100 80GB HBM3", config={"recompute_granularity": "full"})
+    assert mismatch_notes(current, gold) == [
+        "gpu differs: golden 'NVIDIA H200', current 'NVIDIA H100 80GB HBM3'",
+        "config.recompute_granularity differs: golden 'selective', current 'full'",
+        "config.recompute_modules differs: golden ['mlp'], current '<absent>'",
+    ]
+
+
+def test_run_differences_name_the_recipe_and_shape() -> None:
+    gold = make_result()
+    assert run_differences(gold, gold.recipe, gold.shape) == []
+    assert run_differences(gold, "qwen3_8b", {**gold.shape, "seq_length": 4096}) == [
+        "recipe differs: golden 'llama3_8b', current 'qwen3_8b'",
+        "shape.seq_length differs: golden 2048, current 4096",
+    ]
     # a golden from before gradient accumulation was fused ran without it
-    fused = make_result(shape={**gold.shape, "gradient_accumulation_fusion": True})
-    assert mismatch_notes(fused, gold) == ["shape.gradient_accumulation_fusion differs: golden False, current True"]
-    assert mismatch_notes(make_result(shape={**gold.shape, "gradient_accumulation_fusion": False}), gold) == []
+    assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": True}) == [
+        "shape.gradient_accumulation_fusion differs: golden False, current True"]
+    assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": False}) == []
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

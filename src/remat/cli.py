@@ -352,8 +352,10 @@ def _write_json(data: Any, path: str) -> None:
 def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tuple[Any, Any, Any, Any]:
     """Every problem of a bench command line, from every stage (and `more`), before anything runs."""
     from remat.apply import apply
-    from remat.bench.golden import load_golden
-    from remat.config import bench_config_problems, execution_problems, golden_flag_problems
+    from remat.bench.golden import load_golden, run_differences
+    from remat.bench.run import run_shape
+    from remat.config import bench_config_problems, execution_problems, golden_flag_problems, golden_match_problems
+    from remat.models import recipe_config
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
@@ -368,6 +370,9 @@ def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tupl
     if plan is not None or (facts is not None and not found.problems):
         resolved = found.run(apply, _meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
+    if golden is not None and spec is not None:
+        shape = run_shape(spec, recipe_config(spec.recipe, **spec.overrides))
+        found.add(golden_match_problems(run_differences(golden, spec.recipe, shape)))
     found.add(more)
     found.raise_if_any()
     return spec, plan, resolved, golden
@@ -375,7 +380,7 @@ def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tupl
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from remat.bench import plan_name, run_bench
-    from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden
+    from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden, uncompared
     from remat.bench.report import checks_table, memory_table, results_table
     from remat.bench.run import progress_bar
 
@@ -403,7 +408,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         save_golden(result, args.save_golden)
     if golden is None:
         return 0 if result.status == "ok" else 1
-    for note in mismatch_notes(result, golden):
+    for note in [*mismatch_notes(result, golden), *uncompared(result, golden)]:
         _errors.print(f"[yellow]note:[/] {note}")
     checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
     _console.print(checks_table(checks))
@@ -821,7 +826,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recompute_flags(p)
     p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--golden", metavar="FILE", help="compare with a stored result; exit 1 on a difference")
+    p.add_argument("--golden", metavar="FILE",
+                   help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
+                        "another recipe or shape is refused before running; another GPU name or recompute "
+                        "config is a note, and so is a metric only one side has")
     p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
     p.add_argument("--threshold", type=float,
                    help=f"with --golden: relative difference that fails the comparison, both ways (default "

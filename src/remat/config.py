@@ -1500,6 +1500,13 @@ def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterato
         yield from threshold_problems(threshold)
 
 
+def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
+    """A golden of another recipe or shape measured another run (golden.run_differences)."""
+    if differences:
+        yield Problem("golden", f"was measured on another run ({'; '.join(differences)}); run with the golden's"
+                                " recipe and shape, or store this run as a new golden with --save-golden")
+
+
 def check_bench(settings: BenchSettings) -> None:
     """Raise ConfigError listing every problem with a benchmark's run settings."""
     problems = list(_bench_problems(settings))
