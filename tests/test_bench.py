@@ -331,6 +331,22 @@ def test_flags_a_run_would_ignore_are_refused(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.usefixtures("no_steps")
+def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """It runs (the tests' path for the offload engine), but its lower peak is a copy within CPU memory."""
+    advice = "offload on CPU ({}) copies CPU memory to CPU memory: it exercises the mechanism only"
+    code, _, err = cli(capsys, "bench", *TINY, "-ol", "1", "-d")
+    assert code == 0 and f"warning: device: {advice.format('none+offload_1')}" in err
+    code, _, err = cli(capsys, "bench", *TINY, "-rl", "1", "-d")
+    assert code == 0 and "offload on CPU" not in err
+    offload = tmp_path / "offload.yaml"
+    offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
+    code, _, err = cli(capsys, "sweep", *TINY, "-d", "--configs", "none", "mlp", str(offload))
+    assert code == 0 and advice.format("offload") in err
+    assert not RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=0).offloads()
+
+
+@pytest.mark.usefixtures("no_steps")
 def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "sweep", *TINY, "-d")
     assert code == 0

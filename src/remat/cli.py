@@ -349,11 +349,19 @@ def _write_json(data: Any, path: str) -> None:
     out.write_text(json.dumps(data, indent=1))
 
 
+def _advise_offload(spec: Any, plans: Sequence[tuple[str, Any]]) -> None:
+    """Warn where a run offloads on a device where offload saves nothing."""
+    from remat.config import advise, offload_device_advice
+
+    if spec is not None:
+        advise(offload_device_advice(spec.device, [name for name, plan in plans if plan is not None and plan.offloads()]))
+
+
 def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tuple[Any, Any, Any, Any]:
     """Every problem of a bench command line, from every stage (and `more`), before anything runs."""
     from remat.apply import apply
     from remat.bench.golden import load_golden, run_differences
-    from remat.bench.run import run_shape
+    from remat.bench.run import plan_name, run_shape
     from remat.config import bench_config_problems, execution_problems, golden_flag_problems, golden_match_problems
     from remat.models import recipe_config
 
@@ -375,6 +383,7 @@ def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tupl
         found.add(golden_match_problems(run_differences(golden, spec.recipe, shape)))
     found.add(more)
     found.raise_if_any()
+    _advise_offload(spec, [(plan_name(plan), plan)])
     return spec, plan, resolved, golden
 
 
@@ -427,6 +436,7 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
         plans = _entries(found, _meta_model(args), args.configs, facts, bench_config_problems)
     found.add(_output_problems(args, _DEFAULT_PLOT))
     found.raise_if_any()
+    _advise_offload(spec, plans)
     return spec, plans
 
 

@@ -331,6 +331,10 @@ class RecomputeConfig:
         """Build from a YAML (.yaml, .yml) or JSON (.json) file holding Megatron settings."""
         return cls.from_megatron(load_mapping(Path(path)))
 
+    def offloads(self) -> bool:
+        """Whether anything goes to host memory (as Plan.offloads)."""
+        return (self.cpu_offloading and self.cpu_offloading_num_layers > 0) or self.fine_grained_activation_offloading
+
     def to_megatron(self) -> dict[str, Any]:
         """A flat dict of Megatron keys that `from_megatron` turns back into an equal config."""
         out = {name: _copy(getattr(self, name)) for name in _RECOMPUTE_PARSERS}
@@ -1498,6 +1502,20 @@ def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterato
                                    " --golden FILE or drop --threshold")
     elif threshold is not None:
         yield from threshold_problems(threshold)
+
+
+def offload_device_advice(device: str, offloading: Sequence[str]) -> Iterator[Problem]:
+    """Runs that offload, on a device where that saves nothing (advice: the CPU path tests the mechanism)."""
+    if offloading and device == "cpu":
+        yield Problem("device", f"offload on CPU ({', '.join(offloading)}) copies CPU memory to CPU memory: it"
+                                " exercises the mechanism only, and the lower peak allocated and the peak host it"
+                                " reports are no saving; measure offload on a GPU")
+
+
+def advise(problems: Iterable[Problem]) -> None:
+    """Each problem as a RematWarning: advice, not an error."""
+    for problem in problems:
+        _warn(str(problem))
 
 
 def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
