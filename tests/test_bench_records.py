@@ -11,6 +11,7 @@ from typing import Any
 
 import matplotlib
 import pytest
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
@@ -25,7 +26,7 @@ from remat.bench.golden import (
     save_golden,
     uncompared,
 )
-from remat.bench.plot import pareto_frontier, pareto_plot
+from remat.bench.plot import pareto_figure, pareto_frontier, pareto_plot
 from remat.bench.report import checks_table, format_gib, memory_table, results_table
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 
@@ -295,9 +296,21 @@ def test_pareto_plot_writes_png(tmp_path: Path) -> None:
     assert matplotlib.get_backend() == backend  # the user's backend is untouched
 
 
-def test_pareto_plot_whole_step_fallback_and_empty(tmp_path: Path) -> None:
-    mixed = [make_result(tflops_fwd_bwd=None), make_result(name="full")]
-    assert pareto_plot(mixed, tmp_path / "mixed.png").read_bytes().startswith(PNG_SIGNATURE)
+def scatter_points(fig: Figure, label: str) -> list[tuple[float, float]]:
+    """The (x, y) of the scatter drawn with this legend label."""
+    (points,) = [c for c in fig.axes[0].collections if c.get_label() == label]
+    return [(float(x), float(y)) for x, y in points.get_offsets()]
+
+
+def test_pareto_plot_draws_the_tables_whole_step_throughput(tmp_path: Path) -> None:
+    """The y axis is the results table's TFLOP/s/GPU, not the forward+backward column beside it."""
+    results = [
+        make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_per_gpu=380.0, tflops_fwd_bwd=400.0),
+        make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_per_gpu=290.0, tflops_fwd_bwd=300.0),
+    ]  # every bench result has both
+    fig = pareto_figure(results)
+    assert scatter_points(fig, "runs") == [(30.0, 380.0), (20.0, 290.0)]
+    assert fig.axes[0].get_ylabel() == "TFLOP/s/GPU (whole step, as in the table)"
     assert pareto_plot([], tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
