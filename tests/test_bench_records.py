@@ -11,6 +11,7 @@ from typing import Any
 
 import matplotlib
 import pytest
+from matplotlib.colors import same_color
 from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
@@ -281,19 +282,40 @@ def test_pareto_frontier() -> None:
     assert pareto_frontier([]) == []
 
 
+PARETO_RUNS = [
+    make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_per_gpu=400.0),
+    make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_per_gpu=300.0),
+    make_result(name="worse", peak_allocated_bytes=35 * GIB, tflops_per_gpu=350.0),
+    oom_result(name="none", allocated=140 * GIB),
+]
+
+
 def test_pareto_plot_writes_png(tmp_path: Path) -> None:
     backend = matplotlib.get_backend()
-    results = [
-        make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_fwd_bwd=400.0),
-        make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_fwd_bwd=300.0),
-        make_result(name="worse", peak_allocated_bytes=35 * GIB, tflops_fwd_bwd=350.0),
-        oom_result(name="none", allocated=140 * GIB),
-    ]
-    path = pareto_plot(results, tmp_path / "plots" / "pareto.png", anchors=[("torch", 25.0, 380.0)], title="t")
+    path = pareto_plot(PARETO_RUNS, tmp_path / "plots" / "pareto.png", anchors=[("torch", 25.0, 380.0)], title="t")
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 10_000
     assert matplotlib.get_backend() == backend  # the user's backend is untouched
+
+
+def test_pareto_plot_marks_ooms_apart_from_the_runs_and_frontier() -> None:
+    """An OOM run is a red x at the memory it held when it failed, on the x axis, named "(OOM)"; it is
+    neither a run point nor on the frontier."""
+    fig = pareto_figure(PARETO_RUNS, anchors=[("torch", 25.0, 380.0)], title="t")
+    ax = fig.axes[0]
+    assert scatter_points(fig, "OOM (allocated at failure)") == [(140.0, 0.0)]
+    (ooms,) = [c for c in ax.collections if c.get_label() == "OOM (allocated at failure)"]
+    assert same_color(ooms.get_facecolor()[0], "red")
+    assert scatter_points(fig, "runs") == [(30.0, 400.0), (20.0, 300.0), (35.0, 350.0)]
+    assert scatter_points(fig, "reference") == [(25.0, 380.0)]
+    labels = {text.get_text(): text.xy for text in ax.texts}
+    assert labels == {"selective": (30.0, 400.0), "full_1": (20.0, 300.0), "worse": (35.0, 350.0),
+                      "none (OOM)": (140.0, 0.0), "torch": (25.0, 380.0)}
+    (frontier,) = [line for line in ax.lines if line.get_label() == "Pareto frontier"]
+    assert list(zip(frontier.get_xdata(), frontier.get_ydata())) == [(20.0, 300.0), (30.0, 400.0)]
+    assert "OOM (allocated at failure)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_ylim()[0] == 0  # the OOM markers at y = 0 are in view
 
 
 def scatter_points(fig: Figure, label: str) -> list[tuple[float, float]]:
