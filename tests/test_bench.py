@@ -11,11 +11,13 @@ import os
 import shlex
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import remat.bench.run as bench_run
 from remat.apply import apply, find_sites
@@ -584,6 +586,63 @@ def test_sweep_goes_on_after_an_oom(monkeypatch: pytest.MonkeyPatch) -> None:
     alone = run_bench(tiny_spec(), plans[2][1])
     assert after.losses == alone.losses
     assert after.peak_allocated_bytes == alone.peak_allocated_bytes
+
+
+@pytest.mark.usefixtures("fake_cuda_memory")
+def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between an OOM and the next config of a sweep: the failed step's tensors are gone (its traceback
+    with them), the gradients it had built are dropped, and then the caching allocator returns its blocks
+    and restarts its peak (a fake allocator here, which records what is alive when it is called). A
+    storage's Python object lives as long as the storage, so a weakref to it says whether it is freed."""
+    events: list[Any] = []
+    models: list[nn.Module] = []
+    step_storages: list[weakref.ref[torch.UntypedStorage]] = []
+    real_build, real_run_bench, real_forward = bench_run.build_model, bench_run.run_bench, MLP.forward
+
+    def building(spec: BenchSpec) -> nn.Module:
+        models.append(real_build(spec))
+        return models[-1]
+
+    def tracking(spec: BenchSpec, plan: Any = None, **kwargs: Any) -> BenchResult:
+        events.append(f"start {kwargs['name']}")
+        return real_run_bench(spec, plan, **kwargs)
+
+    def grads_built() -> int:
+        return sum(p.grad is not None for p in models[0].parameters())
+
+    calls = []
+
+    def forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
+        if events[-1] == "start mlp":
+            calls.append(1)
+            if len(calls) == 2 * NUM_LAYERS + 1:  # the second step's first forward: x's storage is kept
+                step_storages.append(weakref.ref(x.untyped_storage()))
+            if len(calls) == 2 * NUM_LAYERS + NUM_LAYERS + 1:  # its backward, once gradients exist
+                events.append(("OOM", grads_built()))
+                raise oom_error()
+        return real_forward(self, x)
+
+    monkeypatch.setattr(bench_run, "build_model", building)
+    monkeypatch.setattr(bench_run, "run_bench", tracking)
+    monkeypatch.setattr(MLP, "forward", forward)
+    real_release = bench_run.release_memory
+
+    def release_with_cuda(model: nn.Module) -> None:
+        with monkeypatch.context() as cuda:  # only here: the model's RNG capture would look for a GPU too
+            cuda.setattr(torch.cuda, "is_available", lambda: True)
+            cuda.setattr(torch.cuda, "is_initialized", lambda: True)
+            real_release(model)
+
+    monkeypatch.setattr(bench_run, "release_memory", release_with_cuda)
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: events.append(("empty_cache", grads_built(), step_storages[0]() is None)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: events.append("reset_peak"))
+    results = sweep(tiny_spec(), [parse_entry(e, FACTS) for e in ("mlp", "none")], progress=False)
+    assert [r.status for r in results] == ["oom", "ok"]
+    failed = next(i for i, event in enumerate(events) if isinstance(event, tuple) and event[0] == "OOM")
+    assert events[failed][1] > 0  # the failed step had built gradients
+    assert events[failed + 1:] == [("empty_cache", 0, True), "reset_peak", "start none",
+                                   ("empty_cache", 0, True), "reset_peak"]
 
 
 @pytest.mark.usefixtures("fake_cuda_memory")
