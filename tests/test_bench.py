@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sqlite3
 import sys
 import time
 import weakref
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -683,6 +685,9 @@ def test_history_records_one_row_per_bench(capsys: pytest.CaptureFixture[str], m
     row = rows[0]
     assert row.command == shlex.join(["remat", *argv])
     assert row.torch == torch.__version__
+    with closing(sqlite3.connect(db)) as conn:  # the columns too, not only the stored result
+        columns = conn.execute("SELECT gpu, torch, recipe, command FROM runs").fetchone()
+    assert columns == ("cpu", torch.__version__, "llama3_tiny", shlex.join(["remat", *argv]))
     assert row.name == "full_block_1" and row.status == "ok"
     assert row.config["recompute_granularity"] == "full" and row.config["recompute_num_layers"] == 1
     assert len(row.losses) == STEPS

@@ -230,11 +230,19 @@ def test_history_round_trip_newest_first(tmp_path: Path) -> None:
 
 
 def test_history_columns(tmp_path: Path) -> None:
+    """Every column holds its own field (SQL queries read them without the JSON)."""
     db = tmp_path / "history.sqlite"
-    history.append(make_result(), db)
+    result = make_result()
+    history.append(result, db)
     with closing(sqlite3.connect(db)) as conn:
-        row = conn.execute("SELECT name, status, tflops_per_gpu, peak_allocated_bytes, config FROM runs").fetchone()
-    assert row == ("mlp", "ok", 100.0, 10 * GIB, json.dumps(make_result().config, sort_keys=True))
+        conn.row_factory = sqlite3.Row
+        row = dict(conn.execute("SELECT * FROM runs").fetchone())
+    assert row == {
+        "id": 1, "date": "2026-01-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.13.0", "recipe": "llama3_8b",
+        "name": "mlp", "status": "ok", "tflops_per_gpu": 100.0, "peak_allocated_bytes": 10 * GIB,
+        "peak_reserved_bytes": 12 * GIB, "config": json.dumps(result.config, sort_keys=True),
+        "command": "remat bench --recipe llama3_8b", "result": json.dumps(result.to_dict()),
+    }
 
 
 def test_history_env_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
