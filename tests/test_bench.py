@@ -129,8 +129,9 @@ REJECTED = [
     pytest.param(["--recompute_modules", "mlpp"], ["unknown label 'mlpp' (did you mean 'mlp'?)"], id="label-typo"),
     pytest.param(["--recompute_method", "uniform", "--recompute_granularity", "full"], ["recompute_num_layers"],
                  id="full-without-layers"),
-    pytest.param(["--recompute_method", "uniform"], ["recompute_method: 'uniform' applies only to full recompute, which is"
-                                                     " off, so this run would recompute nothing; add -rl N"],
+    pytest.param(["--recompute_method", "uniform"],
+                 ["recompute_method: 'uniform' applies only to full recompute, which is off, so this run would"
+                  " recompute nothing; add -rl N"],
                  id="method-without-rl"),
     pytest.param(["-mr", "llama3_tin"], ["did you mean 'llama3_tiny'?"], id="recipe-typo"),
 ]
@@ -247,7 +248,8 @@ def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[s
 def test_an_output_path_that_cannot_be_written_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # as a user without write permission
     assert [str(p) for p in output_path_problems("--json", tmp_path / "new" / "r.json")] == [
-        f"--json: {tmp_path} is not writable, so {tmp_path / 'new' / 'r.json'} cannot be created; choose another folder"]
+        f"--json: {tmp_path} is not writable, so {tmp_path / 'new' / 'r.json'} cannot be created; "
+        "choose another folder"]
     (tmp_path / "r.json").write_text("{}")
     assert [p.message for p in output_path_problems("--json", tmp_path / "r.json")] == [
         f"{tmp_path / 'r.json'} cannot be overwritten (no write permission); choose another path"]
@@ -516,7 +518,8 @@ def test_golden_of_another_recipe_or_shape_is_refused_before_running(capsys: pyt
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(other))
     assert code == 1
     assert ("golden: was measured on another run (recipe differs: golden 'llama3_8b', current 'llama3_tiny'; "
-            f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and shape") in err
+            f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and "
+            "shape") in err
 
 
 @pytest.mark.usefixtures("no_steps")

@@ -354,7 +354,8 @@ def _advise_offload(spec: Any, plans: Sequence[tuple[str, Any]]) -> None:
     from remat.config import advise, offload_device_advice
 
     if spec is not None:
-        advise(offload_device_advice(spec.device, [name for name, plan in plans if plan is not None and plan.offloads()]))
+        offloading = [name for name, plan in plans if plan is not None and plan.offloads()]
+        advise(offload_device_advice(spec.device, offloading))
 
 
 def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tuple[Any, Any, Any, Any]:
@@ -482,7 +483,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         _write_json([r.to_dict() for r in results], args.json)
     _record(results, args)
-    path = pareto_plot(results, args.plot or _DEFAULT_PLOT, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
+    path = pareto_plot(results, args.plot or _DEFAULT_PLOT,
+                       title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
     _console.print(f"Pareto plot: {path}")
     return 0
 

@@ -1367,12 +1367,13 @@ def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules:
         yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
                                                  "--recompute_modules recomputes the listed modules in every layer")
     elif recompute_modules is not None and recompute_granularity == "full":
-        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules for"
-                                                 " selective recompute; drop --recompute_granularity full (the modules"
-                                                 " imply selective), or drop --recompute_modules and pass -rl N")
+        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules"
+                                                 " for selective recompute; drop --recompute_granularity full (the"
+                                                 " modules imply selective), or drop --recompute_modules and pass"
+                                                 " -rl N")
     elif recompute_num_layers is not None and recompute_granularity == "selective":
-        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes N"
-                                                 " whole layers (full); drop --recompute_granularity selective (-rl"
+        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes"
+                                                 " N whole layers (full); drop --recompute_granularity selective (-rl"
                                                  " implies full), or drop -rl and pass --recompute_modules")
 
 

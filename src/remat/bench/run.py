@@ -234,7 +234,8 @@ def run_shape(spec: BenchSpec, cfg: LlamaConfig) -> dict[str, Any]:
 def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str | None) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name() if spec.device.startswith("cuda") else "cpu"
     return dict(
-        name=name or plan_name(plan), recipe=spec.recipe, config=_plan_record(plan), shape=run_shape(spec, model.config),
+        name=name or plan_name(plan), recipe=spec.recipe, config=_plan_record(plan),
+        shape=run_shape(spec, model.config),
         device=spec.device.split(":")[0], gpu=gpu, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=spec.command,
