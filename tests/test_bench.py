@@ -7,14 +7,19 @@ simulated out-of-memory errors, sweeps and presets, determinism of the mock data
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import sqlite3
 import sys
 import time
+import weakref
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import remat.bench.run as bench_run
 from remat.apply import apply, find_sites
@@ -22,10 +27,10 @@ from remat.bench import BenchResult, BenchSpec, plan_name, run_bench, sweep
 from remat.bench.flops import model_flops
 from remat.bench.history import recent
 from remat.bench.presets import megatron_presets, parse_entry
-from remat.bench.run import MockData
+from remat.bench.run import MockData, run_shape
 from remat.cli import main
-from remat.config import ConfigError, RecomputeConfig
-from remat.models import build
+from remat.config import ConfigError, RecomputeConfig, output_path_problems
+from remat.models import build, recipe_config
 from remat.models.llama import MLP
 from remat.plans import Plan
 
@@ -102,13 +107,20 @@ REJECTED = [
     pytest.param(["-mb", "0"], ["micro_batch_size: is 0"], id="mb-zero"),
     pytest.param(["-ms", "3", "--warmup_steps", "3"], ["max_steps: 3 steps leave no steady step"], id="ms-eq-warmup"),
     pytest.param(["-ms", "2", "--warmup_steps", "3"], ["max_steps: 2 steps"], id="ms-below-warmup"),
-    pytest.param(["--task", "bogus"], ["task: 'bogus' is not a task", "'pretrain', 'sft'"], id="task"),
+    pytest.param(["--warmup_steps", "-1"], ["warmup_steps: is -1; use --warmup_steps 0 or more"], id="warmup-negative"),
+    pytest.param(["--task", "bogus"], ["task: 'bogus' is not a task; Megatron Bridge's are 'pretrain', 'sft', 'peft'",
+                                       "use pretrain or sft"], id="task"),
+    pytest.param(["--task", "sfft"], ["did you mean 'sft'?"], id="task-typo"),
+    pytest.param(["--task", "peft"], ["task: 'peft' is not supported yet; use pretrain or sft"], id="task-peft"),
     pytest.param(["-g", "h300"], ["gpu: 'h300' is not a GPU name (did you mean 'h200'?)"], id="gpu-unknown"),
     pytest.param(["-g", "h100", "--device", "cpu"], ["-g h100 names a GPU but this run is on CPU"], id="gpu-on-cpu"),
     pytest.param(["--device", "cuda"], ["device: a CUDA GPU was asked for"], id="cuda-missing", marks=NO_CUDA),
     pytest.param(["-mr", "llama3_8b", "--num_layers", "32", "-sl", "8192", "--device", "cpu"],
                  ["8.03B parameters is a GPU job"], id="big-on-cpu"),
     pytest.param(["-rl", "1", "--recompute_modules", "mlp"], ["pass one of them"], id="rl-and-modules"),
+    pytest.param(["--recompute_granularity", "full", "--recompute_modules", "mlp"],
+                 ["invalid config (1 problem)", "--recompute_granularity: full recomputes whole layers"],
+                 id="full-and-modules"),
     pytest.param(["-rl", "3"], ["recompute_num_layers: 3 is out of range", "between 1 and 2"], id="rl-too-many"),
     pytest.param(["--recompute_modules", "moe"], ["'moe' matches no site in this model"], id="label-moe"),
     pytest.param(["--recompute_modules", "mlp,shared_experts"], ["'shared_experts' matches no site"],
@@ -117,6 +129,10 @@ REJECTED = [
     pytest.param(["--recompute_modules", "mlpp"], ["unknown label 'mlpp' (did you mean 'mlp'?)"], id="label-typo"),
     pytest.param(["--recompute_method", "uniform", "--recompute_granularity", "full"], ["recompute_num_layers"],
                  id="full-without-layers"),
+    pytest.param(["--recompute_method", "uniform"],
+                 ["recompute_method: 'uniform' applies only to full recompute, which is off, so this run would"
+                  " recompute nothing; add -rl N"],
+                 id="method-without-rl"),
     pytest.param(["-mr", "llama3_tin"], ["did you mean 'llama3_tiny'?"], id="recipe-typo"),
 ]
 
@@ -177,6 +193,19 @@ def test_sweep_rejects_bad_settings_and_entries(capsys: pytest.CaptureFixture[st
     assert not plot.exists()
 
 
+@pytest.mark.usefixtures("no_steps")
+def test_sweep_refuses_a_config_file_whose_full_recompute_settings_would_be_ignored(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "half.yaml"
+    config.write_text("recompute_method: block\nrecompute_num_layers: 1\n")  # no recompute_granularity: full
+    code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", str(config),
+                       "--plot", str(tmp_path / "p.png"))
+    assert code == 1
+    assert "half.yaml: recompute_method: 'block' applies only to full recompute" in err
+    assert "half.yaml: recompute_num_layers: 1 applies only to full recompute" in err
+    assert "warning" not in err  # refused, not advised
+
+
 def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
@@ -193,6 +222,37 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", "moe",
                        "--plot", str(tmp_path / "p.png"))
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """What a run writes once it is over (minutes later on a GPU) cannot fail then: a directory in a file's
+    place, or a file in a folder's, is refused first."""
+    folder, a_file = tmp_path / "folder", tmp_path / "file.txt"
+    folder.mkdir()
+    a_file.write_text("")
+    code, out, err = cli(capsys, "bench", *TINY, "--json", str(folder), "--save-golden", str(a_file / "g.json"),
+                         "--history", str(folder))
+    assert code == 1 and "remat bench" not in out
+    assert "invalid config (3 problems)" in err
+    assert f"--json: {folder} is a directory; give a file path in it" in err
+    assert f"--save-golden: {a_file} is a file, so {a_file / 'g.json'} cannot be created in it" in err
+    assert f"--history: {folder} is a directory" in err
+    code, out, err = cli(capsys, "sweep", *TINY, "--configs", "none", "--plot", str(folder), "--json",
+                         str(a_file / "s.json"))
+    assert code == 1 and "remat sweep" not in out
+    assert f"--plot: {folder} is a directory" in err and f"--json: {a_file} is a file" in err
+    assert "--history" not in err  # $REMAT_HISTORY: a path that does not exist yet in a folder that does
+
+
+def test_an_output_path_that_cannot_be_written_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # as a user without write permission
+    assert [str(p) for p in output_path_problems("--json", tmp_path / "new" / "r.json")] == [
+        f"--json: {tmp_path} is not writable, so {tmp_path / 'new' / 'r.json'} cannot be created; "
+        "choose another folder"]
+    (tmp_path / "r.json").write_text("{}")
+    assert [p.message for p in output_path_problems("--json", tmp_path / "r.json")] == [
+        f"{tmp_path / 'r.json'} cannot be overwritten (no write permission); choose another path"]
 
 
 @pytest.mark.usefixtures("no_steps")
@@ -222,12 +282,20 @@ def run_bench_free_golden() -> dict[str, Any]:
                        tflops_per_gpu=1.0, losses=[6.0]).to_dict()
 
 
-def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("device_name", "accepted", "refused"), [
+    ("NVIDIA H200", "h200", "h100"),
+    ("NVIDIA H100 80GB HBM3", "h100", "h200"),
+    ("NVIDIA GB200", "gb200", "b200"),  # a word of the name, not a part of one
+    ("NVIDIA B200", "b200", "gb200"),
+])
+def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch, device_name: str, accepted: str,
+                                                 refused: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
-    tiny_spec(device="cuda", gpu="h200")  # the right label is accepted
-    with pytest.raises(ConfigError):
-        tiny_spec(device="cuda", gpu="h100")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: device_name)
+    tiny_spec(device="cuda", gpu=accepted)
+    with pytest.raises(ConfigError) as info:
+        tiny_spec(device="cuda", gpu=refused)
+    assert str(info.value) == f"gpu: -g {refused} but this machine's GPU is {device_name}; fix -g or drop it"
 
 
 # --- 2. dry run and a real run -------------------------------------------------------------------------------------
@@ -235,22 +303,53 @@ def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.usefixtures("no_steps")
 def test_dry_run_prints_config_and_plan_and_runs_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out_json = tmp_path / "r.json"
     start = time.perf_counter()
-    code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "-rl", "1", "-d", "--json", str(out_json))
+    code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "-rl", "1", "-d")
     elapsed = time.perf_counter() - start
     assert code == 0, err
     assert elapsed < 5
     assert "llama3_tiny on cpu: micro-batch 2, 2 micro-batches a step, 3 steps (1 warm-up), bf16" in out
     assert "recompute: full, block" in out  # the resolved config
     assert "layer 0: full recompute" in out and "layer 1: keep everything" in out  # the per-layer plan
-    assert not out_json.exists()
     assert not (tmp_path / "default-history.sqlite").exists()
     if not torch.cuda.is_available():  # a full-size recipe dry-runs on a CPU; running it there is refused
         code, out, err = cli(capsys, "bench", "-mr", "llama3_8b", "-d")
         assert code == 0 and "layers 0-31: keep everything" in out, err
         code, _, err = cli(capsys, "bench", "-mr", "llama3_8b", "-ms", "3")
         assert code == 1 and "8.03B parameters is a GPU job" in err and "use -ms 4 or more" in err
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_flags_a_run_would_ignore_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A dry run writes nothing, and a threshold without a golden compares nothing: as a host-memory
+    budget without --offload, such flags are errors rather than silently dropped."""
+    out_json, golden, plot = tmp_path / "r.json", tmp_path / "g.json", tmp_path / "p.png"
+    code, _, err = cli(capsys, "bench", *TINY, "-d", "--json", str(out_json), "--save-golden", str(golden))
+    assert code == 1 and "invalid config (2 problems)" in err
+    assert "--json: a dry run (-d) runs nothing, so nothing is written; drop it or drop -d" in err
+    assert "--save-golden: a dry run (-d) runs nothing" in err
+    code, _, err = cli(capsys, "sweep", *TINY, "-d", "--json", str(out_json), "--plot", str(plot))
+    assert code == 1 and "--json: a dry run" in err and "--plot: a dry run" in err
+    code, _, err = cli(capsys, "bench", *TINY, "--threshold", "0.1")
+    assert code == 1
+    assert "threshold: sets how much a golden comparison may differ, and there is none; pass --golden FILE" in err
+    assert not any(p.exists() for p in (out_json, golden, plot))
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """It runs (the tests' path for the offload engine), but its lower peak is a copy within CPU memory."""
+    advice = "offload on CPU ({}) copies CPU memory to CPU memory: it exercises the mechanism only"
+    code, _, err = cli(capsys, "bench", *TINY, "-ol", "1", "-d")
+    assert code == 0 and f"warning: device: {advice.format('none+offload_1')}" in err
+    code, _, err = cli(capsys, "bench", *TINY, "-rl", "1", "-d")
+    assert code == 0 and "offload on CPU" not in err
+    offload = tmp_path / "offload.yaml"
+    offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
+    code, _, err = cli(capsys, "sweep", *TINY, "-d", "--configs", "none", "mlp", str(offload))
+    assert code == 0 and advice.format("offload") in err
+    assert not RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=0).offloads()
 
 
 @pytest.mark.usefixtures("no_steps")
@@ -262,7 +361,7 @@ def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str])
 
 
 def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out_json = tmp_path / "r.json"
+    out_json = tmp_path / "new" / "r.json"  # missing folders are created, as for --save-golden and --plot
     code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "--recompute_modules", "mlp", "--no_history",
                          "--json", str(out_json))
     assert code == 0, err
@@ -389,13 +488,38 @@ def test_golden_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert _verdicts(out) == {"peak_allocated_bytes": "REGRESSION", "loss": "ok"}
 
 
-def test_golden_of_another_config_is_noted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_golden_of_another_config_gpu_or_metrics_is_noted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     golden = tmp_path / "none.json"
     code, _, _ = cli(capsys, "bench", *TINY, "--no_history", "--save-golden", str(golden))
     assert code == 0
     code, _, err = cli(capsys, "bench", *TINY, "-rl", "1", "--no_history", "--golden", str(golden),
                        "--threshold", "1e9")
-    assert "note: config.recompute_granularity differs" in err
+    assert code == 0 and "note: config.recompute_granularity differs" in err
+    # a GPU golden: reserved memory, which a CPU run has none of, is named as not compared
+    on_gpu = _edit_golden(golden, tmp_path / "gpu.json", gpu="NVIDIA H200", peak_reserved_bytes=2**30)
+    code, out, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(on_gpu), "--threshold", "1e9")
+    assert code == 0, err
+    assert "note: gpu differs: golden 'NVIDIA H200', current 'cpu'" in err
+    assert "note: peak_reserved_bytes not compared: the golden has it, this run has none" in err
+    assert set(_verdicts(out)) == {"tflops_per_gpu", "peak_allocated_bytes", "loss"}
+
+
+@pytest.mark.usefixtures("no_steps")
+def test_golden_of_another_recipe_or_shape_is_refused_before_running(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    record = run_bench_free_golden()
+    record["shape"] = run_shape(tiny_spec(), recipe_config("llama3_tiny", num_layers=NUM_LAYERS, seq_length=SEQ))
+    golden = tmp_path / "g.json"
+    golden.write_text(json.dumps(record))
+    code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "-d")
+    assert code == 0, err  # like for like
+    other = _edit_golden(golden, tmp_path / "other.json", recipe="llama3_8b",
+                         shape=lambda shape: {**shape, "seq_length": 2 * SEQ})
+    code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(other))
+    assert code == 1
+    assert ("golden: was measured on another run (recipe differs: golden 'llama3_8b', current 'llama3_tiny'; "
+            f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and "
+            "shape") in err
 
 
 @pytest.mark.usefixtures("no_steps")
@@ -470,6 +594,63 @@ def test_sweep_goes_on_after_an_oom(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fake_cuda_memory")
+def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between an OOM and the next config of a sweep: the failed step's tensors are gone (its traceback
+    with them), the gradients it had built are dropped, and then the caching allocator returns its blocks
+    and restarts its peak (a fake allocator here, which records what is alive when it is called). A
+    storage's Python object lives as long as the storage, so a weakref to it says whether it is freed."""
+    events: list[Any] = []
+    models: list[nn.Module] = []
+    step_storages: list[weakref.ref[torch.UntypedStorage]] = []
+    real_build, real_run_bench, real_forward = bench_run.build_model, bench_run.run_bench, MLP.forward
+
+    def building(spec: BenchSpec) -> nn.Module:
+        models.append(real_build(spec))
+        return models[-1]
+
+    def tracking(spec: BenchSpec, plan: Any = None, **kwargs: Any) -> BenchResult:
+        events.append(f"start {kwargs['name']}")
+        return real_run_bench(spec, plan, **kwargs)
+
+    def grads_built() -> int:
+        return sum(p.grad is not None for p in models[0].parameters())
+
+    calls = []
+
+    def forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
+        if events[-1] == "start mlp":
+            calls.append(1)
+            if len(calls) == 2 * NUM_LAYERS + 1:  # the second step's first forward: x's storage is kept
+                step_storages.append(weakref.ref(x.untyped_storage()))
+            if len(calls) == 2 * NUM_LAYERS + NUM_LAYERS + 1:  # its backward, once gradients exist
+                events.append(("OOM", grads_built()))
+                raise oom_error()
+        return real_forward(self, x)
+
+    monkeypatch.setattr(bench_run, "build_model", building)
+    monkeypatch.setattr(bench_run, "run_bench", tracking)
+    monkeypatch.setattr(MLP, "forward", forward)
+    real_release = bench_run.release_memory
+
+    def release_with_cuda(model: nn.Module) -> None:
+        with monkeypatch.context() as cuda:  # only here: the model's RNG capture would look for a GPU too
+            cuda.setattr(torch.cuda, "is_available", lambda: True)
+            cuda.setattr(torch.cuda, "is_initialized", lambda: True)
+            real_release(model)
+
+    monkeypatch.setattr(bench_run, "release_memory", release_with_cuda)
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: events.append(("empty_cache", grads_built(), step_storages[0]() is None)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: events.append("reset_peak"))
+    results = sweep(tiny_spec(), [parse_entry(e, FACTS) for e in ("mlp", "none")], progress=False)
+    assert [r.status for r in results] == ["oom", "ok"]
+    failed = next(i for i, event in enumerate(events) if isinstance(event, tuple) and event[0] == "OOM")
+    assert events[failed][1] > 0  # the failed step had built gradients
+    assert events[failed + 1:] == [("empty_cache", 0, True), "reset_peak", "start none",
+                                   ("empty_cache", 0, True), "reset_peak"]
+
+
+@pytest.mark.usefixtures("fake_cuda_memory")
 def test_cli_bench_fails_on_oom(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                 tmp_path: Path) -> None:
     golden = tmp_path / "golden.json"
@@ -507,6 +688,9 @@ def test_history_records_one_row_per_bench(capsys: pytest.CaptureFixture[str], m
     row = rows[0]
     assert row.command == shlex.join(["remat", *argv])
     assert row.torch == torch.__version__
+    with closing(sqlite3.connect(db)) as conn:  # the columns too, not only the stored result
+        columns = conn.execute("SELECT gpu, torch, recipe, command FROM runs").fetchone()
+    assert columns == ("cpu", torch.__version__, "llama3_tiny", shlex.join(["remat", *argv]))
     assert row.name == "full_block_1" and row.status == "ok"
     assert row.config["recompute_granularity"] == "full" and row.config["recompute_num_layers"] == 1
     assert len(row.losses) == STEPS
@@ -663,6 +847,15 @@ def test_sft_masks_the_prompt() -> None:
     assert b.shape["task"] == "sft"
 
 
+def test_timings_are_medians_of_the_steady_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An even number of steady steps: the median is the mean of the middle two, not the upper one."""
+    # per step: the whole step's seconds, then forward+backward's; two warm-up steps are left out
+    seconds = iter([9.0, 9.0, 9.0, 9.0, 1.0, 0.5, 2.0, 1.5])
+    monkeypatch.setattr(bench_run._Clock, "seconds", lambda self, start, end: next(seconds))
+    result = run_bench(tiny_spec(max_steps=4, warmup_steps=2))
+    assert (result.step_time_s, result.fwd_bwd_time_s) == (1.5, 1.0)
+
+
 def test_micro_batches_accumulate_to_the_global_batch() -> None:
     spec = tiny_spec(global_batch_size=3 * MB)
     assert spec.micro_batches == 3
@@ -675,6 +868,9 @@ def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
         tiny_spec(compute_dtype="fp8_cs", max_steps=1)
     assert {p.field for p in info.value.problems} == {"compute_dtype", "max_steps"}
+    with pytest.raises(ConfigError) as info:
+        tiny_spec(warmup_steps=-1)
+    assert [p.field for p in info.value.problems] == ["warmup_steps"]  # not max_steps: -ms 3 is fine
 
 
 SHARED_ANCHOR = Path(__file__).parents[2] / "shared" / "anchors" / "torch_baseline.py"

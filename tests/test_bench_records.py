@@ -11,12 +11,23 @@ from typing import Any
 
 import matplotlib
 import pytest
+from matplotlib.colors import same_color
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
 from remat.bench import history
-from remat.bench.golden import MetricCheck, compare, golden_failed, load_golden, mismatch_notes, save_golden
-from remat.bench.plot import pareto_frontier, pareto_plot
+from remat.bench.golden import (
+    MetricCheck,
+    compare,
+    golden_failed,
+    load_golden,
+    mismatch_notes,
+    run_differences,
+    save_golden,
+    uncompared,
+)
+from remat.bench.plot import pareto_figure, pareto_frontier, pareto_plot
 from remat.bench.report import checks_table, format_gib, memory_table, results_table
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 
@@ -127,11 +138,17 @@ def test_ok_against_oom_golden_is_unexpected_improvement() -> None:
     assert [(c.metric, c.verdict) for c in checks] == [("status", "UNEXPECTED IMPROVEMENT")]
 
 
-def test_missing_metrics_are_skipped() -> None:
+def test_missing_metrics_are_skipped_and_named() -> None:
     current = make_result(tflops_per_gpu=None, losses=[])
     gold = make_result(peak_reserved_bytes=None)
     assert [c.metric for c in compare(current, gold)] == ["peak_allocated_bytes"]
-    assert compare(oom_result(), oom_result()) == []
+    assert uncompared(current, gold) == [
+        "tflops_per_gpu not compared: the golden has it, this run has none",
+        "peak_reserved_bytes not compared: this run has it, the golden has none; save a new golden to compare it",
+        "loss not compared: the golden has it, this run has none",
+    ]
+    assert compare(oom_result(), oom_result()) == [] and uncompared(oom_result(), oom_result()) == []
+    assert uncompared(oom_result(), make_result()) == []  # only the status is compared, by design
 
 
 def test_nan_loss_is_regression() -> None:
@@ -148,21 +165,28 @@ def test_negative_threshold_rejected() -> None:
         compare(make_result(), make_result(), threshold=-0.1)
 
 
-def test_mismatch_notes() -> None:
+def test_mismatch_notes_name_the_gpu_and_config() -> None:
     gold = make_result()
     assert mismatch_notes(make_result(), gold) == []
-    current = make_result(
-        recipe="qwen3_8b", shape={**gold.shape, "seq_length": 4096}, config={"recompute_granularity": "full"}
-    )
-    notes = mismatch_notes(current, gold)
-    assert notes[0] == "recipe differs: golden 'llama3_8b', current 'qwen3_8b'"
-    assert "shape.seq_length differs: golden 2048, current 4096" in notes
-    assert "config.recompute_granularity differs: golden 'selective', current 'full'" in notes
-    assert "config.recompute_modules differs: golden ['mlp'], current '<absent>'" in notes
+    current = make_result(gpu="NVIDIA H100 80GB HBM3", config={"recompute_granularity": "full"})
+    assert mismatch_notes(current, gold) == [
+        "gpu differs: golden 'NVIDIA H200', current 'NVIDIA H100 80GB HBM3'",
+        "config.recompute_granularity differs: golden 'selective', current 'full'",
+        "config.recompute_modules differs: golden ['mlp'], current '<absent>'",
+    ]
+
+
+def test_run_differences_name_the_recipe_and_shape() -> None:
+    gold = make_result()
+    assert run_differences(gold, gold.recipe, gold.shape) == []
+    assert run_differences(gold, "qwen3_8b", {**gold.shape, "seq_length": 4096}) == [
+        "recipe differs: golden 'llama3_8b', current 'qwen3_8b'",
+        "shape.seq_length differs: golden 2048, current 4096",
+    ]
     # a golden from before gradient accumulation was fused ran without it
-    fused = make_result(shape={**gold.shape, "gradient_accumulation_fusion": True})
-    assert mismatch_notes(fused, gold) == ["shape.gradient_accumulation_fusion differs: golden False, current True"]
-    assert mismatch_notes(make_result(shape={**gold.shape, "gradient_accumulation_fusion": False}), gold) == []
+    assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": True}) == [
+        "shape.gradient_accumulation_fusion differs: golden False, current True"]
+    assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": False}) == []
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
@@ -206,11 +230,19 @@ def test_history_round_trip_newest_first(tmp_path: Path) -> None:
 
 
 def test_history_columns(tmp_path: Path) -> None:
+    """Every column holds its own field (SQL queries read them without the JSON)."""
     db = tmp_path / "history.sqlite"
-    history.append(make_result(), db)
+    result = make_result()
+    history.append(result, db)
     with closing(sqlite3.connect(db)) as conn:
-        row = conn.execute("SELECT name, status, tflops_per_gpu, peak_allocated_bytes, config FROM runs").fetchone()
-    assert row == ("mlp", "ok", 100.0, 10 * GIB, json.dumps(make_result().config, sort_keys=True))
+        conn.row_factory = sqlite3.Row
+        row = dict(conn.execute("SELECT * FROM runs").fetchone())
+    assert row == {
+        "id": 1, "date": "2026-01-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.13.0", "recipe": "llama3_8b",
+        "name": "mlp", "status": "ok", "tflops_per_gpu": 100.0, "peak_allocated_bytes": 10 * GIB,
+        "peak_reserved_bytes": 12 * GIB, "config": json.dumps(result.config, sort_keys=True),
+        "command": "remat bench --recipe llama3_8b", "result": json.dumps(result.to_dict()),
+    }
 
 
 def test_history_env_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,24 +290,57 @@ def test_pareto_frontier() -> None:
     assert pareto_frontier([]) == []
 
 
+PARETO_RUNS = [
+    make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_per_gpu=400.0),
+    make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_per_gpu=300.0),
+    make_result(name="worse", peak_allocated_bytes=35 * GIB, tflops_per_gpu=350.0),
+    oom_result(name="none", allocated=140 * GIB),
+]
+
+
 def test_pareto_plot_writes_png(tmp_path: Path) -> None:
     backend = matplotlib.get_backend()
-    results = [
-        make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_fwd_bwd=400.0),
-        make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_fwd_bwd=300.0),
-        make_result(name="worse", peak_allocated_bytes=35 * GIB, tflops_fwd_bwd=350.0),
-        oom_result(name="none", allocated=140 * GIB),
-    ]
-    path = pareto_plot(results, tmp_path / "plots" / "pareto.png", anchors=[("torch", 25.0, 380.0)], title="t")
+    path = pareto_plot(PARETO_RUNS, tmp_path / "plots" / "pareto.png", anchors=[("torch", 25.0, 380.0)], title="t")
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 10_000
     assert matplotlib.get_backend() == backend  # the user's backend is untouched
 
 
-def test_pareto_plot_whole_step_fallback_and_empty(tmp_path: Path) -> None:
-    mixed = [make_result(tflops_fwd_bwd=None), make_result(name="full")]
-    assert pareto_plot(mixed, tmp_path / "mixed.png").read_bytes().startswith(PNG_SIGNATURE)
+def test_pareto_plot_marks_ooms_apart_from_the_runs_and_frontier() -> None:
+    """An OOM run is a red x at the memory it held when it failed, on the x axis, named "(OOM)"; it is
+    neither a run point nor on the frontier."""
+    fig = pareto_figure(PARETO_RUNS, anchors=[("torch", 25.0, 380.0)], title="t")
+    ax = fig.axes[0]
+    assert scatter_points(fig, "OOM (allocated at failure)") == [(140.0, 0.0)]
+    (ooms,) = [c for c in ax.collections if c.get_label() == "OOM (allocated at failure)"]
+    assert same_color(ooms.get_facecolor()[0], "red")
+    assert scatter_points(fig, "runs") == [(30.0, 400.0), (20.0, 300.0), (35.0, 350.0)]
+    assert scatter_points(fig, "reference") == [(25.0, 380.0)]
+    labels = {text.get_text(): text.xy for text in ax.texts}
+    assert labels == {"selective": (30.0, 400.0), "full_1": (20.0, 300.0), "worse": (35.0, 350.0),
+                      "none (OOM)": (140.0, 0.0), "torch": (25.0, 380.0)}
+    (frontier,) = [line for line in ax.lines if line.get_label() == "Pareto frontier"]
+    assert list(zip(frontier.get_xdata(), frontier.get_ydata())) == [(20.0, 300.0), (30.0, 400.0)]
+    assert "OOM (allocated at failure)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_ylim()[0] == 0  # the OOM markers at y = 0 are in view
+
+
+def scatter_points(fig: Figure, label: str) -> list[tuple[float, float]]:
+    """The (x, y) of the scatter drawn with this legend label."""
+    (points,) = [c for c in fig.axes[0].collections if c.get_label() == label]
+    return [(float(x), float(y)) for x, y in points.get_offsets()]
+
+
+def test_pareto_plot_draws_the_tables_whole_step_throughput(tmp_path: Path) -> None:
+    """The y axis is the results table's TFLOP/s/GPU, not the forward+backward column beside it."""
+    results = [
+        make_result(name="selective", peak_allocated_bytes=30 * GIB, tflops_per_gpu=380.0, tflops_fwd_bwd=400.0),
+        make_result(name="full_1", peak_allocated_bytes=20 * GIB, tflops_per_gpu=290.0, tflops_fwd_bwd=300.0),
+    ]  # every bench result has both
+    fig = pareto_figure(results)
+    assert scatter_points(fig, "runs") == [(30.0, 380.0), (20.0, 290.0)]
+    assert fig.axes[0].get_ylabel() == "TFLOP/s/GPU (whole step, as in the table)"
     assert pareto_plot([], tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
@@ -315,6 +380,14 @@ def test_memory_table_counts_gradients_built_in_backward_once() -> None:
     rows = {line.split()[1]: line for line in render(memory_table(result)).splitlines() if len(line.split()) > 2}
     assert "within activations" in rows["grads"] and "20.0%" in rows["weights"]
     assert "within activations" not in render(memory_table(make_result()))
+
+
+def test_checks_table_writes_throughput_as_the_results_table_does() -> None:
+    """CPU-sized throughputs keep three significant digits instead of rounding to 0.00."""
+    check = check_of("tflops_per_gpu", 6.86e-05, 7.12e-05)
+    row = next(line for line in render(checks_table([check])).splitlines() if "tflops_per_gpu" in line)
+    assert "6.86e-05" in row and "7.12e-05" in row
+    assert "6.86e-05" in render(results_table([make_result(tflops_per_gpu=6.86e-05)]))
 
 
 def test_checks_table_renders() -> None:

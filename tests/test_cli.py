@@ -66,6 +66,19 @@ def test_validate_reads_a_per_layer_plan(capsys, tmp_path) -> None:
     assert code == 1 and "recompute" in err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--recompute_granularity", "full", "--recompute_modules", "mlp"],
+     "--recompute_granularity: full recomputes whole layers and --recompute_modules lists modules for selective"),
+    (["--recompute_granularity", "selective", "-rl", "1"],
+     "--recompute_granularity: selective recomputes modules in every layer and -rl N recomputes N whole layers"),
+], ids=["full-and-modules", "selective-and-rl"])
+def test_a_granularity_flag_against_the_flag_choosing_the_other_one_is_that_conflict(capsys, flags, message) -> None:
+    """Not the rules the resolved config would break next (full without a method, selective with layers)."""
+    code, _, err = _run(capsys, "validate", "--num_layers", "4", *flags)
+    assert code == 1
+    assert "invalid config (1 problem)" in err and message in err
+
+
 def test_unknown_recipe_is_a_clear_error(capsys) -> None:
     code, _, err = _run(capsys, "validate", "-mr", "llama3_8", "--recompute_modules", "mlp")
     assert code == 1 and "llama3_8b" in err

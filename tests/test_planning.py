@@ -197,6 +197,15 @@ def test_cli_plan_rejects_a_host_budget_without_offload(capsys) -> None:
     assert "turn offload on" in capsys.readouterr().err
 
 
+def test_cli_plan_checks_where_it_writes_before_tracing(tmp_path, capsys) -> None:
+    folder = tmp_path / "taken"
+    folder.mkdir()
+    assert main(["plan", "-mr", "llama3_tiny", "--memory-budget", "1GiB", "-o", str(folder),
+                 "--json", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"--output: {folder} is a directory" in err and f"--json: {folder} is a directory" in err
+
+
 def test_cli_plan_rejects_a_bad_budget_before_tracing(capsys) -> None:
     assert main(["plan", "--memory-budget", "lots"]) == 1
     assert "memory_budget: cannot read 'lots'" in capsys.readouterr().err

@@ -6,7 +6,8 @@ import dataclasses
 import shlex
 import sys
 import warnings
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 
@@ -88,7 +89,8 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> RecomputeConfig | Plan:
     """What a command line means: --config FILE (Megatron keys or a per-layer plan), then the
     model's facts, then the flags."""
-    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules))
+    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules,
+                                            args.recompute_granularity))
     if problems:
         raise ConfigError(problems)
     keys: dict[str, Any] = {}
@@ -318,40 +320,83 @@ def _record(results: Sequence[Any], args: argparse.Namespace) -> None:
             append(result, args.history)
 
 
-def _check_bench(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """Every problem of a bench command line, from every stage, before anything runs."""
+# (flag, attribute) of the files bench and sweep write once they have run, besides the history
+_OUTPUTS = (("--json", "json"), ("--save-golden", "save_golden"), ("--plot", "plot"))
+_DEFAULT_PLOT = "pareto.png"
+
+
+def _output_problems(args: argparse.Namespace, default_plot: str | None = None) -> list[Problem]:
+    """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
+    writes none, the output flags given are refused."""
+    from remat.bench.history import default_history_path
+    from remat.config import dryrun_output_problems, output_path_problems
+
+    given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
+    given = {flag: path for flag, path in given.items() if path is not None}
+    if args.dryrun:
+        return list(dryrun_output_problems(given))
+    written = {"--plot": default_plot, **given,
+               "--history": None if args.no_history else args.history or default_history_path()}
+    return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
+
+
+def _write_json(data: Any, path: str) -> None:
+    """--json output; like every file the commands write, its missing folders are created."""
+    import json
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+
+
+def _advise_offload(spec: Any, plans: Sequence[tuple[str, Any]]) -> None:
+    """Warn where a run offloads on a device where offload saves nothing."""
+    from remat.config import advise, offload_device_advice
+
+    if spec is not None:
+        offloading = [name for name, plan in plans if plan is not None and plan.offloads()]
+        advise(offload_device_advice(spec.device, offloading))
+
+
+def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tuple[Any, Any, Any, Any]:
+    """Every problem of a bench command line, from every stage (and `more`), before anything runs."""
     from remat.apply import apply
-    from remat.bench.golden import load_golden
-    from remat.config import execution_problems, threshold_problems
+    from remat.bench.golden import load_golden, run_differences
+    from remat.bench.run import plan_name, run_shape
+    from remat.config import bench_config_problems, execution_problems, golden_flag_problems, golden_match_problems
+    from remat.models import recipe_config
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
     facts = found.run(_model_facts, args, field="model_recipe_name")
     found.add(execution_problems(_flag_facts(args)))
-    found.add(threshold_problems(args.threshold))
+    found.add(golden_flag_problems(args.threshold, args.golden is not None))
     plan = resolved = None
     if facts is not None:
         plan = found.run(resolve_config, args, facts)
     if isinstance(plan, RecomputeConfig):
-        found.add(execution_problems(plan.facts))
+        found.add(bench_config_problems(plan))
     if plan is not None or (facts is not None and not found.problems):
         resolved = found.run(apply, _meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
+    if golden is not None and spec is not None:
+        shape = run_shape(spec, recipe_config(spec.recipe, **spec.overrides))
+        found.add(golden_match_problems(run_differences(golden, spec.recipe, shape)))
+    found.add(more)
     found.raise_if_any()
+    _advise_offload(spec, [(plan_name(plan), plan)])
     return spec, plan, resolved, golden
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench import plan_name, run_bench
-    from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden
+    from remat.bench.golden import compare, golden_failed, mismatch_notes, save_golden, uncompared
     from remat.bench.report import checks_table, memory_table, results_table
     from remat.bench.run import progress_bar
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        spec, plan, resolved, golden = _check_bench(args)
+        spec, plan, resolved, golden = _check_bench(args, _output_problems(args))
     _print_warnings(caught)
     if args.dryrun:
         _console.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
@@ -367,31 +412,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if result.memory is not None:
         _console.print(memory_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
+        _write_json(result.to_dict(), args.json)
     _record([result], args)
     if args.save_golden:
         save_golden(result, args.save_golden)
     if golden is None:
         return 0 if result.status == "ok" else 1
-    for note in mismatch_notes(result, golden):
+    for note in [*mismatch_notes(result, golden), *uncompared(result, golden)]:
         _errors.print(f"[yellow]note:[/] {note}")
-    checks = compare(result, golden, args.threshold)
+    checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
     _console.print(checks_table(checks))
     return 1 if golden_failed(checks) else 0
 
 
 def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     """Every problem of a sweep, each entry checked against the model, before anything runs."""
-    from remat.config import execution_problems
+    from remat.config import bench_config_problems
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
     facts = found.run(_model_facts, args, field="model_recipe_name")
     plans: list[tuple[str, Any]] = []
     if facts is not None:
-        plans = _entries(found, _meta_model(args), args.configs, facts, execution_problems)
+        plans = _entries(found, _meta_model(args), args.configs, facts, bench_config_problems)
+    found.add(_output_problems(args, _DEFAULT_PLOT))
     found.raise_if_any()
+    _advise_offload(spec, plans)
     return spec, plans
 
 
@@ -399,7 +445,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
              execution: Any = None, stage_layers: int | None = None) -> list[tuple[str, Any]]:
     """Sweep entries (None or ["presets"]: Megatron's presets, full block over half of the
     `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
-    `execution` lists what a config asks that the runner cannot do."""
+    `execution` lists what a config asks that the runner would not run as asked."""
     from remat.apply import apply, find_sites
     from remat.bench.presets import megatron_presets, parse_entry
 
@@ -412,15 +458,13 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
         if parsed is None:
             continue
         if execution is not None and isinstance(parsed[1], RecomputeConfig):
-            found.add(Problem(f"{entry}: {p.field}", p.message) for p in execution(parsed[1].facts))
+            found.add(Problem(f"{entry}: {p.field}", p.message) for p in execution(parsed[1]))
         if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
             plans.append(parsed)
     return plans
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench import sweep
     from remat.bench.plot import pareto_plot
     from remat.bench.report import results_table
@@ -437,19 +481,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     _console.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=1)
+        _write_json([r.to_dict() for r in results], args.json)
     _record(results, args)
-    path = pareto_plot(results, args.plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
+    path = pareto_plot(results, args.plot or _DEFAULT_PLOT,
+                       title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
     _console.print(f"Pareto plot: {path}")
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
-    from remat.config import plan_search_problems, planning_problems
+    from remat.config import output_path_problems, plan_search_problems, planning_problems
     from remat.memory.meter import storage_bytes
     from remat.planning import parse_bytes, plan_from_trace
 
@@ -459,6 +501,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
                    if args.host_memory_budget is not None else None)
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
+    found.add(p for flag, path in (("--output", args.output), ("--json", args.json)) if path is not None
+              for p in output_path_problems(flag, path))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, storage_bytes(model.parameters()), args.max_group))
@@ -474,6 +518,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = plan_from_trace(measured, budget, host_budget)
     _console.print(_plan_table(result))
     keys = result.megatron_keys()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     if keys is not None:
         _write_mapping(keys, args.output)
         _console.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
@@ -491,8 +536,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         record["measured"] = bench.to_dict()
         _record([bench], args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json(record, args.json)
     return 0
 
 
@@ -533,8 +577,6 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    import json
-
     from remat.bench.run import progress_bar
     from remat.estimating import estimate
 
@@ -548,8 +590,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     _print_warnings(caught)
     _console.print(_estimate_table(spec, results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=1)
+        _write_json([r.to_dict() for r in results], args.json)
     return 0
 
 
@@ -827,10 +868,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recompute_flags(p)
     p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--golden", metavar="FILE", help="compare with a stored result; exit 1 on a difference")
+    p.add_argument("--golden", metavar="FILE",
+                   help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
+                        "another recipe or shape is refused before running; another GPU name or recompute "
+                        "config is a note, and so is a metric only one side has")
     p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"relative difference that fails a golden comparison, both ways (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--threshold", type=float,
+                   help=f"with --golden: relative difference that fails the comparison, both ways (default "
+                        f"{DEFAULT_THRESHOLD})")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
                        description="Bench many configs on one model in one process. Entries: none, "
@@ -838,7 +883,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "YAML/JSON config or plan file. Default: Megatron's usual presets.")
     _add_run_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
-    p.add_argument("--plot", default="pareto.png", metavar="PNG")
+    p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {_DEFAULT_PLOT})")
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
     p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
     p.set_defaults(func=_cmd_sweep)
@@ -905,7 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had (e.g. 80GiB)")
     _add_run_flags(p)
     _add_recompute_flags(p)
-    p.set_defaults(func=_cmd_doctor, golden=None, threshold=DEFAULT_THRESHOLD)
+    p.set_defaults(func=_cmd_doctor, golden=None, threshold=None)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
     return parser

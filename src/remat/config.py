@@ -331,6 +331,10 @@ class RecomputeConfig:
         """Build from a YAML (.yaml, .yml) or JSON (.json) file holding Megatron settings."""
         return cls.from_megatron(load_mapping(Path(path)))
 
+    def offloads(self) -> bool:
+        """Whether anything goes to host memory (as Plan.offloads)."""
+        return (self.cpu_offloading and self.cpu_offloading_num_layers > 0) or self.fine_grained_activation_offloading
+
     def to_megatron(self) -> dict[str, Any]:
         """A flat dict of Megatron keys that `from_megatron` turns back into an equal config."""
         out = {name: _copy(getattr(self, name)) for name in _RECOMPUTE_PARSERS}
@@ -1302,6 +1306,7 @@ def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -
 
 BRIDGE_COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 SUPPORTED_COMPUTE_DTYPES: tuple[str, ...] = ("bf16",)
+BRIDGE_TASKS: tuple[str, ...] = ("pretrain", "sft", "peft")
 TASKS: tuple[str, ...] = ("pretrain", "sft")
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
 # Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
@@ -1334,7 +1339,10 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
             f"not a compute dtype{_did_you_mean(s.compute_dtype, SUPPORTED_COMPUTE_DTYPES)}; Megatron Bridge's "
             f"are {_one_of(BRIDGE_COMPUTE_DTYPES)}") + "; use -c bf16")
     if s.task not in TASKS:
-        yield Problem("task", f"{s.task!r} is not a task; use one of {_one_of(TASKS)}")
+        yield Problem("task", f"{s.task!r} is " + (
+            "not supported yet" if s.task in BRIDGE_TASKS else
+            f"not a task{_did_you_mean(s.task, TASKS)}; Megatron Bridge's are {_one_of(BRIDGE_TASKS)}")
+            + f"; use {' or '.join(TASKS)}")
     if s.gpu is not None and s.gpu not in GPUS:
         yield Problem("gpu", f"{s.gpu!r} is not a GPU name{_did_you_mean(s.gpu, GPUS)}; use one of {_one_of(GPUS)}")
     if s.micro_batch_size < 1:
@@ -1344,7 +1352,9 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     ):
         yield Problem("global_batch_size", f"{s.global_batch_size} is not a positive multiple of the"
                                            f" micro-batch size {s.micro_batch_size}; use a multiple of it")
-    if s.warmup_steps < 0 or s.max_steps <= s.warmup_steps:
+    if s.warmup_steps < 0:
+        yield Problem("warmup_steps", f"is {s.warmup_steps}; use --warmup_steps 0 or more")
+    elif s.max_steps <= s.warmup_steps:
         yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
                                    f" steps; use -ms {s.warmup_steps + 1} or more")
     if s.num_gpus != 1:
@@ -1379,15 +1389,26 @@ def _device_problems(s: BenchSettings) -> Iterator[Problem]:
         yield Problem("gpu", f"-g {s.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
     elif s.gpu in GPUS and s.device.startswith("cuda") and torch.cuda.is_available():
         present = torch.cuda.get_device_name(s.device)
-        if s.gpu not in present.lower():
+        # whole words of the name: "b200" is not a GB200
+        if s.gpu not in re.findall(r"[a-z0-9]+", present.lower()):
             yield Problem("gpu", f"-g {s.gpu} but this machine's GPU is {present}; fix -g or drop it")
 
 
-def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None) -> Iterator[Problem]:
+def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None,
+                            recompute_granularity: str | None = None) -> Iterator[Problem]:
     """Bridge's perf flags: -rl and --recompute_modules each choose the granularity."""
     if recompute_num_layers is not None and recompute_modules is not None:
         yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
                                                  "--recompute_modules recomputes the listed modules in every layer")
+    elif recompute_modules is not None and recompute_granularity == "full":
+        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules"
+                                                 " for selective recompute; drop --recompute_granularity full (the"
+                                                 " modules imply selective), or drop --recompute_modules and pass"
+                                                 " -rl N")
+    elif recompute_num_layers is not None and recompute_granularity == "selective":
+        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes"
+                                                 " N whole layers (full); drop --recompute_granularity selective (-rl"
+                                                 " implies full), or drop -rl and pass --recompute_modules")
 
 
 def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = True) -> Iterator[Problem]:
@@ -1427,6 +1448,17 @@ def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this bench runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
+
+
+def bench_config_problems(c: RecomputeConfig) -> Iterator[Problem]:
+    """A config the bench would not measure as asked: what it does not execute, and the settings that
+    take effect only with full recompute while the granularity is null (Megatron ignores them and
+    the library warns, but a bench would silently measure no recompute)."""
+    yield from execution_problems(c.facts)
+    for p in rule_settings_without_granularity(c):
+        yield Problem(p.field, f"{getattr(c, p.field)!r} applies only to full recompute, which is off, so this run"
+                               f" would recompute nothing; add -rl N (in a config file: recompute_granularity:"
+                               f" full with recompute_method and recompute_num_layers), or drop {p.field}")
 
 
 def parallel_shape_problems(facts: TrainingFacts, *, num_attention_heads: int, num_query_groups: int,
@@ -1488,6 +1520,57 @@ def threshold_problems(threshold: float) -> Iterator[Problem]:
     if not threshold >= 0:
         yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"
                                    " e.g. 0.05")
+
+
+def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """A file written once a run is over, checked before it starts (the writers create missing folders)."""
+    target = Path(path)
+    if target.is_dir():
+        yield Problem(flag, f"{path} is a directory; give a file path in it")
+        return
+    folder = next(p for p in target.absolute().parents if p.exists())  # the nearest that exists
+    if target.exists() and not os.access(target, os.W_OK):
+        yield Problem(flag, f"{path} cannot be overwritten (no write permission); choose another path")
+    elif not folder.is_dir():
+        yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
+    elif not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
+
+
+def dryrun_output_problems(flags: Iterable[str]) -> Iterator[Problem]:
+    """Output flags beside -d, which runs nothing and so writes nothing."""
+    for flag in flags:
+        yield Problem(flag, "a dry run (-d) runs nothing, so nothing is written; drop it or drop -d")
+
+
+def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterator[Problem]:
+    """--threshold only means something for a golden comparison."""
+    if threshold is not None and not golden_given:
+        yield Problem("threshold", "sets how much a golden comparison may differ, and there is none; pass"
+                                   " --golden FILE or drop --threshold")
+    elif threshold is not None:
+        yield from threshold_problems(threshold)
+
+
+def offload_device_advice(device: str, offloading: Sequence[str]) -> Iterator[Problem]:
+    """Runs that offload, on a device where that saves nothing (advice: the CPU path tests the mechanism)."""
+    if offloading and device == "cpu":
+        yield Problem("device", f"offload on CPU ({', '.join(offloading)}) copies CPU memory to CPU memory: it"
+                                " exercises the mechanism only, and the lower peak allocated and the peak host it"
+                                " reports are no saving; measure offload on a GPU")
+
+
+def advise(problems: Iterable[Problem]) -> None:
+    """Each problem as a RematWarning: advice, not an error."""
+    for problem in problems:
+        _warn(str(problem))
+
+
+def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
+    """A golden of another recipe or shape measured another run (golden.run_differences)."""
+    if differences:
+        yield Problem("golden", f"was measured on another run ({'; '.join(differences)}); run with the golden's"
+                                " recipe and shape, or store this run as a new golden with --save-golden")
 
 
 def check_bench(settings: BenchSettings) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -113,6 +113,16 @@ def golden_failed(checks: Sequence[MetricCheck]) -> bool:
     return any(check.verdict != OK for check in checks)
 
 
+def uncompared(current: BenchResult, golden: BenchResult) -> list[str]:
+    """The metrics `compare` skipped because one side lacks them (reserved memory on CPU against a GPU
+    golden), each saying which side; none when the statuses differ and only the status counts."""
+    if current.status != golden.status:
+        return []
+    return [f"{m.name} not compared: " + ("the golden has it, this run has none" if m.read(current) is None
+                                         else "this run has it, the golden has none; save a new golden to compare it")
+            for m in METRICS if (m.read(current) is None) != (m.read(golden) is None)]
+
+
 _ABSENT = "<absent>"
 
 
@@ -124,21 +134,25 @@ def _dict_notes(label: str, golden: dict[str, Any], current: dict[str, Any]) -> 
     ]
 
 
-def _shape(result: BenchResult) -> dict[str, Any]:
+def _shape(shape: Mapping[str, Any]) -> dict[str, Any]:
     # a result recorded before remat fused gradient accumulation ran without it
-    return {"gradient_accumulation_fusion": False, **result.shape}
+    return {"gradient_accumulation_fusion": False, **shape}
+
+
+def _field_note(field: str, golden: Any, current: Any) -> list[str]:
+    return [f"{field} differs: golden {golden!r}, current {current!r}"] if golden != current else []
+
+
+def run_differences(golden: BenchResult, recipe: str, shape: Mapping[str, Any]) -> list[str]:
+    """What makes a run of this recipe and shape (run.run_shape, known before it runs) another run than
+    the golden's: Bridge's evaluator compares like with like, so these refuse the comparison."""
+    return _field_note("recipe", golden.recipe, recipe) + _dict_notes("shape", _shape(golden.shape), _shape(shape))
 
 
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
-    """Differences that make the comparison not like for like (recipe, GPU, shape, recompute config)."""
-    notes = [
-        f"{field} differs: golden {getattr(golden, field)!r}, current {getattr(current, field)!r}"
-        for field in ("recipe", "gpu")
-        if getattr(golden, field) != getattr(current, field)
-    ]
-    notes += _dict_notes("shape", _shape(golden), _shape(current))
-    notes += _dict_notes("config", golden.config, current.config)
-    return notes
+    """Differences worth a note that leave the comparison meaningful: the GPU's name (a golden from
+    another H100 variant still says something), the recompute config (what a config costs)."""
+    return _field_note("gpu", golden.gpu, current.gpu) + _dict_notes("config", golden.config, current.config)
 
 
 def save_golden(result: BenchResult, path: str | os.PathLike[str]) -> Path:

@@ -29,18 +29,10 @@ def pareto_frontier(points: Iterable[Point]) -> list[Point]:
     return frontier
 
 
-def _uses_fwd_bwd(ok_runs: Sequence[BenchResult]) -> bool:
-    # fwd+bwd throughput is the anchors' measure, but mixing it with whole-step numbers would mislead.
-    return all(r.tflops_fwd_bwd is not None for r in ok_runs)
-
-
-def _ok_points(ok_runs: Sequence[BenchResult], fwd_bwd: bool) -> list[tuple[str, float, float]]:
-    points = []
-    for run in ok_runs:
-        tflops = run.tflops_fwd_bwd if fwd_bwd else run.tflops_per_gpu
-        if run.peak_allocated_bytes is not None and tflops is not None:
-            points.append((run.name, run.peak_allocated_bytes / _GIB, tflops))
-    return points
+def _ok_points(ok_runs: Sequence[BenchResult]) -> list[tuple[str, float, float]]:
+    # the results table's headline, whole-step TFLOP/s/GPU (forward+backward under --no_optimizer)
+    return [(run.name, run.peak_allocated_bytes / _GIB, run.tflops_per_gpu) for run in ok_runs
+            if run.peak_allocated_bytes is not None and run.tflops_per_gpu is not None]
 
 
 def _oom_points(results: Sequence[BenchResult]) -> list[tuple[str, float]]:
@@ -57,17 +49,10 @@ def _draw_frontier(ax: Axes, frontier: list[Point]) -> None:
         ax.step(xs, ys, where="post", color="tab:blue", alpha=0.5, linewidth=1.5, label="Pareto frontier")
 
 
-def pareto_plot(
-    results: Sequence[BenchResult],
-    path: str | os.PathLike[str],
-    *,
-    anchors: Sequence[Anchor] = (),
-    title: str = "",
-) -> Path:
-    """Write a PNG of peak allocated memory against TFLOP/s per GPU and return its path."""
-    ok_runs = [r for r in results if r.status == "ok"]
-    fwd_bwd = _uses_fwd_bwd(ok_runs)
-    ok_points = _ok_points(ok_runs, fwd_bwd)
+def pareto_figure(results: Sequence[BenchResult], *, anchors: Sequence[Anchor] = (), title: str = "") -> Figure:
+    """Peak allocated memory against whole-step TFLOP/s per GPU (the results table's figure), the
+    Pareto frontier, OOM runs marked at y = 0 where they failed, and `anchors` on the same axes."""
+    ok_points = _ok_points([r for r in results if r.status == "ok"])
     oom_points = _oom_points(results)
 
     fig = Figure(figsize=(9, 5.5), layout="constrained")
@@ -90,9 +75,8 @@ def pareto_plot(
     for label, x, y in anchors:
         _label(ax, label, x, y)
 
-    measure = "forward+backward" if fwd_bwd else "whole step"
     ax.set_xlabel("peak allocated memory (GiB)")
-    ax.set_ylabel(f"TFLOP/s per GPU ({measure})")
+    ax.set_ylabel("TFLOP/s/GPU (whole step, as in the table)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)  # keeps the OOM markers at y = 0 in view
     ax.grid(True, alpha=0.3)
@@ -100,10 +84,20 @@ def pareto_plot(
         ax.set_title(title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
+    return fig
 
+
+def pareto_plot(
+    results: Sequence[BenchResult],
+    path: str | os.PathLike[str],
+    *,
+    anchors: Sequence[Anchor] = (),
+    title: str = "",
+) -> Path:
+    """Write pareto_figure as a PNG and return its path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=150)
+    pareto_figure(results, anchors=anchors, title=title).savefig(out, format="png", dpi=150)
     return out
 
 

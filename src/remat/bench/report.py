@@ -97,7 +97,7 @@ def _format_metric(metric: str, value: float) -> str:
         return format_gib(value)
     if metric == "loss":
         return f"{value:.4f}"
-    return f"{value:.2f}"
+    return _tflops(value)  # as the results table writes it
 
 
 def checks_table(checks: Sequence[MetricCheck], *, title: str = "golden comparison") -> Table:

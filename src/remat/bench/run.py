@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import shlex
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -26,7 +27,7 @@ from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.memory.trace import Trace, gradients_persist, trace
-from remat.models import LlamaModel, build
+from remat.models import LlamaConfig, LlamaModel, build
 from remat.plans import Plan, PlanLike
 
 _DTYPES = {"bf16": torch.bfloat16}
@@ -198,11 +199,6 @@ def _train(model: nn.Module, spec: BenchSpec,
     return steps, optimizer
 
 
-def _median(xs: Sequence[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[len(ordered) // 2]
-
-
 def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -225,17 +221,21 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
     return MemoryBreakdown(weights, grads, optim, activations, grads_persist=persist)
 
 
+def run_shape(spec: BenchSpec, cfg: LlamaConfig) -> dict[str, Any]:
+    """The `shape` a result of this spec records, known before it runs (cfg: the recipe's config)."""
+    return dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length,
+                vocab_size=cfg.vocab_size, micro_batch_size=spec.micro_batch_size,
+                global_batch_size=spec.global_batch_size or spec.micro_batch_size,
+                task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile,
+                gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+
+
 def _base_record(spec: BenchSpec, model: LlamaModel, plan: PlanLike, name: str | None) -> dict[str, Any]:
-    cfg = model.config
     gpu = torch.cuda.get_device_name() if spec.device.startswith("cuda") else "cpu"
     return dict(
         name=name or plan_name(plan), recipe=spec.recipe, config=_plan_record(plan),
-        shape=dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                   ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length,
-                   vocab_size=cfg.vocab_size, micro_batch_size=spec.micro_batch_size,
-                   global_batch_size=spec.global_batch_size or spec.micro_batch_size,
-                   task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile,
-                   gradient_accumulation_fusion=cfg.gradient_accumulation_fusion),
+        shape=run_shape(spec, model.config),
         device=spec.device.split(":")[0], gpu=gpu, torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=spec.command,
@@ -275,7 +275,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
             progress.update(task, loss="[red]OOM[/]")
         return BenchResult(status="oom", oom=oom, **record)
     steady = slice(spec.warmup_steps, None)
-    step_s, fwd_bwd_s = _median(steps.step[steady]), _median(steps.fwd_bwd[steady])
+    step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     flops = model_flops(model.config, model.config.seq_length,
                         spec.micro_batch_size * spec.micro_batches)
     peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak
