@@ -352,6 +352,28 @@ def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pyte
     assert not RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=0).offloads()
 
 
+def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep can take hours: what its check advised is printed before the first run, once."""
+    import remat.bench as bench_package
+
+    seen_before_running = []
+
+    def sweep(spec, plans, progress=True):
+        seen_before_running.append(capsys.readouterr().err)
+        return real_sweep(spec, plans, progress=progress)
+
+    offload = tmp_path / "offload.yaml"
+    offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
+    real_sweep = bench_package.sweep
+    monkeypatch.setattr(bench_package, "sweep", sweep)
+    code, _, err = cli(capsys, "sweep", *TINY, "--configs", str(offload), "--no_history", "--plot",
+                       str(tmp_path / "p.png"))
+    assert code == 0 and "offload on CPU (offload) copies CPU memory" in seen_before_running[0]
+    assert "offload on CPU" not in err  # not again after the runs
+    assert seen_before_running[0].count("offload on CPU") == 1
+
+
 @pytest.mark.usefixtures("no_steps")
 def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "sweep", *TINY, "-d")

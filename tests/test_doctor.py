@@ -496,6 +496,24 @@ def test_attribution_names_what_each_site_of_each_layer_saved(modules) -> None:
     assert doc.attribute() is None  # outside `with`
 
 
+def test_attribution_stays_right_step_after_step_under_full_recompute() -> None:
+    """A replay stops part way through a layer (by raising): the sites it entered are left all the
+    same, so the next steps still give the loss head and the embedding what they saved."""
+    model, ids, labels = _tiny()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(model, RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
+                                           recompute_num_layers=1))
+    steps = []
+    with doctor.watch(model, on_oom=None) as doc:
+        for _ in range(3):
+            loss = model(ids, labels)
+            steps.append(doc.attribute().activations)
+            loss.backward()
+    assert steps[0][(None, "loss head")] > 0 and steps[0][(None, "embedding")] > 0
+    assert steps[1] == steps[2] == steps[0]
+
+
 def test_an_oom_report_attributes_allocated_memory(monkeypatch) -> None:
     model, ids, labels = _tiny(2)
     monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request))

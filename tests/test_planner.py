@@ -118,13 +118,13 @@ def test_no_plan_fits_says_by_how_much_and_what_to_change() -> None:
     windows = _windows(2, [900, 1000, 1432, 1200, 900])
     with pytest.raises(NoPlanFits, match=r"1\.30 GiB.*0\.30 GiB more, in window head.*micro-batch"):
         solve(PlanningProblem(2, choices, windows), 1024 * MiB)
-    # with what a step starts from known: 1332 MiB = 800 held + 532 that scale with the micro-batch,
+    # with what the micro-batch does not scale known: 1332 MiB = 800 fixed + 532 that scale with the micro-batch,
     # which must come down to 224 MiB: 0.42x
-    with pytest.raises(NoPlanFits, match=r"0\.78 GiB is held across steps .* 0\.52 GiB is activations .* "
+    with pytest.raises(NoPlanFits, match=r"0\.78 GiB is weights, gradients and optimizer state and 0\.52 GiB is activations .* "
                                          r"one 0\.42x the size or smaller would fit"):
-        solve(PlanningProblem(2, choices, windows, held_bytes=800 * MiB), 1024 * MiB)
-    with pytest.raises(NoPlanFits, match=r"held across steps take 1\.07 GiB alone: no recompute plan helps"):
-        solve(PlanningProblem(2, choices, windows, held_bytes=1100 * MiB), 1024 * MiB)
+        solve(PlanningProblem(2, choices, windows, fixed_bytes=800 * MiB), 1024 * MiB)
+    with pytest.raises(NoPlanFits, match=r"optimizer state take 1\.07 GiB alone: no recompute plan helps"):
+        solve(PlanningProblem(2, choices, windows, fixed_bytes=1100 * MiB), 1024 * MiB)
 
 
 def test_equal_times_go_to_the_plan_with_fewer_actions() -> None:

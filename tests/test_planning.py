@@ -64,7 +64,7 @@ def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
 
 def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
     _, _, trace = traced
-    with pytest.raises(NoPlanFits, match="more, in window .* held across steps take .* alone") as info:
+    with pytest.raises(NoPlanFits, match="more, in window .* optimizer state take .* alone") as info:
         plan_from_trace(trace, 1024)
     assert info.value.lowest.peak_bytes > 1024
 
@@ -233,3 +233,29 @@ def test_explain_merges_only_layers_doing_the_same_at_the_same_cost() -> None:
     result = PlanResult(0, Plan.none(6), None, _synthetic(0).predict(None), choices)
     assert list(result.explain()) == [("0-1", "mlp=recompute", 8 * MiB, 0.001), ("2", "mlp=recompute", 6 * MiB, 0.001),
                                       ("4-5", "full recompute, group of 2", 15 * MiB, 0.01)]
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_the_weights_checked_against_a_budget_are_this_ranks_on_its_device(one_rank) -> None:
+    """An FSDP2 parameter's storage reads as the whole tensor's; the rank holds its shard only
+    (a one-rank mesh holding half of a 16 x 4 tensor stands in for one of two ranks)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from remat.planning import weight_bytes
+
+    shard = DTensor.from_local(torch.zeros(8, 4), one_rank, [Shard(0)], run_check=False,
+                               shape=torch.Size((16, 4)), stride=(4, 1))
+    model = torch.nn.Module()
+    model.sharded = torch.nn.Parameter(shard)
+    model.elsewhere = torch.nn.Parameter(torch.zeros(100, device="meta"))  # not on the device it trains on
+    assert shard.untyped_storage().nbytes() == 256
+    assert weight_bytes(model, "cpu") == 8 * 4 * 4

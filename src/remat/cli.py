@@ -307,8 +307,10 @@ def _flag_facts(args: argparse.Namespace) -> Any:
         cuda_graph_impl=args.cuda_graph_impl or "none", cuda_graph_scope=scope)
 
 
-def _print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
-    for message in dict.fromkeys(str(w.message) for w in caught):
+def _print_warnings(caught: Sequence[warnings.WarningMessage], printed: Sequence[warnings.WarningMessage] = ()) -> None:
+    """Each warning once, leaving out those `printed` already."""
+    already = {str(w.message) for w in printed}
+    for message in dict.fromkeys(str(w.message) for w in caught if str(w.message) not in already):
         _errors.print(f"[yellow]warning:[/] {message}")
 
 
@@ -469,16 +471,18 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from remat.bench.plot import pareto_plot
     from remat.bench.report import results_table
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as checked:
         warnings.simplefilter("always", RematWarning)
         spec, plans = _check_sweep(args)
-        if not args.dryrun:
-            results = sweep(spec, plans, progress=not args.no_progress)
-    _print_warnings(caught)
+    _print_warnings(checked)  # before the runs, which may take hours
     if args.dryrun:
         for name, _ in plans:
             _console.print(name)
         return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        results = sweep(spec, plans, progress=not args.no_progress)
+    _print_warnings(caught, printed=checked)
     _console.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
     if args.json:
         _write_json([r.to_dict() for r in results], args.json)
@@ -492,8 +496,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
     from remat.config import output_path_problems, plan_search_problems, planning_problems
-    from remat.memory.meter import storage_bytes
-    from remat.planning import parse_bytes, plan_from_trace
+    from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
@@ -505,7 +508,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               for p in output_path_problems(flag, path))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
-    found.add(plan_search_problems(budget, storage_bytes(model.parameters()), args.max_group))
+    found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
     found.raise_if_any()
     with progress_bar(not args.no_progress) as bar:
         task = bar.add_task("trace", total=None, loss="") if bar is not None else None
@@ -653,13 +656,14 @@ def _storage_table(measured: Any) -> Any:
     from rich.table import Table
 
     from remat.bench.report import format_gib
+    from remat.memory.attribution import owner_name
     from remat.memory.trace import describe_sites
 
     table = Table(title="what each site saves for backward (no recompute)")
     for column in ("site", "saves", "its inputs", "saved by other sites too", "recomputed alone frees"):
         table.add_column(column, justify="left" if column == "site" else "right")
     for site, s, frees in describe_sites(measured):
-        others = ", ".join(label for _, label in sorted(s.shared_with))
+        others = ", ".join(sorted(owner_name(owner) for owner in s.shared_with))
         table.add_row(site, format_gib(s.saved_bytes), format_gib(s.input_bytes),
                       f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
                       "-" if frees is None else format_gib(frees))

@@ -80,7 +80,7 @@ class PlanningProblem:
     num_layers: int
     choices: Sequence[Choice]
     windows: Sequence[Window]
-    held_bytes: int | None = None  # allocated when a step starts (weights, grads, optimizer state), if known
+    fixed_bytes: int | None = None  # what the micro-batch does not scale (weights, grads, optimizer state), if known
 
     def peak_and_window(self, chosen: Sequence[Choice]) -> tuple[int, str]:
         peaks = [(w.base_bytes + sum(c.delta(w) for c in chosen), w.name) for w in self.windows]
@@ -94,35 +94,35 @@ class NoPlanFits(ConfigError):
     """The budget is below the smallest peak any plan reaches; `lowest` is that plan."""
 
     def __init__(self, budget: int, lowest: Solution, activations_in_peak: bool = True,
-                 held_bytes: int | None = None) -> None:
+                 fixed_bytes: int | None = None) -> None:
         self.lowest = lowest
         short = lowest.peak_bytes - budget
         super().__init__([Problem("memory_budget", (
             f"no plan fits {format_bytes(budget)}: the lowest peak any plan reaches is "
             f"{format_bytes(lowest.peak_bytes)} ({format_bytes(short)} more, in window "
-            f"{lowest.peak_window}). {_what_would_fit(budget, lowest.peak_bytes, activations_in_peak, held_bytes)}"))])
+            f"{lowest.peak_window}). {_what_would_fit(budget, lowest.peak_bytes, activations_in_peak, fixed_bytes)}"))])
 
 
 _MORE_GPUS = "spread the model over more GPUs (tensor+sequence parallel splits weights and activations, pipeline parallel the layers)"
 
 
-def _what_would_fit(budget: int, lowest: int, activations_in_peak: bool, held: int | None) -> str:
-    """Advice sized by what the lowest peak is made of: memory held across steps (weights, grads,
-    optimizer state), which only sharding or more GPUs reduce, and the rest, which scales with
-    the micro-batch where activations are alive."""
-    if held is None:
+def _what_would_fit(budget: int, lowest: int, activations_in_peak: bool, fixed: int | None) -> str:
+    """Advice sized by what the lowest peak is made of: weights, gradients and optimizer state,
+    which only sharding or more GPUs reduce, and the rest, which scales with the micro-batch
+    where activations are alive."""
+    if fixed is None:
         return ("Raise the budget, lower the micro-batch size, or " + _MORE_GPUS if activations_in_peak else
                 "No activation is alive there: shard weights, gradients and optimizer state (FSDP2), or " + _MORE_GPUS)
-    if held >= budget:
-        return (f"Weights, gradients and optimizer state held across steps take {format_bytes(held)} alone: no "
-                f"recompute plan helps; shard them (FSDP2) or " + _MORE_GPUS)
-    rest = lowest - held
+    if fixed >= budget:
+        return (f"Weights, gradients and optimizer state take {format_bytes(fixed)} alone: no recompute plan "
+                f"helps; shard them (FSDP2) or " + _MORE_GPUS)
+    rest = lowest - fixed
     if not activations_in_peak:
-        return (f"No activation is alive there: {format_bytes(held)} held across steps (weights, gradients, "
-                f"optimizer state) and {format_bytes(rest)} of working memory; shard them (FSDP2) or " + _MORE_GPUS)
-    return (f"Of that peak, {format_bytes(held)} is held across steps (weights, gradients, optimizer state) and "
+        return (f"No activation is alive there: {format_bytes(fixed)} of weights, gradients and optimizer state "
+                f"and {format_bytes(rest)} of working memory; shard them (FSDP2) or " + _MORE_GPUS)
+    return (f"Of that peak, {format_bytes(fixed)} is weights, gradients and optimizer state and "
             f"{format_bytes(rest)} is activations and working memory, which scale with the micro-batch: one "
-            f"{(budget - held) / rest:.2f}x the size or smaller would fit (raise gradient accumulation to keep "
+            f"{(budget - fixed) / rest:.2f}x the size or smaller would fit (raise gradient accumulation to keep "
             f"the global batch); or raise the budget, or " + _MORE_GPUS)
 
 
@@ -145,15 +145,15 @@ def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | 
     if lowest is None:
         raise ConfigError([Problem("choices", "the choices do not cover every layer exactly once")])
     window = next(w for w in problem.windows if w.name == lowest.peak_window)
-    raise NoPlanFits(budget_bytes, lowest, window.layer is not None or window.holds > 0, problem.held_bytes)
+    raise NoPlanFits(budget_bytes, lowest, window.layer is not None or window.holds > 0, problem.fixed_bytes)
 
 
 def _cost(c: Choice) -> float:
-    # ties (times measured as zero) go to the plan with the fewest actions, 1 us each (above HiGHS'
-    # absolute gap, 1e-6, and below any real recompute); a layer recomputed whole counts as every
-    # site acted on, and one more
+    # ties (times measured as zero) go to the plan with the fewest actions, 2 us each: above HiGHS'
+    # absolute gap (1e-6, which scipy does not expose), far below any action's time on a GPU; a layer
+    # recomputed whole counts as every site acted on, and one more
     actions = len(c.actions) if c.actions is not None else (c.end - c.start) * (len(RECOMPUTE_MODULES) + 1)
-    return c.added_time_s + 1e-6 * actions
+    return c.added_time_s + 2e-6 * actions
 
 
 def _layer_local(problem: PlanningProblem) -> bool:

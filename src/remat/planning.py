@@ -135,6 +135,14 @@ def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | N
                       trace_.predict(solution.plan), solution.choices)
 
 
+def weight_bytes(model: nn.Module, device_type: str) -> int:
+    """The weights this rank holds on the device it trains on: an FSDP2 parameter (a DTensor,
+    whose storage reads as the whole tensor's) counts its local shard; weights kept on the host
+    do not count."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return storage_bytes(t for t in local if t.device.type == device_type)
+
+
 def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.Tensor], *,
          optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1, offload: bool = False,
          host_budget: int | str | None = None) -> PlanResult:
@@ -144,7 +152,7 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
     problems = [*planning_problems(offload, host_bytes, batch[0].device.type),
-                *plan_search_problems(budget_bytes, storage_bytes(model.parameters()), Trace.max_group)]
+                *plan_search_problems(budget_bytes, weight_bytes(model, batch[0].device.type), Trace.max_group)]
     if problems:
         raise ConfigError(problems)
     traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)

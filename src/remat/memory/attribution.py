@@ -29,6 +29,12 @@ from remat.memory.meter import storage_bytes
 Owner = tuple[int | None, str]  # (layer, site label); layer None: outside the layers
 
 
+def owner_name(owner: Owner) -> str:
+    """'layer 3 mlp', 'layer 3 other ops' (its ops outside the inner sites), 'loss head'."""
+    layer, label = owner
+    return label if layer is None else f"layer {layer} " + ("other ops" if label == LAYER else label)
+
+
 @dataclass(frozen=True)
 class Attribution:
     weights: int
@@ -40,7 +46,7 @@ class Attribution:
         """(what, bytes), for a report: static state, then activations by layer and site."""
         rows = [("weights", self.weights), ("grads", self.grads), ("optimizer state", self.optimizer_state)]
         for (layer, label), nbytes in sorted(self.activations.items(), key=lambda kv: (kv[0][0] is None, kv[0])):
-            rows.append((label if layer is None else f"layer {layer} {label}", nbytes))
+            rows.append((owner_name((layer, label)), nbytes))
         return rows
 
     @property
@@ -71,22 +77,28 @@ class Attributor(AbstractContextManager):
 
     def __enter__(self) -> Attributor:
         sites = find_sites(self.model)
+        self._exit.callback(self.model.register_forward_pre_hook(lambda m, args: self._forward_begins()).remove)
         for i, layer_site in enumerate(sites.layers):
             for site in [layer_site, *sites.inner[i]]:
                 owner = (i, site.label)
                 self._exit.callback(site.register_forward_pre_hook(
                     lambda m, args, owner=owner: self._enter(owner, args)).remove)
+                # always: a recompute replay stops part way through a site by raising
                 self._exit.callback(site.register_forward_hook(
-                    lambda m, args, out, last=i == len(sites.layers) - 1: self._pop(last)).remove)
+                    lambda m, args, out, last=i == len(sites.layers) - 1: self._pop(last), always_call=True).remove)
         self._exit.enter_context(saved_tensors_hooks(self._pack, lambda t: t))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._exit.close()
 
+    def _forward_begins(self) -> None:
+        """Before the embedding: the last forward's loss head is over, its inputs gone or replayed."""
+        self._stack.clear()
+        self._after_layers = False
+        self._inputs.clear()
+
     def _enter(self, owner: Owner, args: tuple[object, ...]) -> None:
-        if owner == (0, LAYER):  # a forward begins: earlier inputs are gone or replayed
-            self._inputs.clear()
         self._inputs.setdefault(owner, {}).update(
             (storage_key(a), a.untyped_storage().nbytes()) for a in args if isinstance(a, torch.Tensor))
         self._stack.append(owner)

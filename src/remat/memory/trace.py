@@ -46,8 +46,8 @@ from remat.config import (
     offload_prediction_problems,
     planning_problems,
 )
-from remat.memory.attribution import Attributor, Owner, SiteStorages
-from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors
+from remat.memory.attribution import Attributor, Owner, SiteStorages, owner_name
+from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors, storage_bytes
 from remat.planner import Choice, PlanningProblem, Window
 from remat.plans import Plan
 from remat.sites import Site
@@ -123,7 +123,9 @@ class Trace:
     max_group: int = 16  # longest full-recompute group the planner considers
     offload: bool = False  # whether offload was measured
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # the threshold offload was measured with
-    held_bytes: int | None = None  # allocated when a steady step starts: weights, grads, optimizer state, batch
+    # what the micro-batch does not scale: allocated when a steady step starts (weights, optimizer
+    # state, the batch, gradients that persist), and the gradients backward creates when they do not
+    fixed_bytes: int | None = None
     # what each site of each layer (and the embedding, the loss head) saves in a no-recompute step
     storages: dict[Owner, SiteStorages] = field(default_factory=dict)
 
@@ -180,7 +182,7 @@ class Trace:
                 by_layer.setdefault(c.start, []).append(c)
         useful = [c for c in choices if not c.actions or (
             _frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))]
-        return PlanningProblem(self.layout.num_layers, useful, self.windows, self.held_bytes)
+        return PlanningProblem(self.layout.num_layers, useful, self.windows, self.fixed_bytes)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
         resolved = _resolve(plan, self.layout)
@@ -528,7 +530,9 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
     return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
-                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size, held_bytes=base.held_bytes,
+                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size,
+                 fixed_bytes=base.held_bytes + (0 if stepper.grads_persist else storage_bytes(
+                     p for p in model.parameters() if p.requires_grad)),
                  storages=storages)
 
 
@@ -714,11 +718,10 @@ def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None
         for label in [*sorted(trace.layout.labels[i]), LAYER]:
             if (i, label) in trace.storages:
                 alone = effects.combos.get(frozenset({(label, "recompute")}))
-                yield (f"layer {i} " + ("other ops" if label == LAYER else label), trace.storages[(i, label)],
-                       None if alone is None else alone.freed_bytes)
-    for (layer, label), storages in trace.storages.items():
-        if layer is None:
-            yield label, storages, None
+                yield owner_name((i, label)), trace.storages[(i, label)], None if alone is None else alone.freed_bytes
+    for owner, storages in trace.storages.items():
+        if owner[0] is None:
+            yield owner_name(owner), storages, None
 
 
 def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
