@@ -341,6 +341,8 @@ def test_pareto_plot_draws_the_tables_whole_step_throughput(tmp_path: Path) -> N
     fig = pareto_figure(results)
     assert scatter_points(fig, "runs") == [(30.0, 380.0), (20.0, 290.0)]
     assert fig.axes[0].get_ylabel() == "TFLOP/s/GPU (whole step, as in the table)"
+    # from zero, with a tenth more room past the furthest run for its name
+    assert fig.axes[0].get_xlim() == pytest.approx((0, 33.0)) and fig.axes[0].get_ylim() == pytest.approx((0, 418.0))
     assert pareto_plot([], tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
 
 

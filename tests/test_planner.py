@@ -121,7 +121,7 @@ def test_no_plan_fits_says_by_how_much_and_what_to_change() -> None:
     # with what the micro-batch does not scale known: 1332 MiB = 800 fixed + 532 that scale with the micro-batch,
     # which must come down to 224 MiB: 0.42x
     with pytest.raises(NoPlanFits, match=r"0\.78 GiB is weights, gradients and optimizer state and 0\.52 GiB is activations .* "
-                                         r"one 0\.42x the size or smaller would fit"):
+                                         r"0\.42x of them or fewer would fit"):
         solve(PlanningProblem(2, choices, windows, fixed_bytes=800 * MiB), 1024 * MiB)
     with pytest.raises(NoPlanFits, match=r"optimizer state take 1\.07 GiB alone: no recompute plan helps"):
         solve(PlanningProblem(2, choices, windows, fixed_bytes=1100 * MiB), 1024 * MiB)

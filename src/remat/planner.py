@@ -121,9 +121,10 @@ def _what_would_fit(budget: int, lowest: int, activations_in_peak: bool, fixed: 
         return (f"No activation is alive there: {format_bytes(fixed)} of weights, gradients and optimizer state "
                 f"and {format_bytes(rest)} of working memory; shard them (FSDP2) or " + _MORE_GPUS)
     return (f"Of that peak, {format_bytes(fixed)} is weights, gradients and optimizer state and "
-            f"{format_bytes(rest)} is activations and working memory, which scale with the micro-batch: one "
-            f"{(budget - fixed) / rest:.2f}x the size or smaller would fit (raise gradient accumulation to keep "
-            f"the global batch); or raise the budget, or " + _MORE_GPUS)
+            f"{format_bytes(rest)} is activations and working memory, which scale with the tokens of a "
+            f"micro-batch: {(budget - fixed) / rest:.2f}x of them or fewer would fit (a smaller micro-batch with "
+            f"more gradient accumulation, or context parallel over the sequence); or raise the budget, or "
+            + _MORE_GPUS)
 
 
 

@@ -77,8 +77,10 @@ def pareto_figure(results: Sequence[BenchResult], *, anchors: Sequence[Anchor] =
 
     ax.set_xlabel("peak allocated memory (GiB)")
     ax.set_ylabel("TFLOP/s/GPU (whole step, as in the table)")
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)  # keeps the OOM markers at y = 0 in view
+    # from zero (OOM markers sit at y = 0), with room past the furthest run for its label
+    drawn = ax.dataLim if ax.dataLim.width >= 0 else None  # nothing drawn: limits left to matplotlib
+    ax.set_xlim(0, 1.1 * drawn.x1 if drawn else None)
+    ax.set_ylim(0, 1.1 * drawn.y1 if drawn else None)
     ax.grid(True, alpha=0.3)
     if title:
         ax.set_title(title)
