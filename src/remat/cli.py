@@ -331,14 +331,20 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
     writes none, the output flags given are refused."""
     from remat.bench.history import default_history_path
-    from remat.config import dryrun_output_problems, output_path_problems
+    from remat.config import dryrun_output_problems
 
     given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
     given = {flag: path for flag, path in given.items() if path is not None}
     if args.dryrun:
         return list(dryrun_output_problems(given))
-    written = {"--plot": default_plot, **given,
-               "--history": None if args.no_history else args.history or default_history_path()}
+    return _path_problems({"--plot": default_plot, **given,
+                           "--history": None if args.no_history else args.history or default_history_path()})
+
+
+def _path_problems(written: dict[str, str | None]) -> list[Problem]:
+    """Each file a command will write (flag -> path, None: not written), checked before it runs."""
+    from remat.config import output_path_problems
+
     return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
 
 
@@ -495,7 +501,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
-    from remat.config import output_path_problems, plan_search_problems, planning_problems
+    from remat.config import plan_search_problems, planning_problems
     from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
@@ -504,8 +510,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
                    if args.host_memory_budget is not None else None)
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
-    found.add(p for flag, path in (("--output", args.output), ("--json", args.json)) if path is not None
-              for p in output_path_problems(flag, path))
+    found.add(_path_problems({"--output": args.output, "--json": args.json}))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))

@@ -359,7 +359,7 @@ def _stage_layers(facts: TrainingFacts, num_layers: int, stage: int) -> list[int
     """The model's layers pipeline rank `stage` runs, in order: Megatron's model chunks stage,
     stage + pp, stage + 2 pp, ... (one chunk per rank without virtual stages)."""
     pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1
-    per_chunk = num_layers // (pp * vpp)
+    per_chunk = dataclasses.replace(facts, num_layers=num_layers).layers_per_virtual_stage
     return [i for chunk in range(stage, pp * vpp, pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
 
 

@@ -706,15 +706,20 @@ def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
     return plan
 
 
+def _first_of_each_kind(trace: Trace) -> Iterator[tuple[int, LayerEffects]]:
+    """(layer, its effects) for the first layer of each kind (layers of a kind share one LayerEffects)."""
+    seen: set[int] = set()
+    for i, effects in enumerate(trace.layers):
+        if id(effects) not in seen:
+            seen.add(id(effects))
+            yield i, effects
+
+
 def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None]]:
     """(site, what it saves in a no-recompute step, what recomputing it alone frees as measured)
     for the first layer of each kind ("other ops": the layer's ops outside its sites), then the
     embedding and the loss head (nothing measured for those)."""
-    seen: set[int] = set()
-    for i, effects in enumerate(trace.layers):
-        if id(effects) in seen:
-            continue
-        seen.add(id(effects))
+    for i, effects in _first_of_each_kind(trace):
         for label in [*sorted(trace.layout.labels[i]), LAYER]:
             if (i, label) in trace.storages:
                 alone = effects.combos.get(frozenset({(label, "recompute")}))
@@ -726,11 +731,7 @@ def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None
 
 def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
     """(combination, bytes freed per layer, ms added per layer) for the first layer of each kind."""
-    seen: set[int] = set()
-    for effects in trace.layers:
-        if id(effects) in seen:
-            continue
-        seen.add(id(effects))
+    for _, effects in _first_of_each_kind(trace):
         for combo, effect in effects.combos.items():
             yield (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep", effect.freed_bytes,
                    effect.added_time_s * 1e3)
