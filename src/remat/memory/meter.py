@@ -2,6 +2,9 @@
 
 On CUDA the caching allocator's own counters (what `max_memory_allocated` reports); on CPU the
 storages ops create, counted by a dispatch mode, on top of the model's and optimizer's tensors.
+What no op creates is not counted on CPU: Python numbers autograd saves as 0-dim tensors and
+the RNG states a recompute keeps, which beside an accelerator stay in host memory (a few bytes
+each; tests/test_trace.py checks the rest against the CPU allocator's own events).
 """
 from __future__ import annotations
 
