@@ -174,6 +174,15 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
                  "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
 
 
+def test_cli_plan_under_a_budget_no_recompute_fits_says_so(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progress", "--no_history",
+                 "--memory-budget", "1GiB", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "keep (no recompute)" in text and "a Megatron config expresses this plan: no recompute" in text
+    assert load_plan_or_config(out) == remat.RecomputeConfig()
+
+
 def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsys) -> None:
     out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
     # with -sl 128 no recompute plan goes below 1.85 MiB; offload reaches 1.77

@@ -685,8 +685,11 @@ def _plan_table(result: Any) -> Any:
     table = Table(title=f"fastest plan under {format_gib(result.budget_bytes)}")
     for column in ("layers", "action", "frees / layer", "adds / layer"):
         table.add_column(column, justify="right" if column.startswith(("frees", "adds")) else "left")
-    for layers, what, freed, seconds in result.explain():
+    rows = list(result.explain())
+    for layers, what, freed, seconds in rows:
         table.add_row(layers, what, format_gib(freed), f"{seconds * 1e3:.2f} ms")
+    if not rows:
+        table.add_row("all", "keep (no recompute)", format_gib(0), "0.00 ms")
     p = result.prediction
     host = f", {format_gib(p.host_bytes)} offloaded to host" if p.host_bytes else ""
     table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}){host}, "
