@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.planner import Choice, NoPlanFits, PlanningProblem, Window, solve
+from remat import planner
+from remat.planner import Choice, NoPlanFits, PlanningProblem, Window, _milp, solve
 
 MiB = 2**20
 
@@ -193,15 +194,24 @@ def test_128_traced_layers_solve_in_seconds() -> None:
         assert solution.peak_bytes == problem.peak(solution.choices) <= budget
 
 
-def test_a_choice_measured_beyond_the_next_layer_is_solved_by_the_milp() -> None:
+def test_a_choice_measured_beyond_the_next_layer_is_solved_by_the_milp(monkeypatch) -> None:
     """The dynamic program assumes choices reach their own and the next layer's windows only;
-    anything else goes to the mixed-integer program, with the same answer as brute force."""
-    windows = _windows(3, [300, 320, 340, 500, 360, 330, 310])
+    anything else goes to the mixed-integer program, with the same answer as brute force. Here
+    offloading layer 0 frees 50 MiB at the head but its copies back raise bwd2, which the head
+    barely tops, by 40 MiB: a solver that took bwd2 for a window merely holding the layer would
+    pick it (the cheapest action) and overshoot every budget."""
+    windows = _windows(3, [300, 320, 340, 500, 480, 330, 310])
     far = Choice(0, 1, {"layer": "offload"}, 50 * MiB, 0.001, {"fwd0": 0, "bwd0": 0, "bwd2": 40 * MiB})
     choices = [far, *(Choice(i, i + 1, {}, 0, 0.0) for i in range(3)),
-               *(Choice(i, i + 1, {"mlp": "recompute"}, 30 * MiB, 0.01) for i in range(3))]
+               *(Choice(i, i + 1, {"mlp": "recompute"}, 30 * MiB, 0.01 * (1 + i)) for i in range(3))]
     problem = PlanningProblem(3, choices, windows)
-    for budget in (470 * MiB, 455 * MiB, 440 * MiB):
+    milp_calls = []
+    monkeypatch.setattr(planner, "_milp", lambda *a, **k: milp_calls.append(a) or _milp(*a, **k))
+    for budget, recomputed in ((470 * MiB, [0]), (455 * MiB, [0, 1]), (440 * MiB, [0, 1])):
         best = min((c for c in _covers(problem) if problem.peak(c) <= budget),
                    key=lambda c: sum(x.added_time_s for x in c))
-        assert solve(problem, budget).added_time_s == pytest.approx(sum(x.added_time_s for x in best))
+        solution = solve(problem, budget)
+        assert solution.added_time_s == pytest.approx(sum(x.added_time_s for x in best))
+        assert solution.peak_bytes == problem.peak(solution.choices) <= budget
+        assert [c.start for c in solution.choices if c.actions] == recomputed
+    assert milp_calls
