@@ -16,7 +16,7 @@ from remat.config import RecomputeConfig
 from remat.memory.live import peak_during
 from remat.models import build, swiglu
 from remat.models.grad_accumulation import linear
-from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels, scale_grad
+from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 
 OUT, IN, TOKENS = 6, 8, 10
 
@@ -139,11 +139,11 @@ def test_the_loss_head_adds_its_scaled_gradient_in_one_step(fuse: bool, kernels:
     loss = chunked_linear_cross_entropy(hidden, weight, labels, 4, fuse_grads=fuse,
                                         kernels=compiled_loss_kernels() if kernels == "compiled" else LossKernels())
     loss.backward(grad_output)
-    want = old.addcmul(computed, grad_output) if fuse else old + scale_grad(computed, grad_output)
+    want = old.addcmul(computed, grad_output) if fuse else old + computed * grad_output
     if kernels == "eager":
         assert torch.equal(weight.grad, want)
-    else:
-        torch.testing.assert_close(weight.grad, want, rtol=2**-8, atol=2**-10)
+    else:  # one bf16 rounding step (2**-7 relative) apart at most
+        torch.testing.assert_close(weight.grad, want, rtol=2**-7, atol=2**-10)
 
 
 def _two_steps(fuse: bool, plan: Callable[[torch.nn.Module], None] = lambda m: None

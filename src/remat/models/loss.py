@@ -123,7 +123,9 @@ def _accumulate_mm(acc: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype)
         if acc is None:
             return torch.mm(a, b, out_dtype=dtype)
         return torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
-    return (a @ b).to(dtype) if acc is None else acc.add_(a @ b)
+    # elsewhere the operands are cast first, so the product is not rounded to their dtype either
+    a, b = a.to(dtype), b.to(dtype)
+    return a @ b if acc is None else acc.addmm_(a, b)
 
 
 def _loss_and_grads(
