@@ -11,6 +11,7 @@ import torch
 import remat
 from remat.apply import find_sites
 from remat.config import ConfigError, RecomputeConfig, TrainingFacts
+from remat.engine.rng import ReplayState
 from remat.models import build
 from remat.plans import Plan
 from remat.verify import run_step, verify
@@ -208,13 +209,25 @@ def test_full_recompute_is_per_virtual_stage() -> None:
     assert remat.apply(_model(), cfg).full_recompute == [(0, 2), (2, 4)]
 
 
-def test_eval_and_no_grad_run_plain() -> None:
-    model = _model()
-    remat.apply(model, _full("uniform", 2))
+@pytest.mark.parametrize("plan", [_full("uniform", 2), _selective("layernorm", "mlp", "core_attn")])
+def test_no_grad_runs_plain(plan, monkeypatch) -> None:
+    """Without autograd nothing is saved, so no region opens: the same result (dropout on, same
+    seed) and no replay state captured."""
+    model = _model(dropout=0.1)
     ids, labels = _batch(model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        plain = model(ids, labels)
+    captured = []
+    capture = ReplayState.capture.__func__
+    monkeypatch.setattr(ReplayState, "capture", classmethod(lambda cls, t: captured.append(1) or capture(cls, t)))
+    remat.apply(model, plan)
+    torch.manual_seed(3)
     with torch.no_grad():
         loss = model(ids, labels)
-    assert not loss.requires_grad
+    assert torch.equal(loss, plain) and not loss.requires_grad and not captured
+    model(ids, labels).backward()  # with autograd the plan's regions do open
+    assert captured
 
 
 def test_an_aborted_forward_leaves_no_full_recompute_group_open() -> None:

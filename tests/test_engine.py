@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.engine import DiscardScope, Region, checkpoint
+from remat.engine.rng import ReplayState
 
 torch.use_deterministic_algorithms(True)
 
@@ -71,11 +72,22 @@ def test_checkpoint_supports_autograd_grad() -> None:
     assert w.grad is None
 
 
-def test_checkpoint_passes_through_without_grad() -> None:
+def test_checkpoint_passes_through_without_grad(monkeypatch) -> None:
+    """No autograd, nothing to replay: the function runs as is (same dropout masks from the same
+    seed) and no replay state is captured."""
     w, _ = _weights()
+    x = torch.ones(2, 16, dtype=torch.float64)
+    captured = []
+    capture = ReplayState.capture.__func__
+    monkeypatch.setattr(ReplayState, "capture", classmethod(lambda cls, t: captured.append(1) or capture(cls, t)))
     with torch.no_grad():
-        y = checkpoint(_block, torch.ones(2, 16, dtype=torch.float64), w)
-    assert not y.requires_grad
+        torch.manual_seed(1)
+        y = checkpoint(_block, x, w)
+        torch.manual_seed(1)
+        plain = _block(x, w)
+    assert not y.requires_grad and torch.equal(y, plain) and not captured
+    checkpoint(_block, x, w)
+    assert captured
 
 
 def _norm_then_consumers(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, discard: bool,
