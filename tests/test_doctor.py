@@ -233,8 +233,10 @@ def test_capacity_without_a_planner_gives_the_plan_command() -> None:
 def test_a_request_that_fits_needs_nothing_and_expandable_fragmentation_needs_less_memory() -> None:
     assert recommend(classify(state_of(CHECKERED, GIB))) == []
     grown = {"segments": [dict(s, is_expandable=True) for s in CHECKERED["segments"]]}
-    recs = recommend(classify(state_of(grown, 4 * GIB)))
-    assert recs and EXPANDABLE_SEGMENTS not in [r.setting for r in recs]
+    recs = recommend(classify(state_of(grown, 4 * GIB)), micro_batch_size=2)
+    # 36 GiB needed of a 62.7 GiB budget: no more GPUs or smaller micro-batch, a plan with room
+    assert [r.setting for r in recs] == [
+        "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"]
 
 
 # --- diagnose() and watch() -----------------------------------------------------------------------

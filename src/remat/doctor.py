@@ -301,13 +301,15 @@ def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
     budget = int(s.available * PLAN_BUDGET_SHARE)
     need = s.allocated + (s.request or 0)
     if plan_fn is None:
+        # sized by how far the need is over the budget: none when it is not (fragmentation with
+        # expandable segments already on), where a plan that leaves more room is the answer
+        shrink = _shrink("allocated + the request (a lower bound: the step failed part way)", need, budget,
+                         micro_batch_size) if need > budget else []
         return [Recommendation(
             "find the fastest recompute plan that fits", f"remat plan {run_flags or _RUN_FLAGS} "
             f"--memory-budget {budget / 2**30:.1f}GiB -o plan.yaml --verify",
             f"{PLAN_BUDGET_SHARE:.0%} of the {format_bytes(s.available)}"
-            " this allocator can have; the planner predicts peak allocated memory"),
-            *_shrink("allocated + the request (a lower bound: the step failed part way)", need, budget,
-                     micro_batch_size)]
+            " this allocator can have; the planner predicts peak allocated memory"), *shrink]
     try:
         result = plan_fn(budget)
     except NoPlanFits as nofit:
