@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sqlite3
 import sys
@@ -263,16 +264,18 @@ def test_bench_rejects_cuda_graphs_it_does_not_run(capsys: pytest.CaptureFixture
 
 def test_bench_rejects_an_unknown_device(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--device", "foo", "-d")
-    assert code == 1 and "device" in err
+    assert code == 1 and "device: 'foo' is not a device; use cpu, cuda or cuda:N" in err
 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.CaptureFixture[str],
                                                            tmp_path: Path) -> None:
+    record = run_bench_free_golden()  # of this run's shape: the threshold is the one problem
+    record["shape"] = run_shape(tiny_spec(), recipe_config("llama3_tiny", num_layers=NUM_LAYERS, seq_length=SEQ))
     golden = tmp_path / "g.json"
-    golden.write_text(json.dumps(run_bench_free_golden()))
+    golden.write_text(json.dumps(record))
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "--threshold", "-1")
-    assert code == 1 and "threshold" in err
+    assert code == 1 and "(1 problem)" in err and "threshold: is -1.0; a golden comparison needs" in err
 
 
 def run_bench_free_golden() -> dict[str, Any]:
@@ -806,21 +809,23 @@ def test_parse_entry_files(tmp_path: Path) -> None:
     assert name == "full" and plan_name(config) == "full_uniform_1"
 
 
-@pytest.mark.parametrize("entry", ["bogus", "mlp+bogus", "full_uniform_x", "full_diagonal_1", "full_block_3",
-                                   "full_uniform_0"])
-def test_parse_entry_rejects_bad_entries(entry: str) -> None:
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(("entry", "message"), [
+    ("bogus", "unknown label 'bogus'"), ("mlp+bogus", "unknown label 'bogus'"),
+    ("full_uniform_x", "recompute_num_layers: got 'x'"), ("full_diagonal_1", "'diagonal' is not a method"),
+    ("full_block_3", "recompute_num_layers: 3 is out of range"), ("full_uniform_0", "recompute_num_layers: 0 is out of range")])
+def test_parse_entry_rejects_bad_entries(entry: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse_entry(entry, FACTS)
 
 
 def test_parse_entry_rejects_bad_files(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("recompute_granularity: partial\n")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="'partial' is not a granularity"):
         parse_entry(str(bad), FACTS)
     bad_plan = tmp_path / "bad_plan.yaml"
     bad_plan.write_text("remat_plan: 1\nlayers: 3\n")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="layers: expected a list"):
         parse_entry(str(bad_plan), FACTS)
 
 
