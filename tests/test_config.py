@@ -71,7 +71,7 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_no_duplicate_labels", sel("mlp", "mlp"), "recompute_modules", "'mlp' more than once"),
     ("rule_no_duplicate_labels", {"fine_grained_activation_offloading": True,
                                   "offload_modules": ["core_attn", "core_attn"]}, "offload_modules", "more than once"),
-    ("rule_distribute_not_with_sequence_parallel", {**FULL, "distribute_saved_activations": True, "sequence_parallel": False,
+    ("rule_distribute_not_with_sequence_parallel", {**FULL, "distribute_saved_activations": True,
                                                     "tensor_model_parallel_size": 2, "sequence_parallel": True},
      "distribute_saved_activations", "sequence parallelism"),
     ("rule_distribute_needs_full", {**sel("core_attn"), "distribute_saved_activations": True,

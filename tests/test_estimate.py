@@ -21,6 +21,7 @@ from remat.config import (
     pipeline_range_problems,
 )
 from remat.estimating import EstimateSpec, estimate, in_flight
+from remat.models.recipes import recipe_config
 from remat.plans import Plan
 
 SHAPE = dict(num_layers=4, seq_length=32)
@@ -135,8 +136,14 @@ def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, stage, micr
 
 
 def test_step_time_counts_the_recompute_flops() -> None:
-    none, full = _quiet(estimate, _spec(tflops=1.0), [("none", None), ("full", FULL)])
-    assert full.step_time_s > none.step_time_s > 0
+    mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
+    none, recomputed, full = _quiet(estimate, _spec(tflops=1.0), [("none", None), ("mlp", mlp), ("full", FULL)])
+    config = recipe_config("llama3_tiny", **SMALL)
+    tokens, h, ffn = MB * config.seq_length, config.hidden_size, config.ffn_hidden_size
+    # the replay runs linear_fc1 (gate and up) and stops: linear_fc2's output is not needed by backward
+    fc1 = 2 * tokens * h * 2 * ffn * config.num_layers
+    assert (recomputed.step_time_s - none.step_time_s) * 1e12 == pytest.approx(fc1, rel=1e-9)
+    assert full.step_time_s > recomputed.step_time_s > none.step_time_s > 0
 
 
 @pytest.mark.parametrize("facts, shapes, field", [
