@@ -35,6 +35,17 @@ def measure_peak(model, batch, plan, optimizer=None) -> int:
     return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
 
 
+def allocations(forward, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, list]:
+    """Of `forward(*inputs)` then its backward (gradients of ones): the bytes of the storages the
+    forward leaves alive, the backward's peak, and the gradients' shapes and dtypes, counted by
+    the storages ops create: on meta, what remat estimate counts for the real device."""
+    outputs, saved = remat.measure_saved(lambda: forward(*inputs))
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    wanted = [t for t in inputs if t.requires_grad]
+    grads, peak = peak_during(lambda: torch.autograd.grad(outputs, wanted, [torch.ones_like(o) for o in outputs]))
+    return saved.bytes, peak, [(g.shape, g.dtype) for g in grads]
+
+
 def verify_preset(model, ids, preset: str):
     """remat.verify of a Megatron preset ("full": uniform, one layer; else one selective label) on
     next-token batch ids [b, s + 1]."""

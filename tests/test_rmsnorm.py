@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import allocations
 from remat.models import build
 from remat.models.rmsnorm import RMSNormFunction, on_cuda, rms_norm, triton_rms_norm
 
@@ -109,11 +110,23 @@ def test_saves_the_input_the_weight_and_a_float32_scale_per_row() -> None:
 
 
 def test_on_meta_it_allocates_what_cuda_would() -> None:
-    x = torch.empty(2, 3, 16, device="meta", requires_grad=True)
-    weight = torch.empty(16, device="meta", requires_grad=True)
-    out = RMSNormFunction.apply(x, weight, EPS)
-    dx, dw = torch.autograd.grad(out, (x, weight), torch.empty_like(out))
-    assert out.shape == dx.shape == x.shape and dw.shape == weight.shape
+    """remat estimate runs the Function on meta: it must leave and allocate what a real device
+    does (6 rows of 16, bf16): the output and a float32 scale per row; in backward the output
+    gradient, the input gradient, float32 partial weight gradients (3 programs of 2 rows on CPU),
+    their float32 sum and its bf16 cast."""
+    def inputs(device: str) -> tuple[torch.Tensor, ...]:
+        return (torch.ones(2, 3, 16, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.ones(16, device=device, dtype=torch.bfloat16, requires_grad=True))
+
+    def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return RMSNormFunction.apply(x, weight, EPS)
+
+    measured = allocations(forward, inputs("meta"))
+    # on CUDA the partial sums take a row per program, two programs per SM, which meta cannot know
+    assert measured == allocations(forward, inputs(DEVICE)) or DEVICE == "cuda"
+    saved, peak, grads = measured
+    assert saved == 6 * 16 * 2 + 6 * 4 and grads == [((2, 3, 16), torch.bfloat16), ((16,), torch.bfloat16)]
+    assert peak == 2 * 6 * 16 * 2 + 3 * 16 * 4 + 16 * 4 + 16 * 2
 
 
 def test_dispatch_runs_the_fallback_off_cuda_and_for_other_dtypes() -> None:

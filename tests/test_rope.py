@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import allocations
 from remat.models import build, rope
 from remat.models.llama import split_qkv as eager_split_qkv
 from remat.models.rope import RotaryQKV, on_cuda, split_qkv
@@ -129,13 +130,22 @@ def test_bad_layouts_and_second_derivatives_are_refused() -> None:
 
 
 def test_on_meta_it_allocates_what_cuda_would() -> None:
-    x = torch.empty(2, 5, 24, device="meta", requires_grad=True)
-    weight = torch.empty(8 * 16, 24, device="meta", requires_grad=True)
-    cos = torch.empty(5, 16, device="meta")
-    out = project_qkv(x, weight, cos, cos, 4, 2)
-    assert [t.shape for t in out] == [(2, 5, 4, 16), (2, 5, 2, 16), (2, 5, 2, 16)]
-    d_x, d_weight = torch.autograd.grad(out, (x, weight), [torch.empty_like(t) for t in out])
-    assert d_x.shape == x.shape and d_weight.shape == weight.shape
+    """remat estimate runs the Function on meta: it must leave and allocate what a real device
+    does (10 tokens, 4 query heads and 2 groups of dim 16, hidden 24, bf16): q, k, v; in backward
+    their gradients, the fused projection's gradient, the weight's and the input's."""
+    def inputs(device: str) -> tuple[torch.Tensor, ...]:
+        return (torch.ones(2, 5, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.ones(8 * 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.ones(5, 16, device=device, dtype=torch.bfloat16), torch.ones(5, 16, device=device,
+                                                                                   dtype=torch.bfloat16))
+
+    def forward(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return project_qkv(*args, 4, 2)
+
+    saved, peak, grads = measured = allocations(forward, inputs("meta"))
+    assert measured == allocations(forward, inputs(DEVICE))
+    assert saved == 10 * 8 * 16 * 2 and grads == [((2, 5, 24), torch.bfloat16), ((128, 24), torch.bfloat16)]
+    assert peak == (10 * 8 * 16 * 2 + 128 * 24 + 10 * 24) * 2
 
 
 def test_dispatch_runs_the_fallback_where_the_kernel_would_differ_from_the_formula() -> None:
