@@ -102,3 +102,37 @@ def test_console_script_help() -> None:
     result = subprocess.run([sys.executable, "-m", "remat.cli", "validate", "--help"],
                             capture_output=True, text=True, check=True)
     assert "--recompute_modules" in result.stdout and "-rl" in result.stdout
+
+
+TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progress")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("validate", "-mr", "llama3_tiny", "--num_layers", "0"), "num_layers: must be a positive integer, got 0"),
+    (("verify", "--num_layers", "2", "-sl", "16", "-mb", "0"), "micro_batch_size: is 0; use at least 1"),
+    (("estimate", *TINY_RUN, "-ng", "0"), "num_gpus: is 0; use at least 1"),
+    (("estimate", *TINY_RUN, "--json", "{tmp}"), "--json: {tmp} is a directory"),
+    (("plan", *TINY_RUN, "--memory-budget", "1GiB", "-o", "{tmp}/plan.txt"),
+     "--output: {tmp}/plan.txt: a plan is read back by its suffix; end the name in .yaml, .yml or .json"),
+    (("doctor", *TINY_RUN, "--timeline", "{tmp}"), "--timeline: {tmp} is a directory"),
+    (("bench", *TINY_RUN, "-ms", "5", "--history", "{tmp}/not_a_db.sqlite"),
+     "--history: {tmp}/not_a_db.sqlite is not a run history (not an SQLite database)"),
+    (("doctor", "--snapshot", "{tmp}/list.json", "--limit", "12GiB"),
+     "{tmp}/list.json: is not a memory snapshot (no 'segments' list)"),
+])
+def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_path, monkeypatch) -> None:
+    import remat.bench
+    import remat.bench.run as bench_run
+    import remat.estimating as estimating
+    import remat.memory.trace as tracing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ran before refusing")
+
+    for module, name in ((remat.bench, "run_bench"), (bench_run, "run_bench"), (bench_run, "trace_spec"),
+                         (estimating, "estimate"), (tracing, "timeline")):
+        monkeypatch.setattr(module, name, refuse)
+    (tmp_path / "not_a_db.sqlite").write_text("x")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    code, _, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
+    assert code == 1 and message.format(tmp=tmp_path) in " ".join(err.split())

@@ -114,10 +114,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     model = None
     facts: dict[str, Any] = {}
     if args.model_recipe_name:
-        overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+        overrides = {"num_layers": args.num_layers} if args.num_layers is not None else {}
         model = build(args.model_recipe_name, device="meta", **overrides)
         facts["num_layers"] = model.config.num_layers
-    elif args.num_layers:
+    elif args.num_layers is not None:
         facts["num_layers"] = args.num_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
@@ -139,11 +139,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from remat.apply import offloader_of
-    from remat.config import format_bytes
+    from remat.config import format_bytes, micro_batch_problems
     from remat.models import build
     from remat.verify import verify
 
-    problems = device_problems(args.device)
+    problems = [*device_problems(args.device), *micro_batch_problems(args.micro_batch_size)]
     if problems:
         raise ConfigError(problems)
     torch.use_deterministic_algorithms(args.device == "cpu")
@@ -331,14 +331,15 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
     writes none, the output flags given are refused."""
     from remat.bench.history import default_history_path
-    from remat.config import dryrun_output_problems
+    from remat.config import dryrun_output_problems, history_file_problems
 
     given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
     given = {flag: path for flag, path in given.items() if path is not None}
     if args.dryrun:
         return list(dryrun_output_problems(given))
-    return _path_problems({"--plot": default_plot, **given,
-                           "--history": None if args.no_history else args.history or default_history_path()})
+    history = None if args.no_history else args.history or default_history_path()
+    return _path_problems({"--plot": default_plot, **given, "--history": history}) + (
+        list(history_file_problems(history)) if history else [])
 
 
 def _path_problems(written: dict[str, str | None]) -> list[Problem]:
@@ -501,7 +502,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
-    from remat.config import plan_search_problems, planning_problems
+    from remat.config import plan_output_problems, plan_search_problems, planning_problems
     from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
@@ -511,6 +512,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                    if args.host_memory_budget is not None else None)
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
     found.add(_path_problems({"--output": args.output, "--json": args.json}))
+    found.add(plan_output_problems("--output", args.output))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
@@ -571,6 +573,7 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     elif found.run(apply, model, flags) is not None:
         plans.append((plan_name(flags), flags))
     found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
+    found.add(_path_problems({"--json": args.json}))
     found.raise_if_any()
     data_parallel = args.num_gpus // (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
                                       * facts.context_parallel_size)
@@ -765,6 +768,9 @@ def _doctor_timeline(args: argparse.Namespace) -> int:
     from remat.memory.trace import timeline
 
     spec, plan, _, _ = _check_bench(args)
+    problems = _path_problems({"--timeline": args.timeline})
+    if problems:
+        raise ConfigError(problems)
     model = build_model(spec)
     model.train()
     batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()

@@ -1345,9 +1345,8 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
             + f"; use {' or '.join(TASKS)}")
     if s.gpu is not None and s.gpu not in GPUS:
         yield Problem("gpu", f"{s.gpu!r} is not a GPU name{_did_you_mean(s.gpu, GPUS)}; use one of {_one_of(GPUS)}")
-    if s.micro_batch_size < 1:
-        yield Problem("micro_batch_size", f"is {s.micro_batch_size}; use at least 1")
-    elif s.global_batch_size is not None and (
+    yield from micro_batch_problems(s.micro_batch_size)
+    if s.micro_batch_size >= 1 and s.global_batch_size is not None and (
         s.global_batch_size < s.micro_batch_size or s.global_batch_size % s.micro_batch_size
     ):
         yield Problem("global_batch_size", f"{s.global_batch_size} is not a positive multiple of the"
@@ -1487,7 +1486,9 @@ def batch_split_problems(facts: TrainingFacts, num_gpus: int, micro_batch_size: 
     """GPUs = data parallel x tp x pp x cp, and the global batch = micro-batches x mb x data parallel."""
     model_parallel = (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
                       * facts.context_parallel_size)
-    if num_gpus < 1 or model_parallel < 1 or num_gpus % model_parallel:
+    if num_gpus < 1:
+        yield Problem("num_gpus", f"is {num_gpus}; use at least {max(model_parallel, 1)} (tp x pp x cp)")
+    elif model_parallel < 1 or num_gpus % model_parallel:
         yield Problem("num_gpus", f"{num_gpus} GPUs do not split into data-parallel groups of tp x pp x cp ="
                                   f" {model_parallel}; use a multiple of {model_parallel}")
     elif global_batch_size is not None and micro_batch_size >= 1:
@@ -1535,6 +1536,26 @@ def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Pr
         yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
     elif not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
         yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
+
+
+def micro_batch_problems(micro_batch_size: int) -> Iterator[Problem]:
+    if micro_batch_size < 1:
+        yield Problem("micro_batch_size", f"is {micro_batch_size}; use at least 1")
+
+
+def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """An existing --history file must be a run history (SQLite), or the run's record is lost at its end."""
+    target = Path(path)
+    if target.is_file() and target.stat().st_size:  # SQLite starts an empty file itself
+        with target.open("rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                yield Problem("--history", f"{path} is not a run history (not an SQLite database); choose another file")
+
+
+def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """A plan or config file is read back by its suffix (remat bench --config, remat.apply)."""
+    if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
+        yield Problem(flag, f"{path}: a plan is read back by its suffix; end the name in .yaml, .yml or .json")
 
 
 def dryrun_output_problems(flags: Iterable[str]) -> Iterator[Problem]:

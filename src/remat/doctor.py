@@ -154,9 +154,11 @@ def capture(device: torch.device | int | str | None = None, request_bytes: int |
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """A snapshot written by `torch.cuda.memory._dump_snapshot` (a pickle: load only your own) or as JSON."""
     p = Path(path)
-    if p.suffix.lower() == ".json":
-        return read_file(p, json.loads, "JSON")
-    return read_file(p, pickle.loads, "pickle")
+    snapshot = read_file(p, json.loads, "JSON") if p.suffix.lower() == ".json" else read_file(p, pickle.loads, "pickle")
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+        raise ConfigError([Problem(str(p), "is not a memory snapshot (no 'segments' list); write one with "
+                                           "torch.cuda.memory._dump_snapshot")])
+    return snapshot
 
 
 # --- the OOM message ------------------------------------------------------------------------------
