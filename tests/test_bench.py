@@ -726,10 +726,8 @@ def test_history_records_one_row_per_bench(capsys: pytest.CaptureFixture[str], m
 
 def test_no_history_writes_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                    _private_history: Path) -> None:
-    db = tmp_path / "h.sqlite"
-    code, _, _ = cli(capsys, "bench", *TINY, "--no_history", "--history", str(db))
-    assert code == 0
-    assert not db.exists() and not _private_history.exists()
+    code, _, _ = cli(capsys, "bench", *TINY, "--no_history")
+    assert code == 0 and not _private_history.exists()
     code, _, _ = cli(capsys, "bench", *TINY)  # default: $REMAT_HISTORY
     assert code == 0
     assert [r.name for r in recent(path=_private_history)] == ["none"]

@@ -119,6 +119,14 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
      "--history: {tmp}/not_a_db.sqlite is not a run history (not an SQLite database)"),
     (("doctor", "--snapshot", "{tmp}/list.json", "--limit", "12GiB"),
      "{tmp}/list.json: is not a memory snapshot (no 'segments' list)"),
+    (("doctor", "--results", "{tmp}/empty.json"), "{tmp}/empty.json: holds no results"),
+    (("doctor", "--results", "{tmp}/empty.json", "--timeline", "t.png"), "--timeline: plots a run of the recipe"),
+    (("doctor", "--results", "{tmp}/empty.json", "--request", "5GiB"), "--request: describes an OOM's allocator"),
+    (("doctor", "--oom_message", "Tried to allocate 2.00 GiB", "--limit", "80GiB"),
+     "--limit: the OOM message gives the device's capacity"),
+    (("verify", "--num_layers", "2", "-sl", "16", "-tp", "2"), "tensor_model_parallel_size: is 2; this runs one device"),
+    (("bench", *TINY_RUN, "-ms", "5", "--no_history", "--history", "{tmp}/h.sqlite"),
+     "--history: names a history file and --no_history records none"),
 ])
 def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_path, monkeypatch) -> None:
     import remat.bench
@@ -134,5 +142,6 @@ def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_
         monkeypatch.setattr(module, name, refuse)
     (tmp_path / "not_a_db.sqlite").write_text("x")
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "empty.json").write_text("[]")
     code, _, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
     assert code == 1 and message.format(tmp=tmp_path) in " ".join(err.split())

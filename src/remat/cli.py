@@ -139,11 +139,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from remat.apply import offloader_of
-    from remat.config import format_bytes, micro_batch_problems
+    from remat.config import execution_problems, format_bytes, micro_batch_problems
     from remat.models import build
     from remat.verify import verify
 
-    problems = [*device_problems(args.device), *micro_batch_problems(args.micro_batch_size)]
+    problems = [*device_problems(args.device), *micro_batch_problems(args.micro_batch_size),
+                *execution_problems(_flag_facts(args))]
     if problems:
         raise ConfigError(problems)
     torch.use_deterministic_algorithms(args.device == "cpu")
@@ -337,6 +338,8 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     given = {flag: path for flag, path in given.items() if path is not None}
     if args.dryrun:
         return list(dryrun_output_problems(given))
+    if args.no_history and args.history:
+        return [Problem("--history", "names a history file and --no_history records none; drop one")]
     history = None if args.no_history else args.history or default_history_path()
     return _path_problems({"--plot": default_plot, **given, "--history": history}) + (
         list(history_file_problems(history)) if history else [])
@@ -731,10 +734,16 @@ def _size(text: str, field: str) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from remat import doctor
+    from remat.config import doctor_flag_problems
     from remat.bench import plan_name, run_bench
     from remat.bench.report import format_gib
     from remat.bench.run import build_model, progress_bar
 
+    ignored = doctor_flag_problems(results=bool(args.results), state=bool(args.snapshot or args.oom_message),
+                                   oom_message=bool(args.oom_message), timeline=bool(args.timeline),
+                                   request=args.request is not None, limit=args.limit is not None)
+    if ignored:
+        raise ConfigError(ignored)
     if args.results:
         findings = doctor.check_results(doctor.load_results(args.results))
         _console.print(_findings_table(findings, args.results))
@@ -965,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="PNG", help="run one step of the recipe (CPU or GPU) and plot its "
                                                       "memory after every op, phases and layers marked")
     p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
-    p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had (e.g. 80GiB)")
+    p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had: bytes, or like 80GiB")
     _add_run_flags(p)
     _add_recompute_flags(p)
     p.set_defaults(func=_cmd_doctor, golden=None, threshold=None)

@@ -1433,19 +1433,19 @@ def configs_flag_problems(flags: RecomputeConfig | None) -> Iterator[Problem]:
 
 
 def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
-    """What the recompute rules accept but this one-GPU bench does not run (yet)."""
+    """What the recompute rules accept but remat's one-process runs (bench, verify) do not execute (yet)."""
     sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
              "pipeline_model_parallel_size": facts.pipeline_model_parallel_size,
              "context_parallel_size": facts.context_parallel_size}
     for name, size in sizes.items():
         if size != 1:
-            yield Problem(name, f"is {size}; this bench runs one GPU without model parallelism for now"
+            yield Problem(name, f"is {size}; this runs one device without model parallelism for now"
                                 " (parallel execution arrives with its own issue); use 1")
     if facts.virtual_pipeline_model_parallel_size is not None:
-        yield Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which this bench"
-                                                              " does not run yet; drop -vp")
+        yield Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which this run"
+                                                              " does not execute yet; drop -vp")
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
-        yield Problem("cuda_graph_impl", "this bench runs without CUDA graphs; drop --cuda_graph_impl and"
+        yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
 
 
@@ -1536,6 +1536,22 @@ def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Pr
         yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
     elif not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
         yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
+
+
+def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timeline: bool, request: bool,
+                         limit: bool) -> list[Problem]:
+    """remat doctor does one thing per call: flags that the chosen one would ignore are refused."""
+    problems = []
+    if timeline and (results or state):
+        problems.append(Problem("--timeline", "plots a run of the recipe, not a file or message; drop --timeline or"
+                                              " the --results / --snapshot / --oom_message"))
+    if (request or limit) and not state:
+        flag = "--request" if request else "--limit"
+        problems.append(Problem(flag, "describes an OOM's allocator state, for --snapshot or --oom_message only;"
+                                      f" drop {flag}"))
+    elif limit and oom_message:
+        problems.append(Problem("--limit", "the OOM message gives the device's capacity; drop --limit"))
+    return problems
 
 
 def micro_batch_problems(micro_batch_size: int) -> Iterator[Problem]:

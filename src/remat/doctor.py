@@ -639,6 +639,9 @@ def check_results(results: Sequence[BenchResult]) -> list[Finding]:
 def load_results(path: str | Path) -> list[BenchResult]:
     """`remat bench --json` (one result) or `remat sweep --json` (a list)."""
     data = read_file(Path(path), json.loads, "JSON")
+    if data == []:
+        raise ConfigError([Problem(str(path), "holds no results; pass what `remat bench --json` or `remat sweep "
+                                              "--json` wrote")])
     try:
         return [BenchResult.from_dict(d) for d in (data if isinstance(data, list) else [data])]
     except (TypeError, AttributeError) as err:
