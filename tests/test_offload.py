@@ -92,6 +92,20 @@ def test_offload_is_bit_identical_and_frees_what_it_moves(name: str) -> None:
     assert report.candidate.saved.bytes >= recompute_only.candidate.saved.bytes - stats.offloaded_bytes
 
 
+@pytest.mark.parametrize(("threshold", "warns"), [(2**20, True), (0, False)])
+def test_a_plan_whose_tensors_all_stay_under_the_threshold_says_so(threshold: int, warns: bool) -> None:
+    model = _model()
+    plan = Plan([{"layer": "offload"}, {}, {}, {}], min_offloaded_tensor_size=threshold)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", remat.RematWarning)
+        verify(model, plan, *_batch(model))
+    said = [str(w.message) for w in caught if "nothing moved to host" in str(w.message)]
+    assert (offloader_of(model).stats().offloaded_bytes == 0) == warns
+    assert said == ([f"the plan offloads, but no saved tensor had {threshold} elements or more "
+                     "(min_offloaded_tensor_size), so nothing moved to host; lower it "
+                     "(--min_offloaded_tensor_size) to offload this model's tensors"] if warns else [])
+
+
 def test_offloading_every_layer_moves_exactly_the_bytes_it_frees() -> None:
     # Everything a layer saves is created by the layers or the model (cos/sin, the embedding
     # output) and held by nothing else, so each offloaded storage is freed on the device.

@@ -418,8 +418,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             _console.print(plan.describe())
         _console.print(resolved.describe())
         return 0
-    with progress_bar(not args.no_progress) as bar:
+    with warnings.catch_warnings(record=True) as during, progress_bar(not args.no_progress) as bar:
+        warnings.simplefilter("always", RematWarning)
         result = run_bench(spec, plan, name=plan_name(plan), progress=bar)
+    _print_warnings(during, printed=caught)
     _console.print(results_table([result], title=f"remat bench: {spec.recipe}"))
     if result.memory is not None:
         _console.print(memory_table(result))

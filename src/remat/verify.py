@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from remat.apply import apply, offloader_of
+from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.config import RecomputeConfig
 from remat.memory import SavedMemory, measure_saved
 from remat.plans import Plan
@@ -74,4 +74,5 @@ def verify(model: nn.Module, plan: RecomputeConfig | Plan, input_ids: torch.Tens
         run_step(model, input_ids, labels, seed)
         offloader.reset_stats()
     candidate = run_step(model, input_ids, labels, seed)
+    warn_if_nothing_offloaded(model)
     return VerifyReport(resolved, baseline, candidate)

@@ -20,7 +20,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-from remat.apply import apply, offloader_of
+from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, check_bench
@@ -274,6 +274,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: LlamaModel | Non
         if progress is not None and task is not None:
             progress.update(task, loss="[red]OOM[/]")
         return BenchResult(status="oom", oom=oom, **record)
+    warn_if_nothing_offloaded(model)
     steady = slice(spec.warmup_steps, None)
     step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     flops = model_flops(model.config, model.config.seq_length,
