@@ -125,6 +125,7 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
     (("doctor", "--oom_message", "Tried to allocate 2.00 GiB", "--limit", "80GiB"),
      "--limit: the OOM message gives the device's capacity"),
     (("verify", "--num_layers", "2", "-sl", "16", "-tp", "2"), "tensor_model_parallel_size: is 2; this runs one device"),
+    (("verify", "--num_layers", "2", "-sl", "16", "--tolerance", "-1"), "tolerance: is -1.0; use 0 (bit-identical)"),
     (("bench", *TINY_RUN, "-ms", "5", "--no_history", "--history", "{tmp}/h.sqlite"),
      "--history: names a history file and --no_history records none"),
 ])
@@ -145,3 +146,10 @@ def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_
     (tmp_path / "empty.json").write_text("[]")
     code, _, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
     assert code == 1 and message.format(tmp=tmp_path) in " ".join(err.split())
+
+
+def test_an_unknown_flag_gets_the_commands_usage(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--memory-budget", "1GiB", "-tp", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: remat plan") and "unrecognized arguments: -tp 2" in err

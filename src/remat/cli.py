@@ -139,12 +139,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from remat.apply import offloader_of
-    from remat.config import execution_problems, format_bytes, micro_batch_problems
+    from remat.config import execution_problems, format_bytes, micro_batch_problems, tolerance_problems
     from remat.models import build
     from remat.verify import verify
 
     problems = [*device_problems(args.device), *micro_batch_problems(args.micro_batch_size),
-                *execution_problems(_flag_facts(args))]
+                *execution_problems(_flag_facts(args)), *tolerance_problems(args.tolerance)]
     if problems:
         raise ConfigError(problems)
     torch.use_deterministic_algorithms(args.device == "cpu")
@@ -874,11 +874,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run one training step of a recipe without recompute and with "
                                    "the given config; compare loss and every gradient, and count "
                                    "the bytes each leaves saved for backward.")
-    p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE", default="llama3_tiny")
+    p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE", default="llama3_tiny",
+                   help="the recipe (default llama3_tiny; `remat recipes` lists them)")
     p.add_argument("--num_layers", type=int, metavar="N")
     p.add_argument("--hidden_size", type=int, metavar="N")
     p.add_argument("-sl", "--seq_length", type=int, metavar="N")
-    p.add_argument("-mb", "--micro_batch_size", type=int, default=2, metavar="N")
+    p.add_argument("-mb", "--micro_batch_size", type=int, default=2, metavar="N",
+                   help="sequences in the step (default 2)")
     p.add_argument("--attention_backend", choices=["sdpa", "eager"])
     p.add_argument("--attention_dropout", type=float, metavar="P")
     p.add_argument("--hidden_dropout", type=float, metavar="P")
@@ -995,7 +997,11 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["remat", *argv])  # recorded with each result
     try:
         return args.func(args)

@@ -1554,6 +1554,11 @@ def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timel
     return problems
 
 
+def tolerance_problems(tolerance: float) -> Iterator[Problem]:
+    if not tolerance >= 0:  # NaN too
+        yield Problem("tolerance", f"is {tolerance}; use 0 (bit-identical) or the largest gradient difference to accept")
+
+
 def micro_batch_problems(micro_batch_size: int) -> Iterator[Problem]:
     if micro_batch_size < 1:
         yield Problem("micro_batch_size", f"is {micro_batch_size}; use at least 1")
