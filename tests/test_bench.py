@@ -223,6 +223,10 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", "moe",
                        "--plot", str(tmp_path / "p.png"))
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
+    code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "none", "none")
+    assert code == 0 and out.split() == ["none"]  # an entry given twice runs once
+    code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "nofile.yaml")
+    assert code == 1 and "  nofile.yaml: cannot read the file" in err  # named once
 
 
 @pytest.mark.usefixtures("no_steps")
