@@ -190,7 +190,9 @@ def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsy
             "--offload", "--min_offloaded_tensor_size", "256", "--host-memory-budget", "1GiB",
             "--memory-budget", "1.8MiB", "-o", str(out), "--json", str(record)]
     assert main(argv) == 0
-    assert "offloaded to host" in capsys.readouterr().out
+    out_text, err = capsys.readouterr()
+    assert "offloaded to host" in out_text
+    assert "offload on CPU (--offload) copies CPU memory to CPU memory" in " ".join(err.split())
     data = json.loads(record.read_text())
     assert data["predicted"]["peak_bytes"] <= 1.8 * MiB and data["predicted"]["host_bytes"] > 0
     loaded = load_plan_or_config(out)

@@ -508,7 +508,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
-    from remat.config import plan_output_problems, plan_search_problems, planning_problems
+    from remat.config import (advise, offload_device_advice, plan_output_problems, plan_search_problems,
+                              planning_problems)
     from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
@@ -523,6 +524,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
     found.raise_if_any()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        advise(offload_device_advice(spec.device, ["--offload"] if args.offload else []))
+    _print_warnings(caught)
     with progress_bar(not args.no_progress) as bar:
         task = bar.add_task("trace", total=None, loss="") if bar is not None else None
         model, measured = trace_spec(
