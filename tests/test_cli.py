@@ -153,3 +153,11 @@ def test_an_unknown_flag_gets_the_commands_usage(capsys) -> None:
         main(["plan", "--memory-budget", "1GiB", "-tp", "2"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: remat plan") and "unrecognized arguments: -tp 2" in err
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(14.9203, "14,920 ms"), (0.0123, "12.3 ms"),
+                                                (1.5e-5, "0.015 ms"), (2e-8, "< 0.001 ms")])
+def test_step_times_read_in_milliseconds_without_exponents(seconds, shown) -> None:
+    from remat.cli import _milliseconds
+
+    assert _milliseconds(seconds) == shown

@@ -616,6 +616,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _milliseconds(seconds: float) -> str:
+    """A step time in ms: three significant digits (whole ms from 100), never in exponent form."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms" if ms >= 0.001 else "< 0.001 ms"
+
+
 def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
     from rich.table import Table
 
@@ -638,7 +644,7 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
                           *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
                                                     s.other, s.peak)),
                           s.peak_window, *([format_gib(s.host)] if host else []),
-                          f"{result.step_time_s * 1e3:.4g} ms" if first else "")
+                          _milliseconds(result.step_time_s) if first else "")
     copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
               f"forward and backward where they fit" if host else "")
     table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); other: the "
