@@ -126,6 +126,10 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
      "--limit: the OOM message gives the device's capacity"),
     (("verify", "--num_layers", "2", "-sl", "16", "-tp", "2"), "tensor_model_parallel_size: is 2; this runs one device"),
     (("verify", "--num_layers", "2", "-sl", "16", "--tolerance", "-1"), "tolerance: is -1.0; use 0 (bit-identical)"),
+    (("plan", *TINY_RUN, "--memory-budget", "1GiB", "--min_offloaded_tensor_size", "256"),
+     "min_offloaded_tensor_size: sets which tensors offload moves, and offload is off"),
+    (("plan", *TINY_RUN, "--memory-budget", "1GiB", "--offload", "--min_offloaded_tensor_size", "-1"),
+     "min_offloaded_tensor_size: got -1; set it to 0 or more"),
     (("bench", *TINY_RUN, "-ms", "5", "--no_history", "--history", "{tmp}/h.sqlite"),
      "--history: names a history file and --no_history records none"),
 ])

@@ -508,8 +508,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
-    from remat.config import (advise, offload_device_advice, plan_output_problems, plan_search_problems,
-                              planning_problems)
+    from remat.config import (MIN_OFFLOADED_TENSOR_SIZE, advise, offload_device_advice, offload_threshold_problems,
+                              plan_output_problems, plan_search_problems, planning_problems)
     from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
@@ -520,6 +520,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     found.add(planning_problems(args.offload, host_budget, spec.device if spec is not None else None))
     found.add(_path_problems({"--output": args.output, "--json": args.json}))
     found.add(plan_output_problems("--output", args.output))
+    found.add(offload_threshold_problems(args.offload, args.min_offloaded_tensor_size))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
@@ -531,7 +532,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with progress_bar(not args.no_progress) as bar:
         task = bar.add_task("trace", total=None, loss="") if bar is not None else None
         model, measured = trace_spec(
-            spec, model, offload=args.offload, min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+            spec, model, offload=args.offload,
+            min_offloaded_tensor_size=(MIN_OFFLOADED_TENSOR_SIZE if args.min_offloaded_tensor_size is None
+                                       else args.min_offloaded_tensor_size),
             progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
     measured = dataclasses.replace(measured, max_group=args.max_group)
     _console.print(_storage_table(measured))
@@ -945,7 +948,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "twice as long)")
     p.add_argument("--host-memory-budget", "--host_memory_budget", dest="host_memory_budget", metavar="SIZE",
                    help="with --offload: the most host memory offload may hold, like 200GiB")
-    p.add_argument("--min_offloaded_tensor_size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE, metavar="N",
+    p.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
                    help=f"with --offload: tensors of fewer elements stay on the GPU (default "
                         f"{MIN_OFFLOADED_TENSOR_SIZE})")
     p.add_argument("--max_group", type=int, default=16, metavar="N",

@@ -1301,6 +1301,17 @@ def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -
         yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
 
 
+def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | None) -> Iterator[Problem]:
+    """remat plan's --min_offloaded_tensor_size: for offload only, and a size."""
+    if min_offloaded_tensor_size is None:
+        return
+    if not offload:
+        yield Problem("min_offloaded_tensor_size", "sets which tensors offload moves, and offload is off; pass "
+                                                   "--offload or drop it")
+    elif min_offloaded_tensor_size < 0:
+        yield Problem("min_offloaded_tensor_size", f"got {min_offloaded_tensor_size}; set it to 0 or more")
+
+
 # ---------------------------------------------------------------------------------------------
 # Benchmark settings (`remat bench`, `remat sweep`).
 
