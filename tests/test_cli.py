@@ -115,6 +115,8 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
     (("plan", *TINY_RUN, "--memory-budget", "1GiB", "-o", "{tmp}/plan.txt"),
      "--output: {tmp}/plan.txt: a plan is read back by its suffix; end the name in .yaml, .yml or .json"),
     (("doctor", *TINY_RUN, "--timeline", "{tmp}"), "--timeline: {tmp} is a directory"),
+    (("doctor", *TINY_RUN, "--timeline", "{tmp}/t.txt"), "--timeline: {tmp}/t.txt: the plot is a PNG"),
+    (("sweep", *TINY_RUN, "-ms", "5", "--no_history", "--plot", "{tmp}/p.txt"), "--plot: {tmp}/p.txt: the plot is a PNG"),
     (("bench", *TINY_RUN, "-ms", "5", "--history", "{tmp}/not_a_db.sqlite"),
      "--history: {tmp}/not_a_db.sqlite is not a run history (not an SQLite database)"),
     (("doctor", "--snapshot", "{tmp}/list.json", "--limit", "12GiB"),

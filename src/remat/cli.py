@@ -333,7 +333,7 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
     writes none, the output flags given are refused."""
     from remat.bench.history import default_history_path
-    from remat.config import dryrun_output_problems, history_file_problems
+    from remat.config import dryrun_output_problems, history_file_problems, png_path_problems
 
     given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
     given = {flag: path for flag, path in given.items() if path is not None}
@@ -343,7 +343,7 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
         return [Problem("--history", "names a history file and --no_history records none; drop one")]
     history = None if args.no_history else args.history or default_history_path()
     return _path_problems({"--plot": default_plot, **given, "--history": history}) + (
-        list(history_file_problems(history)) if history else [])
+        list(history_file_problems(history)) if history else []) + list(png_path_problems("--plot", given.get("--plot")))
 
 
 def _path_problems(written: dict[str, str | None]) -> list[Problem]:
@@ -791,10 +791,11 @@ def _doctor_timeline(args: argparse.Namespace) -> int:
     from remat.bench.plot import timeline_plot
     from remat.bench.report import format_gib
     from remat.bench.run import MockData, build_model, make_optimizer
+    from remat.config import png_path_problems
     from remat.memory.trace import timeline
 
     spec, plan, _, _ = _check_bench(args)
-    problems = _path_problems({"--timeline": args.timeline})
+    problems = _path_problems({"--timeline": args.timeline}) + list(png_path_problems("--timeline", args.timeline))
     if problems:
         raise ConfigError(problems)
     model = build_model(spec)

@@ -1584,6 +1584,12 @@ def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
                 yield Problem("--history", f"{path} is not a run history (not an SQLite database); choose another file")
 
 
+def png_path_problems(flag: str, path: str | os.PathLike[str] | None) -> Iterator[Problem]:
+    """remat's plots are PNG files: a name that says otherwise would mislead whoever opens it."""
+    if path is not None and Path(path).suffix.lower() != ".png":
+        yield Problem(flag, f"{path}: the plot is a PNG; end the name in .png")
+
+
 def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
     """A plan or config file is read back by its suffix (remat bench --config, remat.apply)."""
     if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
