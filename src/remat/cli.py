@@ -342,8 +342,8 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     if args.no_history and args.history:
         return [Problem("--history", "names a history file and --no_history records none; drop one")]
     history = None if args.no_history else args.history or default_history_path()
-    return _path_problems({"--plot": default_plot, **given, "--history": history}) + (
-        list(history_file_problems(history)) if history else []) + list(png_path_problems("--plot", given.get("--plot")))
+    return [*_path_problems({"--plot": default_plot, **given, "--history": history}),
+            *(history_file_problems(history) if history else ()), *png_path_problems("--plot", given.get("--plot"))]
 
 
 def _path_problems(written: dict[str, str | None]) -> list[Problem]:

@@ -773,9 +773,12 @@ def rule_fine_grained_not_with_uniform_full(c: RecomputeConfig) -> Iterator[Prob
 
 @_rule
 def rule_min_offload_size(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron R23
-    if c.min_offloaded_tensor_size < 0:
-        yield Problem("min_offloaded_tensor_size", f"got {c.min_offloaded_tensor_size}; set it to 0 or more"
-                                                   " (a tensor size in elements)")
+    yield from _min_offload_size_problems(c.min_offloaded_tensor_size)
+
+
+def _min_offload_size_problems(size: int) -> Iterator[Problem]:
+    if size < 0:
+        yield Problem("min_offloaded_tensor_size", f"got {size}; set it to 0 or more (a tensor size in elements)")
 
 
 @_rule
@@ -1308,8 +1311,8 @@ def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | N
     if not offload:
         yield Problem("min_offloaded_tensor_size", "sets which tensors offload moves, and offload is off; pass "
                                                    "--offload or drop it")
-    elif min_offloaded_tensor_size < 0:
-        yield Problem("min_offloaded_tensor_size", f"got {min_offloaded_tensor_size}; set it to 0 or more")
+    else:
+        yield from _min_offload_size_problems(min_offloaded_tensor_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1556,10 +1559,10 @@ def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timel
     if timeline and (results or state):
         problems.append(Problem("--timeline", "plots a run of the recipe, not a file or message; drop --timeline or"
                                               " the --results / --snapshot / --oom_message"))
-    if (request or limit) and not state:
-        flag = "--request" if request else "--limit"
-        problems.append(Problem(flag, "describes an OOM's allocator state, for --snapshot or --oom_message only;"
-                                      f" drop {flag}"))
+    if not state:
+        problems += [Problem(flag, "describes an OOM's allocator state, for --snapshot or --oom_message only;"
+                                   f" drop {flag}") for flag, given in (("--request", request), ("--limit", limit))
+                     if given]
     elif limit and oom_message:
         problems.append(Problem("--limit", "the OOM message gives the device's capacity; drop --limit"))
     return problems
