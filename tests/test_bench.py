@@ -109,6 +109,8 @@ REJECTED = [
     pytest.param(["-ms", "3", "--warmup_steps", "3"], ["max_steps: 3 steps leave no steady step"], id="ms-eq-warmup"),
     pytest.param(["-ms", "2", "--warmup_steps", "3"], ["max_steps: 2 steps"], id="ms-below-warmup"),
     pytest.param(["--warmup_steps", "-1"], ["warmup_steps: is -1; use --warmup_steps 0 or more"], id="warmup-negative"),
+    pytest.param(["--compile", "--warmup_steps", "0"], ["warmup_steps: is 0 with --compile: the first step compiles"],
+                 id="compile-no-warmup"),
     pytest.param(["--task", "bogus"], ["task: 'bogus' is not a task; Megatron Bridge's are 'pretrain', 'sft', 'peft'",
                                        "use pretrain or sft"], id="task"),
     pytest.param(["--task", "sfft"], ["did you mean 'sft'?"], id="task-typo"),
@@ -900,6 +902,9 @@ def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
         tiny_spec(warmup_steps=-1)
     assert [p.field for p in info.value.problems] == ["warmup_steps"]  # not max_steps: -ms 3 is fine
+    with pytest.raises(ConfigError, match="the first step compiles"):
+        tiny_spec(compile=True, warmup_steps=0)
+    assert tiny_spec(compile=True, warmup_steps=1).compile  # one warm-up step holds the compilation
 
 
 SHARED_ANCHOR = Path(__file__).parents[2] / "shared" / "anchors" / "torch_baseline.py"

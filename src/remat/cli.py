@@ -17,6 +17,7 @@ from remat.config import (
     DEFAULT_TFLOPS,
     ESTIMATE_TARGETS,
     MIN_OFFLOADED_TENSOR_SIZE,
+    BenchSettings,
     ConfigError,
     Problem,
     RecomputeConfig,
@@ -222,8 +223,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", default="pretrain", help="pretrain or sft (labels of the first quarter masked)")
     g.add_argument("-g", "--gpu", help="GPU label, checked against the device (h100, h200, b200, ...)")
     g.add_argument("-c", "--compute_dtype", default="bf16", help="bf16 (fp8 variants not supported yet)")
-    g.add_argument("-ms", "--max_steps", type=int, default=10, metavar="N")
-    g.add_argument("--warmup_steps", type=int, default=3, metavar="N")
+    g.add_argument("-ms", "--max_steps", type=int, default=BenchSettings.max_steps, metavar="N")
+    g.add_argument("--warmup_steps", type=int, default=BenchSettings.warmup_steps, metavar="N")
     g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
@@ -509,7 +510,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.bench.run import build_model, progress_bar, run_bench, trace_spec
     from remat.config import (MIN_OFFLOADED_TENSOR_SIZE, advise, offload_device_advice, offload_threshold_problems,
-                              plan_output_problems, plan_search_problems, planning_problems)
+                              plan_output_problems, plan_run_flag_problems, plan_search_problems,
+                              planning_problems)
     from remat.planning import parse_bytes, plan_from_trace, weight_bytes
 
     found = _Problems()
@@ -521,6 +523,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     found.add(_path_problems({"--output": args.output, "--json": args.json}))
     found.add(plan_output_problems("--output", args.output))
     found.add(offload_threshold_problems(args.offload, args.min_offloaded_tensor_size))
+    found.add(plan_run_flag_problems(args.verify, [flag for flag, given in (
+        ("--max_steps", args.max_steps != BenchSettings.max_steps),
+        ("--warmup_steps", args.warmup_steps != BenchSettings.warmup_steps),
+        ("--history", args.history is not None)) if given]))
     found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))

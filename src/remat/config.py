@@ -1370,6 +1370,9 @@ def _bench_problems(s: BenchSettings) -> Iterator[Problem]:
     elif s.max_steps <= s.warmup_steps:
         yield Problem("max_steps", f"{s.max_steps} steps leave no steady step after {s.warmup_steps} warm-up"
                                    f" steps; use -ms {s.warmup_steps + 1} or more")
+    if s.compile and s.warmup_steps == 0:
+        yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"
+                                      " steady step; use --warmup_steps 1 or more")
     if s.num_gpus != 1:
         yield Problem("num_gpus", f"is {s.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
                                   " through torchrun arrive with the parallel issue); use -ng 1")
@@ -1591,6 +1594,13 @@ def png_path_problems(flag: str, path: str | os.PathLike[str] | None) -> Iterato
     """remat's plots are PNG files: a name that says otherwise would mislead whoever opens it."""
     if path is not None and Path(path).suffix.lower() != ".png":
         yield Problem(flag, f"{path}: the plot is a PNG; end the name in .png")
+
+
+def plan_run_flag_problems(verify: bool, given: Iterable[str]) -> Iterator[Problem]:
+    """remat plan's run flags (-ms, --warmup_steps, --history) set the --verify run; the trace ignores them."""
+    if not verify:
+        for flag in given:
+            yield Problem(flag, "sets the run --verify makes, and there is none; pass --verify or drop it")
 
 
 def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
