@@ -339,6 +339,8 @@ def test_flags_a_run_would_ignore_are_refused(capsys: pytest.CaptureFixture[str]
     assert "--save-golden: a dry run (-d) runs nothing" in err
     code, _, err = cli(capsys, "sweep", *TINY, "-d", "--json", str(out_json), "--plot", str(plot))
     assert code == 1 and "--json: a dry run" in err and "--plot: a dry run" in err
+    code, _, err = cli(capsys, "bench", *TINY, "-d", "--history", str(tmp_path / "h.sqlite"))
+    assert code == 1 and "--history: a dry run (-d) runs nothing" in err
     code, _, err = cli(capsys, "bench", *TINY, "--threshold", "0.1")
     assert code == 1
     assert "threshold: sets how much a golden comparison may differ, and there is none; pass --golden FILE" in err

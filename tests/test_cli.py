@@ -158,6 +158,22 @@ def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_
     assert code == 1 and message.format(tmp=tmp_path) in " ".join(err.split())
 
 
+@pytest.mark.parametrize("argv, said", [
+    (("verify", "-mr", "nope", "-mb", "0", "--tolerance", "-1"),
+     ["invalid config (3 problems)", "model_recipe_name: unknown recipe 'nope'", "micro_batch_size: is 0",
+      "tolerance: is -1.0"]),
+    (("verify", "--num_layers", "2", "-sl", "16", "--tolerance", "-1", "--recompute_modules", "moe"),
+     ["invalid config (2 problems)", "tolerance: is -1.0", "recompute_modules: 'moe' matches no site in this model"]),
+    (("validate", "-mr", "nope", "--recompute_modules", "mlpp"),
+     ["invalid config (2 problems)", "model_recipe_name: unknown recipe 'nope'", "unknown label 'mlpp'"]),
+])
+def test_verify_and_validate_report_every_problem_at_once(argv, said, capsys) -> None:
+    code, _, err = _run(capsys, *argv)
+    assert code == 1
+    for text in said:
+        assert text in " ".join(err.split())
+
+
 def test_an_unknown_flag_gets_the_commands_usage(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--memory-budget", "1GiB", "-tp", "2"])

@@ -455,6 +455,20 @@ def test_cli_says_what_to_pass(tmp_path, capsys) -> None:
         assert "pass --results, --snapshot or --oom_message" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--timeline", "{tmp}/t.txt", "-mb", "0", "--request", "1GiB"],
+     ["--timeline: {tmp}/t.txt: the plot is a PNG", "micro_batch_size: is 0", "--request: describes an OOM's"]),
+    (["--results", "{tmp}/missing.json", "--limit", "1GiB"], ["missing.json: cannot read the file", "--limit:"]),
+    pytest.param(["-mr", "llama3_tiny", "-mb", "0"], ["doctor: -mr runs the bench on a CUDA GPU", "micro_batch_size"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+])
+def test_cli_reports_every_problem_of_a_doctor_command_at_once(tmp_path, capsys, flags, said) -> None:
+    assert main(["doctor", *(f.format(tmp=tmp_path) for f in flags)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    for text in said:
+        assert text.format(tmp=tmp_path) in err
+
+
 def test_cli_timeline_writes_a_png_of_one_step_on_cpu(tmp_path, capsys) -> None:
     out = tmp_path / "step.png"
     assert main(["doctor", "--timeline", str(out), "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "32",

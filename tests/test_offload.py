@@ -101,9 +101,9 @@ def test_a_plan_whose_tensors_all_stay_under_the_threshold_says_so(threshold: in
         verify(model, plan, *_batch(model))
     said = [str(w.message) for w in caught if "nothing moved to host" in str(w.message)]
     assert (offloader_of(model).stats().offloaded_bytes == 0) == warns
-    assert said == ([f"the plan offloads, but no saved tensor had {threshold} elements or more "
-                     "(min_offloaded_tensor_size), so nothing moved to host; lower it "
-                     "(--min_offloaded_tensor_size) to offload this model's tensors"] if warns else [])
+    assert said == ([f"min_offloaded_tensor_size: the plan offloads, but no saved tensor had {threshold} elements or"
+                     " more, so nothing moved to host; lower it (--min_offloaded_tensor_size) to offload this model's"
+                     " tensors"] if warns else [])
 
 
 def test_offloading_every_layer_moves_exactly_the_bytes_it_frees() -> None:

@@ -12,7 +12,8 @@ from remat.cli import main
 from remat.config import ModelLayout
 from remat.memory.trace import Effect, LayerEffects, Trace
 from remat.planner import NoPlanFits, Window
-from remat.planning import megatron_keys, parse_bytes, plan_from_trace, uniform_config
+from remat.config import parse_bytes
+from remat.planning import megatron_keys, plan_from_trace, uniform_config
 from remat.plans import Plan, load_plan_or_config
 
 MiB, GiB = 2**20, 2**30
@@ -23,6 +24,17 @@ MiB, GiB = 2**20, 2**30
     (1234, 1234), ("2tib", 2 * 2**40)])
 def test_parse_bytes(text, expected) -> None:
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [("2147483648", 2 * GiB), ("2GiB", 2 * GiB), ("512 MiB", 512 * MiB)])
+def test_parse_bytes_reads_a_bare_number_as_bytes_for_allocator_sizes(text, expected) -> None:
+    assert parse_bytes(text, "request", "b") == expected
+
+
+def test_parse_bytes_refuses_a_fraction_of_a_byte() -> None:
+    with pytest.raises(remat.ConfigError, match=r"request: '1.5' is not a whole number of bytes \(a bare number is "
+                                                r"bytes\); give a unit, like 1.5GiB"):
+        parse_bytes("1.5", "request", "b")
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "60XB", "-3GiB", "1e3GB"])

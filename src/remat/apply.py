@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from torch import Tensor, nn
 
-from remat.config import LAYER, ModelLayout, RecomputeConfig, RematWarning, check_model, check_plan
+from remat.config import (LAYER, ModelLayout, RecomputeConfig, advise, check_model, check_plan,
+                          nothing_offloaded_advice)
 from remat.engine import (
     DiscardScope,
     Offloader,
@@ -99,14 +99,10 @@ def offloader_of(model: nn.Module) -> Offloader | None:
 
 
 def warn_if_nothing_offloaded(model: nn.Module) -> None:
-    """After steps under a plan that offloads: say so when nothing reached the size threshold
-    (a small model under the default threshold), where a user would otherwise see no host bytes
-    and no saving without a reason."""
+    """After steps under a plan that offloads: advise when nothing moved (config.nothing_offloaded_advice)."""
     offloader = offloader_of(model)
-    if offloader is not None and offloader.stats().offloaded_bytes == 0:
-        warnings.warn(f"the plan offloads, but no saved tensor had {offloader.min_numel} elements or more "
-                      "(min_offloaded_tensor_size), so nothing moved to host; lower it "
-                      "(--min_offloaded_tensor_size) to offload this model's tensors", RematWarning, stacklevel=2)
+    if offloader is not None:
+        advise(nothing_offloaded_advice(offloader.stats().offloaded_bytes, offloader.min_numel))
 
 
 def _module_tensors(model: weakref.ref[nn.Module]) -> Callable[[], Iterator[Tensor]]:

@@ -23,6 +23,7 @@ from remat.config import (
     RecomputeConfig,
     RematWarning,
     device_problems,
+    parse_bytes,
     plan_file_flag_problems,
     recompute_flag_problems,
 )
@@ -112,20 +113,22 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from remat.apply import apply
     from remat.models import build
 
+    found = _Problems()
     model = None
     facts: dict[str, Any] = {}
     if args.model_recipe_name:
         overrides = {"num_layers": args.num_layers} if args.num_layers is not None else {}
-        model = build(args.model_recipe_name, device="meta", **overrides)
-        facts["num_layers"] = model.config.num_layers
+        model = found.run(lambda: build(args.model_recipe_name, device="meta", **overrides), field="model_recipe_name")
+        if model is not None:
+            facts["num_layers"] = model.config.num_layers
     elif args.num_layers is not None:
         facts["num_layers"] = args.num_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        config = resolve_config(args, facts)
-        problems = list(plan_file_flag_problems({}, model is not None)) if isinstance(config, Plan) else []
-        if problems:
-            raise ConfigError(problems)
+        config = found.run(resolve_config, args, facts)  # without a model's facts, as with no -mr
+        if isinstance(config, Plan):
+            found.add(plan_file_flag_problems({}, model is not None))
+        found.raise_if_any()
         plan = apply(model, config) if model is not None else None
     _print_warnings(caught)
     if isinstance(config, RecomputeConfig):
@@ -139,30 +142,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from remat.apply import offloader_of
+    from remat.apply import apply, offloader_of
     from remat.config import execution_problems, format_bytes, micro_batch_problems, tolerance_problems
     from remat.models import build
     from remat.verify import verify
 
-    problems = [*device_problems(args.device), *micro_batch_problems(args.micro_batch_size),
-                *execution_problems(_flag_facts(args)), *tolerance_problems(args.tolerance)]
-    if problems:
-        raise ConfigError(problems)
-    torch.use_deterministic_algorithms(args.device == "cpu")
-    torch.manual_seed(args.seed)
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length",
                                                 "attention_backend", "attention_dropout",
                                                 "hidden_dropout") if getattr(args, k) is not None}
-    model = build(args.model_recipe_name, dtype=getattr(torch, args.dtype), device=args.device,
-                  **overrides)
-    seq = model.config.seq_length
-    ids = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, seq + 1),
-                        device=args.device)
+    found = _Problems()
+    found.add([*device_problems(args.device), *micro_batch_problems(args.micro_batch_size),
+               *execution_problems(_flag_facts(args)), *tolerance_problems(args.tolerance)])
+    shape = found.run(lambda: build(args.model_recipe_name, device="meta", **overrides), field="model_recipe_name")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RematWarning)
-        config = resolve_config(args, {"num_layers": model.config.num_layers,
-                                       "attention_dropout": model.config.attention_dropout,
-                                       "hidden_dropout": model.config.hidden_dropout})
+        config = None
+        if shape is not None:  # the config is checked against the model before anything is allocated
+            config = found.run(resolve_config, args, {"num_layers": shape.config.num_layers,
+                                                      "attention_dropout": shape.config.attention_dropout,
+                                                      "hidden_dropout": shape.config.hidden_dropout})
+            if config is not None:
+                found.run(apply, shape, config)
+        found.raise_if_any()
+        torch.use_deterministic_algorithms(args.device == "cpu")
+        torch.manual_seed(args.seed)
+        model = build(args.model_recipe_name, dtype=getattr(torch, args.dtype), device=args.device, **overrides)
+        seq = model.config.seq_length
+        ids = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, seq + 1), device=args.device)
         report = verify(model, config, ids[:, :-1], ids[:, 1:], seed=args.seed)
     _print_warnings(caught)
     _console.print(report.plan.describe())
@@ -334,14 +340,14 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
     """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
     writes none, the output flags given are refused."""
     from remat.bench.history import default_history_path
-    from remat.config import dryrun_output_problems, history_file_problems, png_path_problems
+    from remat.config import dryrun_output_problems, history_file_problems, history_flag_problems, png_path_problems
 
     given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
     given = {flag: path for flag, path in given.items() if path is not None}
     if args.dryrun:
-        return list(dryrun_output_problems(given))
-    if args.no_history and args.history:
-        return [Problem("--history", "names a history file and --no_history records none; drop one")]
+        return list(dryrun_output_problems([*given, *(["--history"] if args.history else [])]))
+    if conflict := list(history_flag_problems(args.history, args.no_history)):
+        return conflict
     history = None if args.no_history else args.history or default_history_path()
     return [*_path_problems({"--plot": default_plot, **given, "--history": history}),
             *(history_file_problems(history) if history else ()), *png_path_problems("--plot", given.get("--plot"))]
@@ -512,7 +518,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from remat.config import (MIN_OFFLOADED_TENSOR_SIZE, advise, offload_device_advice, offload_threshold_problems,
                               plan_output_problems, plan_run_flag_problems, plan_search_problems,
                               planning_problems)
-    from remat.planning import parse_bytes, plan_from_trace, weight_bytes
+    from remat.planning import plan_from_trace, weight_bytes
 
     found = _Problems()
     spec = found.run(_spec, args, field="model_recipe_name")
@@ -748,37 +754,30 @@ def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
     return table
 
 
-def _size(text: str, field: str) -> int:
-    """Plain digits are bytes (a request size from a log); anything else as --memory-budget reads it."""
-    from remat.planning import parse_bytes
-
-    return int(text) if text.strip().isdigit() else parse_bytes(text, field, "plain digits are bytes")
-
-
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from remat import doctor
-    from remat.config import doctor_flag_problems
+    from remat.config import doctor_flag_problems, doctor_run_problems
     from remat.bench import plan_name, run_bench
     from remat.bench.report import format_gib
     from remat.bench.run import build_model, progress_bar
 
-    ignored = doctor_flag_problems(results=bool(args.results), state=bool(args.snapshot or args.oom_message),
-                                   oom_message=bool(args.oom_message), timeline=bool(args.timeline),
-                                   request=args.request is not None, limit=args.limit is not None)
-    if ignored:
-        raise ConfigError(ignored)
+    flags = doctor_flag_problems(results=bool(args.results), state=bool(args.snapshot or args.oom_message),
+                                 oom_message=bool(args.oom_message), timeline=bool(args.timeline),
+                                 request=args.request is not None, limit=args.limit is not None)
     if args.results:
-        findings = doctor.check_results(doctor.load_results(args.results))
+        found = _Problems()
+        found.add(flags)
+        results = found.run(doctor.load_results, args.results, field="results")
+        found.raise_if_any()
+        findings = doctor.check_results(results)
         _console.print(_findings_table(findings, args.results))
         return 1 if findings else 0
     if args.snapshot or args.oom_message:
-        return _doctor_state(args)
+        return _doctor_state(args, flags)
     if args.timeline:
-        return _doctor_timeline(args)
-    if not _cuda_available():  # the one path that needs a GPU: it runs the bench
-        raise ConfigError([Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; "
-                                             "pass --results, --snapshot or --oom_message instead")])
-    spec, plan, _, _ = _check_bench(args)
+        return _doctor_timeline(args, flags)
+    # the one mode that needs a GPU: it runs the bench
+    spec, plan, _, _ = _check_bench(args, [*flags, *doctor_run_problems(_cuda_available())])
     run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
     model = build_model(spec)
     doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags,
@@ -792,7 +791,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1
 
 
-def _doctor_timeline(args: argparse.Namespace) -> int:
+def _doctor_timeline(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     """One training step of the recipe under the config, memory after every op, as a PNG."""
     from remat.bench.plot import timeline_plot
     from remat.bench.report import format_gib
@@ -800,10 +799,8 @@ def _doctor_timeline(args: argparse.Namespace) -> int:
     from remat.config import png_path_problems
     from remat.memory.trace import timeline
 
-    spec, plan, _, _ = _check_bench(args)
-    problems = _path_problems({"--timeline": args.timeline}) + list(png_path_problems("--timeline", args.timeline))
-    if problems:
-        raise ConfigError(problems)
+    spec, plan, _, _ = _check_bench(args, [*flag_problems, *_path_problems({"--timeline": args.timeline}),
+                                           *png_path_problems("--timeline", args.timeline)])
     model = build_model(spec)
     model.train()
     batch = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
@@ -816,20 +813,19 @@ def _doctor_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor_state(args: argparse.Namespace) -> int:
+def _doctor_state(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     from remat import doctor
     from remat.config import snapshot_limit_problems
 
     found = _Problems()
-    request = found.run(_size, args.request, "request") if args.request else None
+    found.add(flag_problems)
+    request = found.run(parse_bytes, args.request, "request", "b") if args.request else None
     if args.oom_message:
         state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
         if state is not None and request is not None:
             state = dataclasses.replace(state, request=request)
     else:
-        if args.limit is None:
-            found.add([Problem("limit", "a snapshot records no device size; pass --limit (e.g. 80GiB)")])
-        limit = found.run(_size, args.limit, "limit") if args.limit else None
+        limit = found.run(parse_bytes, args.limit, "limit", "b") if args.limit else None
         snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
         found.raise_if_any()
         state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)

@@ -101,6 +101,36 @@ def _one_of(choices: Iterable[str]) -> str:
     return ", ".join(repr(c) for c in choices)
 
 
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str | int, field: str = "memory_budget", bare: str = "gib") -> int:
+    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`
+    (GiB for budgets; bytes for doctor's sizes, copied from allocator logs). Problems are
+    reported under `field`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
+        return text
+    if not isinstance(text, str):  # a float could mean bytes or GiB: make the caller say which
+        raise ConfigError([Problem(field, f"{text!r} is a {type(text).__name__}; give bytes as an int or "
+                                          f"text with a unit, like '60GiB'")])
+    bare_means = "a bare number is bytes" if bare == "b" else "a bare number means GiB"
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = (match.group(2) or bare).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError([Problem(field, f"cannot read {text!r} as a memory size; write it like 60GiB, 80GB "
+                                          f"or 512MiB ({bare_means})")])
+    amount = float(match.group(1)) * _UNITS[unit]
+    if unit == "b" and amount != int(amount):
+        raise ConfigError([Problem(field, f"{text!r} is not a whole number of bytes ({bare_means}); give a unit,"
+                                          f" like {match.group(1)}GiB")])
+    if amount <= 0:
+        raise ConfigError([Problem(field, f"{text!r} is no memory; give a positive size")])
+    return int(amount)
+
+
 # ---------------------------------------------------------------------------------------------
 # Field parsing: type checks and normalization, before any rule runs.
 
@@ -1304,6 +1334,22 @@ def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -
         yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
 
 
+def estimate_threshold_problems(thresholds: Iterable[int]) -> Iterator[Problem]:
+    """One estimate traces offload at one min_offloaded_tensor_size."""
+    if len(distinct := sorted(set(thresholds))) > 1:
+        yield Problem("min_offloaded_tensor_size", f"the offload plans use thresholds {distinct}; one estimate "
+                                                   "traces one: give them the same")
+
+
+def nothing_offloaded_advice(offloaded_bytes: int, min_numel: int) -> Iterator[Problem]:
+    """After steps under a plan that offloads: nothing reached the size threshold (a small model
+    under the default), where a user would otherwise see no host bytes and no saving, and no reason."""
+    if offloaded_bytes == 0:
+        yield Problem("min_offloaded_tensor_size", f"the plan offloads, but no saved tensor had {min_numel} "
+                                                   "elements or more, so nothing moved to host; lower it "
+                                                   "(--min_offloaded_tensor_size) to offload this model's tensors")
+
+
 def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | None) -> Iterator[Problem]:
     """remat plan's --min_offloaded_tensor_size: for offload only, and a size."""
     if min_offloaded_tensor_size is None:
@@ -1568,7 +1614,16 @@ def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timel
                      if given]
     elif limit and oom_message:
         problems.append(Problem("--limit", "the OOM message gives the device's capacity; drop --limit"))
+    elif not limit and not oom_message:
+        problems.append(Problem("--limit", "a snapshot records no device size; pass --limit (e.g. 80GiB)"))
     return problems
+
+
+def doctor_run_problems(cuda_available: bool) -> Iterator[Problem]:
+    """remat doctor -mr runs the bench to catch an OOM, and an OOM is a GPU's."""
+    if not cuda_available:
+        yield Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; pass --results, "
+                                "--snapshot or --oom_message instead")
 
 
 def tolerance_problems(tolerance: float) -> Iterator[Problem]:
@@ -1588,6 +1643,12 @@ def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
         with target.open("rb") as f:
             if f.read(16) != b"SQLite format 3\x00":
                 yield Problem("--history", f"{path} is not a run history (not an SQLite database); choose another file")
+
+
+def history_flag_problems(history: str | None, no_history: bool) -> Iterator[Problem]:
+    """Where to record a run, and not to record it."""
+    if history and no_history:
+        yield Problem("--history", "names a history file and --no_history records none; drop one")
 
 
 def png_path_problems(flag: str, path: str | os.PathLike[str] | None) -> Iterator[Problem]:

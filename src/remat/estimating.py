@@ -40,6 +40,7 @@ from remat.config import (
     RecomputeConfig,
     TrainingFacts,
     check_plan,
+    estimate_threshold_problems,
     estimate_problems,
     offload_prediction_problems,
     parallel_shape_problems,
@@ -146,9 +147,8 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     lowered = [_lowered(plan, layout) for _, plan in plans]
     offloading = [p for p in lowered if p.offloads()]
     thresholds = {p.min_offloaded_tensor_size for p in offloading}
-    if len(thresholds) > 1:
-        raise ConfigError([Problem("min_offloaded_tensor_size", f"the offload plans use thresholds "
-                                   f"{sorted(thresholds)}; one estimate traces one: give them the same")])
+    if problems := list(estimate_threshold_problems(thresholds)):
+        raise ConfigError(problems)
     stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
     stage_layout = dataclasses.replace(layout, labels=layout.labels[:layout.num_layers // pp])
     problems = [p for whole in lowered for p in unmeasured_problems(whole, layout, bool(offloading))]

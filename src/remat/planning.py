@@ -5,7 +5,6 @@ Megatron's terms when it can (a uniform plan is a RecomputeConfig) and per layer
 """
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -15,10 +14,10 @@ from torch import nn
 
 from remat.config import (
     ConfigError,
-    Problem,
     RecomputeConfig,
     RematWarning,
     TrainingFacts,
+    parse_bytes,
     plan_search_problems,
     planning_problems,
 )
@@ -26,30 +25,6 @@ from remat.memory.meter import storage_bytes
 from remat.memory.trace import Prediction, Trace, trace
 from remat.planner import Choice, solve
 from remat.plans import Plan
-
-_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def parse_bytes(text: str | int, field: str = "memory_budget", bare: str = "a bare number means GiB") -> int:
-    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare decimal number in text is GiB. A
-    problem is reported under `field`, with `bare` saying how the caller reads a bare number."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
-        return text
-    if not isinstance(text, str):  # a float could mean bytes or GiB: make the caller say which
-        raise ConfigError([Problem(field, f"{text!r} is a {type(text).__name__}; give bytes as an int or "
-                                          f"text with a unit, like '60GiB'")])
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError([Problem(field, f"cannot read {text!r} as a memory size; write "
-                                   f"it like 60GiB, 80GB or 512MiB ({bare})")])
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ConfigError([Problem(field, f"{text!r} is no memory; give a positive size")])
-    return size
 
 
 @dataclass(frozen=True)
