@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import remat
 from remat.apply import offloader_of
-from remat.memory.trace import Effect, _at_least_their_parts
+from remat.memory.trace import MAX_TIMING_REPEATS, Effect, _at_least_their_parts, timing_repeats
 from remat.plans import Plan
 
 LAYERS = 4
@@ -319,3 +319,10 @@ def test_a_site_whose_saved_output_another_site_saves_too_frees_almost_nothing()
     lse = 2 * config.num_attention_heads * 16 * float64  # one per head and token, in the model's dtype on CPU
     assert trace.layers[1].combos[frozenset({("core_attn", "recompute")})].freed_bytes == lse
     assert _freed_alone_from_what_sites_save(trace, 1, "core_attn") == lse
+
+
+@pytest.mark.parametrize("step_s, repeats", [(0.42, 3), (1.5, 3), (0.2, 5), (0.05, 20), (0.001, MAX_TIMING_REPEATS),
+                                             (0.0, MAX_TIMING_REPEATS)])
+def test_short_gpu_steps_are_timed_more_often_up_to_a_cap(step_s, repeats) -> None:
+    assert timing_repeats(3, step_s) == repeats
+    assert timing_repeats(30, step_s) == 30  # never fewer than asked

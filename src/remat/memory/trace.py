@@ -433,21 +433,34 @@ class _Stepper:
                 self.step()
             return counter.get_total_flops() / self.flops_per_s
         if self.cuda:
-            self.step()
-        times = []
-        for _ in range(repeats):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                self.step()
-                times.append(time.perf_counter() - t0)
+            repeats = timing_repeats(repeats, self._timed_step())  # the warm-up step sizes the rest
+        times = [self._timed_step() for _ in range(repeats)]
         return sorted(times)[len(times) // 2]
+
+    def _timed_step(self) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.step()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+# per action on a GPU: timing 3 steps of 50 ms (2 Llama-3-8B layers), one action's cost moved from
+# 2.5 to 4.1 ms between two calls (benchmarks/results/cli_cuda_h200.txt, plan_cli_8b_2layers_h200.txt)
+MIN_TIMED_S = 1.0
+MAX_TIMING_REPEATS = 25
+
+
+def timing_repeats(repeats: int, step_s: float) -> int:
+    """How many steps to time: at least `repeats`, and enough short steps to fill MIN_TIMED_S."""
+    if step_s <= 0:
+        return max(repeats, MAX_TIMING_REPEATS)
+    return max(repeats, min(MAX_TIMING_REPEATS, -int(-MIN_TIMED_S // step_s)))
 
 
 def _attention_flops(bmms: int) -> Callable[..., int]:
