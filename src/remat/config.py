@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -105,7 +105,7 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(text: str | int, field: str = "memory_budget", bare: str = "gib") -> int:
+def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib") -> int:
     """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`
     (GiB for budgets; bytes for doctor's sizes, copied from allocator logs). Problems are
     reported under `field`."""
