@@ -1002,6 +1002,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor, golden=None, threshold=None)
     p = sub.add_parser("recipes", help="list the model recipes")
     p.set_defaults(func=_cmd_recipes)
+    for command in sub.choices.values():  # so an unknown flag gets its command's usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -1015,11 +1017,9 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the command's own usage, not the top level's
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["remat", *argv])  # recorded with each result
     try:
         return args.func(args)
