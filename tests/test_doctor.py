@@ -431,6 +431,8 @@ def test_cli_classifies_a_snapshot(tmp_path, capsys) -> None:
     (["--snapshot", "{bad_pickle}", "--limit", "80GiB"], "bad.pickle: is not valid pickle"),
     (["--oom_message", OLD, "--request", "much"], "request: cannot read 'much'"),
     (["--snapshot", "{other}", "--limit", "lots"], "limit: cannot read 'lots'"),
+    (["--snapshot", "{other}", "--limit", ""], "limit: cannot read ''"),
+    (["--oom_message", OLD, "--request", ""], "request: cannot read ''"),
 ])
 def test_cli_reports_unreadable_files_and_sizes_by_name(tmp_path, capsys, flags, said) -> None:
     (tmp_path / "bad.json").write_text("{not json")

@@ -121,7 +121,8 @@ def _install(sites: SiteMap, plan: Plan, offloader: Offloader | None) -> None:
         site.action = None
     grouped: set[int] = set()
     for start, end in plan.full_recompute:
-        offload = _Offload(offloader, start) if plan.layers[start].get(LAYER) == "offload" else None
+        offload = (_Offload(offloader, start)
+                   if offloader is not None and plan.layers[start].get(LAYER) == "offload" else None)
         group = _LayerGroup(end - start, offload)
         for position, i in enumerate(range(start, end)):
             sites.layers[i].action = _GroupMember(group, position)
@@ -207,8 +208,9 @@ class _OffloadNeighbour:
             self.offloader.await_copies(key)
         out = fn(*args, **kwargs) if self.inner is None else self.inner(site, fn, args, kwargs)
         first = next((t for t in output_tensors(out) if t.requires_grad), None)
-        for key in self.prefetch if first is not None else ():
-            self.offloader.prefetch_on_grad(first, key)
+        if first is not None:
+            for key in self.prefetch:
+                self.offloader.prefetch_on_grad(first, key)
         return out
 
 

@@ -7,7 +7,7 @@ import shlex
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from rich.console import Console
 
@@ -164,6 +164,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             if config is not None:
                 found.run(apply, shape, config)
         found.raise_if_any()
+        assert config is not None  # None only after a problem found above
         torch.use_deterministic_algorithms(args.device == "cpu")
         torch.manual_seed(args.seed)
         model = build(args.model_recipe_name, dtype=getattr(torch, args.dtype), device=args.device, **overrides)
@@ -353,7 +354,7 @@ def _output_problems(args: argparse.Namespace, default_plot: str | None = None) 
             *(history_file_problems(history) if history else ()), *png_path_problems("--plot", given.get("--plot"))]
 
 
-def _path_problems(written: dict[str, str | None]) -> list[Problem]:
+def _path_problems(written: dict[str, str | Path | None]) -> list[Problem]:
     """Each file a command will write (flag -> path, None: not written), checked before it runs."""
     from remat.config import output_path_problems
 
@@ -547,7 +548,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             spec, model, offload=args.offload,
             min_offloaded_tensor_size=(MIN_OFFLOADED_TENSOR_SIZE if args.min_offloaded_tensor_size is None
                                        else args.min_offloaded_tensor_size),
-            progress=lambda what: bar.update(task, loss=what) if bar is not None else None)
+            progress=lambda what: bar.update(task, loss=what) if bar is not None and task is not None else None)
     measured = dataclasses.replace(measured, max_group=args.max_group)
     _console.print(_storage_table(measured))
     _console.print(_trace_table(measured))
@@ -623,7 +624,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         with progress_bar(not args.no_progress) as bar:
             task = bar.add_task("trace on meta", total=None, loss="") if bar is not None else None
             results = estimate(spec, plans, progress=(
-                lambda what: bar.update(task, loss=what) if bar is not None else None))
+                lambda what: bar.update(task, loss=what) if bar is not None and task is not None else None))
     _print_warnings(caught)
     _console.print(_estimate_table(spec, results))
     if args.json:
@@ -743,6 +744,7 @@ def _verify_plan_table(result: Any, bench: Any, spec: Any) -> Any:
     if bench.status != "ok":
         table.add_row("peak allocated", format_gib(result.prediction.peak_bytes), "OOM", "")
         return table
+    rows: list[tuple[str, Any, Any, Callable[[float], str]]]  # name, predicted, measured, format
     rows = [("peak allocated", result.prediction.peak_bytes, bench.peak_allocated_bytes, format_gib)]
     if result.prediction.host_bytes and bench.peak_host_bytes:
         rows.append(("host (offloaded)", result.prediction.host_bytes, bench.peak_host_bytes, format_gib))
@@ -819,15 +821,16 @@ def _doctor_state(args: argparse.Namespace, flag_problems: list[Problem]) -> int
 
     found = _Problems()
     found.add(flag_problems)
-    request = found.run(parse_bytes, args.request, "request", "b") if args.request else None
+    request = found.run(parse_bytes, args.request, "request", "b") if args.request is not None else None
     if args.oom_message:
         state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
         if state is not None and request is not None:
             state = dataclasses.replace(state, request=request)
     else:
-        limit = found.run(parse_bytes, args.limit, "limit", "b") if args.limit else None
+        limit = found.run(parse_bytes, args.limit, "limit", "b") if args.limit is not None else None
         snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
         found.raise_if_any()
+        assert limit is not None  # doctor_flag_problems refuses a snapshot without --limit
         state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)
         found.add(snapshot_limit_problems(state.reserved, limit))
     found.raise_if_any()

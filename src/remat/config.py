@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import yaml
@@ -81,7 +82,8 @@ class ConfigError(ValueError):
 
 def _warn(message: str) -> None:
     # Point the warning at the first caller outside this module; "<string>" is a dataclass __init__.
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename in (__file__, "<string>"):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RematWarning, stacklevel=level)

@@ -595,7 +595,9 @@ def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
     findings = []
     for group in _comparable(results):
         alone, both = group.get(frozenset({"mlp"})), group.get(frozenset({"mlp", "core_attn"}))
-        fast, slow = (_speed(alone), _speed(both)) if alone and both else (None, None)
+        if not (alone and both):
+            continue
+        fast, slow = _speed(alone), _speed(both)
         if not (fast and slow) or 1 - slow[0] / fast[0] <= SLOWER_MARGIN:
             continue
         a, b = _peak(alone), _peak(both)

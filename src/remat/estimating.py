@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ from remat.config import (
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, gradients_persist, trace, unmeasured_problems
 from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, rope, swiglu
+from remat.models.llama import TransformerLayer
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -226,7 +227,7 @@ def _sequence_parallel(model: LlamaModel, tp: int) -> None:
     def scatter(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         return _SeqScatter.apply(out, tp)
 
-    for layer in model.decoder.layers:
+    for layer in cast(Iterable[TransformerLayer], model.decoder.layers):
         for block in (layer.self_attention, layer.mlp):
             block.register_forward_pre_hook(gather)
             block.register_forward_hook(scatter)
@@ -322,7 +323,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         model.compile_regions(backend="aot_eager_decomp_partition")
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
         if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
-            for layer in model.decoder.layers:
+            for layer in cast(Iterable[TransformerLayer], model.decoder.layers):
                 layer.mlp.activation_down = swiglu.activation_down
                 layer.self_attention.split_qkv = rope.split_qkv
     if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
@@ -342,7 +343,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
-        offload = {} if offload_threshold is None else dict(
+        offload: dict[str, Any] = {} if offload_threshold is None else dict(
             offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
         measured = trace(model, (inputs, labels), optimizer=optimizer, micro_batches=spec.micro_batches,
                          timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
@@ -360,6 +361,7 @@ def _stage_layers(facts: TrainingFacts, num_layers: int, stage: int) -> list[int
     stage + pp, stage + 2 pp, ... (one chunk per rank without virtual stages)."""
     pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1
     per_chunk = dataclasses.replace(facts, num_layers=num_layers).layers_per_virtual_stage
+    assert per_chunk is not None  # EstimateSpec checked the split, estimate() the plan's length
     return [i for chunk in range(stage, pp * vpp, pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
 
 

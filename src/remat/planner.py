@@ -164,7 +164,7 @@ def _layer_local(problem: PlanningProblem) -> bool:
     by_name = {w.name: w for w in problem.windows}
     return all(w.holds == w.layer if w.layer is not None else w.holds in (0, problem.num_layers)
                for w in problem.windows) and all(
-        name in by_name and by_name[name].layer is not None and c.start <= by_name[name].layer <= c.end
+        name in by_name and (layer := by_name[name].layer) is not None and c.start <= layer <= c.end
         for c in problem.choices for name in c.window_bytes)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -76,6 +76,7 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
         return RecomputeConfig()
     labels = sorted(frozenset().union(*layout.labels))
     facts = TrainingFacts(num_layers=n)
+    candidates: list[dict[str, Any]]  # RecomputeConfig keyword arguments
     candidates = [dict(recompute_granularity="selective",
                        recompute_modules=[x for i, x in enumerate(labels) if mask >> i & 1])
                   for mask in range(1, 2 ** len(labels))]

@@ -62,11 +62,11 @@ class Plan:
                 if i in starts or i not in in_full:
                     plan.layers[i][LAYER] = "offload"
         if config.fine_grained_activation_offloading:
-            labels = {OFFLOAD_SITES[m] for m in config.offload_modules} - {None}
+            offloaded = {site for site in (OFFLOAD_SITES[m] for m in config.offload_modules) if site is not None}
             # the last layer's backward comes right after the forward: nothing to hide its copies
             for i in range(layout.num_layers - 1):
                 if i not in in_full:
-                    plan.layers[i].update({label: "offload" for label in labels if label in layout.labels[i]})
+                    plan.layers[i].update({label: "offload" for label in offloaded if label in layout.labels[i]})
         return plan
 
     def offloads(self) -> bool:

@@ -305,7 +305,7 @@ class DiscardScope:
             return None
         entry.region.add_output_ref(entry.index)
         return _OutputRef(entry.region, entry.index, tuple(t.size()), tuple(t.stride()),
-                          t.storage_offset() - entry.tensor.storage_offset())
+                          int(t.storage_offset() - entry.tensor.storage_offset()))
 
     def pack(self, t: torch.Tensor) -> Any:
         ref = self.reference(t)

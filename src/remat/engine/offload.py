@@ -267,7 +267,7 @@ class Offloader:
             self.host_bytes += copy.nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         copy.refs += 1
-        return Offloaded(copy, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return Offloaded(copy, t.dtype, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def prefetch_on_grad(self, tensor: torch.Tensor, key: int) -> None:
         """Load the latest group `key` when backward reaches `tensor` (the output of the layer

@@ -161,7 +161,7 @@ class Attributor(AbstractContextManager):
 
     def _held(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Weights, gradients, optimizer state."""
-        params = list(self.model.parameters())
+        params: list[torch.Tensor] = list(self.model.parameters())
         state = ([v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
                  if self.optimizer is not None else [])
         return params, [p.grad for p in params if p.grad is not None], state

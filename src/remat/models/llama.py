@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Callable, Iterable, cast
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +175,7 @@ class SelfAttention(nn.Module):
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
         self.fuse_grads = config.gradient_accumulation_fusion
         # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
-        self.split_qkv = split_qkv
+        self.split_qkv: rope.SplitFn = split_qkv
         self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -230,7 +230,8 @@ class MLP(nn.Module):
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
         self.fuse_grads = config.gradient_accumulation_fusion
-        self.activation_down = swiglu_down  # swapped for a compiled version by LlamaModel.compile_regions
+        # swapped for a compiled version by LlamaModel.compile_regions
+        self.activation_down: swiglu.ActivationDownFn = swiglu_down
 
     def forward(self, x: Tensor) -> Tensor:
         # A recompute replay stops once all that was saved is rebuilt: before linear_fc2's matmul
@@ -364,7 +365,7 @@ class LlamaModel(nn.Module):
         compiled_qkv, compiled_merge, activation_down = (
             rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
-        for layer in self.decoder.layers:
+        for layer in cast(Iterable[TransformerLayer], self.decoder.layers):
             layer.self_attention.split_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.activation_down = activation_down

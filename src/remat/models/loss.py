@@ -160,10 +160,11 @@ def _loss_and_grads(
         part, d_low = chunk_fn(logits, chunk_labels, valid[start:end], row_scale[start:end], need_grad)
         loss_sum += part
         del logits
-        if grad_hidden is not None:
-            torch.mm(d_low, weight, out=grad_hidden[start:end])
-        if need_weight:
-            grad_weight = _accumulate_mm(grad_weight, d_low.t(), h, compute_dtype)
+        if d_low is not None:  # None exactly when no gradient is needed
+            if grad_hidden is not None:
+                torch.mm(d_low, weight, out=grad_hidden[start:end])
+            if need_weight:
+                grad_weight = _accumulate_mm(grad_weight, d_low.t(), h, compute_dtype)
         del d_low  # may be the logits' buffer: free it before the next chunk's logits exist
     if need_weight and grad_weight is None:  # no tokens
         grad_weight = torch.zeros(weight.shape, dtype=compute_dtype, device=weight.device)
@@ -187,7 +188,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss, grad_hidden, grad_weight = _loss_and_grads(
             hidden, weight, labels, chunk_size, ignore_index, need_hidden, need_weight, kernels.chunk
         )
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # torch takes None here; its stub says Tensor
+        ctx.save_for_backward(grad_hidden, grad_weight)  # type: ignore[arg-type]
         ctx.weight, ctx.kernels, ctx.fuse_grads = kept_for_grad(weight), kernels, fuse_grads  # type: ignore[attr-defined]
         return loss
 
