@@ -17,6 +17,7 @@ from remat.config import (
     RecomputeConfig,
     TrainingFacts,
     batch_split_problems,
+    cublas_workspace_bytes,
     parallel_shape_problems,
     pipeline_range_problems,
 )
@@ -370,3 +371,43 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
     with pytest.raises(ConfigError, match="last layer"):
         estimate(_spec(facts=TrainingFacts(pipeline_model_parallel_size=2), micro_batches=2),
                  [("stage end", stage_end)])
+
+
+def test_cublas_workspace_config_is_read_as_cublas_reads_it() -> None:
+    """CUBLAS_WORKSPACE_CONFIG: ':SIZE:COUNT' pairs, SIZE in KiB; unset, torch's 32 MiB on an H200."""
+    assert cublas_workspace_bytes(None) == 32 * 2**20
+    assert cublas_workspace_bytes(":4096:8") == 32 * 2**20
+    assert cublas_workspace_bytes(":4096:2:16:8") == 8 * 2**20 + 128 * 2**10
+    for bad in ("4096:8", ":4096", ":4k:8", ""):
+        with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG: cannot read"):
+            cublas_workspace_bytes(bad)
+
+
+def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch) -> None:
+    """The forward's thread and autograd's each hold a workspace through the step (measured on an
+    H200: workspace_bytes_h200.json): on the peak, beside the traced bytes; none on CPU."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cuda = dict(target="cuda", dtype=torch.bfloat16)
+    (default,), (small,), (zero,) = (_quiet(estimate, _spec(**cuda, cublas_workspace=w)) for w in (None, 2**20, 0))
+    assert [e.stages[0].workspaces for e in (default, small, zero)] == [64 * 2**20, 2 * 2**20, 0]
+    assert default.peak - zero.peak == 64 * 2**20 and small.peak - zero.peak == 2 * 2**20
+    assert default.stages[0].other == zero.stages[0].other
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    assert _spec(**cuda).workspace_bytes == 2 * 8 * 2**20
+    assert _spec(**cuda, cublas_workspace=0).workspace_bytes == 0  # the argument wins
+    assert _spec(target="cpu").workspace_bytes == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "lots")
+    with pytest.raises(ConfigError) as err:
+        _spec(**cuda, tflops=0)
+    assert {p.field for p in err.value.problems} == {"CUBLAS_WORKSPACE_CONFIG", "tflops"}
+    with pytest.raises(ConfigError, match="cublas_workspace: is -1 bytes"):
+        _spec(**cuda, cublas_workspace=-1)
+
+
+def test_cli_estimate_takes_the_cublas_workspace(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    out = tmp_path / "e.json"
+    assert main(["estimate", "--num_layers", "2", "-sl", "32", "--cublas_workspace", "4MiB", "--no_progress",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["stages"][0]["workspaces"] == 8 * 2**20
+    assert main(["estimate", "--cublas_workspace", "some", "--no_progress"]) == 1

@@ -601,6 +601,8 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
         plans.append((plan_name(flags), flags))
     found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
     found.add(_path_problems({"--json": args.json}))
+    workspace = (found.run(parse_bytes, args.cublas_workspace, "cublas_workspace", "b")
+                 if args.cublas_workspace is not None else None)
     found.raise_if_any()
     data_parallel = args.num_gpus // (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
                                       * facts.context_parallel_size)
@@ -609,7 +611,7 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
     spec = found.run(lambda: EstimateSpec(
         args.model_recipe_name, _overrides(args), facts, args.micro_batch_size, micro_batches,
         optimizer=not args.no_optimizer, target=args.target, compile=args.compile, tflops=args.tflops,
-        host_gbps=args.host_gbps))
+        host_gbps=args.host_gbps, cublas_workspace=workspace))
     found.raise_if_any()
     return spec, plans
 
@@ -650,7 +652,7 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
     table = Table(title=f"estimated peak memory per GPU, {title}")
     host = any(s.host for result in results for s in result.stages)
     columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",
-               "other", "peak", "peak in", *(["host"] if host else []), "step")
+               "workspaces", "other", "peak", "peak in", *(["host"] if host else []), "step")
     for column in columns:
         table.add_column(column, justify="left" if column in ("config", "peak in") else "right")
     for result in results:
@@ -658,12 +660,13 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
             first = s.stage == 0
             table.add_row(result.name if first else "", str(s.stage), str(s.layers), f"{s.in_flight:g}",
                           *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
-                                                    s.other, s.peak)),
+                                                    s.workspaces, s.other, s.peak)),
                           s.peak_window, *([format_gib(s.host)] if host else []),
                           _milliseconds(result.step_time_s) if first else "")
     copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
               f"forward and backward where they fit" if host else "")
-    table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); other: the "
+    table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); workspaces: "
+                     f"cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the "
                      f"peak window's working memory; step: counted FLOPs at {spec.tflops:g} TFLOP/s, "
                      f"{spec.target} kernels{', compiled regions' if spec.compile else ''}{copies}")
     return table
@@ -982,6 +985,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host_gbps", type=float, default=DEFAULT_HOST_GBPS, metavar="X",
                    help=f"host link bandwidth each way in GB/s that times offload copies (default "
                         f"{DEFAULT_HOST_GBPS:g}, pinned copies on an H200)")
+    p.add_argument("--cublas_workspace", metavar="SIZE",
+                   help="one cuBLAS handle's workspace on the target, e.g. 8MiB (default: from "
+                        "CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200); counted once per GEMM thread")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     p.set_defaults(func=_cmd_estimate)

@@ -1260,10 +1260,27 @@ DEFAULT_TFLOPS = 600.0
 # Host link bandwidth assumed for estimated offload copies, each way: pinned copies on the H200
 # measured 55 GB/s (benchmarks/results/offload_w1_h200.json).
 DEFAULT_HOST_GBPS = 55.0
+# cuBLAS keeps a workspace per handle, allocated through torch's caching allocator and held for the
+# process's life; torch makes a handle per thread that runs GEMMs: the forward's and autograd's CUDA
+# backward thread. Each took 32 MiB on an H200 with torch 2.11 (workspace_bytes_h200.json).
+DEFAULT_CUBLAS_WORKSPACE = 32 * 2**20
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_bytes(config: str | None) -> int:
+    """One cuBLAS handle's workspace for a CUBLAS_WORKSPACE_CONFIG value (':SIZE:COUNT' pairs, SIZE in
+    KiB, summed), or the default where it is unset."""
+    if config is None:
+        return DEFAULT_CUBLAS_WORKSPACE
+    if not re.fullmatch(r"(:\d+:\d+)+", config.strip()):
+        raise ConfigError([Problem("CUBLAS_WORKSPACE_CONFIG", f"cannot read {config!r}; cuBLAS takes ':SIZE:COUNT'"
+                                                              " pairs with SIZE in KiB, like ':4096:8' (32 MiB)")])
+    numbers = [int(n) for n in config.strip().split(":")[1:]]
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
 
 
 def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tflops: float,
-                      host_gbps: float = DEFAULT_HOST_GBPS) -> Iterator[Problem]:
+                      host_gbps: float = DEFAULT_HOST_GBPS, cublas_workspace: int | None = None) -> Iterator[Problem]:
     """The settings of a shapes-only estimate (`remat estimate`)."""
     if target not in ESTIMATE_TARGETS:
         yield Problem("target", f"{target!r} is not a target; use one of {_one_of(ESTIMATE_TARGETS)}")
@@ -1275,6 +1292,9 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
     if not host_gbps > 0:
         yield Problem("host_gbps", f"is {host_gbps}; give the host link's bandwidth each way in GB/s, "
                                    f"e.g. {DEFAULT_HOST_GBPS:g}")
+    if cublas_workspace is not None and cublas_workspace < 0:
+        yield Problem("cublas_workspace", f"is {cublas_workspace} bytes; give 0 or more (one cuBLAS handle's"
+                                          " workspace)")
 
 
 def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,

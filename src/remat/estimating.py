@@ -21,6 +21,7 @@ allocate on meta and launch nothing. Step time is the counted FLOPs at an assume
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, cast
 
@@ -32,10 +33,12 @@ from torch.overrides import TorchFunctionMode
 from remat.apply import find_sites
 from remat.bench.run import adamw, optimizer_state_bytes
 from remat.config import (
+    CUBLAS_HANDLES,
     DEFAULT_HOST_GBPS,
     DEFAULT_TFLOPS,
     ConfigError,
     ModelLayout,
+    cublas_workspace_bytes,
     Problem,
     RecomputeConfig,
     TrainingFacts,
@@ -71,6 +74,8 @@ class EstimateSpec:
     compile: bool = False  # the model's regions compiled, as `remat bench --compile` runs them
     tflops: float = DEFAULT_TFLOPS
     host_gbps: float = DEFAULT_HOST_GBPS  # times offload copies, each way
+    # bytes of one cuBLAS handle's workspace; None: from CUBLAS_WORKSPACE_CONFIG, else torch's default
+    cublas_workspace: int | None = None
 
     def __post_init__(self) -> None:
         cfg = self.model_config
@@ -82,7 +87,11 @@ class EstimateSpec:
         except ConfigError as err:
             problems += err.problems
         problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops,
-                                      self.host_gbps)
+                                      self.host_gbps, self.cublas_workspace)
+        try:  # reads CUBLAS_WORKSPACE_CONFIG now, so a bad value is reported with the rest
+            self.workspace_bytes
+        except ConfigError as err:
+            problems += err.problems
         if problems:
             raise ConfigError(problems)
 
@@ -93,6 +102,15 @@ class EstimateSpec:
     @property
     def stages(self) -> int:
         return self.facts.pipeline_model_parallel_size
+
+    @property
+    def workspace_bytes(self) -> int:
+        """What cuBLAS holds on the target through the step: no tensor's, so no trace sees it."""
+        if self.target != "cuda":
+            return 0
+        per_handle = (cublas_workspace_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+                      if self.cublas_workspace is None else self.cublas_workspace)
+        return CUBLAS_HANDLES * per_handle
 
 
 @dataclass(frozen=True)
@@ -110,11 +128,12 @@ class StageEstimate:
     peak_window: str
     micro_batch_time_s: float
     host: int = 0  # offloaded to host memory, all micro-batches in flight
+    workspaces: int = 0  # cuBLAS's, held from the first GEMM on
 
     @property
     def other(self) -> int:
         """Working memory of the peak window: recompute replays, the loss head, new gradients."""
-        return self.peak - self.weights - self.grads - self.optimizer_state - self.activations
+        return self.peak - self.weights - self.grads - self.optimizer_state - self.activations - self.workspaces
 
 
 @dataclass(frozen=True)
@@ -305,8 +324,9 @@ class _StageTrace:
             stage=stage, layers=self.trace.layout.num_layers, in_flight=flight, weights=self.weights,
             grads=self.weights if self.grads_persist else 0, optimizer_state=self.optimizer_state,
             activations=round(flight * per_micro_batch),
-            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch),
-            peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes))
+            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch) + spec.workspace_bytes,
+            peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes),
+            workspaces=spec.workspace_bytes)
 
 
 def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None,
