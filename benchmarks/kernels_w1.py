@@ -15,9 +15,12 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
   that feed the residual stream the residual add in the GEMM's epilogue (addmm, beta=1) against
   a separate add;
 - the loss head's three GEMMs at chunks of 2048-16384 tokens, the logits row-major and transposed;
-- the QKV projection with RoPE: inductor's compiled formula against remat's RotaryQKV.
+- the QKV projection with RoPE: inductor's compiled formula against remat's RotaryQKV;
+- causal attention (2 x 8192 tokens, 32 query heads, 8 groups, head dim 128): SDPA's cuDNN,
+  flash and memory-efficient backends, on remat's sequence-major heads (transposed views) and
+  on head-major contiguous ones, with grouped K/V or K/V expanded to every head.
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm,head,rope]
+  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm,head,rope,attention]
   writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
@@ -215,8 +218,45 @@ def head_rows() -> dict:
     return rows
 
 
+def attention_rows() -> dict:
+    """Causal attention forward and forward+backward per SDPA backend and head layout. Sequence-major
+    is what remat feeds (q [b, s, heads, d] seen as [b, heads, s, d]; the output's gradient comes
+    back in the same strides); head-major is each tensor contiguous as [b, heads, s, d]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, s, heads, groups, d = 2, TOKENS // 2, 32, 8, 128
+    flop_fwd = 4 * b * heads * s * s * d / 2  # causal: half the score matrix
+    rows = {}
+    for layout in ("sequence-major", "head-major"):
+        def make(n: int) -> torch.Tensor:
+            shape = (b, s, n, d) if layout == "sequence-major" else (b, n, s, d)
+            t = torch.randn(shape, device=dev, dtype=bf16)
+            return (t.transpose(1, 2) if layout == "sequence-major" else t).requires_grad_()
+        q, k, v, grad = make(heads), make(groups), make(groups), make(heads).detach()
+        k_all, v_all = (t.detach().repeat_interleave(heads // groups, 1).requires_grad_() for t in (k, v))
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            for gqa in (True, False):
+                keys, values = (k, v) if gqa else (k_all, v_all)
+
+                def fwd() -> torch.Tensor:
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+                name = f"{layout}, {backend.name.lower()}, {'grouped K/V' if gqa else 'K/V expanded'}"
+                try:
+                    fwd_s = bench(fwd)
+                    both_s = bench(lambda: torch.autograd.grad(fwd(), (q, keys, values), grad))
+                except RuntimeError as err:  # a backend that does not take these inputs
+                    rows[name] = {"error": str(err).splitlines()[0][:200]}
+                    continue
+                rows[name] = dict(forward_s=round(fwd_s, 6), forward_tflops=round(flop_fwd / fwd_s / 1e12, 1),
+                                  forward_backward_s=round(both_s, 6),
+                                  forward_backward_tflops=round(3.5 * flop_fwd / both_s / 1e12, 1))
+    return rows
+
+
 SECTIONS = {"swiglu": swiglu_rows, "rmsnorm": rmsnorm_rows, "loss": loss_rows, "scale": scale_rows,
-            "gemm": gemm_rows, "head": head_rows, "rope": rope_rows}
+            "gemm": gemm_rows, "head": head_rows, "rope": rope_rows,
+            "attention": attention_rows}
 
 
 def main() -> None:

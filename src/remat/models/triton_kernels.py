@@ -54,7 +54,9 @@ def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROW
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(ROWS):
         row = pid * ROWS + i
-        mask = (cols < n_cols) & (row < n_rows)
+        # past the last row no column is valid; a vector & a scalar comparison would come out
+        # int32 in Triton 3.9's interpreter, which refuses such a mask
+        mask = cols < tl.where(row < n_rows, n_cols, 0)
         offsets = row.to(tl.int64) * n_cols + cols
         v = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
