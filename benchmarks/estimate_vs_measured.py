@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from remat.config import RecomputeConfig
+from remat.config import DEFAULT_CUBLAS_WORKSPACE
 from remat.estimating import EstimateSpec, estimate
 from remat.plans import Plan
 
@@ -43,7 +44,8 @@ def compare(path: Path) -> dict:
     plans = [(r["name"], plan_of(r["plan"], spec["overrides"]["num_layers"])) for r in runs]
     start = time.perf_counter()
     estimates = estimate(EstimateSpec(spec["recipe"], spec["overrides"], micro_batch_size=spec["micro_batch_size"],
-                                      optimizer=False, compile=spec["compile"]), plans)
+                                      optimizer=False, compile=spec["compile"],
+                                      cublas_workspace=DEFAULT_CUBLAS_WORKSPACE), plans)  # the H200 runs' default
     seconds = time.perf_counter() - start
     rows = []
     for run, est in zip(runs, estimates):

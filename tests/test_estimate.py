@@ -373,13 +373,13 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
                  [("stage end", stage_end)])
 
 
-def test_cublas_workspace_config_is_read_as_cublas_reads_it() -> None:
+def test_cublas_workspace_config_is_read_in_cublas_format() -> None:
     """CUBLAS_WORKSPACE_CONFIG: ':SIZE:COUNT' pairs, SIZE in KiB; unset, torch's 32 MiB on an H200."""
     assert cublas_workspace_bytes(None) == 32 * 2**20
     assert cublas_workspace_bytes(":4096:8") == 32 * 2**20
     assert cublas_workspace_bytes(":4096:2:16:8") == 8 * 2**20 + 128 * 2**10
     for bad in ("4096:8", ":4096", ":4k:8", ""):
-        with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG: cannot read"):
+        with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG: cannot read .* or unset it"):
             cublas_workspace_bytes(bad)
 
 
@@ -388,26 +388,35 @@ def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch
     H200: workspace_bytes_h200.json): on the peak, beside the traced bytes; none on CPU."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cuda = dict(target="cuda", dtype=torch.bfloat16)
-    (default,), (small,), (zero,) = (_quiet(estimate, _spec(**cuda, cublas_workspace=w)) for w in (None, 2**20, 0))
-    assert [e.stages[0].workspaces for e in (default, small, zero)] == [64 * 2**20, 2 * 2**20, 0]
-    assert default.peak - zero.peak == 64 * 2**20 and small.peak - zero.peak == 2 * 2**20
+    (default,), (zero,) = (_quiet(estimate, _spec(**cuda, cublas_workspace=w)) for w in (None, 0))
+    assert (default.stages[0].workspaces, zero.stages[0].workspaces) == (64 * 2**20, 0)
+    assert default.peak - zero.peak == 64 * 2**20
     assert default.stages[0].other == zero.stages[0].other
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
-    assert _spec(**cuda).workspace_bytes == 2 * 8 * 2**20
-    assert _spec(**cuda, cublas_workspace=0).workspace_bytes == 0  # the argument wins
+    assert _spec(**cuda, cublas_workspace=2**20).workspace_bytes == 2 * 2**20
     assert _spec(target="cpu").workspace_bytes == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    spec = _spec(**cuda)
+    assert spec.workspace_bytes == 2 * 8 * 2**20
+    assert _spec(**cuda, cublas_workspace=0).workspace_bytes == 0  # the argument wins
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert spec.workspace_bytes == 2 * 8 * 2**20  # read once, when the spec was made
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "lots")
     with pytest.raises(ConfigError) as err:
         _spec(**cuda, tflops=0)
     assert {p.field for p in err.value.problems} == {"CUBLAS_WORKSPACE_CONFIG", "tflops"}
     with pytest.raises(ConfigError, match="cublas_workspace: is -1 bytes"):
         _spec(**cuda, cublas_workspace=-1)
+    with pytest.raises(ConfigError, match="cublas_workspace: counts only on the cuda target, not 'cpu'; drop it"):
+        _spec(target="cpu", cublas_workspace=2**20)
 
 
-def test_cli_estimate_takes_the_cublas_workspace(tmp_path, monkeypatch) -> None:
+def test_cli_estimate_takes_the_cublas_workspace(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     out = tmp_path / "e.json"
-    assert main(["estimate", "--num_layers", "2", "-sl", "32", "--cublas_workspace", "4MiB", "--no_progress",
-                 "--json", str(out)]) == 0
-    assert json.loads(out.read_text())[0]["stages"][0]["workspaces"] == 8 * 2**20
+    for size, held in (("4MiB", 8 * 2**20), ("0", 0)):
+        assert main(["estimate", "--num_layers", "2", "-sl", "32", "--cublas_workspace", size, "--no_progress",
+                     "--json", str(out)]) == 0
+        assert json.loads(out.read_text())[0]["stages"][0]["workspaces"] == held
+    capsys.readouterr()
     assert main(["estimate", "--cublas_workspace", "some", "--no_progress"]) == 1
+    assert "cublas_workspace: cannot read 'some'" in capsys.readouterr().err

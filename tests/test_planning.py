@@ -51,6 +51,14 @@ def test_parse_bytes_rejects_sizes_that_are_no_memory_or_ambiguous(size, message
         parse_bytes(size)
 
 
+def test_parse_bytes_takes_zero_only_where_asked() -> None:
+    assert parse_bytes("0", "cublas_workspace", "b", zero=True) == parse_bytes(0, zero=True) == 0
+    assert parse_bytes("0MiB", zero=True) == 0
+    for size, message in (("-1", "cannot read '-1'"), (-1, "is -1 bytes")):
+        with pytest.raises(remat.ConfigError, match=message):
+            parse_bytes(size, zero=True)
+
+
 @pytest.fixture(scope="module")
 def traced():
     torch.manual_seed(0)

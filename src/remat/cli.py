@@ -601,7 +601,7 @@ def _check_estimate(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
         plans.append((plan_name(flags), flags))
     found.add(batch_split_problems(facts, args.num_gpus, args.micro_batch_size, args.global_batch_size))
     found.add(_path_problems({"--json": args.json}))
-    workspace = (found.run(parse_bytes, args.cublas_workspace, "cublas_workspace", "b")
+    workspace = (found.run(parse_bytes, args.cublas_workspace, "cublas_workspace", "b", True)
                  if args.cublas_workspace is not None else None)
     found.raise_if_any()
     data_parallel = args.num_gpus // (facts.tensor_model_parallel_size * facts.pipeline_model_parallel_size
@@ -986,8 +986,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"host link bandwidth each way in GB/s that times offload copies (default "
                         f"{DEFAULT_HOST_GBPS:g}, pinned copies on an H200)")
     p.add_argument("--cublas_workspace", metavar="SIZE",
-                   help="one cuBLAS handle's workspace on the target, e.g. 8MiB (default: from "
-                        "CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200); counted once per GEMM thread")
+                   help="one cuBLAS handle's workspace on the cuda target, e.g. 8MiB (a bare number is bytes; "
+                        "default: from CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200; about 8 MiB "
+                        "on GPUs before Hopper); counted once per GEMM thread")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
     p.set_defaults(func=_cmd_estimate)

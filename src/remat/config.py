@@ -107,12 +107,13 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib") -> int:
+def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib",
+                zero: bool = False) -> int:
     """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`
     (GiB for budgets; bytes for doctor's sizes, copied from allocator logs). Problems are
-    reported under `field`."""
+    reported under `field`; 0 is a size only where `zero`."""
     if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
+        if text < 0 or text == 0 and not zero:
             raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
         return text
     if not isinstance(text, str):  # a float could mean bytes or GiB: make the caller say which
@@ -128,7 +129,7 @@ def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gi
     if unit == "b" and amount != int(amount):
         raise ConfigError([Problem(field, f"{text!r} is not a whole number of bytes ({bare_means}); give a unit,"
                                           f" like {match.group(1)}GiB")])
-    if amount <= 0:
+    if amount < 0 or amount == 0 and not zero:
         raise ConfigError([Problem(field, f"{text!r} is no memory; give a positive size")])
     return int(amount)
 
@@ -1274,7 +1275,9 @@ def cublas_workspace_bytes(config: str | None) -> int:
         return DEFAULT_CUBLAS_WORKSPACE
     if not re.fullmatch(r"(:\d+:\d+)+", config.strip()):
         raise ConfigError([Problem("CUBLAS_WORKSPACE_CONFIG", f"cannot read {config!r}; cuBLAS takes ':SIZE:COUNT'"
-                                                              " pairs with SIZE in KiB, like ':4096:8' (32 MiB)")])
+                                                              " pairs with SIZE in KiB, like ':4096:8' (32 MiB): fix"
+                                                              " or unset it, or give the size as cublas_workspace"
+                                                              " (--cublas_workspace)")])
     numbers = [int(n) for n in config.strip().split(":")[1:]]
     return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
 
@@ -1295,6 +1298,8 @@ def estimate_problems(target: str, micro_batch_size: int, micro_batches: int, tf
     if cublas_workspace is not None and cublas_workspace < 0:
         yield Problem("cublas_workspace", f"is {cublas_workspace} bytes; give 0 or more (one cuBLAS handle's"
                                           " workspace)")
+    if cublas_workspace is not None and target != "cuda":
+        yield Problem("cublas_workspace", f"counts only on the cuda target, not {target!r}; drop it")
 
 
 def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,

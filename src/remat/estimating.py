@@ -16,7 +16,9 @@ number comes from the same window model the planner uses. What one GPU of a para
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
 target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
 (and with compiled regions SwiGLU and the QKV split) runs remat's Triton-backed Functions, which
-allocate on meta and launch nothing. Step time is the counted FLOPs at an assumed sustained rate.
+allocate on meta and launch nothing. What belongs to no tensor is added by the target's shape:
+cuBLAS's workspace for each thread that runs GEMMs. Step time is the counted FLOPs at an assumed
+sustained rate.
 """
 from __future__ import annotations
 
@@ -38,11 +40,11 @@ from remat.config import (
     DEFAULT_TFLOPS,
     ConfigError,
     ModelLayout,
-    cublas_workspace_bytes,
     Problem,
     RecomputeConfig,
     TrainingFacts,
     check_plan,
+    cublas_workspace_bytes,
     estimate_threshold_problems,
     estimate_problems,
     offload_prediction_problems,
@@ -76,6 +78,9 @@ class EstimateSpec:
     host_gbps: float = DEFAULT_HOST_GBPS  # times offload copies, each way
     # bytes of one cuBLAS handle's workspace; None: from CUBLAS_WORKSPACE_CONFIG, else torch's default
     cublas_workspace: int | None = None
+    # what cuBLAS holds on the target through the step (no tensor's, so no trace sees it); set once
+    # from the above, so later changes to the environment do not move an estimate
+    workspace_bytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         cfg = self.model_config
@@ -88,8 +93,8 @@ class EstimateSpec:
             problems += err.problems
         problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops,
                                       self.host_gbps, self.cublas_workspace)
-        try:  # reads CUBLAS_WORKSPACE_CONFIG now, so a bad value is reported with the rest
-            self.workspace_bytes
+        try:
+            object.__setattr__(self, "workspace_bytes", self._workspace_bytes())  # frozen: set once here
         except ConfigError as err:
             problems += err.problems
         if problems:
@@ -103,9 +108,7 @@ class EstimateSpec:
     def stages(self) -> int:
         return self.facts.pipeline_model_parallel_size
 
-    @property
-    def workspace_bytes(self) -> int:
-        """What cuBLAS holds on the target through the step: no tensor's, so no trace sees it."""
+    def _workspace_bytes(self) -> int:
         if self.target != "cuda":
             return 0
         per_handle = (cublas_workspace_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))

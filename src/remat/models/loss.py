@@ -160,7 +160,8 @@ def _loss_and_grads(
         part, d_low = chunk_fn(logits, chunk_labels, valid[start:end], row_scale[start:end], need_grad)
         loss_sum += part
         del logits
-        if d_low is not None:  # None exactly when no gradient is needed
+        if need_grad:
+            assert d_low is not None  # every chunk function returns the gradient it was asked for
             if grad_hidden is not None:
                 torch.mm(d_low, weight, out=grad_hidden[start:end])
             if need_weight:
