@@ -795,6 +795,19 @@ def test_parse_entry_names() -> None:
     assert config.facts.num_layers == NUM_LAYERS
 
 
+def test_parse_entry_names_its_problems_by_the_entry(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_entry("mlp+bogus", FACTS)
+    assert [p.field for p in err.value.problems] == ["mlp+bogus: recompute_modules"]
+    (tmp_path / "bad.yaml").write_text("recompute_granularity: sometimes\n")
+    with pytest.raises(ConfigError) as err:
+        parse_entry(str(tmp_path / "bad.yaml"), FACTS)
+    assert [p.field for p in err.value.problems] == [f"{tmp_path / 'bad.yaml'}: recompute_granularity"]
+    with pytest.raises(ConfigError) as err:
+        parse_entry(str(tmp_path / "missing.yaml"), FACTS)
+    assert [p.field for p in err.value.problems] == [str(tmp_path / "missing.yaml")]  # named once
+
+
 def test_parse_entry_files(tmp_path: Path) -> None:
     config_file = tmp_path / "sel.yaml"
     config_file.write_text("recompute_granularity: selective\nrecompute_modules: [mlp, layernorm]\n")

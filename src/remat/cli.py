@@ -249,9 +249,8 @@ class _Problems:
         """fn(*fn_args), or None after recording why it failed."""
         try:
             return fn(*fn_args)
-        except ConfigError as e:  # a file's problems are named by the file already
-            self.problems += [Problem(p.field if prefix and (p.field + ": ").startswith(prefix) else prefix + p.field,
-                                      p.message) for p in e.problems]
+        except ConfigError as e:
+            self.problems += [Problem(prefix + p.field, p.message) for p in e.problems]
         except ValueError as e:  # an unknown recipe or shape override
             self.problems.append(Problem(prefix + field, str(e)))
         return None
@@ -477,7 +476,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
         entries = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
     plans = []
     for entry in dict.fromkeys(entries):  # an entry given twice runs once
-        parsed = found.run(parse_entry, entry, keys, prefix=f"{entry}: ")
+        parsed = found.run(parse_entry, entry, keys, field=entry)  # its problems name the entry
         if parsed is None:
             continue
         if execution is not None and isinstance(parsed[1], RecomputeConfig):

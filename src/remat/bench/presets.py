@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from remat.config import RECOMPUTE_MODULES, RecomputeConfig
+from remat.config import RECOMPUTE_MODULES, ConfigError, Problem, RecomputeConfig
 from remat.plans import PlanLike, load_plan_or_config
 
 
@@ -20,8 +20,16 @@ def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:
 def parse_entry(text: str, facts: dict[str, Any]) -> tuple[str, PlanLike]:
     """`none`, `mlp+core_attn` (or `mlp,core_attn`), `full_uniform_2`, `full_block_4`, or a
     YAML/JSON file holding Megatron keys or a per-layer plan. `facts` are Megatron keys
-    (num_layers, ...) the config's rules need."""
+    (num_layers, ...) the config's rules need. Every problem is named by the entry."""
     path = Path(text)
+    try:
+        return _parse_entry(text, path, facts)
+    except ConfigError as err:  # a file's own problems (unreadable, not YAML) already name it
+        raise ConfigError([p if p.field == str(path) else Problem(f"{text}: {p.field}", p.message)
+                           for p in err.problems]) from None
+
+
+def _parse_entry(text: str, path: Path, facts: dict[str, Any]) -> tuple[str, PlanLike]:
     if path.suffix in (".yaml", ".yml", ".json"):
         loaded = load_plan_or_config(path)
         if isinstance(loaded, RecomputeConfig):
