@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,6 @@ from remat.config import (
 from remat.memory.meter import storage_bytes
 from remat.memory.trace import Trace, gradients_persist, trace, unmeasured_problems
 from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, rope, swiglu
-from remat.models.llama import TransformerLayer
 from remat.plans import Plan, PlanLike
 
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -249,7 +248,7 @@ def _sequence_parallel(model: LlamaModel, tp: int) -> None:
     def scatter(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         return _SeqScatter.apply(out, tp)
 
-    for layer in cast(Iterable[TransformerLayer], model.decoder.layers):
+    for layer in model.decoder.transformer_layers():
         for block in (layer.self_attention, layer.mlp):
             block.register_forward_pre_hook(gather)
             block.register_forward_hook(scatter)
@@ -346,7 +345,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         model.compile_regions(backend="aot_eager_decomp_partition")
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
         if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
-            for layer in cast(Iterable[TransformerLayer], model.decoder.layers):
+            for layer in model.decoder.transformer_layers():
                 layer.mlp.activation_down = swiglu.activation_down
                 layer.self_attention.split_qkv = rope.split_qkv
     if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Iterable, cast
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -281,6 +281,12 @@ class TransformerBlock(nn.Module):
         )
         self.final_layernorm = RMSNorm(config, dtype=dtype, device=device) if final_layernorm else None
 
+    def transformer_layers(self) -> Iterator[TransformerLayer]:
+        """The layers, typed (a ModuleList yields them as nn.Module)."""
+        for layer in self.layers:
+            assert isinstance(layer, TransformerLayer)
+            yield layer
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -365,7 +371,7 @@ class LlamaModel(nn.Module):
         compiled_qkv, compiled_merge, activation_down = (
             rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
-        for layer in cast(Iterable[TransformerLayer], self.decoder.layers):
+        for layer in self.decoder.transformer_layers():
             layer.self_attention.split_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
             layer.mlp.activation_down = activation_down
