@@ -209,6 +209,17 @@ def test_sweep_refuses_a_config_file_whose_full_recompute_settings_would_be_igno
     assert "warning" not in err  # refused, not advised
 
 
+@pytest.mark.usefixtures("no_steps")
+def test_bench_refuses_a_config_file_whose_module_lists_would_be_ignored(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "lists.yaml"
+    config.write_text("recompute_modules: [mlp]\noffload_modules: [core_attn]\n")  # neither switch on
+    code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--config", str(config))
+    assert code == 1
+    assert "recompute_modules: has no effect while recompute_granularity is null" in err
+    assert "offload_modules: has no effect while fine_grained_activation_offloading is off" in err
+
+
 def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:

@@ -222,6 +222,9 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
 WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method", "has no effect"),
     ("rule_settings_without_granularity", {"recompute_num_layers": 2}, "recompute_num_layers", "has no effect"),
+    ("rule_modules_without_switch", {"recompute_modules": ["mlp"]}, "recompute_modules", "recompute_granularity"),
+    ("rule_modules_without_switch", {"offload_modules": ["core_attn"]}, "offload_modules",
+     "fine_grained_activation_offloading"),
     ("rule_nested_labels", {**sel("moe", "moe_act"), "moe_grouped_gemm": True}, "recompute_modules", "'moe_act'"),
     ("rule_nested_labels", sel("moe", "shared_experts"), "recompute_modules", "'shared_experts'"),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "flash"},
@@ -231,6 +234,8 @@ WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
 ]
 QUIET: list[tuple[str, dict[str, Any]]] = [
     ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
+    ("rule_modules_without_switch", sel("mlp")),
+    ("rule_modules_without_switch", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}),
     ("rule_nested_labels", {**sel("moe", "mlp")}),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "unfused"}),
 ]

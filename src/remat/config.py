@@ -898,6 +898,16 @@ def rule_settings_without_granularity(c: RecomputeConfig) -> Iterator[Problem]: 
 
 
 @_warning_rule
+def rule_modules_without_switch(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores them
+    if c.recompute_modules and c.recompute_granularity is None:
+        yield Problem("recompute_modules", "has no effect while recompute_granularity is null; set"
+                                           " recompute_granularity='selective' to recompute them, or remove it")
+    if c.offload_modules and not c.fine_grained_activation_offloading:
+        yield Problem("offload_modules", "has no effect while fine_grained_activation_offloading is off; set it"
+                                         " to true to offload them, or remove offload_modules")
+
+
+@_warning_rule
 def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
     selected = _selected(c)
     if "moe" not in selected:
@@ -1541,13 +1551,14 @@ def execution_problems(facts: TrainingFacts) -> Iterator[Problem]:
 
 def bench_config_problems(c: RecomputeConfig) -> Iterator[Problem]:
     """A config the bench would not measure as asked: what it does not execute, and the settings that
-    take effect only with full recompute while the granularity is null (Megatron ignores them and
-    the library warns, but a bench would silently measure no recompute)."""
+    take effect only with their switch on while it is off (Megatron ignores them and the library
+    warns, but a bench would silently measure without them)."""
     yield from execution_problems(c.facts)
     for p in rule_settings_without_granularity(c):
         yield Problem(p.field, f"{getattr(c, p.field)!r} applies only to full recompute, which is off, so this run"
                                f" would recompute nothing; add -rl N (in a config file: recompute_granularity:"
                                f" full with recompute_method and recompute_num_layers), or drop {p.field}")
+    yield from rule_modules_without_switch(c)
 
 
 def parallel_shape_problems(facts: TrainingFacts, *, num_attention_heads: int, num_query_groups: int,
