@@ -7,7 +7,6 @@ simulated out-of-memory errors, sweeps and presets, determinism of the mock data
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import sqlite3
@@ -263,14 +262,14 @@ def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[s
     assert "--history" not in err  # $REMAT_HISTORY: a path that does not exist yet in a folder that does
 
 
-def test_an_output_path_that_cannot_be_written_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # as a user without write permission
-    assert [str(p) for p in output_path_problems("--json", tmp_path / "new" / "r.json")] == [
-        f"--json: {tmp_path} is not writable, so {tmp_path / 'new' / 'r.json'} cannot be created; "
-        "choose another folder"]
-    (tmp_path / "r.json").write_text("{}")
-    assert [p.message for p in output_path_problems("--json", tmp_path / "r.json")] == [
-        f"{tmp_path / 'r.json'} cannot be overwritten (no write permission); choose another path"]
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc (read-only, even for root)")
+def test_an_output_path_that_cannot_be_written_is_a_problem_even_for_root() -> None:
+    # /proc takes no new files and /proc/version no writes, whoever asks: os.access would say yes to root
+    [created] = output_path_problems("--json", "/proc/new/r.json")
+    assert created.message.startswith("/proc/new/r.json cannot be created in /proc (") and "choose another folder" in created.message
+    [overwritten] = output_path_problems("--json", "/proc/version")
+    assert overwritten.message.startswith("/proc/version cannot be overwritten (") and "choose another path" in overwritten.message
+    assert list(output_path_problems("--json", Path.cwd() / "fine" / "r.json")) == []
 
 
 @pytest.mark.usefixtures("no_steps")

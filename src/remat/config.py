@@ -13,12 +13,13 @@ import json
 import os
 import re
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import yaml
 
@@ -1631,12 +1632,23 @@ def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Pr
         yield Problem(flag, f"{path} is a directory; give a file path in it")
         return
     folder = next(p for p in target.absolute().parents if p.exists())  # the nearest that exists
-    if target.exists() and not os.access(target, os.W_OK):
-        yield Problem(flag, f"{path} cannot be overwritten (no write permission); choose another path")
+    # tried, not looked up: os.access says yes to root everywhere, read-only mounts included
+    if target.exists():
+        if (error := _open_error(lambda: target.open("ab"))) is not None:
+            yield Problem(flag, f"{path} cannot be overwritten ({error}); choose another path")
     elif not folder.is_dir():
         yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
-    elif not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
-        yield Problem(flag, f"{folder} is not writable, so {path} cannot be created; choose another folder")
+    elif (error := _open_error(lambda: tempfile.NamedTemporaryFile(dir=folder))) is not None:
+        yield Problem(flag, f"{path} cannot be created in {folder} ({error}); choose another folder")
+
+
+def _open_error(opener: Callable[[], IO[bytes]]) -> str | None:
+    """Why opening fails (the OS's words), or None when it opens; closed at once."""
+    try:
+        opener().close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timeline: bool, request: bool,
