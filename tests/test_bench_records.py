@@ -41,7 +41,7 @@ def make_result(**overrides: Any) -> BenchResult:
         recipe="llama3_8b",
         status="ok",
         config={"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
-        shape={"num_layers": 4, "hidden_size": 1024, "seq_length": 2048, "micro_batch_size": 1},
+        shape={"num_layers": 4, "hidden_size": 1024, "seq_length": 2048, "micro_batch_size": 1, "max_steps": 3},
         device="cuda",
         gpu="NVIDIA H200",
         torch="2.13.0",
@@ -187,6 +187,14 @@ def test_run_differences_name_the_recipe_and_shape() -> None:
     assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": True}) == [
         "shape.gradient_accumulation_fusion differs: golden False, current True"]
     assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": False}) == []
+    # the loss compared is the last step's: another step count is another run
+    assert run_differences(gold, gold.recipe, {**gold.shape, "max_steps": 4}) == [
+        "shape.max_steps differs: golden 3, current 4"]
+    # a golden from before max_steps was recorded: an ok run logged a loss each step
+    older = make_result(shape={k: v for k, v in gold.shape.items() if k != "max_steps"})
+    assert run_differences(older, gold.recipe, gold.shape) == []
+    assert run_differences(older, gold.recipe, {**gold.shape, "max_steps": 6}) == [
+        "shape.max_steps differs: golden 3, current 6"]
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

@@ -146,7 +146,10 @@ def _field_note(field: str, golden: Any, current: Any) -> list[str]:
 def run_differences(golden: BenchResult, recipe: str, shape: Mapping[str, Any]) -> list[str]:
     """What makes a run of this recipe and shape (run.run_shape, known before it runs) another run than
     the golden's: Bridge's evaluator compares like with like, so these refuse the comparison."""
-    return _field_note("recipe", golden.recipe, recipe) + _dict_notes("shape", _shape(golden.shape), _shape(shape))
+    golden_shape = _shape(golden.shape)
+    if golden.status == "ok":  # recorded before max_steps was: a run that ended ok logged a loss a step
+        golden_shape.setdefault("max_steps", len(golden.losses))
+    return _field_note("recipe", golden.recipe, recipe) + _dict_notes("shape", golden_shape, _shape(shape))
 
 
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:

@@ -227,7 +227,7 @@ def run_shape(spec: BenchSpec, cfg: LlamaConfig) -> dict[str, Any]:
                 ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length,
                 vocab_size=cfg.vocab_size, micro_batch_size=spec.micro_batch_size,
                 global_batch_size=spec.global_batch_size or spec.micro_batch_size,
-                task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile,
+                max_steps=spec.max_steps, task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile,
                 gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
 
 
