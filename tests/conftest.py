@@ -19,8 +19,9 @@ from remat.memory.meter import held_tensors, storage_bytes  # noqa: E402
 
 
 def measure_peak(model, batch, plan, optimizer=None) -> int:
-    """The independent count of a step's peak: every storage alive at once, on top of the weights,
-    gradients and optimizer state the step starts with."""
+    """The independent count of a steady step's peak: every storage alive at once, on top of the
+    weights, gradients and optimizer state the step starts with (after one step first, as the trace
+    measures: without an optimizer gradients persist across steps, with one its state does)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         remat.apply(model, plan)
@@ -32,6 +33,7 @@ def measure_peak(model, batch, plan, optimizer=None) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    step()
     return storage_bytes(held_tensors(model, optimizer)) + peak_during(step)[1]
 
 

@@ -109,9 +109,17 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     batch = ids[:, :-1], ids[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*batch).backward()
+    optimizer.step()  # a run under way: moments, step counts and gradients the trace must give back
     before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
     trace = remat.trace(model, batch, optimizer=optimizer, timing_repeats=1)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr held at 0
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert [set(s) for s in states] == [set(optimizer.state[p]) for p in model.parameters()]
+    assert all(torch.equal(v, optimizer.state[p][k]) for s, p in zip(states, model.parameters()) for k, v in s.items())
+    optimizer.zero_grad(set_to_none=True)  # a steady step starts without gradients (the optimizer dropped them)
     # weights, AdamW's two moments (and step counts), and the gradients backward creates (the optimizer
     # drops them after each step): what the micro-batch does not scale
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -237,6 +245,15 @@ def test_longer_offloaded_groups_free_their_extra_layers_in_the_next_layers_wind
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     with pytest.raises(remat.ConfigError, match="shapes-only trace"):
         remat.trace(model, (ids, ids), offload=True, flops_per_s=1e12)
+
+
+def test_trace_of_a_fresh_run_leaves_no_gradients_or_optimizer_state() -> None:
+    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=8)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    for optimizer in (torch.optim.AdamW(model.parameters(), lr=1e-3), None):  # None: gradients accumulate
+        remat.trace(model, (ids[:, :-1], ids[:, 1:]), optimizer=optimizer, timing_repeats=1)
+        assert all(p.grad is None for p in model.parameters())
+        assert optimizer is None or len(optimizer.state) == 0
 
 
 def test_trace_leaves_the_model_without_a_plan() -> None:

@@ -124,6 +124,7 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
          host_budget: int | str | None = None) -> PlanResult:
     """Trace `model` on `batch` (one step per action, see `remat.trace`) and return the fastest
     plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
+    The weights, gradients and optimizer state are left as they were: it can run mid-training.
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")

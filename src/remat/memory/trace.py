@@ -501,7 +501,8 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
 
     The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
     across steps, as `bench --no_optimizer` runs). The optimizer's learning rate is 0 while
-    tracing, so the weights do not change (its moments do). The model is left with no plan.
+    tracing, so the weights do not change, and the gradients and optimizer state are put back as
+    they were when it returns. The model is left with no plan.
     On the meta device (shapes only) memory is counted by storage and time is FLOPs / flops_per_s.
     A model that returns hidden states rather than a loss (a pipeline stage) gets their gradient.
     `offload`: measure offload actions too (pinned host memory on CUDA; about twice the steps),
@@ -524,7 +525,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
-        with _weights_held(optimizer):
+        with _training_state_kept(model, optimizer):
             stepper.step()  # the state a steady step starts from: gradients, optimizer moments
             note("baseline")
             base = stepper.measure(Plan.none(n))
@@ -550,10 +551,15 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
 
 
 @contextmanager
-def _weights_held(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """The optimizer steps with learning rate 0: its moments change, the weights do not."""
+def _training_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """The steps inside leave the model and optimizer as they found them: the optimizer steps with
+    learning rate 0 (the weights do not move), and the gradients and optimizer state they fill are
+    put back afterwards, from host copies (device copies would count in the peaks measured)."""
     groups = optimizer.param_groups if optimizer is not None else []
     rates = [group["lr"] for group in groups]
+    grads = {p: _host_copy(p.grad) for p in model.parameters() if p.grad is not None}
+    states = {p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+              for p, state in (optimizer.state.items() if optimizer is not None else ())}
     for group in groups:
         group["lr"] = 0.0
     try:
@@ -561,6 +567,23 @@ def _weights_held(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
     finally:
         for group, rate in zip(groups, rates):
             group["lr"] = rate
+        for param in model.parameters():
+            param.grad = grads[param].to(param.device) if param in grads else None
+        if optimizer is not None:
+            for begun in [p for p in optimizer.state if p not in states]:  # the steps began it
+                del optimizer.state[begun]
+            for key_param, state in states.items():  # into the optimizer's own tensors: devices kept
+                now = optimizer.state[key_param]
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and isinstance(now.get(key), torch.Tensor):
+                        now[key].copy_(value)
+                    else:
+                        now[key] = value
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy off the device (shapes only on meta, which holds no data)."""
+    return tensor.detach().clone() if tensor.device.type == "meta" else tensor.detach().to("cpu", copy=True)
 
 
 @dataclass(frozen=True)
@@ -624,7 +647,7 @@ def timeline(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         marks.append((len(samples.allocated) - (0 if per_op else 1), name))
 
     try:
-        with _weights_held(optimizer):
+        with _training_state_kept(model, optimizer):
             stepper.step()  # gradients and optimizer state exist, as in a steady step
             record = stepper.measure(resolved, on_mark, sample)
     finally:
