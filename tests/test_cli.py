@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from remat import __version__
 from remat.cli import build_parser, main, megatron_overrides
 
 
@@ -98,10 +99,12 @@ def test_verify_refuses_cuda_without_a_gpu(capsys) -> None:
     assert code == 1 and "device: a CUDA GPU was asked for but this machine has none" in err
 
 
-def test_console_script_help() -> None:
-    result = subprocess.run([sys.executable, "-m", "remat.cli", "validate", "--help"],
+def test_console_script_help_and_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "remat", "validate", "--help"],
                             capture_output=True, text=True, check=True)
     assert "--recompute_modules" in result.stdout and "-rl" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "remat", "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"remat {__version__}"
 
 
 TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progress")

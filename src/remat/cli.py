@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from rich.console import Console
 
+from remat import __version__
 from remat.bench.golden import DEFAULT_THRESHOLD
 from remat.config import (
     DEFAULT_HOST_GBPS,
@@ -884,6 +885,7 @@ def _findings_table(findings: Sequence[Any], path: str) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Activation recompute for PyTorch transformer training.")
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("validate", help="check a recompute config and print it resolved",
                        description="Check a recompute config (flags and/or --config FILE) against "
