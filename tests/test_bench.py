@@ -237,6 +237,11 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
     code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "none", "none")
     assert code == 0 and out.split() == ["none"]  # an entry given twice runs once
+    code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d")
+    presets = out.split()
+    assert code == 0 and "none" in presets and "mlp+core_attn" in presets
+    code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "full_uniform_2", "presets", "mlp")
+    assert code == 0 and out.split() == ["full_uniform_2", *presets]  # in place; mlp is one of them
     code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "nofile.yaml")
     assert code == 1 and "  nofile.yaml: cannot read the file" in err  # named once
 

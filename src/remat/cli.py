@@ -466,17 +466,17 @@ def _check_sweep(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
 
 def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: dict[str, Any],
              execution: Any = None, stage_layers: int | None = None) -> list[tuple[str, Any]]:
-    """Sweep entries (None or ["presets"]: Megatron's presets, full block over half of the
-    `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
+    """Sweep entries (None, or the entry "presets" among them: Megatron's presets, full block over
+    half of the `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
     `execution` lists what a config asks that the runner would not run as asked."""
     from remat.apply import apply, find_sites
     from remat.bench.presets import megatron_presets, parse_entry
 
     layout = find_sites(model).layout
-    if not entries or entries == ["presets"]:
-        entries = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
+    presets = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
+    expanded = [name for entry in entries or ["presets"] for name in (presets if entry == "presets" else [entry])]
     plans = []
-    for entry in dict.fromkeys(entries):  # an entry given twice runs once
+    for entry in dict.fromkeys(expanded):  # an entry given twice runs once
         parsed = found.run(parse_entry, entry, keys, field=entry)  # its problems name the entry
         if parsed is None:
             continue
@@ -935,8 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
                        description="Bench many configs on one model in one process. Entries: none, "
-                                   "a label list (mlp+core_attn), full_uniform_K, full_block_K, or a "
-                                   "YAML/JSON config or plan file. Default: Megatron's usual presets.")
+                                   "a label list (mlp+core_attn), full_uniform_K, full_block_K, a "
+                                   "YAML/JSON config or plan file, or `presets` for Megatron's usual ones "
+                                   "(the default).")
     _add_run_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
     p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {_DEFAULT_PLOT})")
