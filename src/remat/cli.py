@@ -970,7 +970,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("estimate", help="predict peak memory per GPU and pipeline stage from shapes alone",
                        description="Trace one training step per action of one rank's shard of the recipe "
-                                   "on the meta device (shapes only: no GPU, seconds on a CPU), with the "
+                                   "on the meta device (shapes only: no GPU; seconds to a minute on a CPU), with the "
                                    "tensor, sequence, context and pipeline parallel sizes given, then "
                                    "predict each config's peak allocated memory per pipeline stage, by "
                                    "component, and its step time.")
