@@ -124,6 +124,10 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
      "--history: {tmp}/not_a_db.sqlite is not a run history (not an SQLite database)"),
     (("doctor", "--snapshot", "{tmp}/list.json", "--limit", "12GiB"),
      "{tmp}/list.json: is not a memory snapshot (no 'segments' list)"),
+    (("doctor", "--snapshot", "{tmp}/no_size.json", "--limit", "12GiB"),
+     "{tmp}/no_size.json: is not a memory snapshot (segments[0] has no integer 'total_size')"),
+    (("doctor", "--snapshot", "{tmp}/bad_block.json", "--limit", "12GiB"),
+     "{tmp}/bad_block.json: is not a memory snapshot (segments[0].blocks[1] has no integer 'size' and 'state' name)"),
     (("doctor", "--results", "{tmp}/empty.json"), "{tmp}/empty.json: holds no results"),
     (("doctor", "--results", "{tmp}/empty.json", "--timeline", "t.png"), "--timeline: plots a run of the recipe"),
     (("doctor", "--results", "{tmp}/empty.json", "--request", "5GiB"), "--request: describes an OOM's allocator"),
@@ -156,6 +160,9 @@ def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_
         monkeypatch.setattr(module, name, refuse)
     (tmp_path / "not_a_db.sqlite").write_text("x")
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "no_size.json").write_text('{"segments": [{"foo": 1}]}')
+    (tmp_path / "bad_block.json").write_text(
+        '{"segments": [{"total_size": 4, "blocks": [{"size": 2, "state": "inactive"}, {"size": "2"}]}]}')
     (tmp_path / "empty.json").write_text("[]")
     code, _, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
     assert code == 1 and message.format(tmp=tmp_path) in " ".join(err.split())

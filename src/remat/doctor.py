@@ -158,7 +158,26 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
         raise ConfigError([Problem(str(p), "is not a memory snapshot (no 'segments' list); write one with "
                                            "torch.cuda.memory._dump_snapshot")])
+    if (flaw := _segments_flaw(snapshot["segments"])) is not None:
+        raise ConfigError([Problem(str(p), f"is not a memory snapshot ({flaw}); write one with "
+                                           "torch.cuda.memory._dump_snapshot")])
     return snapshot
+
+
+def _segments_flaw(segments: list[Any]) -> str | None:
+    """The first place where `segments` lacks what classifying reads, or None."""
+    for i, segment in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(segment, dict) or not isinstance(segment.get("total_size"), int):
+            return f"{where} has no integer 'total_size'"
+        blocks = segment.get("blocks", [])
+        if not isinstance(blocks, list):
+            return f"{where}.blocks is not a list"
+        for j, block in enumerate(blocks):
+            if not (isinstance(block, dict) and isinstance(block.get("size"), int)
+                    and isinstance(block.get("state"), str)):
+                return f"{where}.blocks[{j}] has no integer 'size' and 'state' name"
+    return None
 
 
 # --- the OOM message ------------------------------------------------------------------------------
