@@ -114,6 +114,8 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
     (("validate", "-mr", "llama3_tiny", "--num_layers", "0"), "num_layers: must be a positive integer, got 0"),
     (("verify", "--num_layers", "2", "-sl", "16", "-mb", "0"), "micro_batch_size: is 0; use at least 1"),
     (("estimate", *TINY_RUN, "-ng", "0"), "num_gpus: is 0; use at least 1"),
+    (("estimate", *TINY_RUN, "-sl", "4194304", "-mb", "2", "-cp", "1"),
+     "seq_length: 4194304 x micro-batch 2 over 1 context-parallel rank(s) puts 8,388,608 tokens on each GPU"),
     (("estimate", *TINY_RUN, "--json", "{tmp}"), "--json: {tmp} is a directory"),
     (("plan", *TINY_RUN, "--memory-budget", "1GiB", "-o", "{tmp}/plan.txt"),
      "--output: {tmp}/plan.txt: a plan is read back by its suffix; end the name in .yaml, .yml or .json"),

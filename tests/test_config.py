@@ -673,3 +673,12 @@ GOOD_PLAN_FILE = {"remat_plan": 1, "layers": [{"mlp": "recompute"}, {}], "full_r
 def test_plan_file_problems_name_the_key_at_fault(change: dict[str, Any], field: str) -> None:
     assert config.plan_file_problems(GOOD_PLAN_FILE) == []
     assert [p.field for p in config.plan_file_problems({**GOOD_PLAN_FILE, **change})] == [field]
+
+
+def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu() -> None:
+    from remat.config import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
+
+    assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 1, 1)) == []
+    assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 4, 4)) == []  # context parallel splits it
+    [problem] = micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 2, 1)
+    assert problem.field == "seq_length" and "lower -sl or -mb, or raise -cp" in problem.message

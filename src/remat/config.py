@@ -1583,6 +1583,20 @@ def parallel_shape_problems(facts: TrainingFacts, *, num_attention_heads: int, n
                                            f" of {tp * cp}, or turn sequence parallelism off")
 
 
+# Tokens of one micro-batch on one GPU that remat estimates: 2^22 of a 4096-wide bf16 hidden state
+# are 32 GiB a layer, past what a GPU trains; the shapes-only trace of far more loops for hours.
+MAX_TOKENS_PER_GPU = 1 << 22
+
+
+def micro_batch_tokens_problems(seq_length: int, micro_batch_size: int, context_parallel_size: int) -> Iterator[Problem]:
+    tokens = seq_length * micro_batch_size // max(context_parallel_size, 1)
+    if tokens > MAX_TOKENS_PER_GPU:
+        yield Problem("seq_length", f"{seq_length} x micro-batch {micro_batch_size} over {context_parallel_size}"
+                                    f" context-parallel rank(s) puts {tokens:,} tokens on each GPU; remat"
+                                    f" estimates at most {MAX_TOKENS_PER_GPU:,} (2^22: at hidden size 4096 their"
+                                    f" hidden state alone is 32 GiB a layer); lower -sl or -mb, or raise -cp")
+
+
 def batch_split_problems(facts: TrainingFacts, num_gpus: int, micro_batch_size: int,
                          global_batch_size: int | None) -> Iterator[Problem]:
     """GPUs = data parallel x tp x pp x cp, and the global batch = micro-batches x mb x data parallel."""

@@ -48,6 +48,7 @@ from remat.config import (
     estimate_threshold_problems,
     estimate_problems,
     offload_prediction_problems,
+    micro_batch_tokens_problems,
     parallel_shape_problems,
     pipeline_range_problems,
 )
@@ -86,6 +87,8 @@ class EstimateSpec:
         problems = list(parallel_shape_problems(
             self.facts, num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
             ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length))
+        problems += micro_batch_tokens_problems(cfg.seq_length, self.micro_batch_size,
+                                                self.facts.context_parallel_size)
         try:  # the recompute rules check the parallel sizes and the pipeline split of the layers
             RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=cfg.num_layers))
         except ConfigError as err:
