@@ -225,6 +225,8 @@ WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_modules_without_switch", {"recompute_modules": ["mlp"]}, "recompute_modules", "recompute_granularity"),
     ("rule_modules_without_switch", {"offload_modules": ["core_attn"]}, "offload_modules",
      "fine_grained_activation_offloading"),
+    ("rule_sequence_parallel_without_tensor_parallel", {"sequence_parallel": True}, "sequence_parallel",
+     "Megatron turns it off"),
     ("rule_nested_labels", {**sel("moe", "moe_act"), "moe_grouped_gemm": True}, "recompute_modules", "'moe_act'"),
     ("rule_nested_labels", sel("moe", "shared_experts"), "recompute_modules", "'shared_experts'"),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "flash"},
@@ -236,6 +238,7 @@ QUIET: list[tuple[str, dict[str, Any]]] = [
     ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
     ("rule_modules_without_switch", sel("mlp")),
     ("rule_modules_without_switch", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}),
+    ("rule_sequence_parallel_without_tensor_parallel", {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     ("rule_nested_labels", {**sel("moe", "mlp")}),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "unfused"}),
 ]

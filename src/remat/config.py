@@ -909,6 +909,13 @@ def rule_modules_without_switch(c: RecomputeConfig) -> Iterator[Problem]:  # rem
 
 
 @_warning_rule
+def rule_sequence_parallel_without_tensor_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron turns it off
+    if c.facts.sequence_parallel and c.facts.tensor_model_parallel_size == 1:
+        yield Problem("sequence_parallel", "has no effect with tensor_model_parallel_size 1 (Megatron turns it"
+                                           " off); raise tensor_model_parallel_size or drop sequence_parallel")
+
+
+@_warning_rule
 def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
     selected = _selected(c)
     if "moe" not in selected:
@@ -959,7 +966,7 @@ def _describe_offload(c: RecomputeConfig) -> str:
 
 def _describe_parallel(f: TrainingFacts) -> str:
     vpp = f.virtual_pipeline_model_parallel_size or "-"
-    sp = "on" if f.sequence_parallel else "off"
+    sp = "on" if f.sequence_parallel and f.tensor_model_parallel_size > 1 else "off"
     return (f"parallel: TP {f.tensor_model_parallel_size}, PP {f.pipeline_model_parallel_size}, VPP {vpp},"
             f" CP {f.context_parallel_size}, sequence parallel {sp}")
 
