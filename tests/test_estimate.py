@@ -341,6 +341,15 @@ def test_offload_copies_slower_than_compute_add_step_time() -> None:
         estimate(_spec(), [plan[0], ("other", Plan([{"layer": "offload"}, {}]))])
 
 
+def test_an_offload_plan_that_would_move_nothing_says_why() -> None:
+    for threshold, moved in ((1 << 20, False), (64, True)):  # the default, above every tiny tensor; then below
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", remat.RematWarning)
+            [est] = estimate(_spec(), [("offload", Plan([{"layer": "offload"}, {}], min_offloaded_tensor_size=threshold))])
+        assert (est.stages[0].host > 0) == moved
+        assert any("nothing moved to host" in str(w.message) for w in caught) == (not moved)
+
+
 def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 

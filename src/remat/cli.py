@@ -646,7 +646,8 @@ def _estimate_table(spec: Any, results: Sequence[Any]) -> Any:
     from remat.bench.report import format_gib
 
     f = spec.facts
-    title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if f.sequence_parallel else ''}, "
+    sp = f.sequence_parallel and f.tensor_model_parallel_size > 1
+    title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if sp else ''}, "
              f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
              f"cp {f.context_parallel_size}, micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
     table = Table(title=f"estimated peak memory per GPU, {title}")

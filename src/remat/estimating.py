@@ -43,12 +43,14 @@ from remat.config import (
     Problem,
     RecomputeConfig,
     TrainingFacts,
+    advise,
     check_plan,
     cublas_workspace_bytes,
     estimate_threshold_problems,
     estimate_problems,
     offload_prediction_problems,
     micro_batch_tokens_problems,
+    nothing_offloaded_advice,
     parallel_shape_problems,
     pipeline_range_problems,
 )
@@ -186,11 +188,13 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     offload = (thresholds.pop(),) if thresholds else ()
     traced = {c: _trace_stage(spec, k, progress, *offload) for c, k in sorted(first_of_kind.items())}
     out = []
-    for (name, _), per_stage in zip(plans, stage_plans):
+    for (name, _), per_stage, whole in zip(plans, stage_plans, lowered):
         stages = [traced[kind[k]].predict(k, per_stage[k], spec) for k in range(pp)]
         slowest = max(s.micro_batch_time_s for s in stages)
         bubble = (pp - 1) / (spec.facts.virtual_pipeline_model_parallel_size or 1)
         out.append(Estimate(name, tuple(stages), (spec.micro_batches + bubble) * slowest))
+        if whole.offloads():  # as a run under the plan would say after its steps
+            advise(nothing_offloaded_advice(sum(s.host for s in stages), whole.min_offloaded_tensor_size))
     return out
 
 
@@ -312,6 +316,16 @@ class _AdamWState(torch.optim.Optimizer):
                     self.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _begin_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The state a steady step's optimizer holds, made by one step on zero gradients (meta: no data);
+    the trace puts back the state it finds, which the stage's estimate then counts."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 @dataclass(frozen=True)
 class _StageTrace:
     trace: Trace
@@ -366,6 +380,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     optimizer: torch.optim.Optimizer | None = None
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
         optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
+        _begin_state(model, optimizer)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
         offload: dict[str, Any] = {} if offload_threshold is None else dict(
