@@ -199,3 +199,11 @@ def test_step_times_read_in_milliseconds_without_exponents(seconds, shown) -> No
     from remat.cli import _milliseconds
 
     assert _milliseconds(seconds) == shown
+
+
+def test_a_bad_model_shape_does_not_hide_the_run_and_config_problems(capsys) -> None:
+    code, _, err = _run(capsys, "bench", "-mr", "llama3_tiny", "--num_layers", "0", "--recompute_modules", "foo",
+                        "-mb", "0", "--no_history")
+    assert code == 1 and "invalid config (3 problems)" in err
+    assert "num_layers: must be a positive integer" in err and "micro_batch_size: is 0" in err
+    assert "recompute_modules: unknown label 'foo'" in err

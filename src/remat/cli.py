@@ -392,12 +392,12 @@ def _check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()) -> tupl
     facts = found.run(_model_facts, args, field="model_recipe_name")
     found.add(execution_problems(_flag_facts(args)))
     found.add(golden_flag_problems(args.threshold, args.golden is not None))
-    plan = resolved = None
-    if facts is not None:
-        plan = found.run(resolve_config, args, facts)
+    resolved = None
+    # without the model's facts (a bad shape) the rules that need none still run
+    plan = found.run(resolve_config, args, facts or {})
     if isinstance(plan, RecomputeConfig):
         found.add(bench_config_problems(plan))
-    if plan is not None or (facts is not None and not found.problems):
+    if facts is not None and (plan is not None or not found.problems):
         resolved = found.run(apply, _meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
     if golden is not None and spec is not None:

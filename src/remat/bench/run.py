@@ -23,7 +23,7 @@ from torch import nn
 from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.bench.flops import model_flops
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
-from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, check_bench
+from remat.config import MIN_OFFLOADED_TENSOR_SIZE, BenchSettings, ConfigError, Problem, check_bench
 from remat.memory import peak_during
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.memory.trace import Trace, gradients_persist, trace
@@ -56,11 +56,20 @@ class BenchSpec:
     dryrun: bool = False  # only built on meta and printed: a full-size recipe is fine on a CPU
 
     def __post_init__(self) -> None:
-        model = build(self.recipe, device="meta", **self.overrides)
-        check_bench(BenchSettings(
-            self.compute_dtype, self.device, self.micro_batch_size, self.global_batch_size,
-            self.max_steps, self.warmup_steps, self.task, None if self.dryrun else model.num_parameters(),
-            self.gpu, self.num_gpus, self.compile))
+        problems: list[Problem] = []
+        try:
+            model = build(self.recipe, device="meta", **self.overrides)
+            parameters = None if self.dryrun else model.num_parameters()
+        except ConfigError as err:  # the run settings are checked all the same, and reported together
+            problems, parameters = err.problems, None
+        try:
+            check_bench(BenchSettings(
+                self.compute_dtype, self.device, self.micro_batch_size, self.global_batch_size,
+                self.max_steps, self.warmup_steps, self.task, parameters, self.gpu, self.num_gpus, self.compile))
+        except ConfigError as err:
+            problems += err.problems
+        if problems:
+            raise ConfigError(problems)
 
     @property
     def micro_batches(self) -> int:
