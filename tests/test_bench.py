@@ -821,6 +821,10 @@ def test_parse_entry_names_its_problems_by_the_entry(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         parse_entry(str(tmp_path / "missing.yaml"), FACTS)
     assert [p.field for p in err.value.problems] == [str(tmp_path / "missing.yaml")]  # named once
+    with pytest.raises(ConfigError) as err:
+        parse_entry("full_foo", FACTS)  # no layer count: one problem saying the form, not two about its parts
+    assert [(p.field, p.message.split(",")[0]) for p in err.value.problems] == [
+        ("full_foo: entry", "a full-recompute entry is full_uniform_K or full_block_K")]
 
 
 def test_parse_entry_files(tmp_path: Path) -> None:

@@ -678,6 +678,14 @@ def test_plan_file_problems_name_the_key_at_fault(change: dict[str, Any], field:
     assert [p.field for p in config.plan_file_problems({**GOOD_PLAN_FILE, **change})] == [field]
 
 
+def test_a_plan_file_of_another_format_version_is_told_apart_from_a_config() -> None:
+    newer = {k: v for k, v in GOOD_PLAN_FILE.items() if k != "remat_plan"}
+    [missing] = config.plan_file_problems(newer)
+    assert "is this a RecomputeConfig instead?" in missing.message
+    [other] = config.plan_file_problems({**newer, "remat_plan": 2})
+    assert other.message.startswith("2 is not a plan format this remat reads; it reads `remat_plan: 1`")
+
+
 def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu() -> None:
     from remat.config import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
 

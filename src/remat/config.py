@@ -1230,9 +1230,13 @@ _PLAN_KEYS = ("remat_plan", "layers", "full_recompute", "min_offloaded_tensor_si
 def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
     """What is wrong with the shape of a per-layer plan file's mapping (before any model is known)."""
     problems = []
-    if data.get("remat_plan") != PLAN_FORMAT:
+    if "remat_plan" not in data:
         problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
                                 "of a plan file; is this a RecomputeConfig instead?"))
+    elif data["remat_plan"] != PLAN_FORMAT:
+        problems.append(Problem("remat_plan", f"{data['remat_plan']!r} is not a plan format this remat reads;"
+                                              f" it reads `remat_plan: {PLAN_FORMAT}` (write the plan again with"
+                                              " this version's `remat plan`)"))
     layers = data.get("layers")
     if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
         problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))

@@ -39,6 +39,9 @@ def _parse_entry(text: str, path: Path, facts: dict[str, Any]) -> tuple[str, Pla
         return text, None
     if text.startswith("full_"):
         _, method, k = (text.split("_") + ["", ""])[:3]
+        if not k:
+            raise ConfigError([Problem("entry", "a full-recompute entry is full_uniform_K or full_block_K,"
+                                                " with K layers, like full_uniform_1")])
         keys = {"recompute_granularity": "full", "recompute_method": method,
                 "recompute_num_layers": int(k) if k.isdigit() else k}
     else:
