@@ -220,6 +220,11 @@ def test_when_no_plan_fits_smaller_micro_batch_then_more_gpus() -> None:
                      plan_fn=lambda b: (_ for _ in ()).throw(NoPlanFits(b, Solution(Plan.none(8), (), 200 * GIB,
                                                                                     "bwd0", 0.0))))
     assert [r.setting for r in recs] == ["-tp 4 --sequence_parallel, or -pp 4, or -cp 4"]
+    # 10000x over: no layout helps; the sizes given are suspect
+    recs = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=1,
+                     plan_fn=lambda b: (_ for _ in ()).throw(NoPlanFits(b, Solution(Plan.none(8), (), 10**4 * 63 * GIB,
+                                                                                    "bwd0", 0.0))))
+    assert [r.setting for r in recs] == ["--limit / --memory-budget"] and "more than 64 GPUs' worth" in recs[0].why
 
 
 def test_capacity_without_a_planner_gives_the_plan_command() -> None:

@@ -357,6 +357,9 @@ def megatron_flags(config: Any) -> str:
     return "no recompute (the step fits without it)"
 
 
+MAX_SPLIT = 64  # the most GPUs _shrink proposes splitting a model over; more means a wrong size given
+
+
 def _shrink(what: str, need: int, budget: int, micro_batch_size: int | None) -> list[Recommendation]:
     """Smaller micro-batch and more GPUs, sized by how far `need` is over the budget."""
     ratio = need / budget
@@ -368,6 +371,12 @@ def _shrink(what: str, need: int, budget: int, micro_batch_size: int | None) -> 
             "lower the micro-batch size (raise gradient accumulation to keep the global batch)", f"-mb {mb}",
             f"{gap}; activations scale with the micro-batch, weights do not: check -mb {mb} with remat plan"))
     n = max(2, 1 << math.ceil(math.log2(ratio)))
+    if n > MAX_SPLIT:  # no parallel layout helps: the budget or the device size given is likely wrong
+        out.append(Recommendation(
+            "check the memory the device has", "--limit / --memory-budget",
+            f"{gap}: more than {MAX_SPLIT} GPUs' worth; check the device size or budget given before "
+            f"changing the model's layout"))
+        return out
     out.append(Recommendation(
         f"spread the model over {n}x the GPUs", f"-tp {n} --sequence_parallel, or -pp {n}, or -cp {n}",
         f"{gap}; tp+sp splits weights and activations, pp the layers, cp the sequence: `remat estimate` "
