@@ -237,6 +237,8 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
     code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "none", "none")
     assert code == 0 and out.split() == ["none"]  # an entry given twice runs once
+    code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "mlp+core_attn", "core_attn,mlp")
+    assert code == 0 and out.split() == ["mlp+core_attn"]  # the same config under another name runs once
     code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d")
     presets = out.split()
     assert code == 0 and "none" in presets and "mlp+core_attn" in presets
