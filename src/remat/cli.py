@@ -470,7 +470,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
     half of the `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
     `execution` lists what a config asks that the runner would not run as asked."""
     from remat.apply import apply, find_sites
-    from remat.bench.presets import megatron_presets, parse_entry
+    from remat.bench.presets import megatron_presets, parse_entry, run_key
 
     layout = find_sites(model).layout
     presets = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
@@ -478,7 +478,7 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
     plans, runs = [], set()
     for entry in dict.fromkeys(expanded):  # an entry given twice runs once
         parsed = found.run(parse_entry, entry, keys, field=entry)  # its problems name the entry
-        if parsed is None or (run := _run_key(parsed[1])) in runs:  # core_attn+mlp after mlp+core_attn
+        if parsed is None or (run := run_key(parsed[1])) in runs:  # core_attn+mlp after mlp+core_attn
             continue
         if run is not None:
             runs.add(run)
@@ -487,18 +487,6 @@ def _entries(found: _Problems, model: Any, entries: Sequence[str] | None, keys: 
         if found.run(apply, model, parsed[1], prefix=f"{entry}: ") is not None:
             plans.append(parsed)
     return plans
-
-
-def _run_key(plan: Any) -> str | None:
-    """What makes two sweep entries the same run: a config's Megatron keys, its labels in any order;
-    None for a per-layer plan (each file runs)."""
-    import json
-
-    if isinstance(plan, Plan):
-        return None
-    keys = {} if plan is None else plan.to_megatron()
-    keys["recompute_modules"] = sorted(keys.get("recompute_modules") or [])
-    return json.dumps(keys, sort_keys=True, default=str)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
 """Sweep entries: Megatron's usual recompute presets, by name, or config/plan files."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from remat.config import RECOMPUTE_MODULES, ConfigError, Problem, RecomputeConfig
-from remat.plans import PlanLike, load_plan_or_config
+from remat.plans import Plan, PlanLike, load_plan_or_config
 
 
 
@@ -47,3 +48,13 @@ def _parse_entry(text: str, path: Path, facts: dict[str, Any]) -> tuple[str, Pla
     else:
         keys = {"recompute_granularity": "selective", "recompute_modules": text.replace("+", ",")}
     return text, RecomputeConfig.from_megatron({**keys, **facts})
+
+
+def run_key(plan: PlanLike) -> str | None:
+    """What makes two entries the same run: a config's Megatron keys with its labels in any order
+    (mlp+core_attn, core_attn,mlp); None for a per-layer plan (each file runs)."""
+    if isinstance(plan, Plan):
+        return None
+    keys = {} if plan is None else plan.to_megatron()
+    keys["recompute_modules"] = sorted(keys.get("recompute_modules") or [])
+    return json.dumps(keys, sort_keys=True, default=str)
