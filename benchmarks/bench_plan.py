@@ -100,7 +100,7 @@ def main() -> None:
     facts = {"num_layers": model.config.num_layers, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        candidates += [parse_entry(e, facts) for e in megatron_presets(frozenset({"core_attn", "layernorm", "mlp"}),
+        candidates += [parse_entry(e, facts) for e in megatron_presets(frozenset({"core_attn", "layernorm", "mlp", "mlp_act"}),
                                                                        model.config.num_layers)]
     if args.offload:
         candidates += _offload_plans(model.config.num_layers)

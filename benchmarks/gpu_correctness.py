@@ -23,8 +23,8 @@ LAYERS = 4
 
 
 def configs() -> list[RecomputeConfig]:
-    labels = ["core_attn", "layernorm", "mlp"]
-    subsets = [c for r in range(1, 4) for c in itertools.combinations(labels, r)]
+    labels = ["core_attn", "layernorm", "mlp", "mlp_act"]
+    subsets = [c for r in range(1, len(labels) + 1) for c in itertools.combinations(labels, r)]
     return ([RecomputeConfig(recompute_granularity="selective", recompute_modules=list(s)) for s in subsets]
             + [RecomputeConfig(recompute_granularity="full", recompute_method=m, recompute_num_layers=k)
                for m in ("uniform", "block") for k in (1, 2, LAYERS)])

@@ -2,9 +2,9 @@
 shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
 
 - SwiGLU on the fused gate/up tensor then linear_fc2: forward and backward, the activation
-  compiled by inductor (and with inductor's cat lowered as a concat kernel) under an eager linear,
-  and remat's SwiGLUDown (Triton kernels; the backward writes the activation again instead of
-  saving it), with the bytes each saves;
+  compiled by inductor (and with inductor's cat lowered as a concat kernel) and remat's SwiGLU
+  Function (Triton kernels, one-pass backward), each under torch's linear, with the bytes each
+  saves (the activation kept: discarding it is the plan's `mlp_act` action);
 - RMSNorm forward and backward (input and weight gradients): torch's fused kernel, inductor's,
   and remat's RMSNormFunction (Triton, one-pass backward), with its launch settings swept;
 - the loss head's chunk (4096 tokens x 128256 logits): loss and gradients written over the
@@ -40,7 +40,7 @@ from remat.models import rope
 from remat.models.llama import LlamaConfig, RotaryEmbedding, silu_mul, split_qkv
 from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
 from remat.models.rmsnorm import RMSNormFunction, rms_norm
-from remat.models.swiglu import SwiGLUDown
+from remat.models.swiglu import SwiGLU
 from remat.models.triton_ops import launch
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -60,7 +60,7 @@ def swiglu_rows() -> dict:
                         torch.compile(silu_mul, options={"max_pointwise_cat_inputs": 0}))
     variants = {"inductor": lambda x, w: F.linear(compiled(x), w),
                 "inductor, cat as concat kernel": lambda x, w: F.linear(concat(x), w),
-                "triton SwiGLUDown (remat)": lambda x, w: SwiGLUDown.apply(x, w, False)}
+                "triton SwiGLU (remat)": lambda x, w: F.linear(SwiGLU.apply(x), w)}
     ref_in, ref_w = gate_up.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     reference = torch.autograd.grad(F.linear(silu_mul(ref_in), ref_w), (ref_in, ref_w), grad.double())
     rows = {}

@@ -406,7 +406,7 @@ def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[
 def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "sweep", *TINY, "-d")
     assert code == 0
-    assert out.split() == ["none", "core_attn", "layernorm", "mlp", "mlp+core_attn", "core_attn+layernorm",
+    assert out.split() == ["none", "core_attn", "layernorm", "mlp", "mlp_act", "mlp+core_attn", "core_attn+layernorm",
                            "full_uniform_1", "full_block_1"]
 
 
@@ -788,9 +788,9 @@ def test_sweep_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 def test_megatron_presets() -> None:
     layout = find_sites(build("llama3_tiny", device="meta", num_layers=NUM_LAYERS)).layout
     labels = frozenset().union(*layout.labels)
-    assert labels == {"core_attn", "layernorm", "mlp"}
+    assert labels == {"core_attn", "layernorm", "mlp", "mlp_act"}
     presets = megatron_presets(labels, layout.num_layers)
-    assert presets == ["none", "core_attn", "layernorm", "mlp", "mlp+core_attn", "core_attn+layernorm",
+    assert presets == ["none", "core_attn", "layernorm", "mlp", "mlp_act", "mlp+core_attn", "core_attn+layernorm",
                        "full_uniform_1", "full_block_1"]
     assert megatron_presets(labels, 8)[-1] == "full_block_4"
     assert megatron_presets(frozenset({"mlp"}), 1) == ["none", "mlp", "full_uniform_1", "full_block_1"]

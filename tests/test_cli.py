@@ -51,7 +51,7 @@ def test_validate_rejects_both_rl_and_modules(capsys) -> None:
 
 def test_validate_checks_labels_against_the_recipe(capsys) -> None:
     code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "moe")
-    assert code == 1 and "'moe' matches no site in this model (its sites: core_attn, layernorm, mlp)" in err
+    assert code == 1 and "'moe' matches no site in this model (its sites: core_attn, layernorm, mlp, mlp_act)" in err
     code, out, _ = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "mlp")
     assert code == 0 and "layers 0-3: mlp=recompute" in out
 

@@ -229,6 +229,7 @@ WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
      "Megatron turns it off"),
     ("rule_nested_labels", {**sel("moe", "moe_act"), "moe_grouped_gemm": True}, "recompute_modules", "'moe_act'"),
     ("rule_nested_labels", sel("moe", "shared_experts"), "recompute_modules", "'shared_experts'"),
+    ("rule_nested_labels", sel("mlp", "mlp_act"), "recompute_modules", "drop 'mlp_act'"),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "flash"},
      "recompute_modules", "saves almost nothing"),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "fused"},
@@ -240,6 +241,7 @@ QUIET: list[tuple[str, dict[str, Any]]] = [
     ("rule_modules_without_switch", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}),
     ("rule_sequence_parallel_without_tensor_parallel", {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     ("rule_nested_labels", {**sel("moe", "mlp")}),
+    ("rule_nested_labels", {**sel("mlp_act", "layernorm")}),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "unfused"}),
 ]
 
@@ -504,7 +506,7 @@ def test_describe() -> None:
 # ---------------------------------------------------------------------------------------------
 # check_model
 
-DENSE = frozenset({"core_attn", "layernorm", "mlp"})
+DENSE = frozenset({"core_attn", "layernorm", "mlp", "mlp_act"})
 LAYOUT = ModelLayout(labels=(DENSE,) * 4)
 
 
@@ -522,7 +524,7 @@ def test_check_model_accepts() -> None:
 
 
 @pytest.mark.parametrize("d, layout, field, phrase", [
-    (sel("moe"), LAYOUT, "recompute_modules", "matches no site in this model (its sites: core_attn, layernorm, mlp)"),
+    (sel("moe"), LAYOUT, "recompute_modules", "matches no site in this model (its sites: core_attn, layernorm, mlp, mlp_act)"),
     (FULL, ModelLayout(labels=(DENSE,) * 4, has_layer_sites=False), "recompute_granularity", "no 'layer' sites"),
     ({**FULL, "recompute_num_layers": 3, "pipeline_model_parallel_size": 2}, LAYOUT,
      "recompute_num_layers", "between 1 and 2"),
@@ -579,6 +581,7 @@ def test_check_plan_accepts() -> None:
     ([KEEP, KEEP, {"mlp": "recompte"}, KEEP], [], "layers[2].mlp", "did you mean 'recompute'"),
     ([KEEP, KEEP, {"mlp": 3}, KEEP], [], "layers[2].mlp", "unknown action 3"),
     ([KEEP, KEEP, {"mlp": "discard"}, KEEP], [], "layers[2].mlp", "use 'recompute' for 'mlp'"),
+    ([KEEP, KEEP, {"mlp_act": "recompute"}, KEEP], [], "layers[2].mlp_act", "frees nothing; use 'discard'"),
     ([KEEP, KEEP, KEEP, "keep"], [], "layers[3]", "map each site label"),
     ([KEEP] * 4, [(2, 5)], "full_recompute[0]", "outside the model's layers [0, 4)"),
     ([KEEP] * 4, [(-1, 2)], "full_recompute[0]", "outside"),

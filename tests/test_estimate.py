@@ -283,13 +283,15 @@ def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
 
 
 def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
-    """On CUDA, SwiGLU and the down projection save only the gate/up input (the backward writes
-    the activation again; measured on an H200): MLP recompute then frees gate/up (2 x ffn)."""
-    mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
-    none, recomputed = _quiet(estimate, _spec(compile=True, target="cuda", dtype=torch.bfloat16),
-                              [("none", None), ("mlp", mlp)])
-    tokens, ffn = MB * SMALL["seq_length"], 160
-    assert none.stages[0].activations - recomputed.stages[0].activations == SMALL["num_layers"] * 2 * ffn * tokens * 2
+    """On CUDA the SwiGLU Function saves only its gate/up input: MLP recompute frees that and the
+    activation linear_fc2 saves (3 x ffn), discarding mlp_act the activation alone (1 x ffn)."""
+    mlp, act = (RecomputeConfig(recompute_granularity="selective", recompute_modules=[label])
+                for label in ("mlp", "mlp_act"))
+    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, target="cuda", dtype=torch.bfloat16),
+                                         [("none", None), ("mlp", mlp), ("mlp_act", act)])
+    tokens, ffn, layers = MB * SMALL["seq_length"], 160, SMALL["num_layers"]
+    assert none.stages[0].activations - recomputed.stages[0].activations == layers * 3 * ffn * tokens * 2
+    assert none.stages[0].activations - discarded.stages[0].activations == layers * ffn * tokens * 2
 
 
 @pytest.mark.parametrize("compiled", [False, True])

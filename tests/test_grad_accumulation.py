@@ -172,28 +172,29 @@ def test_the_model_accumulates_the_same_gradients_fused_or_not() -> None:
         torch.testing.assert_close(fused[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _swiglu_function(model: torch.nn.Module) -> None:
-    """The MLPs through SwiGLUDown, as compile_regions sets them on CUDA (its linear_fc2 fuses)."""
+def _triton_activation(model: torch.nn.Module) -> None:
+    """The MLPs' activation through the Triton SwiGLU Function, as compile_regions sets it on CUDA."""
     pytest.importorskip("triton")
     for layer in model.decoder.layers:
-        layer.mlp.activation_down = swiglu.activation_down
+        layer.mlp.activation = swiglu.silu_mul
 
 
-@pytest.mark.parametrize("mlp", ["eager", "SwiGLUDown"])
+@pytest.mark.parametrize("mlp", ["eager", "triton"])
 @pytest.mark.parametrize("config", [
     RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
+    RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp_act", "layernorm"]),
     RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)])
 def test_recompute_accumulates_the_gradients_of_no_recompute_bit_for_bit(config: RecomputeConfig, mlp: str) -> None:
     """The second step adds into .grad inside the GEMMs in the recomputed backward too (whose
     saved weights come back through the engine's hooks), with the gradients of no recompute."""
-    kernels = _swiglu_function if mlp == "SwiGLUDown" else (lambda model: None)
+    kernels = _triton_activation if mlp == "triton" else (lambda model: None)
 
     def with_plan(model: torch.nn.Module) -> None:
         kernels(model)
         remat.apply(model, config)
 
     (plain, plain_ops), (recomputed, ops) = _two_steps(True, kernels), _two_steps(True, with_plan)
-    assert ops["addmm_"] == plain_ops["addmm_"] == 2 * (4 if mlp == "SwiGLUDown" else 3)
+    assert ops["addmm_"] == plain_ops["addmm_"] == 2 * 3
     for name in plain:
         assert torch.equal(plain[name], recomputed[name]), name
 

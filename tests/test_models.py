@@ -221,7 +221,7 @@ def _site_map(layer: TransformerLayer) -> dict[str, tuple[str, bool]]:
 
 
 @pytest.mark.parametrize("backend,fused", [("sdpa", True), ("eager", False)])
-def test_every_layer_has_exactly_the_megatron_sites(backend, fused):
+def test_every_layer_has_exactly_the_megatron_sites_and_mlp_act(backend, fused):
     model = build("llama3_tiny", attention_backend=backend)
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     assert len(layers) == model.config.num_layers
@@ -232,8 +232,9 @@ def test_every_layer_has_exactly_the_megatron_sites(backend, fused):
             "pre_mlp_norm_site": ("layernorm", False),
             "mlp_site": ("mlp", False),
             "self_attention.core_attn_site": ("core_attn", fused),
+            "mlp.act_site": ("mlp_act", False),
         }
-    sites_outside_layers = sum(isinstance(m, Site) for m in model.modules()) - 5 * len(layers)
+    sites_outside_layers = sum(isinstance(m, Site) for m in model.modules()) - 6 * len(layers)
     assert sites_outside_layers == 0
 
 

@@ -13,11 +13,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import remat
 from remat.apply import offloader_of
-from remat.memory.trace import MAX_TIMING_REPEATS, Effect, _at_least_their_parts, timing_repeats
+from remat.memory.trace import MAX_TIMING_REPEATS, Effect, _combo, _combos, _summed_times, timing_repeats
 from remat.plans import Plan
 
 LAYERS = 4
 LABELS = ("core_attn", "layernorm", "mlp")
+OPTIONS = {"core_attn": ["keep", "recompute"], "layernorm": ["keep", "recompute", "discard"],
+           "mlp": ["keep", "recompute"], "mlp_act": ["keep", "discard"]}
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
@@ -72,9 +74,8 @@ def _measured(model, batch, plan) -> int:
 
 @st.composite
 def plans(draw) -> Plan:
-    layers = [{label: draw(st.sampled_from(["keep", "recompute", "discard"] if label == "layernorm"
-                                           else ["keep", "recompute"]))
-               for label in draw(st.sets(st.sampled_from(LABELS)))} for _ in range(LAYERS)]
+    layers = [{label: draw(st.sampled_from(OPTIONS[label])) for label in draw(st.sets(st.sampled_from(list(OPTIONS))))}
+              for _ in range(LAYERS)]
     groups, i = [], 0
     while i < LAYERS:
         if draw(st.booleans()):
@@ -292,16 +293,28 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     assert max(coarse.allocated) == max(coarse.peaks.values())
 
 
-def test_a_combination_costs_at_least_each_of_its_parts() -> None:
-    """Timing noise measured layernorm discard with mlp recompute cheaper than mlp alone, and all
-    three sites at nothing: each is raised to its dearest part; a part keeps its own time."""
+def test_a_combination_costs_the_sum_of_its_actions_timed_alone() -> None:
+    """Whatever a combination's own timing would have said: its actions add separate work."""
     mlp, ln, attn = ("mlp", "recompute"), ("layernorm", "discard"), ("core_attn", "recompute")
     measured = {frozenset(): Effect(0, {}), frozenset({mlp}): Effect(8, {}, 0.036),
-                frozenset({ln}): Effect(2, {}, 0.001), frozenset({ln, mlp}): Effect(10, {}, 0.014),
-                frozenset({attn, ln, mlp}): Effect(11, {}, 0.0)}
-    times = {combo: e.added_time_s for combo, e in _at_least_their_parts(measured).items()}
-    assert times == {frozenset(): 0.0, frozenset({mlp}): 0.036, frozenset({ln}): 0.001,
-                     frozenset({ln, mlp}): 0.036, frozenset({attn, ln, mlp}): 0.036}
+                frozenset({ln}): Effect(2, {}, 0.001), frozenset({attn}): Effect(1, {}, 0.004),
+                frozenset({ln, mlp}): Effect(10, {}), frozenset({attn, ln, mlp}): Effect(11, {})}
+    summed = _summed_times(measured)
+    assert {combo: e.added_time_s for combo, e in summed.items()} == {
+        frozenset(): 0.0, frozenset({mlp}): 0.036, frozenset({ln}): 0.001, frozenset({attn}): 0.004,
+        frozenset({ln, mlp}): 0.036 + 0.001, frozenset({attn, ln, mlp}): 0.036 + 0.001 + 0.004}
+    assert [e.freed_bytes for e in summed.values()] == [e.freed_bytes for e in measured.values()]
+
+
+def test_an_action_inside_a_recomputed_enclosing_site_is_dropped() -> None:
+    """mlp recompute replays the activation plainly: mlp_act's action there does nothing, so a
+    Llama layer has 2 x 3 x 3 distinct combinations (mlp_act is discard-only), not 2 x 3 x 2 x 2."""
+    assert _combo({"mlp": "recompute", "mlp_act": "discard", "layernorm": "keep"}) == {("mlp", "recompute")}
+    assert _combo({"mlp": "keep", "mlp_act": "discard"}) == {("mlp_act", "discard")}
+    combos = _combos(frozenset({*LABELS, "mlp_act"}))
+    assert len(combos) == len(set(combos)) == 18
+    assert not any(("mlp_act", "recompute") in c or {("mlp", "recompute"), ("mlp_act", "discard")} <= c
+                   for c in combos)
 
 
 def _freed_alone_from_what_sites_save(trace, layer: int, label: str) -> int:
@@ -318,6 +331,12 @@ def test_what_each_site_saves_accounts_for_what_recomputing_it_frees(traced) -> 
             freed = trace.layers[i].combos[frozenset({(label, "recompute")})].freed_bytes
             assert freed == _freed_alone_from_what_sites_save(trace, i, label) > 0
     assert trace.storages[(None, "loss head")].saved_bytes > 0
+    # discarding the activation frees what recomputing it would, and the output linear_fc2 saves
+    model, (ids, _), _ = traced
+    activation = ids.numel() * model.config.ffn_hidden_size * 8  # [tokens, ffn] in float64
+    for i in range(LAYERS):
+        freed = trace.layers[i].combos[frozenset({("mlp_act", "discard")})].freed_bytes
+        assert freed == _freed_alone_from_what_sites_save(trace, i, "mlp_act") + activation
 
 
 def test_a_site_whose_saved_output_another_site_saves_too_frees_almost_nothing() -> None:

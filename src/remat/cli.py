@@ -44,7 +44,7 @@ def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="full: whole layers; selective: the modules in --recompute_modules")
     g.add_argument("--recompute_modules", metavar="A,B",
                    help="selective labels, comma separated (core_attn, layernorm, mlp, moe, moe_act, "
-                        "shared_experts, mla_up_proj); implies --recompute_granularity selective")
+                        "shared_experts, mla_up_proj; remat's mlp_act); implies --recompute_granularity selective")
     g.add_argument("-rl", "--recompute_num_layers", type=int, metavar="N",
                    help="full recompute of N layers per (virtual) stage; implies full granularity "
                         "and, unless --recompute_method says otherwise, the block method")
@@ -715,7 +715,8 @@ def _storage_table(measured: Any) -> Any:
                       f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
                       "-" if frees is None else format_gib(frees))
     table.caption = ("recomputing a site keeps its inputs and what other sites save: it frees what it saves "
-                     "less those, unless something else holds them")
+                     "less those, unless something else holds them (a discard-only site, such as mlp_act:"
+                     " what discarding it frees)")
     return table
 
 

@@ -23,12 +23,19 @@ from typing import IO, Any, Literal
 
 import yaml
 
-# Megatron's selective-recompute labels that remat supports, in Megatron's order of documentation.
+# Megatron's selective-recompute labels that remat supports, in Megatron's order of documentation,
+# then remat's own: `mlp_act`, a dense MLP's activation between linear_fc1 and linear_fc2 (what
+# `moe_act` is in Megatron's experts).
 RECOMPUTE_MODULES: tuple[str, ...] = (
-    "core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj",
+    "core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj", "mlp_act",
 )
-# Labels Megatron recomputes with its output-discarding checkpoint (the rest use a plain checkpoint).
-DISCARD_MODULES: frozenset[str] = frozenset({"layernorm", "moe_act", "mla_up_proj"})
+# Labels recomputed with the output-discarding checkpoint (the rest use a plain checkpoint).
+DISCARD_MODULES: frozenset[str] = frozenset({"layernorm", "moe_act", "mla_up_proj", "mlp_act"})
+# Labels whose output is all their consumer saves: a plain checkpoint of them frees nothing.
+DISCARD_ONLY: frozenset[str] = frozenset({"mlp_act"})
+# label -> the label whose site always runs it: recomputing the outer one replays the inner one
+# too, so an action at the inner one does nothing there.
+ENCLOSING: dict[str, str] = {"moe_act": "moe", "shared_experts": "moe", "mlp_act": "mlp"}
 # A whole transformer layer: the unit of full (layer-level) recompute.
 LAYER = "layer"
 SITE_LABELS: tuple[str, ...] = RECOMPUTE_MODULES + (LAYER,)
@@ -918,12 +925,10 @@ def rule_sequence_parallel_without_tensor_parallel(c: RecomputeConfig) -> Iterat
 @_warning_rule
 def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
     selected = _selected(c)
-    if "moe" not in selected:
-        return
-    for inner in ("moe_act", "shared_experts"):
-        if inner in selected:
-            yield Problem("recompute_modules", f"'moe' already recomputes the whole MoE layer, which contains"
-                                               f" {inner!r}; listing both adds recompute work for no saving:"
+    for inner, outer in ENCLOSING.items():
+        if inner in selected and outer in selected:
+            yield Problem("recompute_modules", f"{outer!r} already recomputes the whole module, which contains"
+                                               f" {inner!r}; listing both adds work for no saving:"
                                                f" drop {inner!r}")
 
 
@@ -1165,6 +1170,9 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
         elif action == "discard" and label not in DISCARD_MODULES:
             yield Problem(name, f"only {_one_of(sorted(DISCARD_MODULES))} outputs are discarded (their "
                                 f"consumers save them anyway); use 'recompute' for {label!r}")
+        elif action == "recompute" and label in DISCARD_ONLY:
+            yield Problem(name, f"{label!r}'s output is all its consumer saves, so a plain recompute frees"
+                                " nothing; use 'discard'")
 
 
 def _plan_layer_site(name: str, action: Any, has_layer_sites: bool) -> Iterator[Problem]:

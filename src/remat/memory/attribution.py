@@ -2,11 +2,13 @@
 the embedding and the loss head saved for backward.
 
 While an `Attributor` is entered, a saved-tensor hook notes the storage of everything autograd
-saves with the Site running at the time (hooks on the model's Sites keep a stack of them). What a
+saves with the Sites running at the time (hooks on the model's Sites keep a stack of them): the
+innermost, and the sites enclosing it within the layer (`mlp` around `mlp_act`). What a
 recompute region saves never reaches this hook: the region keeps slots, not tensors, and the
 inputs it keeps are left to "other allocated". At any moment `attribute()` sums the storages
-still alive, each counted once, first owner first; `sites()` gives each site all it saved, with
-what of that is its own inputs and what other sites save too.
+still alive, each counted once, for the innermost site that saved it first; `sites()` gives each
+site all it saved (with the sites inside it), with what of that is its own inputs and what sites
+outside it save too.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from remat.engine import storage_key
 from remat.memory.meter import storage_bytes
 
 Owner = tuple[int | None, str]  # (layer, site label); layer None: outside the layers
+Chain = tuple[Owner, ...]  # the sites running when a tensor was saved, innermost first
 
 
 def owner_name(owner: Owner) -> str:
@@ -60,7 +63,7 @@ class SiteStorages:
 
     saved_bytes: int
     input_bytes: int  # the site's inputs, saved or not: recomputing the site keeps them
-    shared_bytes: int  # saved storages that are not its inputs and another site saves too
+    shared_bytes: int  # saved storages that are not its inputs and a site outside it saves too
     shared_with: frozenset[Owner]
 
 
@@ -71,7 +74,7 @@ class Attributor(AbstractContextManager):
         self.model, self.optimizer = model, optimizer
         self._stack: list[Owner] = []
         self._after_layers = False
-        self._saved: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[Owner]]] = {}
+        self._saved: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[Chain]]] = {}
         self._inputs: dict[Owner, dict[int, int]] = {}  # storage -> bytes each site took as input, this forward
         self._exit = ExitStack()
 
@@ -112,15 +115,16 @@ class Attributor(AbstractContextManager):
         if not storage.nbytes():
             return t
         outside = "loss head" if self._after_layers else "embedding"
-        owner = self._stack[-1] if self._stack else (None, outside)
+        inner = tuple(owner for owner in reversed(self._stack) if owner[1] != LAYER)
+        chain = inner or ((self._stack[-1],) if self._stack else ((None, outside),))
         known = self._saved.get(key)
         if known is None or known[0]() is not storage:  # a new storage, or a dead one's address reused
-            self._saved[key] = (weakref.ref(storage), [owner])
-        elif owner not in known[1]:
-            known[1].append(owner)
+            self._saved[key] = (weakref.ref(storage), [chain])
+        elif chain not in known[1]:
+            known[1].append(chain)
         return t
 
-    def _alive(self) -> Iterator[tuple[int, torch.UntypedStorage, list[Owner]]]:
+    def _alive(self) -> Iterator[tuple[int, torch.UntypedStorage, list[Chain]]]:
         """The saved storages alive now that are activations (not weights, grads, optimizer
         state or buffers such as RoPE tables, whose views may be saved too)."""
         static = self._static()
@@ -136,10 +140,10 @@ class Attributor(AbstractContextManager):
         saved: Counter[Owner] = Counter()
         shared: Counter[Owner] = Counter()
         shared_with: defaultdict[Owner, set[Owner]] = defaultdict(set)
-        for key, storage, owners in self._alive():
-            for owner in owners:
+        for key, storage, chains in self._alive():
+            for owner in dict.fromkeys(owner for chain in chains for owner in chain):
                 saved[owner] += storage.nbytes()
-                others = [other for other in owners if other != owner]
+                others = [chain[0] for chain in chains if owner not in chain]
                 if others and key not in self._inputs.get(owner, {}):
                     shared[owner] += storage.nbytes()
                     shared_with[owner].update(others)
@@ -150,8 +154,8 @@ class Attributor(AbstractContextManager):
 
     def attribute(self) -> Attribution:
         activations: dict[Owner, int] = {}
-        for _, storage, owners in self._alive():  # each storage once, for the site that saved it first
-            activations[owners[0]] = activations.get(owners[0], 0) + storage.nbytes()
+        for _, storage, chains in self._alive():  # each storage once, for the site that saved it first
+            activations[chains[0][0]] = activations.get(chains[0][0], 0) + storage.nbytes()
         weights, grads, state = self._held()
         return Attribution(storage_bytes(weights), storage_bytes(grads), storage_bytes(state), activations)
 

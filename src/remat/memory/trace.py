@@ -8,9 +8,11 @@ windows of its own layers by what was measured, every later window that still ho
 tensors by the bytes it frees, and nothing else. Summing those effects predicts any plan, and
 the planner optimizes over the same sums.
 
-A layer's sites do interact (a discarded norm output is also the MLP's input), so every
-combination of actions in a layer is measured, not each site alone. Recompute cost is the step
-time added when every layer of the kind runs the combination, per layer.
+A layer's sites do interact (a discarded norm output is also the MLP's input), so the memory of
+every combination of actions in a layer is measured, not each site alone; an action at a site
+that an enclosing recomputed site replays (`mlp_act` inside `mlp`) does nothing and is dropped.
+Recompute cost is the step time added when every layer of the kind runs one action, per layer; a
+combination adds the work of each of its actions, one after another, so it costs their sum.
 
 With `offload=True` the trace also measures offloading: each combination with the rest of the
 layer offloaded, each site offloaded alone, and recompute groups with their input offloaded.
@@ -35,6 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat.apply import apply, find_sites, offloader_of
 from remat.config import (
     DISCARD_MODULES,
+    DISCARD_ONLY,
+    ENCLOSING,
     LAYER,
     MIN_OFFLOADED_TENSOR_SIZE,
     ConfigError,
@@ -223,7 +227,11 @@ def _no_worse_with_fewer_actions(fewer: Choice, more: Choice) -> bool:
 
 
 def _combo(actions: dict[str, str]) -> Combo:
-    return frozenset((label, action) for label, action in actions.items() if action != "keep")
+    """The actions that act: not keep, and not at a site whose enclosing site recomputes (its
+    replay runs the inner site plainly)."""
+    recomputed = {label for label, action in actions.items() if action == "recompute"}
+    return frozenset((label, action) for label, action in actions.items()
+                     if action != "keep" and ENCLOSING.get(label) not in recomputed)
 
 
 def _offloads(combo: Combo) -> bool:
@@ -242,11 +250,12 @@ def _resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
 
 
 def _combos(labels: frozenset[str]) -> list[Combo]:
-    """Keep or recompute every label; discard too where Megatron discards outputs (layernorm...)."""
+    """Keep or recompute every label (discard instead where that is all that frees anything);
+    discard too where outputs are discarded (layernorm...). Each distinct combination once."""
     ordered = sorted(labels)
-    options = [("keep", "recompute", "discard") if label in DISCARD_MODULES else ("keep", "recompute")
-               for label in ordered]
-    return [_combo(dict(zip(ordered, choice))) for choice in itertools.product(*options)]
+    options = [("keep", *(() if label in DISCARD_ONLY else ("recompute",)),
+                *(("discard",) if label in DISCARD_MODULES else ())) for label in ordered]
+    return list(dict.fromkeys(_combo(dict(zip(ordered, choice))) for choice in itertools.product(*options)))
 
 
 def unmeasured_problems(plan: Plan, layout: ModelLayout, offload: bool) -> Iterator[Problem]:
@@ -693,19 +702,21 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
         return max(0.0, each_way - layer_time) + max(0.0, each_way - 2 * layer_time)
 
     def measure_combo(combo: Combo) -> Effect:
+        """Its memory; its time too for one action alone, or with offload (recomputing more leaves
+        less to copy: not a sum)."""
         note(f"layer {r}: " + (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep"))
         at, layers = (max(followed), followed) if _offloads(combo) else (r, indices)
         plan = Plan.none(n)
         plan.layers[at] = dict(combo)
         measured = effect(plan, at, at + 1, reach=1 if _offloads(combo) else 0)
-        if not combo:
+        if len(combo) != 1 and not _offloads(combo):
             return measured
         everywhere = Plan.none(n)
         for i in layers:
             everywhere.layers[i] = dict(combo)
         return replace(measured, added_time_s=added_time(everywhere, layers) + copy_time(measured.host_bytes))
 
-    combos = _at_least_their_parts({combo: measure_combo(combo) for combo in _combos(layout.labels[r])})
+    combos = _summed_times({combo: measure_combo(combo) for combo in _combos(layout.labels[r])})
     if offload and followed:
         combos.update((combo, measure_combo(combo)) for combo in _offload_combos(layout.labels[r]))
     groups = {size: effect(Plan(Plan.none(n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1)
@@ -726,11 +737,9 @@ def _measure_kind(stepper: _Stepper, base: _Record, base_time: float, indices: l
     return LayerEffects(combos, groups, input_bytes, layer_time, offloaded)
 
 
-def _at_least_their_parts(combos: dict[Combo, Effect]) -> dict[Combo, Effect]:
-    """Recompute and discard only add work, so a combination of them costs at least each of its
-    parts. Timing noise (a tiny model on CPU) can measure it cheaper; the planner would then take
-    actions it does not need. (Not for offload: recomputing more leaves less to copy.)"""
-    return {combo: replace(e, added_time_s=max(other.added_time_s for part, other in combos.items() if part <= combo))
+def _summed_times(combos: dict[Combo, Effect]) -> dict[Combo, Effect]:
+    """A combination of recompute and discard actions costs the time of each, measured alone."""
+    return {combo: replace(e, added_time_s=sum(combos[frozenset({pair})].added_time_s for pair in combo))
             for combo, e in combos.items()}
 
 
@@ -752,13 +761,14 @@ def _first_of_each_kind(trace: Trace) -> Iterator[tuple[int, LayerEffects]]:
 
 
 def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None]]:
-    """(site, what it saves in a no-recompute step, what recomputing it alone frees as measured)
+    """(site, what it saves in a no-recompute step, what recomputing it alone (discarding, for a
+    discard-only site) frees as measured)
     for the first layer of each kind ("other ops": the layer's ops outside its sites), then the
     embedding and the loss head (nothing measured for those)."""
     for i, effects in _first_of_each_kind(trace):
         for label in [*sorted(trace.layout.labels[i]), LAYER]:
             if (i, label) in trace.storages:
-                alone = effects.combos.get(frozenset({(label, "recompute")}))
+                alone = effects.combos.get(frozenset({(label, "discard" if label in DISCARD_ONLY else "recompute")}))
                 yield owner_name((i, label)), trace.storages[(i, label)], None if alone is None else alone.freed_bytes
     for owner, storages in trace.storages.items():
         if owner[0] is None:

@@ -65,7 +65,7 @@ class _AccumulatingLinear(torch.autograd.Function):
     """F.linear(x, weight) without bias, saving x and weight as torch's linear does, whose
     backward adds the weight gradient into weight.grad where autograd would add it. Unlike
     torch's linear it saves when it returns, after its matmul: a recompute replay that stops at
-    the last saved tensor runs the matmul (llama.swiglu_down keeps torch's linear for that)."""
+    the last saved tensor runs the matmul (llama.MLP keeps torch's linear for linear_fc2)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]

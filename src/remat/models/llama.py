@@ -5,10 +5,9 @@ The model knows nothing of recompute: it only calls its computations through ``S
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -211,14 +210,6 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool,
-                activation: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
-    """linear_fc2(silu(gate) * up) for linear_fc2's weight. `fuse_grads` is not taken here:
-    torch's linear saves its input before its matmul, so a recompute replay of the MLP (or of a
-    whole layer) stops before linear_fc2's GEMM, which costs more than the add fused away."""
-    return F.linear(activation(gate_up), weight)
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward with Megatron's fused gate/up ``linear_fc1`` and ``linear_fc2``."""
 
@@ -230,15 +221,15 @@ class MLP(nn.Module):
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
                                     **_factory(dtype, device))
         self.fuse_grads = config.gradient_accumulation_fusion
+        self.act_site = Site("mlp_act")
         # swapped for a compiled version by LlamaModel.compile_regions
-        self.activation_down: swiglu.ActivationDownFn = swiglu_down
+        self.activation: swiglu.ActivationFn = silu_mul
 
     def forward(self, x: Tensor) -> Tensor:
-        # A recompute replay stops once all that was saved is rebuilt: before linear_fc2's matmul
-        # on the eager path (a linear saves its input first), after it with SwiGLUDown (a
-        # Function saves when it returns).
-        return self.activation_down(linear(x, self.linear_fc1.weight, self.fuse_grads), self.linear_fc2.weight,
-                                    self.fuse_grads)
+        act = self.act_site(self.activation, linear(x, self.linear_fc1.weight, self.fuse_grads))
+        # torch's linear, not the fusing one: it saves its input before its matmul, so a recompute
+        # replay of the MLP (or of a whole layer) stops there instead of running the GEMM again.
+        return F.linear(act, self.linear_fc2.weight)
 
 
 class TransformerLayer(nn.Module):
@@ -358,23 +349,22 @@ class LlamaModel(nn.Module):
         """torch.compile the pure functions around each layer's Sites (the QKV split with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
         copy of each serves every layer. On CUDA, remat's Triton kernels run instead where they
-        measured faster (benchmarks/results/kernels_w1_h200.json): SwiGLU and linear_fc2 as one
-        Function that does not save the activation (the backward writes it again), the QKV split
-        with RoPE in one kernel each way, RMSNorm with a one-pass backward, and each loss chunk in
-        one kernel.
+        measured faster (benchmarks/results/kernels_w1_h200.json): the SwiGLU activation with a
+        one-pass backward, the QKV split with RoPE in one kernel each way, RMSNorm with a one-pass
+        backward, and each loss chunk in one kernel.
 
         Regions, not the whole model: Sites stay outside compiled code, so every recompute plan
         composes with them (a compiled region's saved tensors go through the Site's hooks).
         `backend` is torch.compile's; on meta tensors remat's estimate uses
         "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
-        compiled_qkv, compiled_merge, activation_down = (
+        compiled_qkv, compiled_merge, activation = (
             rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
-            swiglu.on_cuda(functools.partial(swiglu_down, activation=torch.compile(silu_mul, backend=backend))))
+            swiglu.on_cuda(torch.compile(silu_mul, backend=backend)))
         for layer in self.decoder.transformer_layers():
             layer.self_attention.split_qkv = compiled_qkv
             layer.self_attention.merge_heads = compiled_merge
-            layer.mlp.activation_down = activation_down
+            layer.mlp.activation = activation
         self.set_norm_kernel(rmsnorm.on_cuda())
         self.loss_kernels = compiled_loss_kernels(backend)
 

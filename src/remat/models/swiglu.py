@@ -1,25 +1,20 @@
-"""SwiGLU and the down projection (linear_fc2) after it, as one autograd Function with two
-Triton kernels, for CUDA.
+"""SwiGLU's activation silu(gate) * up as an autograd Function with two Triton kernels, for CUDA.
 
-The activation silu(gate) * up is what linear_fc2 would save for its weight gradient: 448 MiB a
-layer at W1's shapes. The Function saves only the fused gate/up input (which the activation's
-own backward needs anyway) and writes the activation again from the kernel that computes its
-gradient, which reads gate/up already: one extra write instead of a saved tensor, as inductor's
-partitioner does for compiled code. That kernel also writes both halves of the gradient in one
-pass (inductor compiles it as a `cat`, which moved 2.25 TB/s on an H200 at W1's shapes, against
-3.4 for this one: benchmarks/results/kernels_w1_h200.json). The kernels compute in float32 and
-round once; the backward's activation is bit-identical to the forward's. Launching, meta
-tensors and CPU testing: remat.models.triton_ops.
+It saves only the fused gate/up input, which its backward needs; the activation it returns is
+what linear_fc2 saves, and whether that is kept or discarded is the `mlp_act` Site's business.
+The backward writes both halves of the gradient in one pass (inductor compiles it as a `cat`,
+which moved 2.25 TB/s on an H200 at W1's shapes against 3.4 for one kernel:
+benchmarks/results/kernels_w1_h200.json). The kernels compute in float32 and round once, so a
+discarded activation rebuilt in backward has the forward's bits. Launching, meta tensors and CPU
+testing: remat.models.triton_ops.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.grad_accumulation import kept_for_grad, weight_grad
 from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
@@ -30,51 +25,40 @@ def _launch(name: str, out: Tensor, ffn: int, *args: Tensor) -> None:
     launch(name, (out.numel() // out.shape[-1], -(-ffn // _BLOCK)), out, *args, ffn, BLOCK=_BLOCK)
 
 
-class SwiGLUDown(torch.autograd.Function):
-    """F.linear(silu(gate) * up, weight) for gate_up = [..., 2 * ffn] (gate first), saving
-    gate_up and the weight only; `fuse_grads` as remat.models.grad_accumulation.linear's `fuse`. Not twice
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up for gate_up = [..., 2 * ffn] (gate first), saving gate_up. Not twice
     differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: Tensor, weight: Tensor, fuse_grads: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gate_up: Tensor) -> Tensor:  # type: ignore[override]
         if gate_up.shape[-1] % 2:
             raise ValueError(f"SwiGLU needs an even last dimension (gate then up), got {tuple(gate_up.shape)}")
         gate_up = gate_up.contiguous()
-        ffn = gate_up.shape[-1] // 2
-        ctx.save_for_backward(gate_up, weight)
-        ctx.weight, ctx.fuse_grads = kept_for_grad(weight), fuse_grads
-        act = gate_up.new_empty(gate_up.shape[:-1] + (ffn,))
-        _launch("silu_mul_forward", act, ffn, gate_up, act)
-        return F.linear(act, weight)
+        ctx.save_for_backward(gate_up)
+        act = gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
+        _launch("silu_mul_forward", act, act.shape[-1], gate_up, act)
+        return act
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
         refuse_double_backward("SwiGLU")
-        gate_up, weight = ctx.saved_tensors
+        (gate_up,) = ctx.saved_tensors
         # a saved-tensor hook may hand back other strides than it was given
         gate_up, grad = gate_up.contiguous(), grad.contiguous()
-        ffn = gate_up.shape[-1] // 2
-        d_act = grad.matmul(weight)
-        d_gate_up, act = torch.empty_like(gate_up), torch.empty_like(d_act)
-        _launch("silu_mul_backward", d_gate_up, ffn, gate_up, d_act, d_gate_up, act)
-        del d_act
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = weight_grad(ctx.weight, grad.reshape(-1, grad.shape[-1]), act.reshape(-1, ffn),
-                                   ctx.fuse_grads)
-        return d_gate_up, d_weight, None
+        d_gate_up = torch.empty_like(gate_up)
+        _launch("silu_mul_backward", d_gate_up, grad.shape[-1], gate_up, grad, d_gate_up)
+        return d_gate_up
 
 
-ActivationDownFn = Callable[[Tensor, Tensor, bool], Tensor]
+ActivationFn = Callable[[Tensor], Tensor]
 
 
-def activation_down(gate_up: Tensor, weight: Tensor, fuse_grads: bool) -> Tensor:
-    """F.linear(silu(gate) * up, weight) through SwiGLUDown."""
-    return SwiGLUDown.apply(gate_up, weight, fuse_grads)
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up through SwiGLU."""
+    return SwiGLU.apply(gate_up)
 
 
-def on_cuda(fallback: ActivationDownFn) -> ActivationDownFn:
-    """SwiGLU then linear_fc2 through SwiGLUDown for CUDA tensors of KERNEL_DTYPES (when Triton
-    is installed); `fallback` for anything else."""
-    return dispatch(activation_down, fallback, lambda gate_up, weight, fuse_grads: (
-        gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES))
+def on_cuda(fallback: ActivationFn) -> ActivationFn:
+    """The activation through SwiGLU for CUDA tensors of KERNEL_DTYPES (when Triton is
+    installed); `fallback` for anything else."""
+    return dispatch(silu_mul, fallback, lambda gate_up: gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES)

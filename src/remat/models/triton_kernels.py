@@ -15,8 +15,8 @@ def silu_mul_forward(gate_up, out, ffn, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def silu_mul_backward(gate_up, grad, out, act, ffn, BLOCK: tl.constexpr):
-    """Both halves of gate_up's gradient into `out`, and the activation again into `act`."""
+def silu_mul_backward(gate_up, grad, out, ffn, BLOCK: tl.constexpr):
+    """Both halves of gate_up's gradient into `out`, in one pass."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < ffn
@@ -24,7 +24,6 @@ def silu_mul_backward(gate_up, grad, out, act, ffn, BLOCK: tl.constexpr):
     u = tl.load(gate_up + row * 2 * ffn + ffn + cols, mask=mask).to(tl.float32)
     d = tl.load(grad + row * ffn + cols, mask=mask).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(act + row * ffn + cols, (g * sig * u).to(act.dtype.element_ty), mask=mask)
     # d silu(g) / dg = sig * (1 + g * (1 - sig))
     tl.store(out + row * 2 * ffn + cols, (d * u * sig * (1 + g * (1 - sig))).to(out.dtype.element_ty), mask=mask)
     tl.store(out + row * 2 * ffn + ffn + cols, (d * g * sig).to(out.dtype.element_ty), mask=mask)
