@@ -176,7 +176,7 @@ def _triton_activation(model: torch.nn.Module) -> None:
     """The MLPs' activation through the Triton SwiGLU Function, as compile_regions sets it on CUDA."""
     pytest.importorskip("triton")
     for layer in model.decoder.layers:
-        layer.mlp.activation = swiglu.silu_mul
+        layer.mlp.activation = swiglu.activation
 
 
 @pytest.mark.parametrize("mlp", ["eager", "triton"])

@@ -106,7 +106,7 @@ def test_in_the_model_plans_stay_bit_identical(plan: str, verified_preset) -> No
     torch.manual_seed(0)
     model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16, device=DEVICE)
     for layer in model.decoder.layers:
-        layer.mlp.activation = swiglu.silu_mul
+        layer.mlp.activation = swiglu.activation
     ids = torch.randint(0, model.config.vocab_size, (2, 17), device=DEVICE)
     assert verified_preset(model, ids, plan).bit_identical
 
@@ -117,7 +117,7 @@ def test_discarding_the_activation_frees_exactly_its_bytes() -> None:
     torch.manual_seed(0)
     model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16, device=DEVICE)
     for layer in model.decoder.layers:
-        layer.mlp.activation = swiglu.silu_mul
+        layer.mlp.activation = swiglu.activation
     ids = torch.randint(0, model.config.vocab_size, (2, 17), device=DEVICE)
     report = verify(model, Plan([{"mlp_act": "discard"}, {}]), ids[:, :-1], ids[:, 1:])
     assert report.bit_identical

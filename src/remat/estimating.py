@@ -363,7 +363,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
         if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
             for layer in model.decoder.transformer_layers():
-                layer.mlp.activation = swiglu.silu_mul
+                layer.mlp.activation = swiglu.activation
                 layer.self_attention.split_qkv = rope.split_qkv
     if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
         model.set_norm_kernel(rmsnorm.triton_rms_norm)

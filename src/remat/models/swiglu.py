@@ -53,7 +53,7 @@ class SwiGLU(torch.autograd.Function):
 ActivationFn = Callable[[Tensor], Tensor]
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def activation(gate_up: Tensor) -> Tensor:
     """silu(gate) * up through SwiGLU."""
     return SwiGLU.apply(gate_up)
 
@@ -61,4 +61,4 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 def on_cuda(fallback: ActivationFn) -> ActivationFn:
     """The activation through SwiGLU for CUDA tensors of KERNEL_DTYPES (when Triton is
     installed); `fallback` for anything else."""
-    return dispatch(silu_mul, fallback, lambda gate_up: gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES)
+    return dispatch(activation, fallback, lambda gate_up: gate_up.is_cuda and gate_up.dtype in KERNEL_DTYPES)
