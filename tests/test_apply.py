@@ -10,10 +10,11 @@ import torch
 
 import remat
 from remat.apply import find_sites
-from remat.config import ConfigError, RecomputeConfig, TrainingFacts
+from remat.problems import ConfigError
+from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.engine.rng import ReplayState
 from remat.models import build
-from remat.plans import Plan
+from remat.layer_plan import Plan
 from remat.verify import run_step, verify
 
 LAYERS, BATCH, SEQ = 4, 2, 16

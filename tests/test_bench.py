@@ -22,17 +22,19 @@ import torch
 from torch import nn
 
 import remat.bench.run as bench_run
+import remat.step as step
 from remat.apply import apply, find_sites
 from remat.bench import BenchResult, BenchSpec, plan_name, run_bench, sweep
-from remat.bench.flops import model_flops
 from remat.bench.history import recent
 from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import MockData, run_shape
 from remat.cli import main
-from remat.config import ConfigError, RecomputeConfig, output_path_problems
-from remat.models import build, recipe_config
+from remat.cli.checks import output_path_problems
+from remat.problems import ConfigError
+from remat.recompute import RecomputeConfig
+from remat.models import build, family_of, recipe_config
 from remat.models.llama import MLP
-from remat.plans import Plan
+from remat.layer_plan import Plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUM_LAYERS, SEQ, MB, STEPS, WARMUP = 2, 16, 2, 3, 1
@@ -84,7 +86,7 @@ def no_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a training step ran")
 
-    monkeypatch.setattr(bench_run, "_step", refuse)
+    monkeypatch.setattr(bench_run, "_iteration", refuse)
 
 
 # --- 1. flags and their rejection ----------------------------------------------------------------------------------
@@ -132,8 +134,8 @@ REJECTED = [
     pytest.param(["--recompute_method", "uniform", "--recompute_granularity", "full"], ["recompute_num_layers"],
                  id="full-without-layers"),
     pytest.param(["--recompute_method", "uniform"],
-                 ["recompute_method: 'uniform' applies only to full recompute, which is off, so this run would"
-                  " recompute nothing; add -rl N"],
+                 ["recompute_method: 'uniform' applies only to full recompute, which is off (recompute_granularity"
+                  " is null), so it would do nothing; set recompute_granularity: full (on the command line -rl N)"],
                  id="method-without-rl"),
     pytest.param(["-mr", "llama3_tin"], ["did you mean 'llama3_tiny'?"], id="recipe-typo"),
 ]
@@ -294,7 +296,7 @@ def test_bench_rejects_an_unknown_device(capsys: pytest.CaptureFixture[str]) -> 
 def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.CaptureFixture[str],
                                                            tmp_path: Path) -> None:
     record = run_bench_free_golden()  # of this run's shape: the threshold is the one problem
-    record["shape"] = run_shape(tiny_spec(), recipe_config("llama3_tiny", num_layers=NUM_LAYERS, seq_length=SEQ))
+    record["shape"] = run_shape(tiny_spec())
     golden = tmp_path / "g.json"
     golden.write_text(json.dumps(record))
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "--threshold", "-1")
@@ -383,18 +385,18 @@ def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pyte
 def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A sweep can take hours: what its check advised is printed before the first run, once."""
-    import remat.bench as bench_package
+    import remat.cli.sweep as sweep_command
 
     seen_before_running = []
 
-    def sweep(spec, plans, progress=True):
+    def sweep(spec, plans, on_step=None):
         seen_before_running.append(capsys.readouterr().err)
-        return real_sweep(spec, plans, progress=progress)
+        return real_sweep(spec, plans, on_step=on_step)
 
     offload = tmp_path / "offload.yaml"
     offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
-    real_sweep = bench_package.sweep
-    monkeypatch.setattr(bench_package, "sweep", sweep)
+    real_sweep = sweep_command.sweep
+    monkeypatch.setattr(sweep_command, "sweep", sweep)
     code, _, err = cli(capsys, "sweep", *TINY, "--configs", str(offload), "--no_history", "--plot",
                        str(tmp_path / "p.png"))
     assert code == 0 and "offload on CPU (offload) copies CPU memory" in seen_before_running[0]
@@ -431,7 +433,7 @@ def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], 
     assert result.tflops_fwd_bwd is not None and result.tflops_fwd_bwd >= result.tflops_per_gpu
     model = build("llama3_tiny", device="meta", num_layers=NUM_LAYERS, seq_length=SEQ)
     tokens = 4 * SEQ  # two micro-batches of two sequences
-    assert result.tflops_per_gpu * 1e12 * result.step_time_s == pytest.approx(model_flops(model.config, SEQ, 4))
+    assert result.tflops_per_gpu * 1e12 * result.step_time_s == pytest.approx(family_of("llama3_tiny").flops(model.config, SEQ, 4))
     assert result.tokens_per_s_per_gpu == pytest.approx(tokens / result.step_time_s)
     memory = result.memory
     assert memory is not None
@@ -558,7 +560,7 @@ def test_golden_of_another_config_gpu_or_metrics_is_noted(capsys: pytest.Capture
 def test_golden_of_another_recipe_or_shape_is_refused_before_running(capsys: pytest.CaptureFixture[str],
                                                                      tmp_path: Path) -> None:
     record = run_bench_free_golden()
-    record["shape"] = run_shape(tiny_spec(), recipe_config("llama3_tiny", num_layers=NUM_LAYERS, seq_length=SEQ))
+    record["shape"] = run_shape(tiny_spec())
     golden = tmp_path / "g.json"
     golden.write_text(json.dumps(record))
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "-d")
@@ -629,7 +631,7 @@ def test_sweep_goes_on_after_an_oom(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(MLP, "forward", forward)
     spec = tiny_spec()
     plans = [parse_entry(e, FACTS) for e in ("none", "mlp", "full_uniform_1")]
-    results = sweep(spec, plans, progress=False)
+    results = sweep(spec, plans)
     assert [r.name for r in results] == ["none", "mlp", "full_uniform_1"]
     assert [r.status for r in results] == ["ok", "oom", "ok"]
     assert len(mlp_calls) == 2 * NUM_LAYERS + NUM_LAYERS + 1  # it did fail where intended
@@ -652,7 +654,7 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
     events: list[Any] = []
     models: list[nn.Module] = []
     step_storages: list[weakref.ref[torch.UntypedStorage]] = []
-    real_build, real_run_bench, real_forward = bench_run.build_model, bench_run.run_bench, MLP.forward
+    real_build, real_run_bench, real_forward = step.build_model, bench_run.run_bench, MLP.forward
 
     def building(spec: BenchSpec) -> nn.Module:
         models.append(real_build(spec))
@@ -677,10 +679,10 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
                 raise oom_error()
         return real_forward(self, x)
 
-    monkeypatch.setattr(bench_run, "build_model", building)
+    monkeypatch.setattr(step, "build_model", building)
     monkeypatch.setattr(bench_run, "run_bench", tracking)
     monkeypatch.setattr(MLP, "forward", forward)
-    real_release = bench_run.release_memory
+    real_release = step.release_memory
 
     def release_with_cuda(model: nn.Module) -> None:
         with monkeypatch.context() as cuda:  # only here: the model's RNG capture would look for a GPU too
@@ -688,11 +690,11 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
             cuda.setattr(torch.cuda, "is_initialized", lambda: True)
             real_release(model)
 
-    monkeypatch.setattr(bench_run, "release_memory", release_with_cuda)
+    monkeypatch.setattr(step, "release_memory", release_with_cuda)
     monkeypatch.setattr(torch.cuda, "empty_cache",
                         lambda: events.append(("empty_cache", grads_built(), step_storages[0]() is None)))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: events.append("reset_peak"))
-    results = sweep(tiny_spec(), [parse_entry(e, FACTS) for e in ("mlp", "none")], progress=False)
+    results = sweep(tiny_spec(), [parse_entry(e, FACTS) for e in ("mlp", "none")])
     assert [r.status for r in results] == ["oom", "ok"]
     failed = next(i for i, event in enumerate(events) if isinstance(event, tuple) and event[0] == "OOM")
     assert events[failed][1] > 0  # the failed step had built gradients
@@ -784,7 +786,7 @@ def test_sweep_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert err.count("core_attn' saves almost nothing") == 1
 
 
-@pytest.mark.filterwarnings("ignore::remat.config.RematWarning")  # core_attn with SDPA saves little
+@pytest.mark.filterwarnings("ignore::remat.problems.RematWarning")  # core_attn with SDPA saves little
 def test_megatron_presets() -> None:
     layout = find_sites(build("llama3_tiny", device="meta", num_layers=NUM_LAYERS)).layout
     labels = frozenset().union(*layout.labels)
@@ -892,7 +894,7 @@ def test_runs_are_reproducible() -> None:
     assert first.losses == second.losses
     assert len(set(first.losses)) == STEPS  # fresh data each step (and the weights move)
     # on one model, a later run starts again from the re-initialized weights
-    results = sweep(spec, [("a", plan), ("b", plan)], progress=False)
+    results = sweep(spec, [("a", plan), ("b", plan)])
     assert results[0].losses == results[1].losses == first.losses
     # another seed, other data and weights
     assert run_bench(tiny_spec(seed=7), plan).losses != first.losses
@@ -900,8 +902,8 @@ def test_runs_are_reproducible() -> None:
 
 def test_sft_masks_the_prompt() -> None:
     pretrain, sft = tiny_spec(), tiny_spec(task="sft")
-    tokens_p, labels_p = MockData(pretrain, 512, SEQ).batch()
-    tokens_s, labels_s = MockData(sft, 512, SEQ).batch()
+    tokens_p, labels_p = MockData(pretrain).batch()
+    tokens_s, labels_s = MockData(sft).batch()
     assert torch.equal(tokens_p, tokens_s)  # same seed, same tokens
     assert tokens_p.shape == labels_p.shape == (MB, SEQ)
     assert (labels_p >= 0).all()
@@ -962,12 +964,12 @@ def test_no_optimizer_measures_forward_and_backward_with_gradients_accumulating(
     # on CPU, the one that counts the peak), as the anchor's loop without zero_grad leaves them
     spec = tiny_spec(optimizer=False, micro_batch_size=1, global_batch_size=2)
     left = {}
-    release = bench_run.release_memory
-    monkeypatch.setattr(bench_run, "release_memory", lambda model: left.update(
+    release = step.release_memory
+    monkeypatch.setattr(step, "release_memory", lambda model: left.update(
         {n: p.grad.clone() for n, p in model.named_parameters()}) or release(model))
-    model = bench_run.build_model(spec)
+    model = step.build_model(spec)
     bench_run.run_bench(spec, model=model)
-    data = MockData(spec, model.config.vocab_size, model.config.seq_length)
+    data = MockData(spec)
     want = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     for _ in range((STEPS + 1) * spec.micro_batches):
         grads = torch.autograd.grad(model(*data.batch()) / spec.micro_batches, list(model.parameters()))

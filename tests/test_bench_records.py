@@ -28,7 +28,7 @@ from remat.bench.golden import (
     uncompared,
 )
 from remat.bench.plot import pareto_figure, pareto_frontier, pareto_plot
-from remat.bench.report import checks_table, format_gib, memory_table, results_table
+from remat.cli.tables import checks_table, format_gib, memory_table, results_table
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 
 GIB = 1 << 30

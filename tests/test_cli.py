@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from remat import __version__
-from remat.cli import build_parser, main, megatron_overrides
+from remat.cli import build_parser, main
+from remat.cli.args import megatron_overrides
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -149,16 +150,13 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
      "--history: names a history file and --no_history records none"),
 ])
 def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_path, monkeypatch) -> None:
-    import remat.bench
-    import remat.bench.run as bench_run
-    import remat.estimating as estimating
-    import remat.memory.trace as tracing
+    from remat.cli import bench, doctor, estimate, plan, sweep
 
     def refuse(*args, **kwargs):
         raise AssertionError("ran before refusing")
 
-    for module, name in ((remat.bench, "run_bench"), (bench_run, "run_bench"), (bench_run, "trace_spec"),
-                         (estimating, "estimate"), (tracing, "timeline")):
+    for module, name in ((bench, "run_bench"), (plan, "run_bench"), (plan, "trace_spec"), (sweep, "sweep"),
+                         (doctor, "run_bench"), (estimate, "estimate"), (doctor, "timeline")):
         monkeypatch.setattr(module, name, refuse)
     (tmp_path / "not_a_db.sqlite").write_text("x")
     (tmp_path / "list.json").write_text("[1, 2]")
@@ -196,9 +194,9 @@ def test_an_unknown_flag_gets_the_commands_usage(capsys) -> None:
 @pytest.mark.parametrize(("seconds", "shown"), [(14.9203, "14,920 ms"), (0.0123, "12.3 ms"),
                                                 (1.5e-5, "0.015 ms"), (2e-8, "< 0.001 ms")])
 def test_step_times_read_in_milliseconds_without_exponents(seconds, shown) -> None:
-    from remat.cli import _milliseconds
+    from remat.cli.tables import milliseconds
 
-    assert _milliseconds(seconds) == shown
+    assert milliseconds(seconds) == shown
 
 
 def test_a_bad_model_shape_does_not_hide_the_run_and_config_problems(capsys) -> None:

@@ -1,4 +1,4 @@
-"""Tests for remat.config: every validation rule failing and passing, loading, round trips, model checks."""
+"""Tests for the recompute config (remat.recompute, remat.rules, remat.layout, remat.layer_plan): every validation rule failing and passing, loading, round trips, model checks."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,20 +11,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import config
-from remat.config import (
-    RECOMPUTE_MODULES,
-    RULES,
-    WARNING_RULES,
-    ConfigError,
-    ModelLayout,
-    Problem,
-    RecomputeConfig,
-    RematWarning,
-    TrainingFacts,
-    check_model,
-    check_plan,
-)
+from remat import layer_plan, recompute, rules
+from remat.labels import recompute_labels
+from remat.layer_plan import check_plan
+from remat.layout import ModelLayout, check_config
+from remat.problems import ConfigError, Problem, RematWarning
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.rules import RULES, WARNING_RULES
+
+RECOMPUTE_MODULES = recompute_labels()
 
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
@@ -151,6 +146,12 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_dropout_range", {"attention_dropout": 1.5}, "attention_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": -0.1}, "hidden_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": 1.0}, "hidden_dropout", "below 1"),
+    ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method",
+     "applies only to full recompute"),
+    ("rule_settings_without_granularity", {"recompute_num_layers": 2}, "recompute_num_layers", "would do nothing"),
+    ("rule_modules_without_switch", {"recompute_modules": ["mlp"]}, "recompute_modules", "recompute_granularity"),
+    ("rule_modules_without_switch", {"offload_modules": ["core_attn"]}, "offload_modules",
+     "fine_grained_activation_offloading"),
 ]
 
 # (rule, settings): a nearby valid configuration for each rule.
@@ -192,7 +193,7 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
                                                 "offload_modules": ["core_attn"]}),
     ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True, "offload_modules": "core_attn"}),
     ("rule_known_offload_modules", {"fine_grained_activation_offloading": True,
-                                    "offload_modules": list(config.OFFLOAD_MODULES)}),
+                                    "offload_modules": list(rules.OFFLOAD_MODULES)}),
     ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
                                                 "offload_modules": ["core_attn", "attn_proj"]}),
     ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
@@ -216,15 +217,14 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_fp8_recipe_value", {"fp8_recipe": "mxfp8"}),
     ("rule_attention_backend_value", {"attention_backend": "flash"}),
     ("rule_dropout_range", {"attention_dropout": 0, "hidden_dropout": 0.99}),
+    ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
+    ("rule_modules_without_switch", sel("mlp")),
+    ("rule_modules_without_switch", {"recompute_modules": ["core_attn"]}),  # Megatron's default, in every dump
+    ("rule_modules_without_switch", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}),
 ]
 
 # (warning rule, settings, field, phrase) and a nearby setting that stays quiet.
 WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
-    ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method", "has no effect"),
-    ("rule_settings_without_granularity", {"recompute_num_layers": 2}, "recompute_num_layers", "has no effect"),
-    ("rule_modules_without_switch", {"recompute_modules": ["mlp"]}, "recompute_modules", "recompute_granularity"),
-    ("rule_modules_without_switch", {"offload_modules": ["core_attn"]}, "offload_modules",
-     "fine_grained_activation_offloading"),
     ("rule_sequence_parallel_without_tensor_parallel", {"sequence_parallel": True}, "sequence_parallel",
      "Megatron turns it off"),
     ("rule_nested_labels", {**sel("moe", "moe_act"), "moe_grouped_gemm": True}, "recompute_modules", "'moe_act'"),
@@ -236,9 +236,6 @@ WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
      "recompute_modules", "saves almost nothing"),
 ]
 QUIET: list[tuple[str, dict[str, Any]]] = [
-    ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
-    ("rule_modules_without_switch", sel("mlp")),
-    ("rule_modules_without_switch", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}),
     ("rule_sequence_parallel_without_tensor_parallel", {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     ("rule_nested_labels", {**sel("moe", "mlp")}),
     ("rule_nested_labels", {**sel("mlp_act", "layernorm")}),
@@ -255,7 +252,7 @@ def test_rule_rejects(rule: str, settings_: dict[str, Any], field: str, phrase: 
                       monkeypatch: pytest.MonkeyPatch) -> None:
     assert has(problems_of(settings_), field, phrase)
     # The named rule, and no other, reports it.
-    monkeypatch.setattr(config, "RULES", _without(RULES, rule))
+    monkeypatch.setattr(recompute, "RULES", _without(RULES, rule))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)
         try:
@@ -275,7 +272,7 @@ def test_warning_rule_warns(rule: str, settings_: dict[str, Any], field: str, ph
     with pytest.warns(RematWarning, match=phrase) as record:
         RecomputeConfig.from_megatron(settings_)
     assert any(str(w.message).startswith(f"{field}: ") for w in record)
-    monkeypatch.setattr(config, "WARNING_RULES", _without(WARNING_RULES, rule))
+    monkeypatch.setattr(recompute, "WARNING_RULES", _without(WARNING_RULES, rule))
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
         RecomputeConfig.from_megatron(settings_)
@@ -294,7 +291,7 @@ def test_every_rule_has_failing_and_passing_cases() -> None:
 
 def test_warning_points_at_caller() -> None:
     with pytest.warns(RematWarning) as record:
-        RecomputeConfig(recompute_method="block")
+        RecomputeConfig(facts=TrainingFacts(sequence_parallel=True))
     assert record[0].filename == __file__
 
 
@@ -513,13 +510,13 @@ LAYOUT = ModelLayout(labels=(DENSE,) * 4)
 def test_check_model_accepts() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematWarning)
-        check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]), LAYOUT)
-        check_model(RecomputeConfig.from_megatron({**FULL, "recompute_num_layers": 2,
+        check_config(RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]), LAYOUT)
+        check_config(RecomputeConfig.from_megatron({**FULL, "recompute_num_layers": 2,
                                                    "pipeline_model_parallel_size": 2, "num_layers": 4}), LAYOUT)
-        check_model(RecomputeConfig(), ModelLayout(labels=(), has_layer_sites=False))
-        check_model(RecomputeConfig.from_megatron({**FULL, "cpu_offloading": True, "cpu_offloading_num_layers": 3}),
+        check_config(RecomputeConfig(), ModelLayout(labels=(), has_layer_sites=False))
+        check_config(RecomputeConfig.from_megatron({**FULL, "cpu_offloading": True, "cpu_offloading_num_layers": 3}),
                     LAYOUT)
-        check_model(RecomputeConfig.from_megatron({**sel("mlp"), "fine_grained_activation_offloading": True,
+        check_config(RecomputeConfig.from_megatron({**sel("mlp"), "fine_grained_activation_offloading": True,
                                                    "offload_modules": ["attn_norm", "core_attn", "mlp_norm"]}), LAYOUT)
 
 
@@ -541,18 +538,18 @@ def test_check_model_accepts() -> None:
 ])
 def test_check_model_rejects(d: dict[str, Any], layout: ModelLayout, field: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as info:
-        check_model(RecomputeConfig.from_megatron(d), layout)
+        check_config(RecomputeConfig.from_megatron(d), layout)
     assert has(info.value.problems, field, phrase)
 
 
 def test_check_model_warns_on_fused_core_attn() -> None:
     fused = ModelLayout(labels=(DENSE,) * 4, fused=frozenset({"core_attn"}))
     with pytest.warns(RematWarning, match="saves almost nothing"):
-        check_model(RecomputeConfig(recompute_granularity="selective"), fused)
+        check_config(RecomputeConfig(recompute_granularity="selective"), fused)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematWarning)
-        check_model(RecomputeConfig(recompute_granularity="selective"), LAYOUT)
-        check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), fused)
+        check_config(RecomputeConfig(recompute_granularity="selective"), LAYOUT)
+        check_config(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), fused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,11 +614,11 @@ def test_check_plan_reports_everything() -> None:
 # ---------------------------------------------------------------------------------------------
 # Property: from_megatron never fails with anything but ConfigError.
 
-KNOWN_KEYS = sorted(config._KNOWN_KEYS)
+KNOWN_KEYS = sorted(recompute._KNOWN_KEYS)
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True),
-    st.sampled_from([*RECOMPUTE_MODULES, *config.OFFLOAD_MODULES, *config.CUDA_GRAPH_IMPLS, *config.METHODS,
-                     *config.GRANULARITIES, "e4m3", "delayed", "flash", "core_attn,mlp", "[mlp]", ""]),
+    st.sampled_from([*RECOMPUTE_MODULES, *rules.OFFLOAD_MODULES, *rules.CUDA_GRAPH_IMPLS, *rules.METHODS,
+                     *rules.GRANULARITIES, "e4m3", "delayed", "flash", "core_attn,mlp", "[mlp]", ""]),
     st.text(max_size=8),
     st.lists(st.one_of(st.sampled_from(RECOMPUTE_MODULES), st.text(max_size=5), st.integers()), max_size=4),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
@@ -649,8 +646,8 @@ def test_check_model_rejects_discard_labels_without_layer_sites() -> None:
     layout = ModelLayout(labels=(frozenset({"layernorm", "mlp"}),), has_layer_sites=False)
     config = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
     with pytest.raises(ConfigError, match="output-discarding"):
-        check_model(config, layout)
-    check_model(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), layout)
+        check_config(config, layout)
+    check_config(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), layout)
 
 
 def test_check_model_rejects_distributed_saved_activations_until_they_run() -> None:
@@ -659,7 +656,7 @@ def test_check_model_rejects_distributed_saved_activations_until_they_run() -> N
                              distribute_saved_activations=True,
                              facts=TrainingFacts(tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match="distribute_saved_activations"):
-        check_model(config, layout)
+        check_config(config, layout)
 
 
 GOOD_PLAN_FILE = {"remat_plan": 1, "layers": [{"mlp": "recompute"}, {}], "full_recompute": [[1, 2]],
@@ -677,20 +674,20 @@ GOOD_PLAN_FILE = {"remat_plan": 1, "layers": [{"mlp": "recompute"}, {}], "full_r
     ({"recompute_modules": ["mlp"]}, "recompute_modules"),
 ])
 def test_plan_file_problems_name_the_key_at_fault(change: dict[str, Any], field: str) -> None:
-    assert config.plan_file_problems(GOOD_PLAN_FILE) == []
-    assert [p.field for p in config.plan_file_problems({**GOOD_PLAN_FILE, **change})] == [field]
+    assert layer_plan.plan_file_problems(GOOD_PLAN_FILE) == []
+    assert [p.field for p in layer_plan.plan_file_problems({**GOOD_PLAN_FILE, **change})] == [field]
 
 
 def test_a_plan_file_of_another_format_version_is_told_apart_from_a_config() -> None:
     newer = {k: v for k, v in GOOD_PLAN_FILE.items() if k != "remat_plan"}
-    [missing] = config.plan_file_problems(newer)
+    [missing] = layer_plan.plan_file_problems(newer)
     assert "is this a RecomputeConfig instead?" in missing.message
-    [other] = config.plan_file_problems({**newer, "remat_plan": 2})
+    [other] = layer_plan.plan_file_problems({**newer, "remat_plan": 2})
     assert other.message.startswith("2 is not a plan format this remat reads; it reads `remat_plan: 1`")
 
 
 def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu() -> None:
-    from remat.config import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
+    from remat.step import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
 
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 1, 1)) == []
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 4, 4)) == []  # context parallel splits it

@@ -12,9 +12,10 @@ import torch
 
 import remat
 from remat import doctor
+from remat.bench import checks
 from remat.bench.result import BenchResult, OomInfo
 from remat.cli import main
-from remat.config import RecomputeConfig, TrainingFacts
+from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.doctor import (
     EXPANDABLE_SEGMENTS,
     AllocatorState,
@@ -23,10 +24,10 @@ from remat.doctor import (
     recommend,
 )
 from remat.memory import measure_saved
-from remat.memory.trace import Prediction
-from remat.planner import NoPlanFits, Solution
-from remat.planning import PlanResult
-from remat.plans import Plan
+from remat.memory.prediction import Prediction
+from remat.planner.solver import NoPlanFits, Solution
+from remat.planner import PlanResult
+from remat.layer_plan import Plan
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -328,26 +329,26 @@ def oom(name: str, allocated: int = 79 * GIB) -> BenchResult:
 
 def test_mlp_slowdown_on_a_large_ffn() -> None:
     runs = [result("none", 709.9), result("mlp", 593.6, 52 * GIB)]
-    (f,) = doctor.check_mlp_slowdown(runs)
+    (f,) = checks.check_mlp_slowdown(runs)
     assert f.symptom == "mlp: 16.4% lower throughput than no recompute"
     assert f.confirmed_by == "mlp 593.6 vs none 709.9 TFLOP/s (-16.4% > 15%); ffn/hidden 28672/8192 = 3.50 >= 3"
     assert f.fix.startswith("drop mlp (no recompute), lower -mb, or offload (-ol N)")
-    assert doctor.check_mlp_slowdown([result("none", 709.9), result("mlp", 620.0)]) == []  # -12.7%
+    assert checks.check_mlp_slowdown([result("none", 709.9), result("mlp", 620.0)]) == []  # -12.7%
     small_ffn = {"hidden_size": 8192, "ffn_hidden_size": 16384}
-    assert doctor.check_mlp_slowdown([result("none", 709.9, shape=small_ffn),
+    assert checks.check_mlp_slowdown([result("none", 709.9, shape=small_ffn),
                                       result("mlp", 593.6, shape=small_ffn)]) == []
     other_shape = dict(result("mlp").shape, micro_batch_size=2)
-    assert doctor.check_mlp_slowdown([result("none", 709.9), result("mlp", 593.6, shape=other_shape)]) == []
+    assert checks.check_mlp_slowdown([result("none", 709.9), result("mlp", 593.6, shape=other_shape)]) == []
 
 
 def test_layernorm_that_did_not_move_the_peak() -> None:
-    (f,) = doctor.check_layernorm_peak([result("core_attn", peak=58 * GIB),
+    (f,) = checks.check_layernorm_peak([result("core_attn", peak=58 * GIB),
                                         result("core_attn+layernorm", peak=58 * GIB - 300 * MIB)])
     assert f.confirmed_by == "peak 58.00 GiB (core_attn) -> 57.71 GiB (core_attn+layernorm), -0.51% (under 1%)"
-    (f,) = doctor.check_layernorm_peak([oom("core_attn"), oom("core_attn+layernorm")])
+    (f,) = checks.check_layernorm_peak([oom("core_attn"), oom("core_attn+layernorm")])
     assert f.symptom == "core_attn+layernorm: still OOM after adding layernorm"
-    assert doctor.check_layernorm_peak([result("none", peak=58 * GIB), result("layernorm", peak=54 * GIB)]) == []
-    assert doctor.check_layernorm_peak([oom("none"), result("layernorm")]) == []
+    assert checks.check_layernorm_peak([result("none", peak=58 * GIB), result("layernorm", peak=54 * GIB)]) == []
+    assert checks.check_layernorm_peak([oom("none"), result("layernorm")]) == []
 
 
 def test_full_recompute_with_module_scoped_cuda_graphs() -> None:
@@ -355,48 +356,48 @@ def test_full_recompute_with_module_scoped_cuda_graphs() -> None:
             "num_layers": 4}
     graphed = result("full_uniform_1", config={**full, "cuda_graph_impl": "transformer_engine",
                                                "cuda_graph_scope": ["mlp"]})
-    (f,) = doctor.check_full_recompute_graphs([graphed])
+    (f,) = checks.check_full_recompute_graphs([graphed])
     assert f.confirmed_by == ("recompute_granularity=full, cuda_graph_impl=transformer_engine,"
                               " cuda_graph_scope=['mlp']")
     assert "use selective recompute, cuda_graph_impl='none', or a full_iteration graph" in f.fix
     whole = result("full_uniform_1", config={**full, "cuda_graph_impl": "local",
                                              "cuda_graph_scope": ["full_iteration"]})
-    assert doctor.check_full_recompute_graphs([whole, result("mlp")]) == []
+    assert checks.check_full_recompute_graphs([whole, result("mlp")]) == []
 
 
 def test_cpu_offloading_with_pipeline_parallel() -> None:
     offload = {"recompute_granularity": None, "cpu_offloading": True, "cpu_offloading_num_layers": 2,
                "num_layers": 8}
-    (f,) = doctor.check_offload_pipeline([result("none+offload_2",
+    (f,) = checks.check_offload_pipeline([result("none+offload_2",
                                                  config={**offload, "pipeline_model_parallel_size": 2})])
     assert f.confirmed_by == "cpu_offloading=True (2 layers), pipeline_model_parallel_size=2"
     assert "set pipeline_model_parallel_size=1 or cpu_offloading=False" in f.fix
-    assert doctor.check_offload_pipeline([result("none+offload_2", config=offload)]) == []
+    assert checks.check_offload_pipeline([result("none+offload_2", config=offload)]) == []
 
 
 def test_mlp_plus_core_attn_slower_than_mlp_alone() -> None:
-    (f,) = doctor.check_mlp_core_attn([result("mlp", 593.6, 52 * GIB), result("mlp+core_attn", 586.8, 52 * GIB)])
+    (f,) = checks.check_mlp_core_attn([result("mlp", 593.6, 52 * GIB), result("mlp+core_attn", 586.8, 52 * GIB)])
     assert f.confirmed_by == ("mlp+core_attn 586.8 vs mlp 593.6 TFLOP/s (-1.1%, beyond 0.5%);"
                               " peak 52.00 GiB -> 52.00 GiB")
     assert f.fix == "use --recompute_modules mlp alone"
-    assert doctor.check_mlp_core_attn([result("mlp", 593.6), result("mlp+core_attn", 592.0)]) == []  # noise
+    assert checks.check_mlp_core_attn([result("mlp", 593.6), result("mlp+core_attn", 592.0)]) == []  # noise
 
 
 def test_each_oom_with_the_allocators_numbers_is_classified() -> None:
     runs = [result("none", 709.9), oom("core_attn"),
             result("mlp", None, None, status="oom", oom=OomInfo(45 * GIB, 77 * GIB, OLD))]
-    (f,) = doctor.check_oom_kind(runs)
+    (f,) = checks.check_oom_kind(runs)
     assert (f.symptom, f.cause, f.fix) == ("mlp: out of memory", "fragmentation", EXPANDABLE_SEGMENTS)
     assert f.confirmed_by.startswith("31.89 GiB reserved but unallocated (+1.23 GiB unreserved) would hold"
                                      " the 2.00 GiB request, but no free block held it")
-    (f,) = doctor.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, NEW))])
+    (f,) = checks.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, NEW))])
     assert f.cause == "capacity" and f.fix.startswith("remat plan")
 
 
 def test_the_skills_measured_sweep_trips_every_results_check() -> None:
     runs = [result("none", 709.9), oom("core_attn"), result("mlp", 593.6, 52 * GIB),
             result("mlp+core_attn", 586.8, 52 * GIB), oom("core_attn+layernorm")]
-    assert [f.check for f in doctor.check_results(runs)] == [
+    assert [f.check for f in checks.check_results(runs)] == [
         "mlp recompute cost", "mlp recompute cost", "layernorm alone", "mlp+core_attn"]
 
 

@@ -10,20 +10,15 @@ import pytest
 import torch
 
 import remat
-from remat.bench.run import adamw
+from remat.step import adamw
 from remat.cli import main
-from remat.config import (
-    ConfigError,
-    RecomputeConfig,
-    TrainingFacts,
-    batch_split_problems,
-    cublas_workspace_bytes,
-    parallel_shape_problems,
-    pipeline_range_problems,
-)
-from remat.estimating import EstimateSpec, estimate, in_flight
-from remat.models.recipes import recipe_config
-from remat.plans import Plan
+from remat.estimating import EstimateSpec, cublas_workspace_bytes, estimate, in_flight
+from remat.layer_plan import pipeline_range_problems
+from remat.models import ParallelSizes, family_of
+from remat.problems import ConfigError
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.models import recipe_config
+from remat.layer_plan import Plan
 
 SHAPE = dict(num_layers=4, seq_length=32)
 SMALL = dict(num_layers=2, seq_length=32)  # where a trace per case is enough
@@ -43,7 +38,7 @@ PLANS = [
 
 def _spec(**kw) -> EstimateSpec:
     base = dict(recipe="llama3_tiny", overrides=dict(SMALL), micro_batch_size=MB, optimizer=False,
-                dtype=torch.float32, target="cpu")
+                compute_dtype="fp32", device="cpu")
     return EstimateSpec(**{**base, **kw})
 
 
@@ -91,7 +86,7 @@ def test_with_the_optimizer_the_estimate_agrees_exactly_with_the_cpu_trace() -> 
 
 
 def test_optimizer_state_and_weights_are_those_of_adamw() -> None:
-    (est,) = _quiet(estimate, _spec(optimizer=True, micro_batches=2))
+    (est,) = _quiet(estimate, _spec(optimizer=True, global_batch_size=2 * MB))
     model = remat.models.build("llama3_tiny", dtype=torch.float32, **SMALL)
     weights = sum(p.numel() * 4 for p in model.parameters())
     (stage,) = est.stages
@@ -101,7 +96,7 @@ def test_optimizer_state_and_weights_are_those_of_adamw() -> None:
 def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_flight() -> None:
     (whole,) = _quiet(estimate, _spec(optimizer=True))
     facts = TrainingFacts(pipeline_model_parallel_size=2)
-    (split,) = _quiet(estimate, _spec(optimizer=True, facts=facts, micro_batches=4), [("full", FULL)])
+    (split,) = _quiet(estimate, _spec(optimizer=True, facts=facts, global_batch_size=4 * MB), [("full", FULL)])
     first, last = split.stages
     assert first.weights + last.weights == whole.stages[0].weights  # embedding first, head last
     assert (first.in_flight, last.in_flight) == (2, 1)
@@ -113,7 +108,7 @@ def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_fligh
 def test_sequence_and_context_parallel_shard_the_kept_layer_inputs(sp, cp, kept) -> None:
     facts = TrainingFacts(tensor_model_parallel_size=2, sequence_parallel=sp, context_parallel_size=cp,
                           pipeline_model_parallel_size=2)
-    (est,) = _quiet(estimate, _spec(facts=facts, micro_batches=1), [("full", FULL)])
+    (est,) = _quiet(estimate, _spec(facts=facts, global_batch_size=1 * MB), [("full", FULL)])
     assert est.stages[0].activations == kept * LAYER_INPUT  # the first stage's one layer
 
 
@@ -151,27 +146,44 @@ def test_step_time_counts_the_recompute_flops() -> None:
     (TrainingFacts(tensor_model_parallel_size=3), {}, "tensor_model_parallel_size"),
     (TrainingFacts(context_parallel_size=3), {}, "context_parallel_size"),
     (TrainingFacts(tensor_model_parallel_size=3, sequence_parallel=True),
-     {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96}, "sequence_parallel"),
+     {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96, "hidden_size": 96}, "sequence_parallel"),
 ])
 def test_parallel_shape_rules_fail_and_pass(facts, shapes, field) -> None:
+    family = family_of("llama3_tiny")
     model = dict(num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160, seq_length=32)
-    assert {p.field for p in parallel_shape_problems(facts, **{**model, **shapes})} == {field}
-    assert not list(parallel_shape_problems(TrainingFacts(tensor_model_parallel_size=2), **model))
+
+    def sizes(f: TrainingFacts) -> ParallelSizes:
+        return ParallelSizes(f.tensor_model_parallel_size, f.sequence_parallel, f.pipeline_model_parallel_size,
+                             f.context_parallel_size)
+
+    config = recipe_config("llama3_tiny", **{**model, **shapes})
+    assert {p.field for p in family.shard_problems(config, sizes(facts))} == {field}
+    assert not list(family.shard_problems(recipe_config("llama3_tiny", **model),
+                                          sizes(TrainingFacts(tensor_model_parallel_size=2))))
 
 
 def test_batch_split_rules_fail_and_pass() -> None:
     facts = TrainingFacts(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    assert [p.field for p in batch_split_problems(facts, 6, 1, None)] == ["num_gpus"]
-    assert [p.field for p in batch_split_problems(facts, 8, 2, 6)] == ["global_batch_size"]
-    assert not list(batch_split_problems(facts, 8, 2, 8))
+
+    def fields(num_gpus: int, micro_batch_size: int, global_batch_size: int | None) -> list[str]:
+        try:
+            _spec(facts=facts, num_gpus=num_gpus, micro_batch_size=micro_batch_size,
+                  global_batch_size=global_batch_size)
+        except ConfigError as err:
+            return [p.field for p in err.problems]
+        return []
+
+    assert fields(6, 1, None) == ["num_gpus"]
+    assert fields(8, 2, 6) == ["global_batch_size"]
+    assert not fields(8, 2, 8)
 
 
 def test_a_spec_reports_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        _spec(target="tpu", tflops=0, micro_batches=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
+        _spec(device="tpu", tflops=0, micro_batch_size=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
     fields = {p.field for p in err.value.problems}
     assert {"target", "tflops", "micro_batch_size", "num_layers"} <= fields
-    assert _spec(target="cuda", tflops=1, micro_batches=1).target == "cuda"
+    assert _spec(device="cuda", tflops=1, global_batch_size=1 * MB).target == "cuda"
 
 
 @pytest.mark.parametrize("num_layers, vpp", [(2, None), (4, 2)])
@@ -205,7 +217,7 @@ def test_a_per_layer_plan_under_virtual_stages_acts_on_each_ranks_interleaved_la
     (a contiguous split would give rank 0 layers 0 and 1)."""
     mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
     rank_0 = Plan([{"mlp": "recompute"}, {}, {"mlp": "recompute"}, {}])
-    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, facts=VPP, micro_batches=2),
+    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, facts=VPP, global_batch_size=2 * MB),
                                     [("none", None), ("mlp", mlp), ("rank 0", rank_0)])
     assert _figures(plan) == [_figures(everywhere)[0], _figures(none)[1]]
 
@@ -219,9 +231,9 @@ def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_withou
     interleaved = Plan(layers, [(0, 2), (6, 7)])
     by_rank = Plan([layers[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)], [(0, 2), (6, 7)])
     overrides = {**SMALL, "num_layers": 8}
-    (virtual,) = _quiet(estimate, _spec(overrides=overrides, facts=VPP, micro_batches=1), [("plan", interleaved)])
+    (virtual,) = _quiet(estimate, _spec(overrides=overrides, facts=VPP, global_batch_size=1 * MB), [("plan", interleaved)])
     (plain,) = _quiet(estimate, _spec(overrides=overrides, facts=TrainingFacts(pipeline_model_parallel_size=2),
-                                      micro_batches=1), [("plan", by_rank)])
+                                      global_batch_size=1 * MB), [("plan", by_rank)])
     assert [s.in_flight for s in virtual.stages] == [s.in_flight for s in plain.stages] == [1, 1]
     assert _figures(virtual) == _figures(plain)
 
@@ -236,7 +248,7 @@ def test_full_recompute_configs_act_per_virtual_stage_as_megatron(method, ranges
     overrides = {**SMALL, "num_layers": 12}
     config = RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=2,
                              facts=dataclasses.replace(VPP, num_layers=12))
-    lowered, plan = _quiet(estimate, _spec(overrides=overrides, facts=VPP, micro_batches=2),
+    lowered, plan = _quiet(estimate, _spec(overrides=overrides, facts=VPP, global_batch_size=2 * MB),
                            [("config", config), ("plan", Plan([{}] * 12, ranges))])
     assert _figures(lowered) == _figures(plan)
 
@@ -287,7 +299,7 @@ def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
     activation linear_fc2 saves (3 x ffn), discarding mlp_act the activation alone (1 x ffn)."""
     mlp, act = (RecomputeConfig(recompute_granularity="selective", recompute_modules=[label])
                 for label in ("mlp", "mlp_act"))
-    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, target="cuda", dtype=torch.bfloat16),
+    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, device="cuda", compute_dtype="bf16"),
                                          [("none", None), ("mlp", mlp), ("mlp_act", act)])
     tokens, ffn, layers = MB * SMALL["seq_length"], 160, SMALL["num_layers"]
     assert none.stages[0].activations - recomputed.stages[0].activations == layers * 3 * ffn * tokens * 2
@@ -300,7 +312,7 @@ def test_on_cuda_layernorm_discard_frees_each_norm_output_and_its_scale(compiled
     and a float32 1/rms per row): discarding both norm outputs of a layer frees them and the two
     scales, the inputs being saved anyway."""
     layernorm = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm"])
-    none, discarded = _quiet(estimate, _spec(compile=compiled, target="cuda", dtype=torch.bfloat16),
+    none, discarded = _quiet(estimate, _spec(compile=compiled, device="cuda", compute_dtype="bf16"),
                              [("none", None), ("layernorm", layernorm)])
     tokens, hidden = MB * SMALL["seq_length"], 64
     assert none.stages[0].activations - discarded.stages[0].activations == (
@@ -355,8 +367,8 @@ def test_an_offload_plan_that_would_move_nothing_says_why() -> None:
 def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from remat.memory.trace import _FLOP_FORMULAS
-    from remat.models.loss import _MIXED_ADDMM
+    from remat.memory.flops import FLOP_FORMULAS as _FLOP_FORMULAS
+    from remat.models.kernels.loss import _MIXED_ADDMM
 
     acc = torch.zeros(8, 6, device="meta")
     a, b = torch.empty(8, 4, device="meta", dtype=torch.bfloat16), torch.empty(4, 6, device="meta", dtype=torch.bfloat16)
@@ -380,7 +392,7 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
         estimate(_spec(), [("last", Plan([{}, {"mlp": "offload"}], min_offloaded_tensor_size=64))])
     stage_end = Plan([{"mlp": "offload"}, {}], min_offloaded_tensor_size=64)  # layer 0 ends stage 0 of 2
     with pytest.raises(ConfigError, match="last layer"):
-        estimate(_spec(facts=TrainingFacts(pipeline_model_parallel_size=2), micro_batches=2),
+        estimate(_spec(facts=TrainingFacts(pipeline_model_parallel_size=2), global_batch_size=2 * MB),
                  [("stage end", stage_end)])
 
 
@@ -398,13 +410,13 @@ def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch
     """The forward's thread and autograd's each hold a workspace through the step (measured on an
     H200: workspace_bytes_h200.json): on the peak, beside the traced bytes; none on CPU."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    cuda = dict(target="cuda", dtype=torch.bfloat16)
+    cuda = dict(device="cuda", compute_dtype="bf16")
     (default,), (zero,) = (_quiet(estimate, _spec(**cuda, cublas_workspace=w)) for w in (None, 0))
     assert (default.stages[0].workspaces, zero.stages[0].workspaces) == (64 * 2**20, 0)
     assert default.peak - zero.peak == 64 * 2**20
     assert default.stages[0].other == zero.stages[0].other
     assert _spec(**cuda, cublas_workspace=2**20).workspace_bytes == 2 * 2**20
-    assert _spec(target="cpu").workspace_bytes == 0
+    assert _spec(device="cpu").workspace_bytes == 0
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
     spec = _spec(**cuda)
     assert spec.workspace_bytes == 2 * 8 * 2**20
@@ -418,7 +430,7 @@ def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch
     with pytest.raises(ConfigError, match="cublas_workspace: is -1 bytes"):
         _spec(**cuda, cublas_workspace=-1)
     with pytest.raises(ConfigError, match="cublas_workspace: counts only on the cuda target, not 'cpu'; drop it"):
-        _spec(target="cpu", cublas_workspace=2**20)
+        _spec(device="cpu", cublas_workspace=2**20)
 
 
 def test_cli_estimate_takes_the_cublas_workspace(tmp_path, monkeypatch, capsys) -> None:

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.config import RecomputeConfig
+from remat.recompute import RecomputeConfig
 from remat.memory.live import peak_during
-from remat.models import build, swiglu
-from remat.models.grad_accumulation import linear
-from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.models import build
+from remat.models.kernels import swiglu
+from remat.models.kernels.grad_accumulation import linear
+from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 
 OUT, IN, TOKENS = 6, 8, 10
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.models.loss import LossKernels, chunk_loss_in_place, chunk_loss_triton, chunked_linear_cross_entropy, on_cuda
+from remat.models.kernels.loss import LossKernels, chunk_loss_in_place, chunk_loss_triton, chunked_linear_cross_entropy, on_cuda
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

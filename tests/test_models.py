@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.models import (
-    LlamaConfig, LlamaModel, TransformerLayer, build, chunked_linear_cross_entropy, compiled_loss_kernels,
-    recipe_config, recipes,
-)
+from remat.models import build, recipe_config, recipes
+from remat.models.kernels.loss import chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.models.llama import LlamaConfig, LlamaModel, TransformerLayer
 from remat.sites import Site
 
 
@@ -60,7 +59,7 @@ def test_chunked_loss_holds_one_chunk_of_logits_at_a_time():
     """A chunk whose gradients overwrite its logits (float64 in place here; the compiled chunk on
     CUDA) leaves the loss head's peak at its outputs plus one chunk: chunks do not pile up."""
     from remat.memory import peak_during
-    from remat.models.loss import _loss_and_grads, chunk_loss_in_place
+    from remat.models.kernels.loss import _loss_and_grads, chunk_loss_in_place
 
     h, w, labels = _loss_inputs(n=64, hidden=8, vocab=500)
     _, peak = peak_during(lambda: _loss_and_grads(h, w, labels, 16, -100, True, True, chunk_loss_in_place))
@@ -260,7 +259,7 @@ def test_meta_then_to_empty_and_init_weights_equals_direct_build():
 
 
 def test_fusable_chunk_loss_matches_the_in_place_one() -> None:
-    from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place
+    from remat.models.kernels.loss import chunk_loss_fusable, chunk_loss_in_place
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 50, dtype=torch.float64, generator=g)
@@ -326,7 +325,7 @@ def test_kv_channels_sets_the_head_dim_apart_from_the_hidden_size() -> None:
 
 @pytest.mark.parametrize("acc_dtype, dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)])
 def test_loss_head_weight_gradient_accumulates_the_product_in_the_accumulators_dtype(acc_dtype, dtype) -> None:
-    from remat.models.loss import _accumulate_mm
+    from remat.models.kernels.loss import _accumulate_mm
 
     torch.manual_seed(0)
     acc, a, b = torch.randn(6, 5, dtype=acc_dtype), torch.randn(6, 3, dtype=dtype), torch.randn(3, 5, dtype=dtype)

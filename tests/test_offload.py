@@ -12,11 +12,11 @@ from torch import nn
 
 import remat
 from remat.apply import find_sites, offloader_of
-from remat.config import RecomputeConfig
+from remat.recompute import RecomputeConfig
 from remat.engine import Offloader, offloading
 from remat.engine.offload import _HostCopy
 from remat.models import build
-from remat.plans import Plan
+from remat.layer_plan import Plan
 from remat.verify import verify
 
 LAYERS, BATCH, SEQ = 4, 2, 16

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import planner
-from remat.planner import Choice, NoPlanFits, PlanningProblem, Window, _milp, solve
+from remat.planner import solver as planner
+from remat.memory.windows import Choice, PlanningProblem, Window
+from remat.planner.solver import NoPlanFits, _milp, solve
 
 MiB = 2**20
 

@@ -9,12 +9,13 @@ import torch
 import remat
 from remat.bench.history import recent
 from remat.cli import main
-from remat.config import ModelLayout
-from remat.memory.trace import Effect, LayerEffects, Trace
-from remat.planner import NoPlanFits, Window
-from remat.config import parse_bytes
-from remat.planning import megatron_keys, plan_from_trace, uniform_config
-from remat.plans import Plan, load_plan_or_config
+from remat.layout import ModelLayout
+from remat.memory.prediction import Effect, LayerEffects, Trace
+from remat.memory.windows import Window
+from remat.planner import NoPlanFits
+from remat.sizes import parse_bytes
+from remat.planner import megatron_keys, plan_from_trace, uniform_config
+from remat.layer_plan import Plan, load_plan_or_config
 
 MiB, GiB = 2**20, 2**30
 
@@ -139,7 +140,7 @@ def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
                                   min_offloaded_tensor_size=256), trace)
     assert (offload.recompute_method, offload.cpu_offloading_num_layers, offload.min_offloaded_tensor_size) == (
         "uniform", 3, 256)
-    from remat.planning import PlanResult
+    from remat.planner import PlanResult
 
     keys = PlanResult(0, Plan.none(4), offload, trace.predict(None), ()).megatron_keys()
     assert keys["cpu_offloading_num_layers"] == 3 and keys["min_offloaded_tensor_size"] == 256
@@ -255,8 +256,8 @@ def test_budgets_the_weights_alone_exceed_and_bad_groups_fail_before_tracing(cap
 
 
 def test_explain_merges_only_layers_doing_the_same_at_the_same_cost() -> None:
-    from remat.planner import Choice
-    from remat.planning import PlanResult
+    from remat.memory.windows import Choice
+    from remat.planner import PlanResult
 
     mlp = {"mlp": "recompute"}
     choices = (Choice(0, 1, mlp, 8 * MiB, 0.001), Choice(1, 2, mlp, 8 * MiB, 0.001),
@@ -281,7 +282,7 @@ def test_the_weights_checked_against_a_budget_are_this_ranks_on_its_device(one_r
     (a one-rank mesh holding half of a 16 x 4 tensor stands in for one of two ranks)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from remat.planning import weight_bytes
+    from remat.planner import weight_bytes
 
     shard = DTensor.from_local(torch.zeros(8, 4), one_rank, [Shard(0)], run_check=False,
                                shape=torch.Size((16, 4)), stride=(4, 1))

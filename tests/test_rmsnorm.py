@@ -9,7 +9,7 @@ import torch
 
 from conftest import allocations
 from remat.models import build
-from remat.models.rmsnorm import RMSNormFunction, on_cuda, rms_norm, triton_rms_norm
+from remat.models.kernels.rmsnorm import RMSNormFunction, on_cuda, rms_norm, triton_rms_norm
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

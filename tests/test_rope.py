@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import allocations
-from remat.models import build, rope
-from remat.models.llama import split_qkv as eager_split_qkv
-from remat.models.rope import RotaryQKV, on_cuda, split_qkv
+from remat.models import build
+from remat.models.kernels import rope
+from remat.models.llama.model import split_qkv as eager_split_qkv
+from remat.models.kernels.rope import RotaryQKV, on_cuda, split_qkv
 from remat.verify import run_step
 
 pytest.importorskip("triton")

@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import allocations
 
-from remat.models import build, swiglu
-from remat.models.llama import silu_mul
-from remat.models.swiglu import SwiGLU, on_cuda
-from remat.plans import Plan
+from remat.models import build
+from remat.models.kernels import swiglu
+from remat.models.llama.model import silu_mul
+from remat.models.kernels.swiglu import SwiGLU, on_cuda
+from remat.layer_plan import Plan
 from remat.verify import verify
 
 pytest.importorskip("triton")

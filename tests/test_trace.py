@@ -13,8 +13,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import remat
 from remat.apply import offloader_of
-from remat.memory.trace import MAX_TIMING_REPEATS, Effect, _combo, _combos, _summed_times, timing_repeats
-from remat.plans import Plan
+from remat.memory.measure import MAX_TIMING_REPEATS, _summed_times, timing_repeats
+from remat.memory.prediction import Effect, combo_of as _combo, combos as _combos
+from remat.layer_plan import Plan
 
 LAYERS = 4
 LABELS = ("core_attn", "layernorm", "mlp")
@@ -228,7 +229,7 @@ def test_offload_is_predicted_only_from_a_trace_that_measured_it(traced, offload
 
 
 def test_longer_offloaded_groups_free_their_extra_layers_in_the_next_layers_windows() -> None:
-    from remat.memory.trace import Effect, LayerEffects
+    from remat.memory.prediction import Effect, LayerEffects
 
     def measured(size: int, freed: int, host: int = 0) -> Effect:
         windows = {(phase, q): -q for q in range(size) for phase in ("fwd", "bwd")}
@@ -268,7 +269,7 @@ def test_trace_leaves_the_model_without_a_plan() -> None:
 
 def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_does(tmp_path) -> None:
     from remat.bench.plot import timeline_plot
-    from remat.memory.trace import timeline
+    from remat.memory.timeline import timeline
 
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float32, num_layers=3, seq_length=16)

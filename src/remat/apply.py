@@ -9,8 +9,6 @@ from typing import Any, Callable, Iterator
 
 from torch import Tensor, nn
 
-from remat.config import (LAYER, ModelLayout, RecomputeConfig, advise, check_model, check_plan,
-                          nothing_offloaded_advice)
 from remat.engine import (
     DiscardScope,
     Offloader,
@@ -20,7 +18,11 @@ from remat.engine import (
     offloading,
     output_tensors,
 )
-from remat.plans import Plan
+from remat.labels import LAYER
+from remat.layer_plan import Plan, check_plan
+from remat.layout import ModelLayout, check_config
+from remat.problems import Problem, advise
+from remat.recompute import RecomputeConfig
 from remat.sites import Site
 
 
@@ -72,7 +74,7 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     if plan is None:
         resolved = Plan.none(layout.num_layers)
     elif isinstance(plan, RecomputeConfig):
-        check_model(plan, layout)
+        check_config(plan, layout)
         resolved = Plan.from_config(plan, layout)
     else:
         check_plan(plan.layers, plan.full_recompute, layout)
@@ -98,8 +100,17 @@ def offloader_of(model: nn.Module) -> Offloader | None:
     return _offloaders.get(model)
 
 
+def nothing_offloaded_advice(offloaded_bytes: int, min_numel: int) -> Iterator[Problem]:
+    """After steps under a plan that offloads: nothing reached the size threshold (a small model
+    under the default), where a user would otherwise see no host bytes and no saving, and no reason."""
+    if offloaded_bytes == 0:
+        yield Problem("min_offloaded_tensor_size", f"the plan offloads, but no saved tensor had {min_numel} "
+                                                   "elements or more, so nothing moved to host; lower it "
+                                                   "(--min_offloaded_tensor_size) to offload this model's tensors")
+
+
 def warn_if_nothing_offloaded(model: nn.Module) -> None:
-    """After steps under a plan that offloads: advise when nothing moved (config.nothing_offloaded_advice)."""
+    """After steps under a plan that offloads: advise when nothing moved."""
     offloader = offloader_of(model)
     if offloader is not None:
         advise(nothing_offloaded_advice(offloader.stats().offloaded_bytes, offloader.min_numel))

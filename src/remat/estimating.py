@@ -4,9 +4,9 @@ The trace of `remat plan` runs here on the meta device: tensors have shapes and 
 no data, so a training step of a full-size model takes a fraction of a second on a CPU and every
 number comes from the same window model the planner uses. What one GPU of a parallel run holds:
 
-- tensor parallel: heads, query groups, FFN and (padded) vocabulary divided by tp; sequence
-  parallel also runs norms and residuals on seq/tp tokens, with torch's all-gather before
-  attention and MLP and reduce-scatter after them emulated by shape;
+- tensor parallel: the family's shard (heads, query groups, FFN and padded vocabulary divided by
+  tp); sequence parallel also runs norms and residuals on seq/tp tokens, with torch's all-gather
+  before attention and MLP and reduce-scatter after them emulated by shape;
 - context parallel: seq/cp tokens per rank;
 - pipeline parallel: the stage's layers (with virtual stages, its interleaved model chunks), the
   first stage with the embedding, the last with the final norm and loss head; under 1F1B stage k
@@ -14,68 +14,91 @@ number comes from the same window model the planner uses. What one GPU of a para
   virtual stages).
 
 On the meta device SDPA would take its unfused path, so attention runs the fused kernel the
-target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves. For CUDA, RMSNorm
-(and with compiled regions SwiGLU and the QKV split) runs remat's Triton-backed Functions, which
-allocate on meta and launch nothing. What belongs to no tensor is added by the target's shape:
-cuBLAS's workspace for each thread that runs GEMMs. Step time is the counted FLOPs at an assumed
-sustained rate.
+target would (cuDNN on CUDA, flash on CPU), which saves what that kernel saves; the family swaps
+in pieces that allocate what the target's other fused kernels allocate. What belongs to no
+tensor is added by the target's shape: cuBLAS's workspace for each thread that runs GEMMs. Step
+time is the counted FLOPs at an assumed sustained rate.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from remat.apply import find_sites
-from remat.bench.run import adamw, optimizer_state_bytes
-from remat.config import (
-    CUBLAS_HANDLES,
-    DEFAULT_HOST_GBPS,
-    DEFAULT_TFLOPS,
-    ConfigError,
-    ModelLayout,
-    Problem,
-    RecomputeConfig,
-    TrainingFacts,
-    advise,
-    check_plan,
-    cublas_workspace_bytes,
-    estimate_threshold_problems,
-    estimate_problems,
-    offload_prediction_problems,
-    micro_batch_tokens_problems,
-    nothing_offloaded_advice,
-    parallel_shape_problems,
-    pipeline_range_problems,
-)
+from remat.apply import find_sites, nothing_offloaded_advice
+from remat.layer_plan import Plan, PlanLike, check_plan, pipeline_range_problems
+from remat.layout import ModelLayout
+from remat.memory.measure import DEFAULT_HOST_GBPS, gradients_persist, trace
 from remat.memory.meter import storage_bytes
-from remat.memory.trace import Trace, gradients_persist, trace, unmeasured_problems
-from remat.models import LlamaConfig, LlamaModel, build, recipe_config, rmsnorm, rope, swiglu
-from remat.plans import Plan, PlanLike
+from remat.memory.prediction import Trace, offload_prediction_problems, unmeasured_problems
+from remat.models import ParallelSizes, Target
+from remat.problems import ConfigError, Problem, advise, one_of
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.step import RunSpec, adamw, optimizer_state_bytes
 
-# Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
-VOCAB_DIVISOR = 128
+ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
+# Sustained bf16 dense throughput assumed for estimated step times: remat's W1 plans on an H200
+# measured 520-655 TFLOP/s (benchmarks/results/plan_w1_h200.json).
+DEFAULT_TFLOPS = 600.0
+# cuBLAS keeps a workspace per handle, allocated through torch's caching allocator and held for the
+# process's life; torch makes a handle per thread that runs GEMMs: the forward's and autograd's CUDA
+# backward thread. Each took 32 MiB on an H200 with torch 2.11 (workspace_bytes_h200.json).
+DEFAULT_CUBLAS_WORKSPACE = 32 * 2**20
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_bytes(config: str | None) -> int:
+    """One cuBLAS handle's workspace for a CUBLAS_WORKSPACE_CONFIG value (':SIZE:COUNT' pairs, SIZE in
+    KiB, summed), or the default where it is unset."""
+    if config is None:
+        return DEFAULT_CUBLAS_WORKSPACE
+    if not re.fullmatch(r"(:\d+:\d+)+", config.strip()):
+        raise ConfigError([Problem("CUBLAS_WORKSPACE_CONFIG", f"cannot read {config!r}; cuBLAS takes ':SIZE:COUNT'"
+                                                              " pairs with SIZE in KiB, like ':4096:8' (32 MiB): fix"
+                                                              " or unset it, or give the size as cublas_workspace"
+                                                              " (--cublas_workspace)")])
+    numbers = [int(n) for n in config.strip().split(":")[1:]]
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
+
+
+def estimate_problems(target: str, tflops: float, host_gbps: float = DEFAULT_HOST_GBPS,
+                      cublas_workspace: int | None = None) -> Iterator[Problem]:
+    """The settings of a shapes-only estimate (`remat estimate`) beyond the step's."""
+    if not tflops > 0:
+        yield Problem("tflops", f"is {tflops}; give the sustained TFLOP/s one GPU reaches, e.g. 600")
+    if not host_gbps > 0:
+        yield Problem("host_gbps", f"is {host_gbps}; give the host link's bandwidth each way in GB/s, "
+                                   f"e.g. {DEFAULT_HOST_GBPS:g}")
+    if cublas_workspace is not None and cublas_workspace < 0:
+        yield Problem("cublas_workspace", f"is {cublas_workspace} bytes; give 0 or more (one cuBLAS handle's"
+                                          " workspace)")
+    if cublas_workspace is not None and target != "cuda":
+        yield Problem("cublas_workspace", f"counts only on the cuda target, not {target!r}; drop it")
+
+
+
+def estimate_threshold_problems(thresholds: Iterable[int]) -> Iterator[Problem]:
+    """One estimate traces offload at one min_offloaded_tensor_size."""
+    if len(distinct := sorted(set(thresholds))) > 1:
+        yield Problem("min_offloaded_tensor_size", f"the offload plans use thresholds {distinct}; one estimate "
+                                                   "traces one: give them the same")
 
 
 @dataclass(frozen=True)
-class EstimateSpec:
-    """One rank of a training run, described by shapes: recipe, parallel sizes, batch."""
+class EstimateSpec(RunSpec):
+    """One rank of a training run, described by shapes: the step's settings, the parallel layout
+    (`facts`: tp, sp, pp, vpp, cp) and the target whose kernels and speed to assume."""
 
-    recipe: str = "llama3_tiny"
-    overrides: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields
-    facts: TrainingFacts = field(default_factory=TrainingFacts)  # tp, sp, pp, vpp, cp
-    micro_batch_size: int = 1
-    micro_batches: int = 1  # per step on each data-parallel rank
-    optimizer: bool = True  # AdamW state (fused: no temporaries) held and stepped
-    dtype: torch.dtype = torch.bfloat16
-    target: str = "cuda"  # whose fused attention kernel to count
-    compile: bool = False  # the model's regions compiled, as `remat bench --compile` runs them
+    device: str = "cuda"  # the target: whose fused kernels (attention, RMSNorm) and workspaces to count
+    facts: TrainingFacts = field(default_factory=TrainingFacts)
     tflops: float = DEFAULT_TFLOPS
     host_gbps: float = DEFAULT_HOST_GBPS  # times offload copies, each way
     # bytes of one cuBLAS handle's workspace; None: from CUBLAS_WORKSPACE_CONFIG, else torch's default
@@ -84,29 +107,44 @@ class EstimateSpec:
     # from the above, so later changes to the environment do not move an estimate
     workspace_bytes: int = field(init=False, default=0)
 
-    def __post_init__(self) -> None:
-        cfg = self.model_config
-        problems = list(parallel_shape_problems(
-            self.facts, num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-            ffn_hidden_size=cfg.ffn_hidden_size, seq_length=cfg.seq_length))
-        problems += micro_batch_tokens_problems(cfg.seq_length, self.micro_batch_size,
-                                                self.facts.context_parallel_size)
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
         try:  # the recompute rules check the parallel sizes and the pipeline split of the layers
-            RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=cfg.num_layers))
+            config = self.model_config
+            RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=config.num_layers))
+            yield from self.family.shard_problems(config, self.parallel)
         except ConfigError as err:
-            problems += err.problems
-        problems += estimate_problems(self.target, self.micro_batch_size, self.micro_batches, self.tflops,
-                                      self.host_gbps, self.cublas_workspace)
+            yield from err.problems
+        except ValueError:  # an unknown recipe: RunSpec reported it
+            pass
+        yield from estimate_problems(self.device, self.tflops, self.host_gbps, self.cublas_workspace)
         try:
             object.__setattr__(self, "workspace_bytes", self._workspace_bytes())  # frozen: set once here
         except ConfigError as err:
-            problems += err.problems
-        if problems:
-            raise ConfigError(problems)
+            yield from err.problems
+
+    def _device_problems(self) -> Iterator[Problem]:
+        if self.device not in ESTIMATE_TARGETS:
+            yield Problem("target", f"{self.device!r} is not a target; use one of {one_of(ESTIMATE_TARGETS)}")
 
     @property
-    def model_config(self) -> LlamaConfig:
-        return recipe_config(self.recipe, **self.overrides)
+    def target(self) -> Target:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    @property
+    def parallel(self) -> ParallelSizes:
+        f = self.facts
+        return ParallelSizes(f.tensor_model_parallel_size, f.sequence_parallel, f.pipeline_model_parallel_size,
+                             f.context_parallel_size)
+
+    @property
+    def model_parallel(self) -> int:
+        f = self.facts
+        return max(f.tensor_model_parallel_size * f.pipeline_model_parallel_size * f.context_parallel_size, 1)
+
+    @property
+    def context_parallel(self) -> int:
+        return self.facts.context_parallel_size
 
     @property
     def stages(self) -> int:
@@ -166,7 +204,7 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     Plan over all layers, or None.
     """
     pp = spec.stages
-    layout = find_sites(build(spec.recipe, device="meta", **spec.overrides)).layout
+    layout = find_sites(spec.family.build(spec.model_config, device="meta")).layout
     problems = [p for _, plan in plans if isinstance(plan, Plan)
                 for p in _plan_problems(plan, layout, spec.facts)]
     if problems:  # every error before the first trace
@@ -199,17 +237,6 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
 
 
 # ---- one rank's shapes -----------------------------------------------------------------------
-
-def shard_config(config: LlamaConfig, facts: TrainingFacts) -> LlamaConfig:
-    """The model one tensor-/context-parallel rank runs, with one pipeline stage's layers."""
-    tp, cp = facts.tensor_model_parallel_size, facts.context_parallel_size
-    vocab = -(-config.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR  # padded, per rank
-    return dataclasses.replace(
-        config, num_layers=config.num_layers // facts.pipeline_model_parallel_size,
-        num_attention_heads=config.num_attention_heads // tp, num_query_groups=config.num_query_groups // tp,
-        ffn_hidden_size=config.ffn_hidden_size // tp, vocab_size=vocab if tp > 1 else config.vocab_size,
-        seq_length=config.seq_length // cp, kv_channels=config.head_dim)
-
 
 def in_flight(stage: int, facts: TrainingFacts, micro_batches: int) -> float:
     """Micro-batches of this stage's activations alive at its peak under 1F1B: Megatron's warm-up
@@ -247,24 +274,24 @@ class _SeqScatter(torch.autograd.Function):
         return grad.repeat(1, ctx.n, 1), None
 
 
-def _sequence_parallel(model: LlamaModel, tp: int) -> None:
-    """Hooks where torch's SequenceParallel / Colwise / Rowwise styles communicate."""
+def _sequence_parallel(spec: EstimateSpec, model: nn.Module) -> None:
+    """Hooks where torch's SequenceParallel / Colwise / Rowwise styles communicate, by shape."""
+    tp = spec.facts.tensor_model_parallel_size
+    points = spec.family.sequence_parallel(model, tp)
+
     def gather(module: nn.Module, args: tuple) -> tuple:
         return (_SeqGather.apply(args[0], tp), *args[1:])
 
     def scatter(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         return _SeqScatter.apply(out, tp)
 
-    for layer in model.decoder.transformer_layers():
-        for block in (layer.self_attention, layer.mlp):
-            block.register_forward_pre_hook(gather)
-            block.register_forward_hook(scatter)
-    if model.embedding is not None:
-        model.embedding.register_forward_hook(scatter)
-    else:  # the stage input is sharded; RoPE tables still cover the gathered sequence
-        model.rotary_pos_emb.register_forward_pre_hook(lambda m, args: (args[0] * tp,))
-    if model.output_layer is not None:  # the vocab-parallel loss head sees every token
-        model.decoder.register_forward_hook(lambda m, args, out: _SeqGather.apply(out, tp))
+    for block in points.blocks:
+        block.register_forward_pre_hook(gather)
+        block.register_forward_hook(scatter)
+    for module in points.split_after:
+        module.register_forward_hook(scatter)
+    for module in points.gather_after:
+        module.register_forward_hook(lambda m, args, out: _SeqGather.apply(out, tp))
 
 
 class _TargetKernels(TorchFunctionMode):
@@ -291,14 +318,6 @@ class _TargetKernels(TorchFunctionMode):
                 q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-def _fused_chunk_loss(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                      need_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """The compiled loss chunk by shape: inductor's kernels (remat's one on CUDA) allocate only
-    the chunk's loss and write the logit gradients over the logits."""
-    loss = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
-    return loss, logits if need_grad else None
 
 
 class _AdamWState(torch.optim.Optimizer):
@@ -352,31 +371,21 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
                  offload_threshold: int | None = None) -> _StageTrace:
     """Trace one stage's shard; with `offload_threshold`, offload too (storages of that many
     elements or more)."""
-    facts, cfg = spec.facts, spec.model_config
-    shard = shard_config(cfg, facts)
+    family, split = spec.family, spec.parallel.sequence_split
+    shard = family.shard(spec.model_config, spec.parallel)
     first, last = stage == 0, stage == spec.stages - 1
     meta = torch.device("meta")
-    model = LlamaModel(shard, dtype=spec.dtype, device=meta, pre_process=first, post_process=last)
+    model = family.build(shard, dtype=spec.dtype, device=meta, pre_process=first, post_process=last)
     model.train()
-    if spec.compile:  # inductor cannot run on meta tensors; this backend partitions as it does
-        model.compile_regions(backend="aot_eager_decomp_partition")
-        model.loss_kernels = dataclasses.replace(model.loss_kernels, chunk=_fused_chunk_loss)
-        if spec.target == "cuda":  # CUDA's SwiGLU and QKV Functions allocate on meta, launch nothing
-            for layer in model.decoder.transformer_layers():
-                layer.mlp.activation = swiglu.activation
-                layer.self_attention.split_qkv = rope.split_qkv
-    if spec.target == "cuda":  # remat's RMSNorm Function saves what torch's fused kernel saves
-        model.set_norm_kernel(rmsnorm.triton_rms_norm)
-    sp = facts.sequence_parallel and facts.tensor_model_parallel_size > 1
-    if sp:
-        _sequence_parallel(model, facts.tensor_model_parallel_size)
+    family.use_kernels(model, spec.target, compiled=spec.compile, shapes_only=True)
+    if split > 1:
+        _sequence_parallel(spec, model)
     b, s = spec.micro_batch_size, shard.seq_length
     labels = torch.zeros(b, s, dtype=torch.long, device=meta)
     if first:
         inputs = torch.zeros(b, s, dtype=torch.long, device=meta)
     else:
-        local = s // facts.tensor_model_parallel_size if sp else s
-        inputs = torch.zeros(b, local, shard.hidden_size, dtype=spec.dtype, device=meta, requires_grad=True)
+        inputs = torch.zeros(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta, requires_grad=True)
     optimizer: torch.optim.Optimizer | None = None
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
         optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
@@ -388,8 +397,7 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
         measured = trace(model, (inputs, labels), optimizer=optimizer, micro_batches=spec.micro_batches,
                          timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
                          progress=lambda what: note(f"stage {stage}: {what}"))
-    hidden = inputs if not first else torch.empty(b, s // (facts.tensor_model_parallel_size if sp else 1),
-                                                  shard.hidden_size, dtype=spec.dtype, device=meta)
+    hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta)
     return _StageTrace(measured, storage_bytes(model.parameters()), optimizer_state_bytes(optimizer),
                        0 if first else hidden.untyped_storage().nbytes(),
                        0 if last else hidden.untyped_storage().nbytes(),

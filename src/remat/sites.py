@@ -6,8 +6,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from remat.config import SITE_LABELS
 from remat.engine import inside_region
+from remat.labels import site_labels
 
 
 class SiteAction(Protocol):
@@ -26,8 +26,8 @@ class Site(nn.Module):
 
     def __init__(self, label: str, *, fused: bool = False) -> None:
         super().__init__()
-        if label not in SITE_LABELS:
-            raise ValueError(f"unknown site label {label!r}; use one of {', '.join(SITE_LABELS)}")
+        if label not in site_labels():
+            raise ValueError(f"unknown site label {label!r}; use one of {', '.join(site_labels())}")
         self.label = label
         # The wrapped kernel already recomputes its own internals (flash/cuDNN attention),
         # so recomputing this site frees almost nothing.

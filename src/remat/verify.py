@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
-from remat.config import RecomputeConfig
+from remat.layer_plan import Plan
 from remat.memory import SavedMemory, measure_saved
-from remat.plans import Plan
+from remat.recompute import RecomputeConfig
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from remat.bench.result import BenchResult
-from remat.config import ConfigError, threshold_problems
+from remat.problems import ConfigError, Problem
 
 Verdict = Literal["ok", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
 OK: Verdict = "ok"
@@ -78,6 +78,12 @@ def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, t
     rel = _relative_diff(current, golden)
     verdict = _verdict(rel, higher_is_worse=higher_is_worse, threshold=threshold)
     return MetricCheck(name, float(golden), float(current), rel, verdict)
+
+
+def threshold_problems(threshold: float) -> Iterator[Problem]:
+    if not threshold >= 0:
+        yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"
+                                   " e.g. 0.05")
 
 
 def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAULT_THRESHOLD) -> list[MetricCheck]:
@@ -150,6 +156,13 @@ def run_differences(golden: BenchResult, recipe: str, shape: Mapping[str, Any]) 
     if golden.status == "ok":  # recorded before max_steps was: a run that ended ok logged a loss a step
         golden_shape.setdefault("max_steps", len(golden.losses))
     return _field_note("recipe", golden.recipe, recipe) + _dict_notes("shape", golden_shape, _shape(shape))
+
+
+def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
+    """A golden of another recipe or shape measured another run (golden.run_differences)."""
+    if differences:
+        yield Problem("golden", f"was measured on another run ({'; '.join(differences)}); run with the golden's"
+                                " recipe and shape, or store this run as a new golden with --save-golden")
 
 
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:

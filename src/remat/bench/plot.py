@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from remat.bench.result import BenchResult
-from remat.memory.trace import Timeline
+from remat.memory.timeline import Timeline
 
 _GIB = 1 << 30
 Point = tuple[float, float]  # (peak memory GiB, TFLOP/s)

@@ -5,15 +5,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from remat.config import RECOMPUTE_MODULES, ConfigError, Problem, RecomputeConfig
-from remat.plans import Plan, PlanLike, load_plan_or_config
-
+from remat.labels import recompute_labels
+from remat.layer_plan import Plan, PlanLike, load_plan_or_config
+from remat.problems import ConfigError, Problem
+from remat.recompute import RecomputeConfig
 
 
 def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:
     """none, each label the model has alone, mlp+core_attn, core_attn+layernorm, full uniform 1
     and full block over half the layers."""
-    singles = [label for label in RECOMPUTE_MODULES if label in labels]
+    singles = [label for label in recompute_labels() if label in labels]
     pairs = [p for p in ("mlp+core_attn", "core_attn+layernorm") if set(p.split("+")) <= labels]
     return ["none", *singles, *pairs, "full_uniform_1", f"full_block_{max(num_layers // 2, 1)}"]
 

@@ -24,8 +24,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from remat.apply import find_sites
-from remat.config import LAYER
 from remat.engine import storage_key
+from remat.labels import LAYER
 from remat.memory.meter import storage_bytes
 
 Owner = tuple[int | None, str]  # (layer, site label); layer None: outside the layers

@@ -1,9 +1,57 @@
-"""Reference models (dense Llama-3 family) and named recipes."""
-from remat.models.llama import LlamaConfig, LlamaModel, MLP, RMSNorm, SelfAttention, TransformerLayer
-from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
-from remat.models.recipes import build, recipe_config, recipes
+"""Model families behind one seam (`remat.models.family.ModelFamily`), and their recipes by name.
 
-__all__ = [
-    "LlamaConfig", "LlamaModel", "MLP", "RMSNorm", "SelfAttention", "TransformerLayer",
-    "LossKernels", "build", "chunked_linear_cross_entropy", "compiled_loss_kernels", "recipe_config", "recipes",
-]
+Code outside `remat.models` builds and inspects models only through these functions and the
+family a recipe belongs to.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import labels
+from remat.models import llama
+from remat.models.family import ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, unknown
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Make a family's recipes and site labels known."""
+    for label in family.labels:
+        labels.register(label)
+    FAMILIES[family.name] = family
+    return family
+
+
+register(llama.FAMILY)
+
+
+def recipes() -> list[str]:
+    """Every recipe name, of every family."""
+    return [name for family in FAMILIES.values() for name in family.recipes()]
+
+
+def family_of(recipe: str) -> ModelFamily:
+    """The family a recipe belongs to; ValueError naming the closest recipe if none."""
+    for family in FAMILIES.values():
+        if recipe in family.recipes():
+            return family
+    raise unknown("recipe", recipe, recipes())
+
+
+def recipe_config(recipe: str, **overrides: Any) -> Any:
+    """The recipe's config with fields replaced by overrides (Megatron names)."""
+    return family_of(recipe).config(recipe, **overrides)
+
+
+def build(recipe: str, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+          **overrides: Any) -> nn.Module:
+    """A freshly initialized model of the recipe; device="meta" allocates nothing."""
+    family = family_of(recipe)
+    return family.build(family.config(recipe, **overrides), dtype=dtype, device=device)
+
+
+__all__ = ["FAMILIES", "ModelConfig", "ModelFamily", "ParallelSizes", "SequenceParallelPoints", "Target",
+           "build", "family_of", "recipe_config", "recipes", "register"]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
+from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward
 
 _BLOCK = 1024
 

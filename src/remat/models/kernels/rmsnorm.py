@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
+from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
 
 # A row lives in registers: wider hidden sizes take the fallback.
 MAX_WIDTH = 65536

@@ -1,11 +1,6 @@
 """The exact solver behind the planner: the fastest cover of the layers by choices under a budget.
 
-A choice runs a range of layers one way: a single layer with some site actions, or a range
-recomputed whole. Every layer is covered by exactly one choice. Memory is tracked per window of
-the step (each layer's forward and backward, the loss head, the optimizer step): a window's peak
-is its no-recompute peak, plus what the choices covering its layer add in it, minus what every
-choice whose saved tensors it still holds frees. The step's peak is the largest window; time is
-the recompute the choices add.
+The problem is `remat.memory.windows`': choices covering the layers, windows with peaks.
 
 Choices only reach their own layers' windows, the next layer's (offload) and, through the bytes
 they free, the windows that hold them; so a dynamic program over the layers finds the fastest
@@ -16,53 +11,16 @@ dynamic program does not carry: a cap on host bytes, a choice measured further a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat.config import LAYER, RECOMPUTE_MODULES, ConfigError, Problem, format_bytes
-from remat.plans import Plan
-
-
-@dataclass(frozen=True)
-class Window:
-    """A stretch of the step with its own peak: `layer`'s forward or backward (None for the loss
-    head, the tail of backward, the optimizer step), in which layers [0, holds) keep their saved
-    tensors; `base_bytes` is its peak allocated when every layer keeps everything."""
-
-    name: str
-    layer: int | None
-    holds: int
-    base_bytes: int
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Run layers [start, end) one way: `actions` for a single layer, or None to recompute the
-    range whole (with `input_offloaded`, the input it keeps goes to host). `freed_bytes` is what
-    it leaves unsaved after the forward against keeping everything; `window_bytes` what it adds
-    to the peaks of the windows it was measured in, by name (its own layers', and for offload the
-    next layer's, while copies run); `host_bytes` what it moves to host memory."""
-
-    start: int
-    end: int
-    actions: dict[str, str] | None
-    freed_bytes: int
-    added_time_s: float
-    window_bytes: Mapping[str, int] = field(default_factory=dict)
-    host_bytes: int = 0
-    input_offloaded: bool = False
-
-    def delta(self, window: Window) -> int:
-        """Bytes this choice adds to (or, negative, removes from) the window's peak: as measured
-        in its own windows; elsewhere, what it frees wherever its layers' saved tensors are held."""
-        if window.name in self.window_bytes:
-            return self.window_bytes[window.name]
-        if window.layer is not None and self.start <= window.layer < self.end:
-            return 0
-        return -self.freed_bytes if self.end <= window.holds else 0
+from remat.labels import LAYER, recompute_labels
+from remat.layer_plan import Plan
+from remat.memory.windows import Choice, PlanningProblem, Window
+from remat.problems import ConfigError, Problem
+from remat.sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -73,21 +31,6 @@ class Solution:
     peak_window: str
     added_time_s: float
     host_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class PlanningProblem:
-    num_layers: int
-    choices: Sequence[Choice]
-    windows: Sequence[Window]
-    fixed_bytes: int | None = None  # what the micro-batch does not scale (weights, grads, optimizer state), if known
-
-    def peak_and_window(self, chosen: Sequence[Choice]) -> tuple[int, str]:
-        peaks = [(w.base_bytes + sum(c.delta(w) for c in chosen), w.name) for w in self.windows]
-        return max(peaks)
-
-    def peak(self, chosen: Sequence[Choice]) -> int:
-        return self.peak_and_window(chosen)[0]
 
 
 class NoPlanFits(ConfigError):
@@ -153,7 +96,7 @@ def _cost(c: Choice) -> float:
     # ties (times measured as zero) go to the plan with the fewest actions, 2 us each: above HiGHS'
     # absolute gap (1e-6, which scipy does not expose), far below any action's time on a GPU; a layer
     # recomputed whole counts as every site acted on, and one more
-    actions = len(c.actions) if c.actions is not None else (c.end - c.start) * (len(RECOMPUTE_MODULES) + 1)
+    actions = len(c.actions) if c.actions is not None else (c.end - c.start) * (len(recompute_labels()) + 1)
     return c.added_time_s + 2e-6 * actions
 
 
@@ -248,6 +191,8 @@ _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit bel
 
 def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
           minimize_memory: bool) -> Solution | None:
+    from scipy.optimize import Bounds, LinearConstraint, milp  # scipy loads when a MILP is solved
+
     choices, windows = list(problem.choices), list(problem.windows)
     n = len(choices)
     # variables: one binary per choice, then P = the step's peak (MiB)

@@ -32,7 +32,7 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernels() -> Any:
-    from remat.models import triton_kernels
+    from remat.models.kernels import triton_kernels
     return triton_kernels
 
 

@@ -1,30 +1,28 @@
 """remat.plan(): the fastest plan whose predicted peak fits a memory budget, explained.
 
-The trace measures; the solver chooses; this module joins them and says what it chose in
-Megatron's terms when it can (a uniform plan is a RecomputeConfig) and per layer otherwise.
+The trace measures (`remat.memory`); the solver chooses (`remat.planner.solver`); this module
+joins them and says what it chose in Megatron's terms when it can (a uniform plan is a
+RecomputeConfig) and per layer otherwise.
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from remat.config import (
-    ConfigError,
-    RecomputeConfig,
-    RematWarning,
-    TrainingFacts,
-    parse_bytes,
-    plan_search_problems,
-    planning_problems,
-)
+from remat.layer_plan import Plan
+from remat.memory.measure import meta_offload_problems, trace
 from remat.memory.meter import storage_bytes
-from remat.memory.trace import Prediction, Trace, trace
-from remat.planner import Choice, solve
-from remat.plans import Plan
+from remat.memory.prediction import Prediction, Trace
+from remat.memory.windows import Choice
+from remat.planner.solver import NoPlanFits, solve
+from remat.problems import Problem, RematWarning, raise_if_any
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.sizes import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -101,9 +99,7 @@ def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | N
     `host_budget` caps the bytes offload may move to host memory (a trace with offload measured)."""
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
-    problems = list(planning_problems(trace_.offload, host_bytes))
-    if problems:
-        raise ConfigError(problems)
+    raise_if_any(host_budget_problems(trace_.offload, host_bytes))
     solution = solve(trace_.problem(), budget_bytes, host_bytes)
     if solution.plan.offloads():
         solution.plan.min_offloaded_tensor_size = trace_.min_offloaded_tensor_size
@@ -128,9 +124,31 @@ def plan(model: nn.Module, budget: int | str, batch: tuple[torch.Tensor, torch.T
     `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
-    problems = [*planning_problems(offload, host_bytes, batch[0].device.type),
-                *plan_search_problems(budget_bytes, weight_bytes(model, batch[0].device.type), Trace.max_group)]
-    if problems:
-        raise ConfigError(problems)
+    raise_if_any([*host_budget_problems(offload, host_bytes),
+                  *meta_offload_problems(offload, batch[0].device.type, None),
+                  *plan_search_problems(budget_bytes, weight_bytes(model, batch[0].device.type), Trace.max_group)])
     traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
     return plan_from_trace(traced, budget_bytes, host_bytes)
+
+
+def host_budget_problems(offload: bool, host_budget_bytes: int | None) -> Iterator[Problem]:
+    """A host budget caps what offload moves, so it needs offload."""
+    if host_budget_bytes is not None and not offload:
+        yield Problem("host_memory_budget", "caps what offload moves to host memory; turn offload on "
+                                            "(--offload) or drop the host budget")
+
+
+def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -> Iterator[Problem]:
+    """What the planner can be asked before it traces: a budget the weights leave room in, and
+    whole-layer groups it may form."""
+    if weight_bytes >= budget_bytes:
+        yield Problem("memory_budget", (
+            f"the weights alone take {format_bytes(weight_bytes)}, more than the {format_bytes(budget_bytes)} "
+            "budget: no recompute plan helps; shard them (FSDP2) or spread the model over more GPUs "
+            "(tensor or pipeline parallel)"))
+    if max_group < 1:
+        yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
+
+
+__all__ = ["NoPlanFits", "PlanResult", "host_budget_problems", "megatron_keys", "plan", "plan_from_trace",
+           "plan_search_problems", "solve", "uniform_config", "weight_bytes"]

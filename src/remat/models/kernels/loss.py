@@ -14,9 +14,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from remat.models.grad_accumulation import accumulates_into_grad, kept_for_grad
-from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
-
+from remat.models.kernels.grad_accumulation import accumulates_into_grad, kept_for_grad
+from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, row_block
 
 ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
@@ -71,6 +70,14 @@ def chunk_loss_triton(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: 
     return loss, logits if need_grad else None
 
 
+def chunk_loss_shapes(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
+                      need_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """The compiled loss chunk by shape, for the meta device: inductor's kernels (remat's one on
+    CUDA) allocate only the chunk's loss and write the logit gradients over the logits."""
+    loss = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
+    return loss, logits if need_grad else None
+
+
 def on_cuda(fallback: ChunkFn) -> ChunkFn:
     """chunk_loss_triton for contiguous CUDA logits of KERNEL_DTYPES (when Triton is installed);
     `fallback` for anything else."""
@@ -102,9 +109,8 @@ class LossKernels:
 
 @functools.cache
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
-    # Eager, a multiply by a 0-dim CUDA tensor broadcasts it and takes torch's unvectorized path:
-    # 1.8 ms against 0.53 compiled on W1's 1 GiB weight gradient (H200); the add into .grad took
-    # 3.45 ms eager (benchmarks/results/profile_w1_h200.json, call F).
+    # Compiled, not eager: eagerly, a multiply by a 0-dim CUDA tensor broadcasts it and takes
+    # torch's unvectorized path (benchmarks/README.md has the profile).
     return LossKernels(on_cuda(torch.compile(chunk_loss_fusable, backend=backend)),
                        torch.compile(scale_grad, backend=backend), torch.compile(add_scaled_grad, backend=backend))
 

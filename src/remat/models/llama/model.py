@@ -5,64 +5,19 @@ The model knows nothing of recompute: it only calls its computations through ``S
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat.config import ConfigError, model_shape_problems
-from remat.models import rmsnorm, rope, swiglu
-from remat.models.grad_accumulation import linear
-from remat.models.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.models.kernels import loss, rmsnorm, rope, swiglu
+from remat.models.kernels.grad_accumulation import linear
+from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.models.llama.config import LlamaConfig
 from remat.sites import Site
-
-
-@dataclass
-class LlamaConfig:
-    """Shapes and knobs of a Llama model, with Megatron Core's argument names."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    seq_length: int
-    vocab_size: int
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    attention_backend: str = "sdpa"
-    norm_epsilon: float = 1e-5
-    rotary_base: float = 500000.0
-    init_method_std: float = 0.02
-    # Tokens per chunk of the loss head: a chunk's fp32 logits take loss_chunk_size x vocab x 4 B.
-    loss_chunk_size: int = 4096
-    # Head dim; None: hidden_size / num_attention_heads. A tensor-parallel shard keeps the head
-    # dim with fewer heads, so its attention width differs from hidden_size.
-    kv_channels: int | None = None
-    # Add each linear's weight gradient into .grad inside its GEMM when gradients accumulate
-    # (remat.models.grad_accumulation): Megatron's flag of the same name.
-    gradient_accumulation_fusion: bool = True
-
-    def __post_init__(self) -> None:
-        problems = model_shape_problems({name: getattr(self, name) for name in self.field_names()})
-        if problems:
-            raise ConfigError(problems)
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def attention_width(self) -> int:
-        """Width of the merged attention heads: linear_proj's input."""
-        return self.num_attention_heads * self.head_dim
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 def _factory(dtype: torch.dtype | None, device: torch.device | str | None) -> dict:
@@ -190,8 +145,7 @@ class SelfAttention(nn.Module):
         """
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.backend == "sdpa":
-            # enable_gqa keeps k/v unexpanded; on an H200 (torch 2.11, Llama-3-8B shapes) it ran on
-            # cuDNN at 550 TFLOP/s against 516 with k/v expanded.
+            # enable_gqa keeps k/v unexpanded, which measured faster on cuDNN than expanding them.
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                   enable_gqa=True)
         k, v = _expand_kv(k, self.num_heads), _expand_kv(v, self.num_heads)
@@ -314,6 +268,9 @@ class LlamaModel(nn.Module):
         self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                        **_factory(dtype, meta)) if post_process else None)
         self.loss_kernels = LossKernels()  # compile_regions compiles them
+        # Under sequence parallelism a rank holds 1/n of the tokens outside attention and MLP; the
+        # rotary tables still cover the whole sequence (Megatron's rotary_seq_len).
+        self.sequence_parallel_size = 1
         self.to_empty(device=target)
         self.init_weights()
 
@@ -332,10 +289,10 @@ class LlamaModel(nn.Module):
 
         Without pre_process `input_ids` is the previous stage's hidden states [b, s, h]; without
         post_process the result is this stage's hidden states, and labels are unused."""
-        cos, sin = self.rotary_pos_emb(input_ids.shape[1])
         x = input_ids
         if self.embedding is not None:
             x = F.dropout(self.embedding(input_ids), self.config.hidden_dropout, self.training)
+        cos, sin = self.rotary_pos_emb(x.shape[1] * self.sequence_parallel_size)
         x = self.decoder(x, cos, sin)
         if self.output_layer is None:
             return x
@@ -367,6 +324,22 @@ class LlamaModel(nn.Module):
             layer.mlp.activation = activation
         self.set_norm_kernel(rmsnorm.on_cuda())
         self.loss_kernels = compiled_loss_kernels(backend)
+
+    def use_shape_kernels(self, target: str, compiled: bool) -> None:
+        """On the meta device, run pieces that allocate and save what `target`'s kernels would
+        (on meta torch takes its unfused paths): with `compiled`, the regions compiled by a
+        backend that partitions as inductor does, the loss chunk as inductor's kernel and, for
+        CUDA, remat's SwiGLU and QKV Functions (on meta they launch nothing); for CUDA, remat's
+        RMSNorm Function, which saves what torch's fused kernel saves."""
+        if compiled:  # inductor cannot run on meta tensors
+            self.compile_regions(backend="aot_eager_decomp_partition")
+            self.loss_kernels = dataclasses.replace(self.loss_kernels, chunk=loss.chunk_loss_shapes)
+            if target == "cuda":
+                for layer in self.decoder.transformer_layers():
+                    layer.mlp.activation = swiglu.activation
+                    layer.self_attention.split_qkv = rope.split_qkv
+        if target == "cuda":
+            self.set_norm_kernel(rmsnorm.triton_rms_norm)
 
     def set_norm_kernel(self, kernel: rmsnorm.NormFn) -> None:
         """Compute every RMSNorm of the model (layers' and final) with `kernel`."""

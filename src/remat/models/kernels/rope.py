@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from remat.models.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
+from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, refuse_double_backward, row_block
 
 SplitFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
 

@@ -1,0 +1,74 @@
+"""BenchSpec: what `remat bench` and `remat sweep` run (the step's settings, steps, the GPU), and its checks."""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from remat.problems import ConfigError, Problem, did_you_mean, one_of
+from remat.step import RunSpec, device_problems
+
+GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
+# Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
+CPU_MAX_PARAMETERS = 300_000_000
+DEFAULT_MAX_STEPS = 10
+DEFAULT_WARMUP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class BenchSpec(RunSpec):
+    """A benchmark: `max_steps` training steps of the spec, timed after `warmup_steps`. Validated on creation."""
+
+    max_steps: int = DEFAULT_MAX_STEPS
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    gpu: str | None = None  # Bridge's -g label, checked against the device
+    command: str = field(default_factory=lambda: shlex.join(sys.argv))  # recorded with results
+    dryrun: bool = False  # only built on meta and printed: a full-size recipe is fine on a CPU
+
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
+        if self.gpu is not None and self.gpu not in GPUS:
+            yield Problem("gpu", f"{self.gpu!r} is not a GPU name{did_you_mean(self.gpu, GPUS)}; use one of {one_of(GPUS)}")
+        if self.warmup_steps < 0:
+            yield Problem("warmup_steps", f"is {self.warmup_steps}; use --warmup_steps 0 or more")
+        elif self.max_steps <= self.warmup_steps:
+            yield Problem("max_steps", f"{self.max_steps} steps leave no steady step after {self.warmup_steps}"
+                                       f" warm-up steps; use -ms {self.warmup_steps + 1} or more")
+        if self.compile and self.warmup_steps == 0:
+            yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"
+                                          " steady step; use --warmup_steps 1 or more")
+        if self.num_gpus not in (None, 1):
+            yield Problem("num_gpus", f"is {self.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
+                                      " through torchrun arrive with the parallel issue); use -ng 1")
+        yield from self._device_checks()
+
+    def _device_problems(self) -> Iterator[Problem]:
+        yield from device_problems(self.device)
+
+    def _device_checks(self) -> Iterator[Problem]:
+        if device_problems(self.device):
+            return
+        if self.device == "cpu" and not self.dryrun:
+            parameters = self._parameters()
+            if parameters is not None and parameters > CPU_MAX_PARAMETERS:
+                yield Problem("device", f"{parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
+                                        " recipe or shrink it (--num_layers, --hidden_size)")
+        if self.device == "cpu" and self.gpu is not None:
+            yield Problem("gpu", f"-g {self.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
+        elif self.gpu in GPUS and self.device.startswith("cuda"):
+            present = torch.cuda.get_device_name(self.device)
+            # whole words of the name: "b200" is not a GB200
+            if self.gpu not in re.findall(r"[a-z0-9]+", present.lower()):
+                yield Problem("gpu", f"-g {self.gpu} but this machine's GPU is {present}; fix -g or drop it")
+
+    def _parameters(self) -> int | None:
+        """The model's parameter count, from a model on meta; None when its shape is invalid."""
+        try:
+            model = self.family.build(self.model_config, device="meta")
+        except (ConfigError, ValueError):  # reported by RunSpec
+            return None
+        return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,73 @@
+"""remat bench: train a recipe under a recompute config and measure it; compare with a golden run."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
+from remat.bench.run import plan_name, run_bench
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
+from remat.cli.common import (
+    collected_warnings,
+    err,
+    out,
+    output_problems,
+    print_warnings,
+    progress_bar,
+    record_history,
+    write_json,
+)
+from remat.cli.tables import checks_table, memory_table, results_table
+from remat.recompute import RecomputeConfig
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="train a recipe under a recompute config and measure it",
+                       description="Run real training steps (forward, backward, AdamW) of a recipe "
+                                   "under a recompute config on mock data; report step time, TFLOP/s "
+                                   "per GPU, tokens/s, peak memory and its breakdown, loss per step.")
+    add_run_flags(p)
+    add_recompute_flags(p)
+    p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--golden", metavar="FILE",
+                   help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
+                        "another recipe or shape is refused before running; another GPU name or recompute "
+                        "config is a note, and so is a metric only one side has")
+    p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
+    p.add_argument("--threshold", type=float,
+                   help=f"with --golden: relative difference that fails the comparison, both ways (default "
+                        f"{DEFAULT_THRESHOLD})")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with collected_warnings() as caught:
+        spec, plan, resolved, golden = check_bench(args, output_problems(args))
+    print_warnings(caught)
+    if args.dryrun:
+        out.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
+                  f"{spec.micro_batches} micro-batches a step, {spec.max_steps} steps "
+                  f"({spec.warmup_steps} warm-up), {spec.compute_dtype}")
+        if isinstance(plan, RecomputeConfig):
+            out.print(plan.describe())
+        out.print(resolved.describe())
+        return 0
+    with collected_warnings() as during, progress_bar(not args.no_progress) as bar:
+        result = run_bench(spec, plan, name=plan_name(plan), on_step=bar.on_step())
+    print_warnings(during, printed=caught)
+    out.print(results_table([result], title=f"remat bench: {spec.recipe}"))
+    if result.memory is not None:
+        out.print(memory_table(result))
+    if args.json:
+        write_json(result.to_dict(), args.json)
+    record_history([result], args)
+    if args.save_golden:
+        save_golden(result, args.save_golden)
+    if golden is None:
+        return 0 if result.status == "ok" else 1
+    for note in [*mismatch_notes(result, golden), *uncompared(result, golden)]:
+        err.print(f"[yellow]note:[/] {note}")
+    checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
+    out.print(checks_table(checks))
+    return 1 if golden_failed(checks) else 0

@@ -1,0 +1,174 @@
+"""Checks of command lines: flag combinations, and the files a command will write (before it runs)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from remat.bench.golden import threshold_problems
+from remat.problems import Problem
+from remat.recompute import RecomputeConfig
+from remat.rules import min_offload_size_problems
+
+
+def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None,
+                            recompute_granularity: str | None = None) -> Iterator[Problem]:
+    """Bridge's perf flags: -rl and --recompute_modules each choose the granularity."""
+    if recompute_num_layers is not None and recompute_modules is not None:
+        yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
+                                                 "--recompute_modules recomputes the listed modules in every layer")
+    elif recompute_modules is not None and recompute_granularity == "full":
+        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules"
+                                                 " for selective recompute; drop --recompute_granularity full (the"
+                                                 " modules imply selective), or drop --recompute_modules and pass"
+                                                 " -rl N")
+    elif recompute_num_layers is not None and recompute_granularity == "selective":
+        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes"
+                                                 " N whole layers (full); drop --recompute_granularity selective (-rl"
+                                                 " implies full), or drop -rl and pass --recompute_modules")
+
+
+def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = True) -> Iterator[Problem]:
+    """A per-layer plan file passed with --config, beside the command's other flags."""
+    if other_flags:
+        yield Problem("--config", "a per-layer plan file sets every action itself; drop the recompute and "
+                                  "parallel flags")
+    if not model_given:
+        yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
+
+
+def configs_flag_problems(flags: RecomputeConfig | None) -> Iterator[Problem]:
+    """`remat estimate --configs` estimates the entries it lists: a config the recompute and
+    offload flags (or --config) choose beside them would be dropped. `flags` is what they resolve
+    to; None for a per-layer plan file."""
+    chosen = ["--config (a per-layer plan)"] if flags is None else flags.changed()
+    if chosen:
+        yield Problem("--configs", f"estimates only the entries it lists, so what the flags set ({', '.join(chosen)})"
+                                   " would be ignored; give it as an entry (like mlp+core_attn or full_block_2; "
+                                   "offload in a config or plan file) or drop either the flags or --configs")
+
+
+def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """A file written once a run is over, checked before it starts (the writers create missing folders)."""
+    target = Path(path)
+    if target.is_dir():
+        yield Problem(flag, f"{path} is a directory; give a file path in it")
+        return
+    folder = next(p for p in target.absolute().parents if p.exists())  # the nearest that exists
+    # tried, not looked up: os.access says yes to root everywhere, read-only mounts included
+    if target.exists():
+        if (error := _open_error(lambda: target.open("ab"))) is not None:
+            yield Problem(flag, f"{path} cannot be overwritten ({error}); choose another path")
+    elif not folder.is_dir():
+        yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
+    elif (error := _open_error(lambda: tempfile.NamedTemporaryFile(dir=folder))) is not None:
+        yield Problem(flag, f"{path} cannot be created in {folder} ({error}); choose another folder")
+
+
+def _open_error(opener: Callable[[], IO[bytes]]) -> str | None:
+    """Why opening fails (the OS's words), or None when it opens; closed at once."""
+    try:
+        opener().close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timeline: bool, request: bool,
+                         limit: bool) -> list[Problem]:
+    """remat doctor does one thing per call: flags that the chosen one would ignore are refused."""
+    problems = []
+    if timeline and (results or state):
+        problems.append(Problem("--timeline", "plots a run of the recipe, not a file or message; drop --timeline or"
+                                              " the --results / --snapshot / --oom_message"))
+    if not state:
+        problems += [Problem(flag, "describes an OOM's allocator state, for --snapshot or --oom_message only;"
+                                   f" drop {flag}") for flag, given in (("--request", request), ("--limit", limit))
+                     if given]
+    elif limit and oom_message:
+        problems.append(Problem("--limit", "the OOM message gives the device's capacity; drop --limit"))
+    elif not limit and not oom_message:
+        problems.append(Problem("--limit", "a snapshot records no device size; pass --limit (e.g. 80GiB)"))
+    return problems
+
+
+def doctor_run_problems(cuda_available: bool) -> Iterator[Problem]:
+    """remat doctor -mr runs the bench to catch an OOM, and an OOM is a GPU's."""
+    if not cuda_available:
+        yield Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; pass --results, "
+                                "--snapshot or --oom_message instead")
+
+
+def tolerance_problems(tolerance: float) -> Iterator[Problem]:
+    if not tolerance >= 0:  # NaN too
+        yield Problem("tolerance", f"is {tolerance}; use 0 (bit-identical) or the largest gradient difference to accept")
+
+
+def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """An existing --history file must be a run history (SQLite), or the run's record is lost at its end."""
+    target = Path(path)
+    if target.is_file() and target.stat().st_size:  # SQLite starts an empty file itself
+        with target.open("rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                yield Problem("--history", f"{path} is not a run history (not an SQLite database); choose another file")
+
+
+def history_flag_problems(history: str | None, no_history: bool) -> Iterator[Problem]:
+    """Where to record a run, and not to record it."""
+    if history and no_history:
+        yield Problem("--history", "names a history file and --no_history records none; drop one")
+
+
+def png_path_problems(flag: str, path: str | os.PathLike[str] | None) -> Iterator[Problem]:
+    """remat's plots are PNG files: a name that says otherwise would mislead whoever opens it."""
+    if path is not None and Path(path).suffix.lower() != ".png":
+        yield Problem(flag, f"{path}: the plot is a PNG; end the name in .png")
+
+
+def plan_run_flag_problems(verify: bool, given: Iterable[str]) -> Iterator[Problem]:
+    """remat plan's run flags (-ms, --warmup_steps, --history) set the --verify run; the trace ignores them."""
+    if not verify:
+        for flag in given:
+            yield Problem(flag, "sets the run --verify makes, and there is none; pass --verify or drop it")
+
+
+def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
+    """A plan or config file is read back by its suffix (remat bench --config, remat.apply)."""
+    if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
+        yield Problem(flag, f"{path}: a plan is read back by its suffix; end the name in .yaml, .yml or .json")
+
+
+def dryrun_output_problems(flags: Iterable[str]) -> Iterator[Problem]:
+    """Output flags beside -d, which runs nothing and so writes nothing."""
+    for flag in flags:
+        yield Problem(flag, "a dry run (-d) runs nothing, so nothing is written; drop it or drop -d")
+
+
+def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterator[Problem]:
+    """--threshold only means something for a golden comparison."""
+    if threshold is not None and not golden_given:
+        yield Problem("threshold", "sets how much a golden comparison may differ, and there is none; pass"
+                                   " --golden FILE or drop --threshold")
+    elif threshold is not None:
+        yield from threshold_problems(threshold)
+
+
+def offload_device_advice(device: str, offloading: Sequence[str]) -> Iterator[Problem]:
+    """Runs that offload, on a device where that saves nothing (advice: the CPU path tests the mechanism)."""
+    if offloading and device == "cpu":
+        yield Problem("device", f"offload on CPU ({', '.join(offloading)}) copies CPU memory to CPU memory: it"
+                                " exercises the mechanism only, and the lower peak allocated and the peak host it"
+                                " reports are no saving; measure offload on a GPU")
+
+
+def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | None) -> Iterator[Problem]:
+    """remat plan's --min_offloaded_tensor_size: for offload only, and a size."""
+    if min_offloaded_tensor_size is None:
+        return
+    if not offload:
+        yield Problem("min_offloaded_tensor_size", "sets which tensors offload moves, and offload is off; pass "
+                                                   "--offload or drop it")
+    else:
+        yield from min_offload_size_problems(min_offloaded_tensor_size)

@@ -1,0 +1,144 @@
+"""What every command shares: the consoles, problems gathered from every stage before anything
+runs, warnings printed once, progress bars, and the files a command writes."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from remat.bench.history import append, default_history_path
+from remat.bench.result import BenchResult
+from remat.bench.run import OnStep
+from remat.cli.checks import (
+    dryrun_output_problems,
+    history_file_problems,
+    history_flag_problems,
+    output_path_problems,
+    png_path_problems,
+)
+from remat.problems import ConfigError, Problem, RematWarning
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+for _console in (out, err):
+    if not _console.is_terminal:
+        _console.width = 160  # logs and pipes: keep table columns whole
+
+
+class Problems:
+    """Problems from independent checking stages, reported together rather than first-found."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def run(self, fn: Callable[..., Any], *fn_args: Any, field: str = "", prefix: str = "") -> Any:
+        """fn(*fn_args), or None after recording why it failed."""
+        try:
+            return fn(*fn_args)
+        except ConfigError as e:
+            self.problems += [Problem(prefix + p.field, p.message) for p in e.problems]
+        except ValueError as e:  # an unknown recipe or shape override
+            self.problems.append(Problem(prefix + field, str(e)))
+        return None
+
+    def add(self, problems: Iterable[Problem]) -> None:
+        self.problems += list(problems)
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise ConfigError(list(dict.fromkeys(self.problems)))
+
+
+@contextlib.contextmanager
+def collected_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Every RematWarning raised inside, kept to print once (remat's advice is never filtered away)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        yield caught
+
+
+def print_warnings(caught: Sequence[warnings.WarningMessage], printed: Sequence[warnings.WarningMessage] = ()) -> None:
+    """Each warning once, leaving out those `printed` already."""
+    already = {str(w.message) for w in printed}
+    for message in dict.fromkeys(str(w.message) for w in caught if str(w.message) not in already):
+        err.print(f"[yellow]warning:[/] {message}")
+
+
+class Bar:
+    """A rich progress bar for runs (steps of each) and traces (what is being measured)."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.tasks: dict[str, TaskID] = {}
+
+    def on_step(self) -> OnStep:
+        def update(name: str, done: int, total: int, status: str) -> None:
+            if self.progress is None:
+                return
+            if name not in self.tasks or done == 0:
+                self.tasks[name] = self.progress.add_task(name, total=total, loss="")
+            shown = "[red]OOM[/]" if status == "OOM" else status
+            self.progress.update(self.tasks[name], completed=done, loss=shown)
+        return update
+
+    def note(self, description: str) -> Callable[[str], None]:
+        """A callback showing what a trace measures now, under `description`."""
+        task = self.progress.add_task(description, total=None, loss="") if self.progress is not None else None
+
+        def show(what: str) -> None:
+            if self.progress is not None and task is not None:
+                self.progress.update(task, loss=what)
+        return show
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool = True) -> Iterator[Bar]:
+    if not enabled:
+        yield Bar(None)
+        return
+    with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), console=err) as progress:
+        yield Bar(progress)
+
+
+def write_json(data: Any, path: str) -> None:
+    """--json output; like every file the commands write, its missing folders are created."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1))
+
+
+def record_history(results: Sequence[BenchResult], args: argparse.Namespace) -> None:
+    if not args.no_history:
+        for result in results:
+            append(result, args.history)
+
+
+def path_problems(written: dict[str, str | Path | None]) -> list[Problem]:
+    """Each file a command will write (flag -> path, None: not written), checked before it runs."""
+    return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
+
+
+# (flag, attribute) of the files bench and sweep write once they have run, besides the history
+_OUTPUTS = (("--json", "json"), ("--save-golden", "save_golden"), ("--plot", "plot"))
+
+
+def output_problems(args: argparse.Namespace, default_plot: str | None = None) -> list[Problem]:
+    """The files a bench or sweep writes once it has run, checked before it runs; beside -d, which
+    writes none, the output flags given are refused."""
+    given = {flag: getattr(args, name, None) for flag, name in _OUTPUTS}
+    given = {flag: path for flag, path in given.items() if path is not None}
+    if args.dryrun:
+        return list(dryrun_output_problems([*given, *(["--history"] if args.history else [])]))
+    if conflict := list(history_flag_problems(args.history, args.no_history)):
+        return conflict
+    history = None if args.no_history else args.history or default_history_path()
+    return [*path_problems({"--plot": default_plot, **given, "--history": history}),
+            *(history_file_problems(history) if history else ()), *png_path_problems("--plot", given.get("--plot"))]

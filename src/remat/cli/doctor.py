@@ -1,0 +1,122 @@
+"""remat doctor: diagnose an OOM (fragmentation or capacity) and say what to change; check bench
+results for common recompute mistakes; plot one step's memory."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from typing import Any
+
+import torch
+
+from remat import doctor
+from remat.bench.checks import check_results, load_results
+from remat.bench.plot import timeline_plot
+from remat.bench.run import plan_name, run_bench
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
+from remat.cli.checks import doctor_flag_problems, doctor_run_problems, png_path_problems
+from remat.cli.common import Problems, out, path_problems, progress_bar
+from remat.cli.tables import doctor_report, findings_table, format_gib
+from remat.memory.timeline import timeline
+from remat.problems import Problem
+from remat.sizes import parse_bytes
+from remat.step import MockData, build_model, make_optimizer
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="diagnose an OOM (fragmentation or capacity) or a bench/sweep's results",
+                       description="--results: checks for common recompute mistakes on `remat bench --json` / "
+                                   "`remat sweep --json` output (exit 1 on a finding): mlp recompute on a large "
+                                   "FFN, layernorm alone, mlp with core_attn, full recompute under per-layer CUDA "
+                                   "graphs, CPU offload with pipeline parallelism, and the kind of each OOM. "
+                                   "--snapshot / --oom_message: classify an OOM as fragmentation or capacity and "
+                                   "say what to change. --timeline: plot one step's memory (CPU or GPU). "
+                                   "Otherwise (CUDA only): run the bench with the run flags and diagnose an OOM "
+                                   "it hits.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--results", metavar="FILE.json", help="bench or sweep results as --json writes them")
+    g.add_argument("--snapshot", metavar="SNAP",
+                   help="torch.cuda.memory._dump_snapshot pickle (load only your own) or the same as .json")
+    g.add_argument("--oom_message", metavar="TEXT", help="the 'CUDA out of memory. Tried to allocate ...' line")
+    p.add_argument("--timeline", metavar="PNG", help="run one step of the recipe (CPU or GPU) and plot its "
+                                                      "memory after every op, phases and layers marked")
+    p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
+    p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had: bytes, or like 80GiB")
+    add_run_flags(p)
+    add_recompute_flags(p)
+    p.set_defaults(func=run, golden=None, threshold=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = doctor_flag_problems(results=bool(args.results), state=bool(args.snapshot or args.oom_message),
+                                 oom_message=bool(args.oom_message), timeline=bool(args.timeline),
+                                 request=args.request is not None, limit=args.limit is not None)
+    if args.results:
+        return _results(args, flags)
+    if args.snapshot or args.oom_message:
+        return _state(args, flags)
+    if args.timeline:
+        return _timeline(args, flags)
+    return _run(args, flags)
+
+
+def _results(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
+    found = Problems()
+    found.add(flag_problems)
+    results = found.run(load_results, args.results, field="results")
+    found.raise_if_any()
+    findings = check_results(results)
+    out.print(findings_table(findings, args.results))
+    return 1 if findings else 0
+
+
+def _run(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
+    """The one mode that needs a GPU: it runs the bench and diagnoses an OOM it hits."""
+    spec, plan, _, _ = check_bench(args, [*flag_problems, *doctor_run_problems(torch.cuda.is_available())])
+    run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
+    model = build_model(spec)
+    doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags,
+                        model=model)
+    with progress_bar(not args.no_progress) as bar, doc:
+        result = run_bench(spec, plan, model=model, name=plan_name(plan), on_step=bar.on_step(), on_oom=doc.observe)
+    if doc.report is None:
+        out.print(f"no OOM: {result.name} ran, peak allocated {format_gib(result.peak_allocated_bytes)}")
+        return 0
+    out.print(doctor_report(doc.report))
+    return 1
+
+
+def _timeline(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
+    """One training step of the recipe under the config, memory after every op, as a PNG."""
+    spec, plan, _, _ = check_bench(args, [*flag_problems, *path_problems({"--timeline": args.timeline}),
+                                          *png_path_problems("--timeline", args.timeline)])
+    model = build_model(spec)
+    model.train()
+    recorded = timeline(model, MockData(spec).batch(), optimizer=make_optimizer(model, spec), plan=plan,
+                        micro_batches=spec.micro_batches, per_op=not spec.compile)
+    tokens = f"{spec.micro_batch_size} x {spec.model_config.seq_length} tokens"
+    path = timeline_plot(recorded, args.timeline, title=f"{spec.recipe} on {spec.device}: one step, {tokens}")
+    window, peak = max(recorded.peaks.items(), key=lambda item: item[1])
+    out.print(f"memory timeline of one step: {path} (peak allocated {format_gib(peak)} in {window})")
+    return 0
+
+
+def _state(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
+    found = Problems()
+    found.add(flag_problems)
+    request = found.run(parse_bytes, args.request, "request", "b") if args.request is not None else None
+    if args.oom_message:
+        state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
+        if state is not None and request is not None:
+            state = dataclasses.replace(state, request=request)
+    else:
+        limit = found.run(parse_bytes, args.limit, "limit", "b") if args.limit is not None else None
+        snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
+        found.raise_if_any()
+        assert limit is not None  # doctor_flag_problems refuses a snapshot without --limit
+        state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)
+        found.add(doctor.snapshot_limit_problems(state.reserved, limit))
+    found.raise_if_any()
+    diagnosis = doctor.classify(state)
+    out.print(doctor_report(doctor.Report(diagnosis, doctor.recommend(diagnosis, micro_batch_size=args.micro_batch_size))))
+    return 0

@@ -1,0 +1,110 @@
+"""remat estimate: peak memory per GPU and pipeline stage, and step time, from shapes alone."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from remat.apply import apply
+from remat.bench.run import plan_name
+from remat.cli.args import (
+    add_model_flags,
+    add_recompute_flags,
+    flag_facts,
+    meta_model,
+    model_facts,
+    model_overrides,
+    resolve_config,
+    sweep_entries,
+)
+from remat.cli.checks import configs_flag_problems
+from remat.cli.common import Problems, collected_warnings, out, path_problems, print_warnings, progress_bar, write_json
+from remat.cli.tables import estimate_table
+from remat.estimating import DEFAULT_TFLOPS, ESTIMATE_TARGETS, EstimateSpec, estimate
+from remat.layer_plan import PlanLike
+from remat.memory.measure import DEFAULT_HOST_GBPS
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.sizes import parse_bytes
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("estimate", help="predict peak memory per GPU and pipeline stage from shapes alone",
+                       description="Trace one training step per action of one rank's shard of the recipe "
+                                   "on the meta device (shapes only: no GPU; seconds to a minute on a CPU), with the "
+                                   "tensor, sequence, context and pipeline parallel sizes given, then "
+                                   "predict each config's peak allocated memory per pipeline stage, by "
+                                   "component, and its step time.")
+    add_model_flags(p)
+    add_recompute_flags(p)
+    p.add_argument("--configs", nargs="+", metavar="ENTRY",
+                   help="estimate these (not beside recompute or offload flags): none, mlp+core_attn, "
+                        "full_uniform_1, full_block_K, a config or plan file, or `presets` for Megatron's "
+                        "usual ones")
+    p.add_argument("--target", choices=ESTIMATE_TARGETS, default="cuda",
+                   help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
+    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",
+                   help=f"sustained TFLOP/s per GPU that times a step (default {DEFAULT_TFLOPS:g})")
+    p.add_argument("--host_gbps", type=float, default=DEFAULT_HOST_GBPS, metavar="X",
+                   help=f"host link bandwidth each way in GB/s that times offload copies (default "
+                        f"{DEFAULT_HOST_GBPS:g}, pinned copies on an H200)")
+    p.add_argument("--cublas_workspace", metavar="SIZE",
+                   help="one cuBLAS handle's workspace on the cuda target, e.g. 8MiB (a bare number is bytes; "
+                        "default: from CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200; about 8 MiB "
+                        "on GPUs before Hopper); counted once per GEMM thread")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
+    p.set_defaults(func=run)
+
+
+def _global_batch(args: argparse.Namespace, facts: TrainingFacts) -> int | None:
+    """-gb, or by default one micro-batch per pipeline stage on each data-parallel rank (1F1B's fill)."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    pp = facts.pipeline_model_parallel_size
+    model_parallel = facts.tensor_model_parallel_size * pp * facts.context_parallel_size
+    if model_parallel < 1 or pp < 1:  # the rules refuse the sizes
+        return None
+    return args.micro_batch_size * max(args.num_gpus // model_parallel, 1) * pp
+
+
+def check(args: argparse.Namespace) -> tuple[EstimateSpec, list[tuple[str, PlanLike]]]:
+    """The spec and the configs of an estimate command line, every problem reported together."""
+    found = Problems()
+    keys = found.run(model_facts, args, field="model_recipe_name")
+    flags = found.run(resolve_config, args, keys) if keys is not None else None
+    found.raise_if_any()
+    assert keys is not None  # or a problem was raised
+    facts = flags.facts if isinstance(flags, RecomputeConfig) else flag_facts(args)
+    model = meta_model(args)
+    plans: list[tuple[str, PlanLike]] = []
+    if args.configs:
+        found.add(configs_flag_problems(flags if isinstance(flags, RecomputeConfig) else None))
+        parallel = {k: v for k, v in dataclasses.asdict(facts).items()
+                    if k.endswith("_size") or k == "sequence_parallel"}
+        stage_layers = dataclasses.replace(facts, num_layers=keys["num_layers"]).layers_per_virtual_stage
+        plans = sweep_entries(found, model, args.configs, {**keys, **parallel}, stage_layers=stage_layers)
+    elif found.run(apply, model, flags) is not None:
+        plans.append((plan_name(flags), flags))
+    found.add(path_problems({"--json": args.json}))
+    workspace = (found.run(parse_bytes, args.cublas_workspace, "cublas_workspace", "b", True)
+                 if args.cublas_workspace is not None else None)
+    spec = found.run(lambda: EstimateSpec(
+        recipe=args.model_recipe_name, overrides=model_overrides(args), facts=facts,
+        micro_batch_size=args.micro_batch_size, global_batch_size=_global_batch(args, facts),
+        num_gpus=args.num_gpus, optimizer=not args.no_optimizer, device=args.target, compile=args.compile,
+        tflops=args.tflops, host_gbps=args.host_gbps, cublas_workspace=workspace))
+    found.raise_if_any()
+    assert spec is not None  # or a problem was raised
+    return spec, plans
+
+
+def run(args: argparse.Namespace) -> int:
+    with collected_warnings() as caught:
+        spec, plans = check(args)
+        with progress_bar(not args.no_progress) as bar:
+            results = estimate(spec, plans, progress=bar.note("trace on meta"))
+    print_warnings(caught)
+    out.print(estimate_table(spec, results))
+    if args.json:
+        write_json([r.to_dict() for r in results], args.json)
+    return 0

@@ -1,0 +1,124 @@
+"""remat plan: trace the recipe's step, then solve for the fastest plan under a memory budget."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from remat.bench.run import run_bench
+from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
+from remat.cli.args import add_run_flags, bench_spec
+from remat.cli.checks import (
+    offload_device_advice,
+    offload_threshold_problems,
+    plan_output_problems,
+    plan_run_flag_problems,
+)
+from remat.cli.common import (
+    Problems,
+    collected_warnings,
+    out,
+    path_problems,
+    print_warnings,
+    progress_bar,
+    record_history,
+    write_json,
+)
+from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
+from remat.planner import host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
+from remat.problems import advise
+from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
+from remat.sizes import parse_bytes
+from remat.step import build_model, trace_spec
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="choose the fastest recompute plan that fits a memory budget",
+                       description="Trace one training step per action on the recipe (what each site "
+                                   "saves and what recomputing it costs), then solve for the fastest "
+                                   "per-layer plan whose predicted peak allocated memory fits the budget. "
+                                   "Writes a Megatron config when one expresses the plan, else a plan file.")
+    add_run_flags(p)
+    p.add_argument("--memory-budget", "--memory_budget", dest="memory_budget", required=True, metavar="SIZE",
+                   help="peak allocated memory to fit, like 60GiB, 80GB or 512MiB (a bare number is GiB)")
+    p.add_argument("-o", "--output", default="remat_plan.yaml", metavar="FILE",
+                   help="where to write the plan (.yaml or .json; default remat_plan.yaml)")
+    p.add_argument("--offload", action="store_true",
+                   help="consider offloading activations to host memory too (pinned; the trace takes about "
+                        "twice as long)")
+    p.add_argument("--host-memory-budget", "--host_memory_budget", dest="host_memory_budget", metavar="SIZE",
+                   help="with --offload: the most host memory offload may hold, like 200GiB")
+    p.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
+                   help=f"with --offload: tensors of fewer elements stay on the GPU (default "
+                        f"{MIN_OFFLOADED_TENSOR_SIZE})")
+    p.add_argument("--max_group", type=int, default=16, metavar="N",
+                   help="longest run of layers recomputed as one unit that the planner considers")
+    p.add_argument("--verify", action="store_true",
+                   help="bench the chosen plan and print predicted against measured")
+    p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
+    p.set_defaults(func=run)
+
+
+def _write_mapping(keys: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(keys, indent=1) if path.endswith(".json") else yaml.safe_dump(keys, sort_keys=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    found = Problems()
+    spec = found.run(bench_spec, args, field="model_recipe_name")
+    budget = found.run(parse_bytes, args.memory_budget)
+    host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
+                   if args.host_memory_budget is not None else None)
+    found.add(host_budget_problems(args.offload, host_budget))
+    found.add(path_problems({"--output": args.output, "--json": args.json}))
+    found.add(plan_output_problems("--output", args.output))
+    found.add(offload_threshold_problems(args.offload, args.min_offloaded_tensor_size))
+    found.add(plan_run_flag_problems(args.verify, [flag for flag, given in (
+        ("--max_steps", args.max_steps != DEFAULT_MAX_STEPS),
+        ("--warmup_steps", args.warmup_steps != DEFAULT_WARMUP_STEPS),
+        ("--history", args.history is not None)) if given]))
+    found.raise_if_any()
+    assert spec is not None and budget is not None  # or a problem was raised
+    model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
+    found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
+    found.raise_if_any()
+    with collected_warnings() as caught:
+        advise(offload_device_advice(spec.device, ["--offload"] if args.offload else []))
+    print_warnings(caught)
+    with progress_bar(not args.no_progress) as bar:
+        model, measured = trace_spec(
+            spec, model, offload=args.offload,
+            min_offloaded_tensor_size=(MIN_OFFLOADED_TENSOR_SIZE if args.min_offloaded_tensor_size is None
+                                       else args.min_offloaded_tensor_size),
+            progress=bar.note("trace"))
+    measured = dataclasses.replace(measured, max_group=args.max_group)
+    out.print(storage_table(measured))
+    out.print(trace_table(measured))
+    result = plan_from_trace(measured, budget, host_budget)
+    out.print(plan_table(result))
+    keys = result.megatron_keys()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    if keys is not None:
+        _write_mapping(keys, args.output)
+        out.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
+    else:
+        result.plan.save(args.output)
+    out.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
+    record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(), "megatron": keys,
+                              "explain": [dict(layers=layers, action=what, freed_bytes=freed, added_s=seconds)
+                                          for layers, what, freed, seconds in result.explain()],
+                              "predicted": dataclasses.asdict(result.prediction)}
+    if args.verify:
+        with progress_bar(not args.no_progress) as bar:
+            bench = run_bench(spec, result.config or result.plan, model=model, name="plan", on_step=bar.on_step())
+        out.print(verify_plan_table(result, bench, spec))
+        record["measured"] = bench.to_dict()
+        record_history([bench], args)
+    if args.json:
+        write_json(record, args.json)
+    return 0

@@ -1,0 +1,76 @@
+"""remat sweep: bench many recompute configs on one model in one process; a table and a Pareto plot."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from remat.bench.plot import pareto_plot
+from remat.bench.run import sweep
+from remat.bench.spec import BenchSpec
+from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model, model_facts, sweep_entries
+from remat.cli.common import (
+    Problems,
+    collected_warnings,
+    out,
+    output_problems,
+    print_warnings,
+    progress_bar,
+    record_history,
+    write_json,
+)
+from remat.cli.tables import results_table
+from remat.layer_plan import PlanLike
+from remat.step import single_process_problems
+
+DEFAULT_PLOT = "pareto.png"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
+                       description="Bench many configs on one model in one process. Entries: none, "
+                                   "a label list (mlp+core_attn), full_uniform_K, full_block_K, a "
+                                   "YAML/JSON config or plan file, or `presets` for Megatron's usual ones "
+                                   "(the default).")
+    add_run_flags(p)
+    p.add_argument("--configs", nargs="+", metavar="ENTRY")
+    p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {DEFAULT_PLOT})")
+    p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
+    p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
+    p.set_defaults(func=run)
+
+
+def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike]]]:
+    """Every problem of a sweep, each entry checked against the model, before anything runs."""
+    found = Problems()
+    spec = found.run(bench_spec, args, field="model_recipe_name")
+    facts = found.run(model_facts, args, field="model_recipe_name")
+    plans: list[tuple[str, PlanLike]] = []
+    if facts is not None:
+        plans = sweep_entries(found, meta_model(args), args.configs, facts,
+                              lambda config: single_process_problems(config.facts))
+    found.add(output_problems(args, DEFAULT_PLOT))
+    found.raise_if_any()
+    assert spec is not None  # or a problem was raised
+    advise_offload(spec, plans)
+    return spec, plans
+
+
+def run(args: argparse.Namespace) -> int:
+    with collected_warnings() as checked:
+        spec, plans = check(args)
+    print_warnings(checked)  # before the runs, which may take hours
+    if args.dryrun:
+        for name, _ in plans:
+            out.print(name)
+        return 0
+    with collected_warnings() as caught, progress_bar(not args.no_progress) as bar:
+        results = sweep(spec, plans, on_step=bar.on_step())
+    print_warnings(caught, printed=checked)
+    out.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
+    if args.json:
+        write_json([r.to_dict() for r in results], args.json)
+    record_history(results, args)
+    path = pareto_plot(results, args.plot or DEFAULT_PLOT,
+                       title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
+    out.print(f"Pareto plot: {path}")
+    return 0

@@ -1,0 +1,269 @@
+"""Every table the `remat` command prints, rendered with rich in one place."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from remat.bench.checks import Finding
+from remat.bench.golden import OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
+from remat.bench.result import BenchResult
+from remat.bench.spec import BenchSpec
+from remat.doctor import Report, attribution_rows
+from remat.estimating import Estimate, EstimateSpec
+from remat.memory.attribution import owner_name
+from remat.memory.prediction import Trace, describe, describe_sites
+from remat.planner import PlanResult
+from remat.sizes import format_bytes
+from remat.verify import VerifyReport
+
+_MISSING = "-"
+_STATUS_STYLES = {"ok": "green", "oom": "bold red"}
+_VERDICT_STYLES = {OK: "green", REGRESSION: "bold red", UNEXPECTED_IMPROVEMENT: "yellow"}
+# (row label, MemoryBreakdown field)
+_BREAKDOWN = (
+    ("weights", "weights"),
+    ("grads", "grads"),
+    ("optimizer state", "optimizer"),
+    ("activations", "activations"),
+)
+
+
+def format_gib(n_bytes: float | None) -> str:
+    """GiB, or MiB below a tenth of a GiB (tiny CPU recipes)."""
+    return _MISSING if n_bytes is None else format_bytes(n_bytes)
+
+
+def _tflops(value: float | None) -> str:
+    # three significant digits keep CPU-sized throughputs readable
+    return _MISSING if value is None else f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
+def _number(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return _MISSING if value is None else format(value * scale, spec)
+
+
+def _peak_cells(result: BenchResult) -> tuple[str, str]:
+    """Peak allocated/reserved; an OOM run has no peak, so show what was held when it failed."""
+    if result.oom is not None:
+        return (f"{format_gib(result.oom.allocated_bytes)} at OOM", f"{format_gib(result.oom.reserved_bytes)} at OOM")
+    return format_gib(result.peak_allocated_bytes), format_gib(result.peak_reserved_bytes)
+
+
+def results_table(results: Sequence[BenchResult], *, title: str = "") -> Table:
+    show_fwd_bwd = any(r.tflops_fwd_bwd is not None for r in results)
+    show_host = any(r.peak_host_bytes is not None for r in results)
+    table = Table(title=title or None)
+    table.add_column("name")
+    table.add_column("status")
+    for header in ("step (ms)", "TFLOP/s/GPU", *(["fwd+bwd TFLOP/s"] if show_fwd_bwd else []), "tokens/s/GPU",
+                   "peak allocated", "peak reserved", *(["peak host"] if show_host else [])):
+        table.add_column(header, justify="right")
+    for r in results:
+        fwd_bwd = [_tflops(r.tflops_fwd_bwd)] if show_fwd_bwd else []
+        table.add_row(
+            r.name,
+            Text(r.status, style=_STATUS_STYLES.get(r.status, "")),
+            _number(r.step_time_s, ".1f", scale=1000.0),
+            _tflops(r.tflops_per_gpu),
+            *fwd_bwd,
+            _number(r.tokens_per_s_per_gpu, ",.0f"),
+            *_peak_cells(r),
+            *([format_gib(r.peak_host_bytes)] if show_host else []),
+        )
+    return table
+
+
+def memory_table(result: BenchResult) -> Table:
+    table = Table(title=f"memory at peak: {result.name}")
+    table.add_column("")
+    table.add_column("size", justify="right")
+    table.add_column("share of peak allocated", justify="right")
+    peak = result.peak_allocated_bytes
+    for label, attr in _BREAKDOWN:
+        n_bytes = getattr(result.memory, attr) if result.memory is not None else None
+        share = n_bytes / peak if n_bytes is not None and peak else None
+        if attr == "grads" and result.memory is not None and not result.memory.grads_persist:
+            # built during backward: what of them is alive at the peak is in the activations' row
+            table.add_row(label, format_gib(n_bytes), "within activations")
+        else:
+            table.add_row(label, format_gib(n_bytes), _number(share, ".1%"))
+    table.add_section()
+    allocated, reserved = _peak_cells(result)
+    table.add_row("peak allocated", allocated, "")
+    table.add_row("peak reserved", reserved, "")
+    if result.peak_host_bytes is not None:
+        table.add_row("peak host (offloaded)", format_gib(result.peak_host_bytes), "")
+    return table
+
+
+def _format_metric(metric: str, value: float) -> str:
+    if metric == "status":
+        return next(name for name, number in STATUS_VALUES.items() if number == value)
+    if metric.endswith("_bytes"):
+        return format_gib(value)
+    if metric == "loss":
+        return f"{value:.4f}"
+    return _tflops(value)  # as the results table writes it
+
+
+def checks_table(checks: Sequence[MetricCheck], *, title: str = "golden comparison") -> Table:
+    table = Table(title=title or None)
+    table.add_column("metric")
+    table.add_column("golden", justify="right")
+    table.add_column("current", justify="right")
+    table.add_column("diff", justify="right")
+    table.add_column("verdict")
+    for check in checks:
+        table.add_row(
+            check.metric,
+            _format_metric(check.metric, check.golden),
+            _format_metric(check.metric, check.current),
+            f"{check.rel_diff:+.1%}",
+            Text(check.verdict, style=_VERDICT_STYLES[check.verdict]),
+        )
+    return table
+
+
+def verify_table(report: VerifyReport, recipe: str, micro_batch_size: int, dtype: str, device: str) -> Table:
+    table = Table(title=f"{recipe}, micro-batch {micro_batch_size}, {dtype} on {device}")
+    for column in ("run", "loss", "saved for backward", "storages"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    for name, step in (("no recompute", report.baseline), ("with config", report.candidate)):
+        table.add_row(name, f"{step.loss.item():.6f}", format_gib(step.saved.bytes), str(step.saved.storages))
+    table.caption = (f"freed {format_gib(report.freed_bytes)}; bit-identical: {report.bit_identical}; "
+                     f"max |grad diff| {report.max_grad_diff:.3g}")
+    return table
+
+
+def milliseconds(seconds: float) -> str:
+    """A step time in ms: three significant digits (whole ms from 100), never in exponent form."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms" if ms >= 0.001 else "< 0.001 ms"
+
+
+def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:
+    f = spec.facts
+    sp = f.sequence_parallel and f.tensor_model_parallel_size > 1
+    title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if sp else ''}, "
+             f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
+             f"cp {f.context_parallel_size}, micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
+    table = Table(title=f"estimated peak memory per GPU, {title}")
+    host = any(s.host for result in results for s in result.stages)
+    columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",
+               "workspaces", "other", "peak", "peak in", *(["host"] if host else []), "step")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("config", "peak in") else "right")
+    for result in results:
+        for s in result.stages:
+            first = s.stage == 0
+            table.add_row(result.name if first else "", str(s.stage), str(s.layers), f"{s.in_flight:g}",
+                          *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
+                                                    s.workspaces, s.other, s.peak)),
+                          s.peak_window, *([format_gib(s.host)] if host else []),
+                          milliseconds(result.step_time_s) if first else "")
+    copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
+              f"forward and backward where they fit" if host else "")
+    table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); workspaces: "
+                     f"cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the "
+                     f"peak window's working memory; step: counted FLOPs at {spec.tflops:g} TFLOP/s, "
+                     f"{spec.target} kernels{', compiled regions' if spec.compile else ''}{copies}")
+    return table
+
+
+def trace_table(measured: Trace) -> Table:
+    table = Table(title="what each action saves and costs, per layer")
+    for column in ("action", "frees", "adds"):
+        table.add_column(column, justify="left" if column == "action" else "right")
+    for what, freed, ms in describe(measured):
+        table.add_row(what, format_gib(freed), f"{ms:.2f} ms")
+    table.caption = f"no-recompute step: {measured.base_step_time_s * 1e3:.1f} ms"
+    return table
+
+
+def storage_table(measured: Trace) -> Table:
+    table = Table(title="what each site saves for backward (no recompute)")
+    for column in ("site", "saves", "its inputs", "saved by other sites too", "recomputed alone frees"):
+        table.add_column(column, justify="left" if column == "site" else "right")
+    for site, s, frees in describe_sites(measured):
+        others = ", ".join(sorted(owner_name(owner) for owner in s.shared_with))
+        table.add_row(site, format_gib(s.saved_bytes), format_gib(s.input_bytes),
+                      f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
+                      "-" if frees is None else format_gib(frees))
+    table.caption = ("recomputing a site keeps its inputs and what other sites save: it frees what it saves "
+                     "less those, unless something else holds them (a discard-only site, such as mlp_act:"
+                     " what discarding it frees)")
+    return table
+
+
+def plan_table(result: PlanResult) -> Table:
+    table = Table(title=f"fastest plan under {format_gib(result.budget_bytes)}")
+    for column in ("layers", "action", "frees / layer", "adds / layer"):
+        table.add_column(column, justify="right" if column.startswith(("frees", "adds")) else "left")
+    rows = list(result.explain())
+    for layers, what, freed, seconds in rows:
+        table.add_row(layers, what, format_gib(freed), f"{seconds * 1e3:.2f} ms")
+    if not rows:
+        table.add_row("all", "keep (no recompute)", format_gib(0), "0.00 ms")
+    p = result.prediction
+    host = f", {format_gib(p.host_bytes)} offloaded to host" if p.host_bytes else ""
+    table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}){host}, "
+                     f"step {p.step_time_s * 1e3:.1f} ms; every layer not listed keeps everything")
+    return table
+
+
+def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec) -> Table:
+    table = Table(title="predicted vs measured")
+    for column in ("", "predicted", "measured", "error"):
+        table.add_column(column, justify="right" if column else "left")
+    if bench.status != "ok":
+        table.add_row("peak allocated", format_gib(result.prediction.peak_bytes), "OOM", "")
+        return table
+    rows: list[tuple[str, Any, Any, Callable[[float], str]]]  # name, predicted, measured, format
+    rows = [("peak allocated", result.prediction.peak_bytes, bench.peak_allocated_bytes, format_gib)]
+    if result.prediction.host_bytes and bench.peak_host_bytes:
+        rows.append(("host (offloaded)", result.prediction.host_bytes, bench.peak_host_bytes, format_gib))
+    if spec.micro_batches == 1:
+        rows.append(("step time", result.prediction.step_time_s, bench.step_time_s,
+                     lambda s: f"{s * 1e3:.1f} ms"))
+    for name, predicted, measured, fmt in rows:
+        table.add_row(name, fmt(predicted), fmt(measured), f"{(predicted - measured) / measured:+.1%}")
+    return table
+
+
+def doctor_report(report: Report) -> RenderableType:
+    """The diagnosis with its evidence, the recommendations, and who held the memory."""
+    d = report.diagnosis
+    table = Table(title=f"remat doctor: {d.kind}")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    for name, value in d.evidence().items():
+        table.add_row(name, format_gib(value))
+    table.caption = escape(d.explanation)
+    parts: list[RenderableType] = [table]
+    parts += [f"{i}. {escape(r.what)}:\n   [bold]{escape(r.setting)}[/]\n   {escape(r.why)}"
+              for i, r in enumerate(report.recommendations, 1)]
+    rows = attribution_rows(report)
+    if rows:
+        held = Table(title="who held the allocated memory")
+        held.add_column("")
+        held.add_column("bytes", justify="right")
+        for what, nbytes in rows:
+            held.add_row(what, format_gib(nbytes))
+        parts.append(held)
+    return Group(*parts)
+
+
+def findings_table(findings: Sequence[Finding], path: str) -> Table:
+    table = Table(title=f"remat doctor: {len(findings)} finding{'s' if len(findings) != 1 else ''} in {path}")
+    for column in ("check", "symptom", "cause", "confirmed by", "fix"):
+        table.add_column(column)
+    for f in findings:
+        table.add_row(*(escape(text) for text in (f.check, f.symptom, f.cause, f.confirmed_by, f.fix)))
+    table.caption = "checks for common recompute mistakes (remat doctor --help lists them)"
+    return table
+

@@ -1,0 +1,50 @@
+"""remat validate: check a recompute config against every rule, and against a recipe's model."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from remat.apply import apply
+from remat.cli.args import add_recompute_flags, resolve_config
+from remat.cli.checks import plan_file_flag_problems
+from remat.cli.common import Problems, collected_warnings, out, print_warnings
+from remat.models import build, recipe_config
+from remat.recompute import RecomputeConfig
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("validate", help="check a recompute config and print it resolved",
+                       description="Check a recompute config (flags and/or --config FILE) against "
+                                   "every rule, and against a recipe's model when -mr is given.")
+    p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE",
+                   help="check the config against this recipe's model (see `remat recipes`)")
+    p.add_argument("--num_layers", type=int, metavar="N")
+    add_recompute_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    found = Problems()
+    model = None
+    facts: dict[str, Any] = {}
+    if args.model_recipe_name:
+        overrides = {"num_layers": args.num_layers} if args.num_layers is not None else {}
+        shape = found.run(lambda: recipe_config(args.model_recipe_name, **overrides), field="model_recipe_name")
+        if shape is not None:
+            model = build(args.model_recipe_name, device="meta", **overrides)
+            facts["num_layers"] = shape.num_layers
+    elif args.num_layers is not None:
+        facts["num_layers"] = args.num_layers
+    with collected_warnings() as caught:
+        config = found.run(resolve_config, args, facts)  # without a model's facts, as with no -mr
+        if config is not None and not isinstance(config, RecomputeConfig):
+            found.add(plan_file_flag_problems({}, model is not None))
+        found.raise_if_any()
+        plan = apply(model, config) if model is not None else None
+    print_warnings(caught)
+    if isinstance(config, RecomputeConfig):
+        out.print(config.describe())
+    if plan is not None:
+        out.print(f"\n[bold]per-layer plan on {args.model_recipe_name}[/]")
+        out.print(plan.describe())
+    return 0

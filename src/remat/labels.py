@@ -1,0 +1,79 @@
+"""Site labels: the names of the places a model marks for remat, and what each label allows.
+
+Megatron Core's selective-recompute labels are known from the start; a model family registers
+the labels of its own (remat's Llama registers `mlp_act`). A label says how its site is
+recomputed: plainly (keep the inputs, rerun the call in backward) or by discarding its output,
+for cheap ops whose output the next op saves anyway; and which label's site always runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A whole transformer layer: the unit of full (layer-level) recompute.
+LAYER = "layer"
+# What a plan may do at a site.
+ACTIONS: tuple[str, ...] = ("keep", "recompute", "discard", "offload")
+
+
+@dataclass(frozen=True)
+class Label:
+    """A selective-recompute label.
+
+    discard: recomputed with the output-discarding checkpoint (its consumer saves its output).
+    discard_only: its output is all its consumer saves, so a plain recompute frees nothing.
+    enclosed_by: the label whose site always runs this one: recomputing that one replays this
+    one too, so an action here does nothing there.
+    """
+
+    name: str
+    discard: bool = False
+    discard_only: bool = False
+    enclosed_by: str | None = None
+
+
+_REGISTRY: dict[str, Label] = {}
+
+
+def register(label: Label) -> Label:
+    """Make `label` known to configs, plans and Sites; registering the same label again is a no-op."""
+    known = _REGISTRY.get(label.name)
+    if known is not None and known != label:
+        raise ValueError(f"site label {label.name!r} is already registered as {known}; a family cannot redefine it")
+    if label.name == LAYER:
+        raise ValueError(f"{LAYER!r} is the whole-layer site, not a selective-recompute label")
+    if label.enclosed_by is not None and label.enclosed_by not in _REGISTRY:
+        raise ValueError(f"{label.name!r} is enclosed by {label.enclosed_by!r}, which is not registered")
+    _REGISTRY[label.name] = label
+    return label
+
+
+# Megatron Core's labels, in the order its documentation lists them.
+for _label in (Label("core_attn"), Label("layernorm", discard=True), Label("mlp"), Label("moe"),
+               Label("moe_act", discard=True, enclosed_by="moe"), Label("shared_experts", enclosed_by="moe"),
+               Label("mla_up_proj", discard=True)):
+    register(_label)
+
+
+def recompute_labels() -> tuple[str, ...]:
+    """Every selective-recompute label, Megatron's first, then the families' in registration order."""
+    return tuple(_REGISTRY)
+
+
+def site_labels() -> tuple[str, ...]:
+    """The labels a Site may carry: the recompute labels and `layer`."""
+    return (*_REGISTRY, LAYER)
+
+
+def discard_labels() -> frozenset[str]:
+    """Labels recomputed with the output-discarding checkpoint (the rest use a plain checkpoint)."""
+    return frozenset(name for name, label in _REGISTRY.items() if label.discard)
+
+
+def discard_only_labels() -> frozenset[str]:
+    """Labels whose output is all their consumer saves: a plain checkpoint of them frees nothing."""
+    return frozenset(name for name, label in _REGISTRY.items() if label.discard_only)
+
+
+def enclosing() -> dict[str, str]:
+    """label -> the label whose site always runs it."""
+    return {name: label.enclosed_by for name, label in _REGISTRY.items() if label.enclosed_by is not None}

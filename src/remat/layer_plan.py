@@ -1,0 +1,300 @@
+"""Plan: an action for every site of every layer, plus the layer ranges recomputed whole.
+
+`RecomputeConfig` (Megatron's fields) is the uniform way to say what to recompute; a `Plan` is
+what it lowers to on a given model, and what remat's planner writes when layers differ. The
+checks of a plan live here: a plan file's shape, and a plan against a model's layout.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels
+from remat.layout import ModelLayout
+from remat.problems import ConfigError, Problem, did_you_mean, load_mapping, one_of
+from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
+from remat.rules import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_SITES
+
+
+@dataclass
+class Plan:
+    """`layers[i]` maps a site label to its action in layer i (labels left out are kept);
+    `full_recompute` lists half-open layer ranges [start, end) recomputed as one unit.
+
+    `layers[i]["layer"] = "offload"` offloads everything layer i saves (what its recomputed sites
+    keep included); on the first layer of a full-recompute range, the input the range keeps.
+    `min_offloaded_tensor_size`: storages with fewer elements stay on the device."""
+
+    layers: list[dict[str, str]]
+    full_recompute: list[tuple[int, int]] = field(default_factory=list)
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
+
+    @classmethod
+    def none(cls, num_layers: int) -> "Plan":
+        return cls([{} for _ in range(num_layers)])
+
+    @classmethod
+    def from_config(cls, config: RecomputeConfig, layout: ModelLayout) -> "Plan":
+        """Lower a Megatron-style config onto a model with `layout`."""
+        plan = cls.none(layout.num_layers)
+        if config.recompute_granularity == "selective":
+            for labels, actions in zip(layout.labels, plan.layers):
+                for label in config.recompute_modules or []:
+                    if label in labels:
+                        actions[label] = "discard" if label in discard_labels() else "recompute"
+        elif config.recompute_granularity == "full":
+            plan.full_recompute = _full_ranges(config, layout.num_layers)
+        plan.min_offloaded_tensor_size = config.min_offloaded_tensor_size
+        in_full = {i for s, e in plan.full_recompute for i in range(s, e)}
+        starts = {s for s, _ in plan.full_recompute}
+        if config.cpu_offloading:  # Megatron offloads the first N layers (N < num_layers)
+            for i in range(config.cpu_offloading_num_layers):
+                if i in starts or i not in in_full:
+                    plan.layers[i][LAYER] = "offload"
+        if config.fine_grained_activation_offloading:
+            offloaded = {site for site in (OFFLOAD_SITES[m] for m in config.offload_modules) if site is not None}
+            # the last layer's backward comes right after the forward: nothing to hide its copies
+            for i in range(layout.num_layers - 1):
+                if i not in in_full:
+                    plan.layers[i].update({label: "offload" for label in offloaded if label in layout.labels[i]})
+        return plan
+
+    def offloads(self) -> bool:
+        return any(a == "offload" for actions in self.layers for a in actions.values())
+
+    # ---- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "remat_plan": PLAN_FORMAT,
+            "layers": [dict(sorted(a.items())) for a in self.layers],
+            "full_recompute": [list(r) for r in self.full_recompute],
+        }
+        if self.offloads() or self.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE:
+            data["min_offloaded_tensor_size"] = self.min_offloaded_tensor_size
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        problems = plan_file_problems(data)
+        if problems:
+            raise ConfigError(problems)
+        return cls([dict(a) for a in data["layers"]], [(int(s), int(e)) for s, e in data.get("full_recompute", [])],
+                   data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = (json.dumps(self.to_dict(), indent=1) if path.suffix == ".json"
+                else yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(load_mapping(Path(path)))
+
+    def describe(self) -> str:
+        """One line per run of consecutive layers that do the same thing."""
+        in_full = {i: (s, e) for s, e in self.full_recompute for i in range(s, e)}
+        rows: list[tuple[int, int, str]] = []  # first layer, last layer, what they do
+        for i, actions in enumerate(self.layers):
+            if i in in_full:
+                start, end = in_full[i]
+                what = f"full recompute, groups of {end - start}"
+                if self.layers[start].get(LAYER) == "offload":
+                    what += ", inputs offloaded"
+            else:
+                shown = ", ".join(f"{k}={v}" for k, v in sorted(actions.items()) if v != "keep")
+                what = shown or "keep everything"
+            if rows and rows[-1][2] == what and rows[-1][1] == i - 1:
+                rows[-1] = (rows[-1][0], i, what)
+            else:
+                rows.append((i, i, what))
+        return "\n".join(f"layer {a}: {w}" if a == b else f"layers {a}-{b}: {w}" for a, b, w in rows)
+
+
+def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
+    """Megatron's uniform/block methods, applied to each (virtual) pipeline stage's chunk of layers."""
+    facts = config.facts
+    chunks = facts.pipeline_model_parallel_size * (facts.virtual_pipeline_model_parallel_size or 1)
+    per_chunk = num_layers // chunks
+    k = config.recompute_num_layers or 0
+    ranges: list[tuple[int, int]] = []
+    for first in range(0, num_layers, per_chunk):
+        end = first + per_chunk
+        if config.recompute_method == "uniform":
+            ranges += [(s, min(s + k, end)) for s in range(first, end, k)]
+        else:  # block: the first k layers of the chunk, one by one
+            ranges += [(s, s + 1) for s in range(first, min(first + k, end))]
+    return ranges
+
+
+PlanLike = RecomputeConfig | Plan | None  # what apply() takes
+
+
+def load_plan_or_config(path: str | Path) -> "Plan | RecomputeConfig":
+    """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
+    data = load_mapping(Path(path))
+    return Plan.from_dict(data) if "remat_plan" in data else RecomputeConfig.from_megatron(data)
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: bool) -> Iterator[Problem]:
+    if not isinstance(actions, Mapping):
+        yield Problem(f"layers[{i}]", f"got {type(actions).__name__}; map each site label to an action")
+        return
+    for label, action in actions.items():
+        name = f"layers[{i}].{label}"
+        if label == LAYER:
+            yield from _plan_layer_site(name, action, has_layer_sites)
+            continue
+        if label not in labels:
+            yield Problem(name, f"layer {i} has no {label!r} site (its sites: {', '.join(sorted(labels)) or 'none'});"
+                                " remove it")
+        if action not in ACTIONS:
+            hint = did_you_mean(action, ACTIONS) if isinstance(action, str) else ""
+            yield Problem(name, f"unknown action {action!r}{hint}; use one of {one_of(ACTIONS)}")
+        elif action == "discard" and not has_layer_sites:
+            yield Problem(name, "'discard' needs the enclosing 'layer' site as its scope and this model marks"
+                                " none; use 'recompute' or add layer sites")
+        elif action == "discard" and label not in discard_labels():
+            yield Problem(name, f"only {one_of(sorted(discard_labels()))} outputs are discarded (their "
+                                f"consumers save them anyway); use 'recompute' for {label!r}")
+        elif action == "recompute" and label in discard_only_labels():
+            yield Problem(name, f"{label!r}'s output is all its consumer saves, so a plain recompute frees"
+                                " nothing; use 'discard'")
+
+
+def _plan_layer_site(name: str, action: Any, has_layer_sites: bool) -> Iterator[Problem]:
+    if not has_layer_sites:
+        yield Problem(name, "this model marks no 'layer' sites; offload the sites inside its layers instead")
+    elif action not in ("keep", "offload"):
+        yield Problem(name, f"a whole layer can be kept or offloaded here (got {action!r}); recompute whole"
+                            " layers with full_recompute ranges")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plan_ranges(
+    full_recompute: Sequence[Any], layout: ModelLayout
+) -> tuple[list[tuple[int, int, int]], list[Problem]]:
+    """Check the [start, end) ranges; return the usable ones as (index, start, end) and the problems."""
+    n = layout.num_layers
+    usable: list[tuple[int, int, int]] = []
+    problems: list[Problem] = []
+    if full_recompute and not layout.has_layer_sites:
+        problems.append(Problem("full_recompute", "this model marks no 'layer' sites, so whole layers cannot be"
+                                                  " recomputed; leave full_recompute empty"))
+    for k, rng in enumerate(full_recompute):
+        name = f"full_recompute[{k}]"
+        if not (isinstance(rng, Sequence) and len(rng) == 2 and all(map(_is_index, rng))):
+            problems.append(Problem(name, f"got {rng!r}; give a [start, end) pair of layer indices"))
+            continue
+        start, end = rng
+        if start >= end:
+            problems.append(Problem(name, f"[{start}, {end}) is empty; end must be greater than start"))
+        elif start < 0 or end > n:
+            problems.append(Problem(name, f"[{start}, {end}) reaches outside the model's layers [0, {n})"))
+        elif usable and start < usable[-1][2]:
+            j, prev_start, prev_end = usable[-1]
+            how = "comes before" if start < prev_start else "overlaps"
+            problems.append(Problem(name, f"[{start}, {end}) {how} full_recompute[{j}] [{prev_start}, {prev_end});"
+                                          " list disjoint ranges in layer order"))
+        else:
+            usable.append((k, start, end))
+    return usable, problems
+
+
+def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]]) -> Iterator[Problem]:
+    for k, start, end in ranges:
+        for i in range(start, min(end, len(layers))):
+            if not isinstance(layers[i], Mapping):
+                continue
+            for label, action in layers[i].items():
+                if label == LAYER and action == "offload" and i != start:
+                    yield Problem(f"layers[{i}].{label}", f"only the first layer of full_recompute[{k}] [{start}, {end})"
+                                                          f" keeps an input to offload; set layers[{start}].layer")
+                elif action != "keep" and not (label == LAYER and action == "offload"):
+                    yield Problem(f"layers[{i}].{label}", f"layer {i} is inside full_recompute[{k}] [{start}, {end}),"
+                                                          " which recomputes the whole layer; set it to 'keep'")
+
+
+PLAN_FORMAT = 1  # the `remat_plan:` version a plan file starts with
+_PLAN_KEYS = ("remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size")
+
+
+def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """What is wrong with the shape of a per-layer plan file's mapping (before any model is known)."""
+    problems = []
+    if "remat_plan" not in data:
+        problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
+                                "of a plan file; is this a RecomputeConfig instead?"))
+    elif data["remat_plan"] != PLAN_FORMAT:
+        problems.append(Problem("remat_plan", f"{data['remat_plan']!r} is not a plan format this remat reads;"
+                                              f" it reads `remat_plan: {PLAN_FORMAT}` (write the plan again with"
+                                              " this version's `remat plan`)"))
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
+        problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
+    ranges = data.get("full_recompute", [])
+    if not isinstance(ranges, list) or not all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(map(_is_index, r)) for r in ranges
+    ):
+        problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
+    min_size = data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE)
+    if not _is_index(min_size) or min_size < 0:
+        problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
+                                " of elements, 0 or more"))
+    unknown = sorted(map(str, set(data) - set(_PLAN_KEYS)))
+    if unknown:
+        problems.append(Problem(", ".join(unknown), f"unknown plan keys; a plan has {', '.join(_PLAN_KEYS)}"))
+    return problems
+
+
+def check_plan(
+    layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]], layout: ModelLayout
+) -> None:
+    """Raise ConfigError listing everything wrong with a per-layer plan for a model with this layout.
+
+    `layers[i]` maps site label -> action; `full_recompute` lists [start, end) layer ranges recomputed
+    as one unit.
+    """
+    problems: list[Problem] = []
+    if len(layers) != layout.num_layers:
+        problems.append(Problem("layers", f"the plan has {len(layers)} layers but the model has"
+                                          f" {layout.num_layers}; give one entry per layer"))
+    for i, (actions, labels) in enumerate(zip(layers, layout.labels)):
+        problems += _plan_layer(i, actions, labels, layout.has_layer_sites)
+    ranges, range_problems = _plan_ranges(full_recompute, layout)
+    problems += range_problems
+    problems += _plan_inside_full(layers, ranges)
+    if problems:
+        raise ConfigError(problems)
+
+
+def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,
+                            facts: TrainingFacts) -> Iterator[Problem]:
+    """A per-layer plan's full-recompute ranges under pipeline parallelism. Each model chunk (a
+    pipeline stage, or one of a rank's virtual stages) runs as its own block, and Megatron
+    recomputes within it: a range cannot reach into the next chunk, which runs apart from it (on
+    another rank, or later on the same one)."""
+    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size
+    per_chunk = layers_per_chunk(num_layers, pp, vpp)
+    if pp == 1 or per_chunk is None:  # no chunks, or a split the pipeline rules already refuse
+        return
+    for k, (start, end) in enumerate(full_recompute):
+        cuts = list(range(start - start % per_chunk + per_chunk, end, per_chunk))
+        if not cuts:
+            continue
+        shown = ", ".join(map(str, range(start // per_chunk, (end - 1) // per_chunk + 1)))
+        where = (f"virtual pipeline stages {shown} ({per_chunk} layers each; stage c runs on pipeline rank "
+                 f"c mod {pp})" if vpp else f"pipeline stages {shown} ({per_chunk} layers each)")
+        yield Problem(f"full_recompute[{k}]", f"[{start}, {end}) spans {where}, and each stage recomputes only "
+                                              f"its own layers; split the range at layer"
+                                              f"{'s' if len(cuts) > 1 else ''} {', '.join(map(str, cuts))}")

@@ -1,0 +1,135 @@
+"""The model-family seam: what remat needs from a family of models, and nothing else.
+
+A family knows its recipes and how to build a model from a config, with or without the first
+stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
+rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
+a target runs; and where sequence parallelism communicates. The model it builds places `Site`s
+and knows nothing else of recompute. Code outside `remat.models` reaches a family only through
+this interface.
+"""
+from __future__ import annotations
+
+import difflib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from remat.labels import Label
+from remat.problems import Problem
+
+Target = Literal["cuda", "cpu"]
+# Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
+VOCAB_DIVISOR = 128
+
+
+class ModelConfig(Protocol):
+    """What remat reads from any family's config."""
+
+    num_layers: int
+    hidden_size: int
+    seq_length: int
+    vocab_size: int
+    attention_dropout: float
+    hidden_dropout: float
+
+    def record(self) -> dict[str, Any]:
+        """The model's shape as a benchmark result records it (compared with a golden's)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """One rank's place in a parallel layout, in Megatron's sizes."""
+
+    tensor: int = 1
+    sequence_parallel: bool = False
+    pipeline: int = 1
+    context: int = 1
+
+    @property
+    def sequence_split(self) -> int:
+        """How many ways sequence parallelism splits the tokens outside attention and MLP."""
+        return self.tensor if self.sequence_parallel and self.tensor > 1 else 1
+
+
+@dataclass(frozen=True)
+class SequenceParallelPoints:
+    """Where a sequence-parallel model communicates, as torch's parallel styles place it.
+
+    blocks: run on the whole sequence (their input all-gathered, their output reduce-scattered).
+    split_after: their output is split to this rank's tokens (the embedding).
+    gather_after: their output is gathered again (the stack before a vocabulary-parallel loss head).
+    """
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    split_after: list[nn.Module] = field(default_factory=list)
+    gather_after: list[nn.Module] = field(default_factory=list)
+
+
+def unknown(kind: str, name: str, valid: list[str]) -> ValueError:
+    """An unknown recipe or config field, with the closest valid name."""
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ValueError(f"unknown {kind} {name!r}; {hint}valid: {', '.join(valid)}")
+
+
+def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
+    """One tensor-parallel rank's share of the vocabulary, padded as Megatron pads it."""
+    if tensor_parallel == 1:
+        return vocab_size
+    return -(-vocab_size // (VOCAB_DIVISOR * tensor_parallel)) * VOCAB_DIVISOR
+
+
+class ModelFamily(ABC):
+    """One family of models behind the seam (remat's Llama; MoE and adapted models next)."""
+
+    name: str
+    # Site labels the family's models use beyond Megatron's; registered with the family.
+    labels: tuple[Label, ...] = ()
+
+    @abstractmethod
+    def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        """Recipe name -> config fields."""
+
+    @abstractmethod
+    def config(self, recipe: str, **overrides: Any) -> ModelConfig:
+        """The recipe's config with fields replaced; ConfigError naming every bad field, ValueError
+        for an unknown field."""
+
+    @abstractmethod
+    def build(self, config: Any, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+              pre_process: bool = True, post_process: bool = True) -> nn.Module:
+        """A freshly initialized model; device "meta" allocates nothing. Without `pre_process` the
+        model takes the previous stage's hidden states, without `post_process` it returns hidden
+        states instead of the loss."""
+
+    @abstractmethod
+    def reset_parameters(self, model: nn.Module) -> None:
+        """Initialize the weights again from the global torch seed."""
+
+    @abstractmethod
+    def shard_problems(self, config: Any, sizes: ParallelSizes) -> Iterator[Problem]:
+        """Why the config cannot split this way (heads over tp, the sequence over cp, ...)."""
+
+    @abstractmethod
+    def shard(self, config: Any, sizes: ParallelSizes) -> ModelConfig:
+        """The config of one rank's model: its share of heads, FFN and vocabulary, of the sequence,
+        and of the layers (one pipeline stage's)."""
+
+    @abstractmethod
+    def flops(self, config: Any, tokens_per_seq: int, sequences: int) -> float:
+        """Model FLOPs of forward and backward over `sequences` x `tokens_per_seq`, recompute not counted."""
+
+    @abstractmethod
+    def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
+        """Run the fast kernels `target` runs: with `compiled`, the code between Sites compiled and
+        (on CUDA) remat's Triton kernels. With `shapes_only` the model runs on meta tensors and each
+        piece allocates and saves what the target's kernel would."""
+
+    @abstractmethod
+    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
+        """Prepare `model` to run on a sequence-parallel rank's tokens; where it communicates."""

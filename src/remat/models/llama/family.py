@@ -1,0 +1,106 @@
+"""The dense Llama-3 family behind the model seam."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.labels import Label
+from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, padded_vocab, unknown
+from remat.models.llama.config import RECIPES, LlamaConfig
+from remat.models.llama.model import LlamaModel
+from remat.problems import Problem
+
+# The SwiGLU activation between linear_fc1 and linear_fc2: what `moe_act` is in Megatron's
+# experts, for a dense MLP. Its output is all linear_fc2 saves, so it can only be discarded.
+MLP_ACT = Label("mlp_act", discard=True, discard_only=True, enclosed_by="mlp")
+
+
+def _model(model: nn.Module) -> LlamaModel:
+    if not isinstance(model, LlamaModel):
+        raise TypeError(f"the llama family acts on its own LlamaModel, not {type(model).__name__}")
+    return model
+
+
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    labels = (MLP_ACT,)
+
+    def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        return RECIPES
+
+    def config(self, recipe: str, **overrides: Any) -> LlamaConfig:
+        if recipe not in RECIPES:
+            raise unknown("recipe", recipe, list(RECIPES))
+        valid = list(LlamaConfig.field_names())
+        for key in overrides:
+            if key not in valid:
+                raise unknown("override", key, valid)
+        return LlamaConfig(**{**RECIPES[recipe], **overrides})
+
+    def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None, pre_process: bool = True,
+              post_process: bool = True) -> LlamaModel:
+        return LlamaModel(config, dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
+
+    def reset_parameters(self, model: nn.Module) -> None:
+        _model(model).init_weights()
+
+    def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        tp, cp = sizes.tensor, sizes.context
+        for name, size in (("num_attention_heads", config.num_attention_heads),
+                           ("num_query_groups", config.num_query_groups), ("ffn_hidden_size", config.ffn_hidden_size)):
+            if tp >= 1 and size % tp:
+                yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
+                                                            f" ranks; use a tensor-parallel size that divides it")
+        # causal load balancing gives each context-parallel rank two chunks of the sequence
+        chunks = 2 * cp if cp > 1 else 1
+        seq = config.seq_length
+        if cp >= 1 and seq % chunks:
+            yield Problem("context_parallel_size", f"seq_length={seq} does not split into {chunks} chunks"
+                                                   f" for {cp} context-parallel ranks; use a sequence length that"
+                                                   f" is a multiple of {chunks}")
+        elif sizes.sequence_parallel and tp > 1 and cp >= 1 and (seq // cp) % tp:
+            yield Problem("sequence_parallel", f"each rank's {seq // cp} tokens do not split over {tp}"
+                                               f" tensor-parallel ranks; use a sequence length that is a multiple"
+                                               f" of {tp * cp}, or turn sequence parallelism off")
+
+    def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> LlamaConfig:
+        tp = sizes.tensor
+        return dataclasses.replace(
+            config, num_layers=config.num_layers // sizes.pipeline,
+            num_attention_heads=config.num_attention_heads // tp, num_query_groups=config.num_query_groups // tp,
+            ffn_hidden_size=config.ffn_hidden_size // tp, vocab_size=padded_vocab(config.vocab_size, tp),
+            seq_length=config.seq_length // sizes.context, kv_channels=config.head_dim)
+
+    def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
+        """6 x (layer parameters + output layer) x tokens for the dense part (the embedding lookup
+        is not a matmul), plus 6 x layers x 2 x batch x seq^2 x hidden for attention (QK^T and PV,
+        without halving for the causal mask, as the torch anchor counts them)."""
+        h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
+        layer_params = 2 * h * h + 2 * h * config.num_query_groups * d + 3 * h * f
+        dense = 6 * (config.num_layers * layer_params + h * config.vocab_size) * sequences * tokens_per_seq
+        attention = 6 * config.num_layers * 2 * sequences * tokens_per_seq**2 * h
+        return float(dense + attention)
+
+    def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
+        llama = _model(model)
+        if shapes_only:
+            llama.use_shape_kernels(target, compiled)
+        elif compiled:
+            llama.compile_regions()
+
+    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
+        llama = _model(model)
+        llama.sequence_parallel_size = tensor_parallel
+        blocks: list[nn.Module] = [block for layer in llama.decoder.transformer_layers()
+                                   for block in (layer.self_attention, layer.mlp)]
+        return SequenceParallelPoints(
+            blocks=blocks, split_after=[llama.embedding] if llama.embedding is not None else [],
+            gather_after=[llama.decoder] if llama.output_layer is not None else [])
+
+
+FAMILY = LlamaFamily()

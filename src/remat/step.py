@@ -1,0 +1,273 @@
+"""One training step, as every measurement in remat runs it: the model of a recipe, mock data, the
+optimizer, micro-batches. `remat bench` times it, `remat.trace` and `remat plan` measure it,
+`remat estimate` runs it on shapes alone, and `RunSpec` spells its settings once for all of them.
+
+A step is Megatron's iteration: global_batch_size / (micro_batch_size x data parallel)
+micro-batches of forward and backward (gradients accumulate), then an AdamW step.
+"""
+from __future__ import annotations
+
+import gc
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import models
+from remat.memory.measure import trace
+from remat.memory.prediction import Trace
+from remat.models import ModelConfig, ModelFamily
+from remat.problems import ConfigError, Problem, did_you_mean, one_of, raise_if_any
+from remat.recompute import TrainingFacts
+from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Megatron Bridge's compute dtypes; those remat does not run yet are refused by name.
+BRIDGE_COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
+TASKS: tuple[str, ...] = ("pretrain", "sft")
+BRIDGE_TASKS: tuple[str, ...] = ("pretrain", "sft", "peft")
+# Tokens of one micro-batch on one GPU: 2^22 of a 4096-wide bf16 hidden state are 32 GiB a layer,
+# past what a GPU trains; the shapes-only trace of far more loops for hours.
+MAX_TOKENS_PER_GPU = 1 << 22
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The step to run: a recipe with overrides (Megatron's model keys), batch, precision, kernels.
+    Validated on creation: every problem at once."""
+
+    recipe: str = "llama3_tiny"
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    micro_batch_size: int = 1
+    # sequences per step over all data-parallel ranks; None: one micro-batch per rank
+    global_batch_size: int | None = None
+    num_gpus: int | None = None  # None: one copy of the model (tp x pp x cp GPUs), no data parallelism
+    compute_dtype: str = "bf16"
+    device: str = field(default_factory=_default_device)
+    compile: bool = False  # the model's code between Sites compiled, its fast kernels on the device
+    optimizer: bool = True  # False: forward+backward only, gradients accumulating (as the torch anchor)
+    task: str = "pretrain"  # "sft" masks the first quarter of each sequence's labels (the prompt)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        raise_if_any(self.problems())
+
+    def problems(self) -> Iterator[Problem]:
+        """What is wrong with these settings (a subclass adds its own)."""
+        config = None
+        try:
+            config = self.model_config
+        except ConfigError as err:
+            yield from err.problems
+        except ValueError as err:  # an unknown recipe or override
+            yield Problem("model_recipe_name", str(err))
+        yield from _dtype_problems(self.compute_dtype)
+        yield from _task_problems(self.task)
+        yield from self._device_problems()
+        yield from self._batch_problems()
+        if config is not None:
+            yield from micro_batch_tokens_problems(config.seq_length, self.micro_batch_size, self.context_parallel)
+
+    def _device_problems(self) -> Iterator[Problem]:
+        yield from _device_name_problems(self.device)
+
+    def _batch_problems(self) -> Iterator[Problem]:
+        yield from micro_batch_problems(self.micro_batch_size)
+        if self.num_gpus is None:
+            pass
+        elif self.num_gpus < 1:
+            yield Problem("num_gpus", f"is {self.num_gpus}; use at least {max(self.model_parallel, 1)}"
+                                      " (tp x pp x cp)")
+        elif self.num_gpus % self.model_parallel:
+            yield Problem("num_gpus", f"{self.num_gpus} GPUs do not split into data-parallel groups of tp x pp x cp"
+                                      f" = {self.model_parallel}; use a multiple of {self.model_parallel}")
+        elif self.global_batch_size is not None and self.micro_batch_size >= 1:
+            per_step = self.micro_batch_size * self.data_parallel
+            of = (f"the micro-batch size {per_step}" if self.data_parallel == 1
+                  else f"micro-batch x data parallel = {per_step}")
+            if self.global_batch_size < per_step or self.global_batch_size % per_step:
+                yield Problem("global_batch_size", f"{self.global_batch_size} is not a positive multiple of {of};"
+                                                   " use a multiple of it")
+
+    @property
+    def family(self) -> ModelFamily:
+        return models.family_of(self.recipe)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return models.recipe_config(self.recipe, **self.overrides)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs one copy of the model spans (tp x pp x cp): 1 for a one-process run."""
+        return 1
+
+    @property
+    def context_parallel(self) -> int:
+        return 1
+
+    @property
+    def data_parallel(self) -> int:
+        return 1 if self.num_gpus is None else max(self.num_gpus // self.model_parallel, 1)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs a step."""
+        if self.global_batch_size is None:
+            return 1
+        return max(self.global_batch_size // (self.micro_batch_size * self.data_parallel), 1)
+
+
+def _dtype_problems(dtype: str) -> Iterator[Problem]:
+    if dtype not in COMPUTE_DTYPES:
+        known = dtype in BRIDGE_COMPUTE_DTYPES
+        # a typo is pointed at what runs, not at a Bridge dtype that would be refused next
+        yield Problem("compute_dtype", f"{dtype!r} is " + (
+            "not supported yet" if known else
+            f"not a compute dtype{did_you_mean(dtype, COMPUTE_DTYPES)}; Megatron Bridge's "
+            f"are {one_of(BRIDGE_COMPUTE_DTYPES)}") + "; use -c bf16")
+
+
+def _task_problems(task: str) -> Iterator[Problem]:
+    if task not in TASKS:
+        yield Problem("task", f"{task!r} is " + (
+            "not supported yet" if task in BRIDGE_TASKS else
+            f"not a task{did_you_mean(task, TASKS)}; Megatron Bridge's are {one_of(BRIDGE_TASKS)}")
+            + f"; use {' or '.join(TASKS)}")
+
+
+def _device_name_problems(device: str) -> Iterator[Problem]:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        yield Problem("device", f"{device!r} is not a device; use cpu, cuda or cuda:N")
+
+
+def device_problems(device: str) -> list[Problem]:
+    """A device a step runs on: cpu, cuda or cuda:N, and a GPU where one is asked for."""
+    problems = list(_device_name_problems(device))
+    if not problems and device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(Problem("device", "a CUDA GPU was asked for but this machine has none; run on CPU with a"
+                                          " tiny recipe (remat recipes lists it)"))
+    return problems
+
+
+def micro_batch_problems(micro_batch_size: int) -> Iterator[Problem]:
+    if micro_batch_size < 1:
+        yield Problem("micro_batch_size", f"is {micro_batch_size}; use at least 1")
+
+
+def micro_batch_tokens_problems(seq_length: int, micro_batch_size: int, context_parallel_size: int) -> Iterator[Problem]:
+    tokens = seq_length * micro_batch_size // max(context_parallel_size, 1)
+    if tokens > MAX_TOKENS_PER_GPU:
+        yield Problem("seq_length", f"{seq_length} x micro-batch {micro_batch_size} over {context_parallel_size}"
+                                    f" context-parallel rank(s) puts {tokens:,} tokens on each GPU; remat"
+                                    f" runs at most {MAX_TOKENS_PER_GPU:,} (2^22: at hidden size 4096 their"
+                                    f" hidden state alone is 32 GiB a layer); lower -sl or -mb, or raise -cp")
+
+
+def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
+    """What the recompute rules accept but a one-process step (bench, verify) does not run (yet)."""
+    sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": facts.pipeline_model_parallel_size,
+             "context_parallel_size": facts.context_parallel_size}
+    for name, size in sizes.items():
+        if size != 1:
+            yield Problem(name, f"is {size}; this runs one device without model parallelism for now"
+                                " (parallel execution arrives with its own issue); use 1")
+    if facts.virtual_pipeline_model_parallel_size is not None:
+        yield Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which this run"
+                                                              " does not execute yet; drop -vp")
+    if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
+        yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
+                                         " --cuda_graph_scope")
+
+
+def build_model(spec: RunSpec) -> nn.Module:
+    """The spec's model on its device, from the spec's seed, with its kernels."""
+    torch.manual_seed(spec.seed)
+    family = spec.family
+    model = family.build(spec.model_config, dtype=spec.dtype, device=spec.device)
+    if spec.compile:
+        family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
+    return model
+
+
+def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
+    """The weights every run of a spec starts from."""
+    torch.manual_seed(spec.seed)
+    spec.family.reset_parameters(model)
+
+
+class MockData:
+    """Random tokens, a fresh batch per micro-batch, generated on the device (no host copies)."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        config = spec.model_config
+        self.spec, self.vocab, self.seq = spec, config.vocab_size, config.seq_length
+        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab, (self.spec.micro_batch_size, self.seq + 1),
+                               device=self.spec.device, generator=self.generator)
+        labels = tokens[:, 1:].clone()
+        if self.spec.task == "sft":
+            labels[:, : self.seq // 4] = -100
+        return tokens[:, :-1], labels
+
+
+def adamw(params: Iterable[nn.Parameter], fused: bool) -> torch.optim.AdamW:
+    """AdamW as Megatron's recipes set it: fused on GPU (moments updated in place, no
+    temporaries); elsewhere torch's loop over the tensors, which allocates a few per tensor."""
+    return torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+
+
+def make_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer | None:
+    """The step's AdamW, or None for forward+backward runs."""
+    return adamw(model.parameters(), fused=spec.device.startswith("cuda")) if spec.optimizer else None
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """The moments (exp_avg, exp_avg_sq); the per-parameter step counters are scalars."""
+    states = optimizer.state.values() if optimizer is not None else []
+    return tensor_bytes(v for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step")
+
+
+def release_memory(model: nn.Module) -> None:
+    """Drop gradients and cached blocks so the next run starts from the weights alone."""
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def trace_spec(spec: RunSpec, model: nn.Module | None = None, offload: bool = False,
+               min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
+               progress: Callable[[str], None] | None = None) -> tuple[nn.Module, Trace]:
+    """Trace the step a bench of `spec` would run: same model, batch shape, optimizer,
+    micro-batches (and, with `offload`, offload actions with that threshold)."""
+    model = model or build_model(spec)
+    reset_parameters(spec, model)
+    model.train()
+    batch = MockData(spec).batch()
+    optimizer = make_optimizer(model, spec)
+    measured = trace(model, batch, optimizer=optimizer, micro_batches=spec.micro_batches, offload=offload,
+                     min_offloaded_tensor_size=min_offloaded_tensor_size, progress=progress)
+    del optimizer, batch
+    release_memory(model)
+    return model, measured
