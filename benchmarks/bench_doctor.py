@@ -26,9 +26,10 @@ import torch
 
 from remat import doctor
 from remat.bench import BenchSpec
-from remat.bench.run import run_bench, trace_spec
-from remat.config import RematWarning
-from remat.planning import plan_from_trace
+from remat.bench.run import run_bench
+from remat.step import trace_spec
+from remat.problems import RematWarning
+from remat.planner import plan_from_trace
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 GIB, MIB = 2**30, 2**20

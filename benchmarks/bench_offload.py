@@ -24,8 +24,8 @@ from bench_w1 import run_anchor  # benchmarks/ is the script's directory
 from remat.bench import BenchSpec, sweep
 from remat.bench.presets import parse_entry
 from remat.bench.result import BenchResult
-from remat.config import RecomputeConfig
-from remat.plans import Plan, PlanLike
+from remat.recompute import RecomputeConfig
+from remat.layer_plan import Plan, PlanLike
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 LAYERS = 8
@@ -124,7 +124,7 @@ def main() -> None:
     spec = BenchSpec(recipe="llama3_8b", overrides={"num_layers": LAYERS, "seq_length": 8192},
                      micro_batch_size=2, max_steps=11, warmup_steps=3, device="cuda",
                      compile=not args.eager, optimizer=False)
-    rows = [row(r) for r in sweep(spec, candidates(), progress=False)]
+    rows = [row(r) for r in sweep(spec, candidates())]
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "plan"}), flush=True)
     by_name = {r["name"]: r for r in rows}

@@ -28,11 +28,11 @@ from matplotlib.figure import Figure
 
 from remat.bench import BenchSpec
 from remat.bench.presets import megatron_presets, parse_entry
-from remat.bench.run import run_bench, trace_spec
-from remat.config import RematWarning
-from remat.planner import NoPlanFits
-from remat.planning import megatron_keys, plan_from_trace
-from remat.plans import Plan
+from remat.bench.run import run_bench
+from remat.step import trace_spec
+from remat.problems import RematWarning
+from remat.planner import NoPlanFits, megatron_keys, plan_from_trace
+from remat.layer_plan import Plan
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30

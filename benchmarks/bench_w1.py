@@ -45,7 +45,7 @@ def run_remat(compile_regions: bool) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plans = [parse_entry(e, facts) for e in entries]
-    results = sweep(spec, plans, progress=False)
+    results = sweep(spec, plans)
     rows = []
     for r in results:
         row = dict(mode=r.name, compiled=compile_regions, status=r.status,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from remat.config import RecomputeConfig
-from remat.config import DEFAULT_CUBLAS_WORKSPACE
+from remat.estimating import DEFAULT_CUBLAS_WORKSPACE
+from remat.recompute import RecomputeConfig
 from remat.estimating import EstimateSpec, estimate
-from remat.plans import Plan
+from remat.layer_plan import Plan
 
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(os.environ.get("OUT", RESULTS))

@@ -17,7 +17,7 @@ import torch
 from remat import RecomputeConfig, RematWarning, apply
 from remat.apply import offloader_of
 from remat.models import build
-from remat.plans import Plan
+from remat.layer_plan import Plan
 from remat.verify import verify
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))

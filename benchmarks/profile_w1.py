@@ -25,7 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from remat.bench import BenchSpec
-from remat.bench.run import MockData, build_model, run_bench
+from remat.bench.run import run_bench
+from remat.step import MockData, build_model
 
 OUT = Path(os.environ.get("OUT", "."))
 ANCHOR = Path(__file__).parent / "anchors" / "torch_baseline.py"
@@ -172,7 +173,7 @@ def remat_forward(**overrides: int | bool):
     spec = BenchSpec(**{**W1_SPEC, "overrides": {**W1_SPEC["overrides"], **overrides}})
     model = build_model(spec)
     model.init_weights()
-    ids, labels = MockData(spec, model.config.vocab_size, model.config.seq_length).batch()
+    ids, labels = MockData(spec).batch()
     return lambda: model(ids, labels)
 
 

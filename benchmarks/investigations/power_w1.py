@@ -3,7 +3,7 @@ reasons, sampled by nvidia-smi (read only; no setting is changed) while each wor
 back: W1's largest GEMM alone (linear_fc1's forward) and the whole step of remat (no recompute,
 compiled regions) and of the anchor's torch.compile model.
 
-  PYTHONPATH=src:benchmarks python benchmarks/power_w1.py [--seconds 8]
+  PYTHONPATH=src python benchmarks/investigations/power_w1.py [--seconds 8]
   writes $OUT/power_w1.json
 
 Where the GEMM loop and the steps run at the power limit with the SM clock under its maximum,
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import statistics
 import subprocess
 import time
@@ -24,6 +25,7 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: profile_w1 stays there
 from profile_w1 import anchor_forward, as_step, remat_forward
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -94,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     field = _reason_field()
     record: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                        command="PYTHONPATH=src:benchmarks python benchmarks/power_w1.py", runs={})
+                        command="PYTHONPATH=src python benchmarks/investigations/power_w1.py", runs={})
     for name in GEMMS:
         record["runs"][f"{name}_forward_gemm"] = forward_gemm(name, args.seconds, field)
         print(name, json.dumps(record["runs"][f"{name}_forward_gemm"]), flush=True)

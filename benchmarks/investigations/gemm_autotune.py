@@ -5,7 +5,7 @@ pull ahead of torch.compile (benchmarks/results/profile_w1_h200.json: GEMMs are 
 Each shape runs as eager `a @ b` (cuBLAS) and as `torch.compile(mode="max-autotune-no-cudagraphs")`
 of the same expression, interleaved, CUDA-event timed; writes $OUT/gemm_autotune.json.
 
-    PYTHONPATH=src python benchmarks/gemm_autotune.py [--shapes fc1_fwd,...] [--repeats 30]
+    PYTHONPATH=src python benchmarks/investigations/gemm_autotune.py [--shapes fc1_fwd,...] [--repeats 30]
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "PYTHONPATH=src python benchmarks/gemm_autotune.py", "shapes": {}}
+              "command": "PYTHONPATH=src python benchmarks/investigations/gemm_autotune.py", "shapes": {}}
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b

@@ -4,7 +4,7 @@ after one torch.profiler session, and the mean of 8 steps run back to back witho
 for remat's no-recompute step (optionally at other loss-head chunk sizes) and the anchor's eager
 and compiled ones. Tells run-to-run noise from a real difference before the two are compared.
 
-  PYTHONPATH=src python benchmarks/step_drift.py [--what remat,remat:8192,remat:nofuse,anchor_eager,anchor_compile]
+  PYTHONPATH=src python benchmarks/investigations/step_drift.py [--what remat,remat:8192,remat:nofuse,anchor_eager,anchor_compile]
       [--blocks 4]
   (remat:N: loss_chunk_size N; remat:nofuse: gradient_accumulation_fusion off) writes $OUT/step_drift.json
 """
@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: profile_w1 stays there
 from profile_w1 import anchor_forward, as_step, median_cuda_seconds, remat_forward
 from torch.profiler import ProfilerActivity, profile
 
@@ -73,7 +76,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     args = parser.parse_args()
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  command="PYTHONPATH=src python benchmarks/step_drift.py " + f"--what {args.what} --blocks {args.blocks}",
+                  command="PYTHONPATH=src python benchmarks/investigations/step_drift.py " + f"--what {args.what} --blocks {args.blocks}",
                   runs={})
     for name in args.what.split(","):
         torch.cuda.reset_peak_memory_stats()

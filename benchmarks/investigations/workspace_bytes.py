@@ -10,7 +10,7 @@ Each case runs in a fresh process (workspaces live as long as the process) and p
   second_step    then a second forward and backward (nothing new expected)
   sdpa           a causal cuDNN attention forward+backward after the above
 
-  PYTHONPATH=src python benchmarks/workspace_bytes.py [--env CUBLAS_WORKSPACE_CONFIG=:4096:2]
+  PYTHONPATH=src python benchmarks/investigations/workspace_bytes.py [--env CUBLAS_WORKSPACE_CONFIG=:4096:2]
 writes $OUT/workspace_bytes.json
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
         runs[setting or "default"] = json.loads(out.strip().splitlines()[-1])
         print(setting or "default", runs[setting or "default"], flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "PYTHONPATH=src python benchmarks/workspace_bytes.py " + " ".join(
+              "command": "PYTHONPATH=src python benchmarks/investigations/workspace_bytes.py " + " ".join(
                   f"--env {e}" for e in args.env), "bytes_grown": runs}
     (OUT / "workspace_bytes.json").write_text(json.dumps(result, indent=1) + "\n")
 

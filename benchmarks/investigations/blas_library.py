@@ -2,12 +2,12 @@
 torch's default for a plain bf16 matmul? Both call NVIDIA's kernels, picked by different
 heuristics; inductor's max-autotune found no faster Triton GEMM (gemm_autotune_h200.json).
 
-Part 1: each W1 GEMM shape (benchmarks/gemm_autotune.py's) as `a @ b` under each library,
+Part 1: each W1 GEMM shape (benchmarks/investigations/gemm_autotune.py's) as `a @ b` under each library,
 interleaved rounds, CUDA-event timed back to back. Part 2: remat's W1 no-recompute step with
 compiled regions (forward+backward, as bench_w1.py) under each library, alternating A, B, A, B.
 Writes $OUT/blas_library.json.
 
-    PYTHONPATH=src python benchmarks/blas_library.py [--repeats 30] [--step-runs 2]
+    PYTHONPATH=src python benchmarks/investigations/blas_library.py [--repeats 30] [--step-runs 2]
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--step-runs", type=int, default=2, help="A/B pairs of W1 steps (0: GEMMs only)")
     args = parser.parse_args()
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": f"PYTHONPATH=src python benchmarks/blas_library.py --repeats {args.repeats} "
+              "command": f"PYTHONPATH=src python benchmarks/investigations/blas_library.py --repeats {args.repeats} "
                          f"--step-runs {args.step_runs}",
               "gemms": _gemms(args.repeats)}
     out = Path(os.environ.get("OUT", "."))

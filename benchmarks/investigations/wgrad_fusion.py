@@ -3,17 +3,20 @@ against computing it and adding it with a second kernel, at W1's shapes (16384 t
 weight-gradient GEMM per projection of a layer, and the loss head's scaled add. CUDA events,
 median of 20 after 3 warm-ups.
 
-  PYTHONPATH=src python benchmarks/wgrad_fusion.py   writes $OUT/wgrad_fusion.json
+  PYTHONPATH=src python benchmarks/investigations/wgrad_fusion.py   writes $OUT/wgrad_fusion.json
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: profile_w1 stays there
 from profile_w1 import median_cuda_seconds
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -48,7 +51,7 @@ def main() -> None:
         print(name, json.dumps(rows[name]), flush=True)
         torch.cuda.empty_cache()
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  command="PYTHONPATH=src python benchmarks/wgrad_fusion.py", tokens=TOKENS, rows=rows)
+                  command="PYTHONPATH=src python benchmarks/investigations/wgrad_fusion.py", tokens=TOKENS, rows=rows)
     (OUT / "wgrad_fusion.json").write_text(json.dumps(record, indent=1))
 
 

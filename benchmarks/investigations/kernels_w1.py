@@ -20,7 +20,7 @@ shapes (tokens 16384, hidden 4096, FFN 14336, vocab 128256, bf16):
   flash and memory-efficient backends, on remat's sequence-major heads (transposed views) and
   on head-major contiguous ones, with grouped K/V or K/V expanded to every head.
 
-  PYTHONPATH=src python benchmarks/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm,head,rope,attention]
+  PYTHONPATH=src python benchmarks/investigations/kernels_w1.py [--sections swiglu,rmsnorm,loss,scale,gemm,head,rope,attention]
   writes $OUT/kernels_w1.json
 """
 from __future__ import annotations
@@ -34,14 +34,17 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: profile_w1 stays there
 from profile_w1 import median_cuda_seconds
 
-from remat.models import rope
-from remat.models.llama import LlamaConfig, RotaryEmbedding, silu_mul, split_qkv
-from remat.models.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
-from remat.models.rmsnorm import RMSNormFunction, rms_norm
-from remat.models.swiglu import SwiGLU
-from remat.models.triton_ops import launch
+from remat.models.kernels import rope
+from remat.models.llama.config import LlamaConfig
+from remat.models.llama.model import RotaryEmbedding, silu_mul, split_qkv
+from remat.models.kernels.loss import chunk_loss_fusable, chunk_loss_in_place, chunk_loss_triton
+from remat.models.kernels.rmsnorm import RMSNormFunction, rms_norm
+from remat.models.kernels.swiglu import SwiGLU
+from remat.models.kernels.triton_ops import launch
 
 OUT = Path(os.environ.get("OUT", "."))
 TOKENS, HIDDEN, FFN, VOCAB, QKV = 16384, 4096, 14336, 128256, 6144
@@ -267,7 +270,7 @@ def main() -> None:
     if unknown := set(chosen) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="PYTHONPATH=src python benchmarks/kernels_w1.py " + " ".join(sys.argv[1:]),
+                  command="PYTHONPATH=src python benchmarks/investigations/kernels_w1.py " + " ".join(sys.argv[1:]),
                   **{name: SECTIONS[name]() for name in chosen})
     print(json.dumps(record, indent=1))
     (OUT / "kernels_w1.json").write_text(json.dumps(record, indent=1))
