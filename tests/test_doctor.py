@@ -1,5 +1,5 @@
 """remat doctor: OOM classification on recorded allocator snapshots, OOM messages, recommendations,
-the watch() context manager, the skill's failure checks on bench results, and the CLI."""
+the watch() context manager, the checks on bench results, and the CLI."""
 from __future__ import annotations
 
 import json
@@ -306,7 +306,7 @@ def test_watch_leaves_other_errors_and_clean_exits_alone() -> None:
     assert doc.report is None and clean.report is None
 
 
-# --- the skill's failure checks on bench results ----------------------------------------------------
+# --- the checks on bench results ----------------------------------------------------
 
 
 def result(name: str, tflops: float | None = 700.0, peak: int | None = 55 * GIB, **overrides: Any) -> BenchResult:
@@ -394,7 +394,7 @@ def test_each_oom_with_the_allocators_numbers_is_classified() -> None:
     assert f.cause == "capacity" and f.fix.startswith("remat plan")
 
 
-def test_the_skills_measured_sweep_trips_every_results_check() -> None:
+def test_a_measured_sweep_trips_every_results_check() -> None:
     runs = [result("none", 709.9), oom("core_attn"), result("mlp", 593.6, 52 * GIB),
             result("mlp+core_attn", 586.8, 52 * GIB), oom("core_attn+layernorm")]
     assert [f.check for f in checks.check_results(runs)] == [

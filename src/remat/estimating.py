@@ -45,12 +45,12 @@ from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.step import RunSpec, adamw, optimizer_state_bytes
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
-# Sustained bf16 dense throughput assumed for estimated step times: remat's W1 plans on an H200
-# measured 520-655 TFLOP/s (benchmarks/results/plan_w1_h200.json).
+# Sustained bf16 dense throughput assumed for estimated step times, about what remat's plans reach
+# on an H200 (benchmarks/README.md).
 DEFAULT_TFLOPS = 600.0
 # cuBLAS keeps a workspace per handle, allocated through torch's caching allocator and held for the
 # process's life; torch makes a handle per thread that runs GEMMs: the forward's and autograd's CUDA
-# backward thread. Each took 32 MiB on an H200 with torch 2.11 (workspace_bytes_h200.json).
+# backward thread. Each took 32 MiB on an H200 with torch 2.11 (benchmarks/investigations/README.md).
 DEFAULT_CUBLAS_WORKSPACE = 32 * 2**20
 CUBLAS_HANDLES = 2
 

@@ -237,8 +237,8 @@ class Stepper:
         return start.elapsed_time(end) / 1e3
 
 
-# per action on a GPU: timing 3 steps of 50 ms (2 Llama-3-8B layers), one action's cost moved from
-# 2.5 to 4.1 ms between two calls (benchmarks/results/cli_cuda_h200.txt, plan_cli_8b_2layers_h200.txt)
+# per action on a GPU: a few short steps timed too few to tell an action's cost from noise
+# (benchmarks/README.md), so at least a second of steps is timed
 MIN_TIMED_S = 1.0
 MAX_TIMING_REPEATS = 25
 

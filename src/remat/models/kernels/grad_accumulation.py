@@ -4,11 +4,10 @@
 When a weight's ``.grad`` already holds a gradient (a later micro-batch, or steps without
 zero_grad), autograd computes the new weight gradient into a fresh tensor and then adds it into
 ``.grad`` with one more kernel, which reads both and writes the sum. Here the GEMM adds into
-``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it. At W1's shapes on
-an H200 the 33 adds took 3.1 ms of a 420 ms step, and the GEMMs adding into .grad took about as
-long as the plain ones (benchmarks/results/profile_w1_h200.json, call F; wgrad_fusion_h200.json).
-The sum is rounded once instead of twice. The loss head (remat.models.loss), which computes its weight gradient in forward,
-adds it into ``.grad`` as it scales it, under the same conditions (accumulates_into_grad).
+``.grad`` itself (beta = 1): no weight-sized temporary, no extra pass over it, and a GEMM that adds
+into its output takes about as long as a plain one (benchmarks/README.md). The sum is rounded once
+instead of twice. The loss head (remat.models.kernels.loss), which computes its weight gradient in
+forward, adds it into ``.grad`` as it scales it, under the same conditions (accumulates_into_grad).
 
 The Function then returns no weight gradient, so it accumulates only where autograd would have
 accumulated the same sum: in ``backward()`` (not ``autograd.grad``, which returns gradients

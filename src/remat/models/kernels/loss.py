@@ -52,7 +52,7 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
 
 
 # Vocabulary columns a program holds at once (a 128K row: 16 blocks a pass) and its warps: the
-# fastest of 12 settings on an H200 at W1's shapes (benchmarks/results/kernels_w1_h200.json).
+# fastest of the settings swept (benchmarks/investigations/README.md).
 _LOSS_BLOCK, _LOSS_WARPS = 8192, 8
 
 
@@ -227,7 +227,7 @@ def chunked_linear_cross_entropy(
     `kernels` compute a chunk's loss and logit gradients and scale the gradients in backward:
     eager, or `compiled_loss_kernels()`, which fuses the chunk into a few passes over the logits
     and writes the gradients over them. With `fuse_grads`, backward adds the weight's gradient
-    into weight.grad as it scales it (where remat.models.grad_accumulation.accumulates_into_grad).
+    into weight.grad as it scales it (where remat.models.kernels.grad_accumulation.accumulates_into_grad).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

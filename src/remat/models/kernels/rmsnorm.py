@@ -6,7 +6,7 @@ gradient twice, once for the input gradient and once more for the weight gradien
 over them writes the input gradient and sums the weight gradient per program (a fixed set of
 rows each, so the result is deterministic), and a small sum over programs finishes it. The
 kernels compute in float32 and round once. Launching, meta tensors and CPU testing:
-remat.models.triton_ops.
+remat.models.kernels.triton_ops.
 """
 from __future__ import annotations
 

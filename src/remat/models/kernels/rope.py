@@ -2,14 +2,13 @@
 kernel each way, for CUDA.
 
 The projection's output holds, per query group, its query heads then one key and one value head
-(Megatron's layout; remat.models.llama.split_qkv). The forward kernel writes q and k rotated and
-v copied, one program per token; the backward kernel writes their gradients back into that
-layout, rotated back. Inductor compiled the backward as a `cat` of strided slices, which ran at
-about a third of the memory bandwidth on an H200 at W1's shapes (0.23 ms a layer,
-benchmarks/results/profile_w1_h200.json). RoPE is linear, so the Function saves only the cos/sin
+(Megatron's layout; remat.models.llama.model.split_qkv). The forward kernel writes q and k rotated
+and v copied, one program per token; the backward kernel writes their gradients back into that
+layout, rotated back (inductor compiled the backward as a `cat` of strided slices, far below the
+memory bandwidth: benchmarks/README.md). RoPE is linear, so the Function saves only the cos/sin
 tables (slices of the model's buffers): the projection before it saves its own input. The
 kernels compute in float32 and round once.
-Launching, meta tensors and CPU testing: remat.models.triton_ops.
+Launching, meta tensors and CPU testing: remat.models.kernels.triton_ops.
 """
 from __future__ import annotations
 
@@ -73,7 +72,7 @@ class RotaryQKV(torch.autograd.Function):
 
 def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
               num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """remat.models.llama.split_qkv through RotaryQKV."""
+    """remat.models.llama.model.split_qkv through RotaryQKV."""
     return RotaryQKV.apply(qkv, cos, sin, num_heads, num_groups)
 
 

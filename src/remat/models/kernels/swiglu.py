@@ -3,10 +3,9 @@
 It saves only the fused gate/up input, which its backward needs; the activation it returns is
 what linear_fc2 saves, and whether that is kept or discarded is the `mlp_act` Site's business.
 The backward writes both halves of the gradient in one pass (inductor compiles it as a `cat`,
-which moved 2.25 TB/s on an H200 at W1's shapes against 3.4 for one kernel:
-benchmarks/results/kernels_w1_h200.json). The kernels compute in float32 and round once, so a
+which measured slower: benchmarks/README.md). The kernels compute in float32 and round once, so a
 discarded activation rebuilt in backward has the forward's bits. Launching, meta tensors and CPU
-testing: remat.models.triton_ops.
+testing: remat.models.kernels.triton_ops.
 """
 from __future__ import annotations
 

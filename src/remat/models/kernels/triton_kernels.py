@@ -1,5 +1,5 @@
 """remat's Triton kernels (SwiGLU, RMSNorm, the loss chunk, the QKV split with RoPE); imported
-only when one is first launched (remat.models.triton_ops)."""
+only when one is first launched (remat.models.kernels.triton_ops)."""
 import triton
 import triton.language as tl
 

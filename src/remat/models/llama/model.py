@@ -306,7 +306,7 @@ class LlamaModel(nn.Module):
         """torch.compile the pure functions around each layer's Sites (the QKV split with RoPE,
         the head merge, the SwiGLU activation) and the loss head's elementwise work; one compiled
         copy of each serves every layer. On CUDA, remat's Triton kernels run instead where they
-        measured faster (benchmarks/results/kernels_w1_h200.json): the SwiGLU activation with a
+        measured faster (benchmarks/README.md): the SwiGLU activation with a
         one-pass backward, the QKV split with RoPE in one kernel each way, RMSNorm with a one-pass
         backward, and each loss chunk in one kernel.
 
