@@ -9,15 +9,7 @@ from typing import Any, Callable, Iterator
 
 from torch import Tensor, nn
 
-from remat.engine import (
-    DiscardScope,
-    Offloader,
-    Region,
-    checkpoint,
-    current_scope,
-    offloading,
-    output_tensors,
-)
+from remat.engine import DiscardScope, Offloader, Region, checkpoint, current_scope, offloading, output_tensors
 from remat.labels import LAYER
 from remat.layer_plan import Plan, check_plan
 from remat.layout import ModelLayout, check_config

@@ -83,20 +83,20 @@ def _num_layers_range(c: RecomputeConfig) -> str:
     return f"a number between 1 and {per_stage} (the layers in each virtual pipeline stage)"
 
 
+def _named_value(field: str, value: str | None, choices: tuple[str, ...], kind: str, use: str) -> Iterator[Problem]:
+    if value is not None and value not in choices:
+        yield Problem(field, f"{value!r} is not a {kind}{did_you_mean(value, choices)}; use {use}")
+
+
 @_rule
 def rule_granularity_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    g = c.recompute_granularity
-    if g is not None and g not in GRANULARITIES:
-        yield Problem("recompute_granularity", f"{g!r} is not a granularity{did_you_mean(g, GRANULARITIES)};"
-                                               " use 'selective', 'full' or null (no recompute)")
+    yield from _named_value("recompute_granularity", c.recompute_granularity, GRANULARITIES, "granularity",
+                            "'selective', 'full' or null (no recompute)")
 
 
 @_rule
 def rule_method_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    m = c.recompute_method
-    if m is not None and m not in METHODS:
-        yield Problem("recompute_method", f"{m!r} is not a method{did_you_mean(m, METHODS)};"
-                                          " use 'uniform' or 'block'")
+    yield from _named_value("recompute_method", c.recompute_method, METHODS, "method", "'uniform' or 'block'")
 
 
 @_rule

@@ -20,9 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"remat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        command.add_parser(sub)
-    for command_parser in sub.choices.values():  # so an unknown flag gets its command's usage
-        command_parser.set_defaults(command_parser=command_parser)
+        name = command.__name__.rsplit(".", 1)[1]
+        p = sub.add_parser(name, help=command.HELP, description=command.__doc__)
+        command.add_arguments(p)
+        # command_parser: so an unknown flag gets its command's usage
+        p.set_defaults(func=command.run, command_parser=p)
     return parser
 
 

@@ -1,31 +1,22 @@
-"""remat bench: train a recipe under a recompute config and measure it; compare with a golden run."""
+"""Run real training steps (forward, backward, AdamW) of a recipe under a recompute config on mock
+data; report step time, TFLOP/s per GPU, tokens/s, peak memory and its breakdown, loss per step.
+"""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
 from remat.bench.run import plan_name, run_bench
 from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
-from remat.cli.common import (
-    collected_warnings,
-    err,
-    out,
-    output_problems,
-    print_warnings,
-    progress_bar,
-    record_history,
-    write_json,
-)
+from remat.cli.common import (collected_warnings, err, out, output_problems, print_warnings, progress_bar,
+                              record_history, write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
 from remat.recompute import RecomputeConfig
 
+HELP = "train a recipe under a recompute config and measure it"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="train a recipe under a recompute config and measure it",
-                       description="Run real training steps (forward, backward, AdamW) of a recipe "
-                                   "under a recompute config on mock data; report step time, TFLOP/s "
-                                   "per GPU, tokens/s, peak memory and its breakdown, loss per step.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
     add_recompute_flags(p)
     p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
@@ -38,7 +29,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threshold", type=float,
                    help=f"with --golden: relative difference that fails the comparison, both ways (default "
                         f"{DEFAULT_THRESHOLD})")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

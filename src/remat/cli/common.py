@@ -16,13 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from remat.bench.history import append, default_history_path
 from remat.bench.result import BenchResult
 from remat.bench.run import OnStep
-from remat.cli.checks import (
-    dryrun_output_problems,
-    history_file_problems,
-    history_flag_problems,
-    output_path_problems,
-    png_path_problems,
-)
+from remat.cli.checks import (dryrun_output_problems, history_file_problems, history_flag_problems,
+                              output_path_problems, png_path_problems)
 from remat.problems import ConfigError, Problem, RematWarning
 
 out = Console(highlight=False, soft_wrap=True)

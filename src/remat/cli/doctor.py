@@ -1,11 +1,15 @@
-"""remat doctor: diagnose an OOM (fragmentation or capacity) and say what to change; check bench
-results for common recompute mistakes; plot one step's memory."""
+"""--results: checks for common recompute mistakes on `remat bench --json` / `remat sweep --json`
+output (exit 1 on a finding): mlp recompute on a large FFN, layernorm alone, mlp with core_attn,
+full recompute under per-layer CUDA graphs, CPU offload with pipeline parallelism, and the kind of
+each OOM. --snapshot / --oom_message: classify an OOM as fragmentation or capacity and say what to
+change. --timeline: plot one step's memory (CPU or GPU). Otherwise (CUDA only): run the bench with
+the run flags and diagnose an OOM it hits.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import shlex
-from typing import Any
 
 import torch
 
@@ -22,17 +26,10 @@ from remat.problems import Problem
 from remat.sizes import parse_bytes
 from remat.step import MockData, build_model, make_optimizer
 
+HELP = "diagnose an OOM (fragmentation or capacity) or a bench/sweep's results"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="diagnose an OOM (fragmentation or capacity) or a bench/sweep's results",
-                       description="--results: checks for common recompute mistakes on `remat bench --json` / "
-                                   "`remat sweep --json` output (exit 1 on a finding): mlp recompute on a large "
-                                   "FFN, layernorm alone, mlp with core_attn, full recompute under per-layer CUDA "
-                                   "graphs, CPU offload with pipeline parallelism, and the kind of each OOM. "
-                                   "--snapshot / --oom_message: classify an OOM as fragmentation or capacity and "
-                                   "say what to change. --timeline: plot one step's memory (CPU or GPU). "
-                                   "Otherwise (CUDA only): run the bench with the run flags and diagnose an OOM "
-                                   "it hits.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--results", metavar="FILE.json", help="bench or sweep results as --json writes them")
     g.add_argument("--snapshot", metavar="SNAP",
@@ -44,7 +41,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had: bytes, or like 80GiB")
     add_run_flags(p)
     add_recompute_flags(p)
-    p.set_defaults(func=run, golden=None, threshold=None)
+    p.set_defaults(golden=None, threshold=None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,22 +1,17 @@
-"""remat estimate: peak memory per GPU and pipeline stage, and step time, from shapes alone."""
+"""Trace one training step per action of one rank's shard of the recipe on the meta device (shapes
+only: no GPU; seconds to a minute on a CPU), with the tensor, sequence, context and pipeline
+parallel sizes given, then predict each config's peak allocated memory per pipeline stage, by
+component, and its step time.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
 
 from remat.apply import apply
 from remat.bench.run import plan_name
-from remat.cli.args import (
-    add_model_flags,
-    add_recompute_flags,
-    flag_facts,
-    meta_model,
-    model_facts,
-    model_overrides,
-    resolve_config,
-    sweep_entries,
-)
+from remat.cli.args import (add_model_flags, add_recompute_flags, flag_facts, meta_model, model_facts, model_overrides,
+                            resolve_config, sweep_entries)
 from remat.cli.checks import configs_flag_problems
 from remat.cli.common import Problems, collected_warnings, out, path_problems, print_warnings, progress_bar, write_json
 from remat.cli.tables import estimate_table
@@ -26,14 +21,10 @@ from remat.memory.measure import DEFAULT_HOST_GBPS
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import parse_bytes
 
+HELP = "predict peak memory per GPU and pipeline stage from shapes alone"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("estimate", help="predict peak memory per GPU and pipeline stage from shapes alone",
-                       description="Trace one training step per action of one rank's shard of the recipe "
-                                   "on the meta device (shapes only: no GPU; seconds to a minute on a CPU), with the "
-                                   "tensor, sequence, context and pipeline parallel sizes given, then "
-                                   "predict each config's peak allocated memory per pipeline stage, by "
-                                   "component, and its step time.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_recompute_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY",
@@ -53,7 +44,6 @@ def add_parser(sub: Any) -> None:
                         "on GPUs before Hopper); counted once per GEMM thread")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
-    p.set_defaults(func=run)
 
 
 def _global_batch(args: argparse.Namespace, facts: TrainingFacts) -> int | None:

@@ -1,4 +1,7 @@
-"""remat plan: trace the recipe's step, then solve for the fastest plan under a memory budget."""
+"""Trace one training step per action on the recipe (what each site saves and what recomputing it
+costs), then solve for the fastest per-layer plan whose predicted peak allocated memory fits the
+budget. Writes a Megatron config when one expresses the plan, else a plan file.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,22 +15,10 @@ import yaml
 from remat.bench.run import run_bench
 from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
 from remat.cli.args import add_run_flags, bench_spec
-from remat.cli.checks import (
-    offload_device_advice,
-    offload_threshold_problems,
-    plan_output_problems,
-    plan_run_flag_problems,
-)
-from remat.cli.common import (
-    Problems,
-    collected_warnings,
-    out,
-    path_problems,
-    print_warnings,
-    progress_bar,
-    record_history,
-    write_json,
-)
+from remat.cli.checks import (offload_device_advice, offload_threshold_problems, plan_output_problems,
+                              plan_run_flag_problems)
+from remat.cli.common import (Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
+                              record_history, write_json)
 from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
 from remat.planner import host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
 from remat.problems import advise
@@ -35,13 +26,10 @@ from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 from remat.sizes import parse_bytes
 from remat.step import build_model, trace_spec
 
+HELP = "choose the fastest recompute plan that fits a memory budget"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="choose the fastest recompute plan that fits a memory budget",
-                       description="Trace one training step per action on the recipe (what each site "
-                                   "saves and what recomputing it costs), then solve for the fastest "
-                                   "per-layer plan whose predicted peak allocated memory fits the budget. "
-                                   "Writes a Megatron config when one expresses the plan, else a plan file.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
     p.add_argument("--memory-budget", "--memory_budget", dest="memory_budget", required=True, metavar="SIZE",
                    help="peak allocated memory to fit, like 60GiB, 80GB or 512MiB (a bare number is GiB)")
@@ -60,7 +48,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--verify", action="store_true",
                    help="bench the chosen plan and print predicted against measured")
     p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
-    p.set_defaults(func=run)
 
 
 def _write_mapping(keys: dict[str, Any], path: str) -> None:

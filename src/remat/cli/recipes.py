@@ -1,19 +1,20 @@
-"""remat recipes: the model recipes, with their shapes."""
+"""List the model recipes remat builds, with their shapes and parameter counts.
+"""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from remat.cli.common import out
-from remat.models import recipes
+from remat.cli.tables import recipes_table
+from remat.models import family_of, recipe_config, recipes
+
+HELP = "list the model recipes and their shapes"
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("recipes", help="list the model recipes")
-    p.set_defaults(func=run)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No flags: every recipe is listed."""
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in recipes():
-        out.print(name)
+    out.print(recipes_table([(name, family_of(name).name, recipe_config(name)) for name in recipes()]))
     return 0

@@ -1,42 +1,32 @@
-"""remat sweep: bench many recompute configs on one model in one process; a table and a Pareto plot."""
+"""Bench many configs on one model in one process. Entries: none, a label list (mlp+core_attn),
+full_uniform_K, full_block_K, a YAML/JSON config or plan file, or `presets` for Megatron's usual
+ones (the default).
+"""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
 from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model, model_facts, sweep_entries
-from remat.cli.common import (
-    Problems,
-    collected_warnings,
-    out,
-    output_problems,
-    print_warnings,
-    progress_bar,
-    record_history,
-    write_json,
-)
+from remat.cli.common import (Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
+                              record_history, write_json)
 from remat.cli.tables import results_table
 from remat.layer_plan import PlanLike
 from remat.step import single_process_problems
 
 DEFAULT_PLOT = "pareto.png"
 
+HELP = "bench many recompute configs in one process; table and Pareto plot"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("sweep", help="bench many recompute configs in one process; table and Pareto plot",
-                       description="Bench many configs on one model in one process. Entries: none, "
-                                   "a label list (mlp+core_attn), full_uniform_K, full_block_K, a "
-                                   "YAML/JSON config or plan file, or `presets` for Megatron's usual ones "
-                                   "(the default).")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
     p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {DEFAULT_PLOT})")
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
     p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
-    p.set_defaults(func=run)
 
 
 def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike]]]:

@@ -17,6 +17,7 @@ from remat.doctor import Report, attribution_rows
 from remat.estimating import Estimate, EstimateSpec
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
+from remat.models import build
 from remat.planner import PlanResult
 from remat.sizes import format_bytes
 from remat.verify import VerifyReport
@@ -256,6 +257,23 @@ def doctor_report(report: Report) -> RenderableType:
             held.add_row(what, format_gib(nbytes))
         parts.append(held)
     return Group(*parts)
+
+
+def recipes_table(rows: Sequence[tuple[str, str, Any]]) -> Table:
+    """(recipe, family, config) as a table of shapes; parameters counted on the meta device."""
+    table = Table(title="recipes (override any shape with --num_layers, --hidden_size, -sl)")
+    for column in ("recipe", "family", "layers", "hidden", "ffn", "heads", "kv", "seq", "vocab", "params"):
+        table.add_column(column, justify="left" if column in ("recipe", "family") else "right")
+    for name, family, c in rows:
+        table.add_row(name, family, str(c.num_layers), str(c.hidden_size), str(c.ffn_hidden_size),
+                      str(c.num_attention_heads), str(c.num_query_groups), str(c.seq_length), str(c.vocab_size),
+                      _parameters(name))
+    return table
+
+
+def _parameters(recipe: str) -> str:
+    count = sum(p.numel() for p in build(recipe, device="meta").parameters())
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 
 def findings_table(findings: Sequence[Finding], path: str) -> Table:

@@ -1,4 +1,6 @@
-"""remat validate: check a recompute config against every rule, and against a recipe's model."""
+"""Check a recompute config (flags and/or --config FILE) against every rule, and against a recipe's
+model when -mr is given.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,16 +13,14 @@ from remat.cli.common import Problems, collected_warnings, out, print_warnings
 from remat.models import build, recipe_config
 from remat.recompute import RecomputeConfig
 
+HELP = "check a recompute config and print it resolved"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("validate", help="check a recompute config and print it resolved",
-                       description="Check a recompute config (flags and/or --config FILE) against "
-                                   "every rule, and against a recipe's model when -mr is given.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE",
                    help="check the config against this recipe's model (see `remat recipes`)")
     p.add_argument("--num_layers", type=int, metavar="N")
     add_recompute_flags(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
-"""remat verify: one training step without and with a config; loss and every gradient compared."""
+"""Run one training step of a recipe without recompute and with the given config; compare loss and
+every gradient, and count the bytes each leaves saved for backward.
+"""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import torch
 
@@ -16,12 +17,10 @@ from remat.sizes import format_bytes
 from remat.step import device_problems, micro_batch_problems, micro_batch_tokens_problems, single_process_problems
 from remat.verify import verify
 
+HELP = "run one step without and with a config; compare gradients"
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("verify", help="run one step without and with a config; compare gradients",
-                       description="Run one training step of a recipe without recompute and with "
-                                   "the given config; compare loss and every gradient, and count "
-                                   "the bytes each leaves saved for backward.")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE", default="llama3_tiny",
                    help="the recipe (default llama3_tiny; `remat recipes` lists them)")
     p.add_argument("--num_layers", type=int, metavar="N")
@@ -38,7 +37,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tolerance", type=float, default=0.0,
                    help="largest |gradient difference| accepted (default 0: bit-identical)")
     add_recompute_flags(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,16 +33,8 @@ from remat.layout import ModelLayout
 from remat.memory.attribution import Attributor, Owner, SiteStorages
 from remat.memory.flops import FLOP_FORMULAS
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors, storage_bytes
-from remat.memory.prediction import (
-    MEASURED_GROUP_SIZES,
-    Combo,
-    Effect,
-    LayerEffects,
-    Trace,
-    combos,
-    offload_combos,
-    offloads,
-)
+from remat.memory.prediction import (MEASURED_GROUP_SIZES, Combo, Effect, LayerEffects, Trace, combos, offload_combos,
+                                     offloads)
 from remat.memory.windows import Window
 from remat.problems import ConfigError, Problem, raise_if_any
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
