@@ -36,13 +36,14 @@ from torch.overrides import TorchFunctionMode
 from remat.apply import find_sites, nothing_offloaded_advice
 from remat.layer_plan import Plan, PlanLike, check_plan, pipeline_range_problems
 from remat.layout import ModelLayout
-from remat.memory.measure import DEFAULT_HOST_GBPS, gradients_persist, trace
+from remat.memory.measure import DEFAULT_HOST_GBPS, Stepper, gradients_persist, trace, training_state_kept
 from remat.memory.meter import storage_bytes
-from remat.memory.prediction import Trace, offload_prediction_problems, unmeasured_problems
+from remat.memory.prediction import Trace, offload_prediction_problems, resolve, unmeasured_problems
 from remat.models import ParallelSizes, Target
 from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.step import RunSpec, adamw, optimizer_state_bytes
+from remat.sizes import format_bytes
+from remat.step import RunSpec, adamw, available_host_bytes, optimizer_state_bytes
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
 # Sustained bf16 dense throughput assumed for estimated step times, about what remat's plans reach
@@ -367,10 +368,18 @@ class _StageTrace:
             workspaces=spec.workspace_bytes)
 
 
-def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None,
-                 offload_threshold: int | None = None) -> _StageTrace:
-    """Trace one stage's shard; with `offload_threshold`, offload too (storages of that many
-    elements or more)."""
+@dataclass
+class _StageModel:
+    """One pipeline stage's shard on the meta device, with its batch and optimizer."""
+
+    model: nn.Module
+    inputs: Tensor
+    labels: Tensor
+    optimizer: torch.optim.Optimizer | None
+    hidden: Tensor  # the hidden states the stage receives or sends
+
+
+def _stage_model(spec: EstimateSpec, stage: int) -> _StageModel:
     family, split = spec.family, spec.parallel.sequence_split
     shard = family.shard(spec.model_config, spec.parallel)
     first, last = stage == 0, stage == spec.stages - 1
@@ -390,18 +399,74 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
         optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
         _begin_state(model, optimizer)
+    hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta)
+    return _StageModel(model, inputs, labels, optimizer, hidden)
+
+
+def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None,
+                 offload_threshold: int | None = None) -> _StageTrace:
+    """Trace one stage's shard; with `offload_threshold`, offload too (storages of that many
+    elements or more)."""
+    shard = _stage_model(spec, stage)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
         offload: dict[str, Any] = {} if offload_threshold is None else dict(
             offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
-        measured = trace(model, (inputs, labels), optimizer=optimizer, micro_batches=spec.micro_batches,
-                         timing_repeats=1, flops_per_s=spec.tflops * 1e12, **offload,
-                         progress=lambda what: note(f"stage {stage}: {what}"))
-    hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta)
-    return _StageTrace(measured, storage_bytes(model.parameters()), optimizer_state_bytes(optimizer),
-                       0 if first else hidden.untyped_storage().nbytes(),
-                       0 if last else hidden.untyped_storage().nbytes(),
-                       gradients_persist(optimizer, spec.micro_batches))
+        measured = trace(shard.model, (shard.inputs, shard.labels), optimizer=shard.optimizer,
+                         micro_batches=spec.micro_batches, timing_repeats=1, flops_per_s=spec.tflops * 1e12,
+                         **offload, progress=lambda what: note(f"stage {stage}: {what}"))
+    hidden_bytes = shard.hidden.untyped_storage().nbytes()
+    return _StageTrace(measured, storage_bytes(shard.model.parameters()), optimizer_state_bytes(shard.optimizer),
+                       0 if stage == 0 else hidden_bytes, 0 if stage == spec.stages - 1 else hidden_bytes,
+                       gradients_persist(shard.optimizer, spec.micro_batches))
+
+
+def step_peak(spec: RunSpec, plan: PlanLike) -> int:
+    """The peak allocated bytes of one step of `spec` under `plan` on its device (weights,
+    gradients and optimizer state included), from one step on shapes alone: a second or two,
+    where `estimate` traces every action. What a run checks before it allocates anything."""
+    shape = EstimateSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec)
+                            if f.name != "device"}, device="cuda" if spec.device.startswith("cuda") else "cpu")
+    shard = _stage_model(shape, 0)
+    resolved = resolve(plan, find_sites(shard.model).layout)
+    stepper = Stepper(shard.model, (shard.inputs, shard.labels), shard.optimizer,
+                      gradients_persist(shard.optimizer, shape.micro_batches), seed=0,
+                      min_offloaded=resolved.min_offloaded_tensor_size)
+    with _TargetKernels(shape.target), training_state_kept(shard.model, shard.optimizer):
+        stepper.step()  # the state a steady step starts from
+        record = stepper.measure(resolved)
+    return max(record.peaks.values()) + shape.workspace_bytes
+
+
+# Of the host memory available, what a CPU run may plan to use: the rest is for Python, the
+# allocator's slack and whatever else the machine runs.
+HOST_SHARE = 0.8
+# Model FLOPs of a step past which a CPU run takes minutes (a TFLOP: ten seconds a step at ~0.1 TFLOP/s).
+CPU_MAX_STEP_FLOPS = 1e12
+
+
+def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
+                     extra_bytes: int = 0) -> Iterator[Problem]:
+    """A CPU run that would take minutes a step, or whose step (plus `extra_bytes` it keeps
+    besides) would not fit the host's free memory: refused before it allocates, instead of
+    failing minutes in or being killed by the OS."""
+    if spec.device != "cpu":
+        return
+    config = spec.model_config
+    flops = spec.family.flops(config, config.seq_length, spec.micro_batch_size * spec.micro_batches)
+    if flops > CPU_MAX_STEP_FLOPS:
+        yield Problem("device", f"a step is {flops / 1e12:,.0f} TFLOP of model FLOPs, seconds or more a step on a"
+                                " CPU; lower -sl, -mb or --num_layers, or run on a GPU")
+        return
+    available = available_host_bytes()
+    if available is None:
+        return
+    for name, plan in plans:
+        need = step_peak(spec, plan) + extra_bytes
+        if need > HOST_SHARE * available:
+            yield Problem("memory", f"{name}: a step needs about {format_bytes(need)} at its peak (predicted from"
+                                    f" shapes), more than the {format_bytes(available)} this machine has free;"
+                                    " lower -sl, -mb or --num_layers, or run on a GPU")
 
 
 def _stage_layers(facts: TrainingFacts, num_layers: int, stage: int) -> list[int]:

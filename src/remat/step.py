@@ -11,6 +11,7 @@ import gc
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from remat.problems import ConfigError, Problem, did_you_mean, one_of, raise_if_
 from remat.recompute import TrainingFacts
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 # Megatron Bridge's compute dtypes; those remat does not run yet are refused by name.
 BRIDGE_COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 TASKS: tuple[str, ...] = ("pretrain", "sft")
@@ -190,6 +191,24 @@ def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
+
+
+def available_host_bytes() -> int | None:
+    """Memory this process can still allocate on the host: the kernel's MemAvailable, within the
+    container's limit where one is set; None where neither can be read."""
+    found: list[int] = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        found.append(int(meminfo["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def build_model(spec: RunSpec) -> nn.Module:

@@ -106,7 +106,9 @@ def check_layernorm_peak(results: Sequence[BenchResult]) -> list[Finding]:
                     "layernorm alone", f"{after.name}: still OOM after adding layernorm",
                     "layernorm activations are too small to move the peak",
                     f"{before.name} OOM at {format_bytes(before.oom.allocated_bytes)} allocated, {after.name} OOM at"
-                    f" {format_bytes(after.oom.allocated_bytes)}" if before.oom and after.oom else "both OOM", fix))
+                    f" {format_bytes(after.oom.allocated_bytes)}"
+                    if before.oom and after.oom and before.oom.allocated_bytes is not None
+                    and after.oom.allocated_bytes is not None else "both OOM", fix))
                 continue
             a, b = _peak(before), _peak(after)
             if a and b is not None and abs(a - b) / a < LAYERNORM_PEAK_MOVE:

@@ -36,7 +36,8 @@ def _ok_points(ok_runs: Sequence[BenchResult]) -> list[tuple[str, float, float]]
 
 
 def _oom_points(results: Sequence[BenchResult]) -> list[tuple[str, float]]:
-    return [(r.name, r.oom.allocated_bytes / _GIB) for r in results if r.status == "oom" and r.oom is not None]
+    return [(r.name, r.oom.allocated_bytes / _GIB) for r in results
+            if r.status == "oom" and r.oom is not None and r.oom.allocated_bytes is not None]
 
 
 def _label(ax: Axes, text: str, x: float, y: float) -> None:

@@ -27,8 +27,8 @@ class MemoryBreakdown:
 class OomInfo:
     """Where an out-of-memory run stopped."""
 
-    allocated_bytes: int
-    reserved_bytes: int
+    allocated_bytes: int | None  # None: the host's allocator, which reports neither
+    reserved_bytes: int | None
     message: str
 
 

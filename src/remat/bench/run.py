@@ -177,6 +177,10 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         oom = OomInfo(torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), str(e).split("\n")[0])
         if on_oom is not None:
             on_oom(e)
+    except (RuntimeError, MemoryError) as e:  # the CPU allocator's OOM is a plain RuntimeError
+        if not _host_out_of_memory(e):
+            raise
+        oom = OomInfo(None, None, str(e).split("\n")[0] or type(e).__name__)
     if oom is not None:
         step.release_memory(model)  # outside the except block, so the traceback's frames are gone
         report(record["name"], spec.max_steps, spec.max_steps, "OOM")
@@ -203,6 +207,10 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     del optimizer
     step.release_memory(model)
     return result
+
+
+def _host_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or "can't allocate memory" in str(error)
 
 
 def sweep(spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *,

@@ -18,6 +18,7 @@ from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS, BenchSpec
 from remat.cli.checks import (golden_flag_problems, offload_device_advice, plan_file_flag_problems,
                               recompute_flag_problems)
 from remat.cli.common import Problems
+from remat.estimating import cpu_run_problems
 from remat.labels import recompute_labels
 from remat.layer_plan import Plan, PlanLike, load_plan_or_config
 from remat.models import FAMILIES, build, recipe_config
@@ -208,6 +209,9 @@ def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
     found.add(more)
     found.raise_if_any()
     assert spec is not None and resolved is not None  # or a problem was raised
+    if not spec.dryrun:
+        found.add(cpu_run_problems(spec, [(plan_name(plan), plan)]))
+        found.raise_if_any()
     advise_offload(spec, [(plan_name(plan), plan)])
     return spec, plan, resolved, golden
 

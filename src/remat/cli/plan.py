@@ -20,6 +20,7 @@ from remat.cli.checks import (offload_device_advice, offload_threshold_problems,
 from remat.cli.common import (Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
                               record_history, write_json)
 from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
+from remat.estimating import cpu_run_problems
 from remat.planner import host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
 from remat.problems import advise
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         ("--history", args.history is not None)) if given]))
     found.raise_if_any()
     assert spec is not None and budget is not None  # or a problem was raised
+    found.add(cpu_run_problems(spec, [("the no-recompute step the trace starts from", None)]))
+    found.raise_if_any()
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
     found.raise_if_any()

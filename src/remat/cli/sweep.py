@@ -13,6 +13,7 @@ from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model
 from remat.cli.common import (Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
                               record_history, write_json)
 from remat.cli.tables import results_table
+from remat.estimating import cpu_run_problems
 from remat.layer_plan import PlanLike
 from remat.step import single_process_problems
 
@@ -41,6 +42,9 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
     found.add(output_problems(args, DEFAULT_PLOT))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
+    if not spec.dryrun:
+        found.add(cpu_run_problems(spec, plans))
+        found.raise_if_any()
     advise_offload(spec, plans)
     return spec, plans
 

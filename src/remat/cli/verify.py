@@ -4,6 +4,7 @@ every gradient, and count the bytes each leaves saved for backward.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -12,9 +13,11 @@ from remat.cli.args import add_recompute_flags, flag_facts, model_facts, resolve
 from remat.cli.checks import tolerance_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings
 from remat.cli.tables import verify_table
+from remat.estimating import cpu_run_problems
 from remat.models import build, recipe_config
+from remat.problems import Problem
 from remat.sizes import format_bytes
-from remat.step import device_problems, micro_batch_problems, micro_batch_tokens_problems, single_process_problems
+from remat.step import RunSpec, device_problems, micro_batch_problems, micro_batch_tokens_problems, single_process_problems
 from remat.verify import verify
 
 HELP = "run one step without and with a config; compare gradients"
@@ -39,6 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recompute_flags(p)
 
 
+_COMPUTE_DTYPES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16"}
+
+
+def _cpu_run_problems(args: argparse.Namespace, overrides: dict[str, Any]) -> list[Problem]:
+    """On CPU: the larger step (without recompute) and the two sets of gradients kept to compare."""
+    spec = RunSpec(recipe=args.model_recipe_name, overrides=overrides, micro_batch_size=args.micro_batch_size,
+                   compute_dtype=_COMPUTE_DTYPES[args.dtype], device=args.device, optimizer=False)
+    weights = sum(p.numel() for p in build(args.model_recipe_name, device="meta", **overrides).parameters())
+    return list(cpu_run_problems(spec, [("no recompute", None)], 2 * weights * spec.dtype.itemsize))
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length",
                                                 "attention_backend", "attention_dropout",
@@ -56,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 found.run(apply, build(args.model_recipe_name, device="meta", **overrides), config)
         found.raise_if_any()
         assert shape is not None and config is not None  # None only after a problem found above
+        found.add(_cpu_run_problems(args, overrides))
+        found.raise_if_any()
         torch.use_deterministic_algorithms(args.device == "cpu")
         torch.manual_seed(args.seed)
         model = build(args.model_recipe_name, dtype=getattr(torch, args.dtype), device=args.device, **overrides)

@@ -1,6 +1,7 @@
 """LlamaConfig: the shapes and knobs of a dense Llama-3 model, with Megatron Core's names, and its recipes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -10,6 +11,13 @@ from remat.problems import ConfigError, Problem
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")
 _SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
           "seq_length", "vocab_size", "loss_chunk_size")
+# The largest value of each size remat builds: far past any published model, small enough that
+# even a shapes-only model builds in seconds and no tensor's element count overflows.
+MAX_SIZES: dict[str, int] = {
+    "num_layers": 1024, "hidden_size": 1 << 20, "ffn_hidden_size": 1 << 22, "num_attention_heads": 1 << 14,
+    "num_query_groups": 1 << 14, "seq_length": 1 << 24, "vocab_size": 1 << 24, "loss_chunk_size": 1 << 24,
+    "kv_channels": 1 << 16,
+}
 _LLAMA3_VOCAB = 128256
 
 # Recipe name -> LlamaConfig fields: the true Llama-3 shapes, and a tiny one for tests and CPU runs.
@@ -82,14 +90,24 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _probability(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
+
+
 def shape_problems(shape: Mapping[str, Any]) -> list[Problem]:
     """What is wrong with a Llama shape, each problem naming the field to change."""
     problems = [Problem(name, f"must be a positive integer, got {shape[name]!r}")
                 for name in _SIZES if not _positive_int(shape[name])]
+    problems += [Problem(name, f"is {shape[name]:,}; remat builds at most {limit:,} (far past any published model)")
+                 for name, limit in MAX_SIZES.items() if _positive_int(shape[name]) and shape[name] > limit]
     problems += [Problem(name, f"must be positive, got {shape[name]!r}")
-                 for name in ("norm_epsilon", "rotary_base", "init_method_std") if not shape[name] > 0]
+                 for name in ("norm_epsilon", "rotary_base", "init_method_std") if not _positive_number(shape[name])]
     problems += [Problem(name, f"must be in [0, 1), got {shape[name]!r}")
-                 for name in ("attention_dropout", "hidden_dropout") if not 0.0 <= shape[name] < 1.0]
+                 for name in ("attention_dropout", "hidden_dropout") if not _probability(shape[name])]
     if shape["attention_backend"] not in ATTENTION_BACKENDS:
         problems.append(Problem("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, "
                                                      f"got {shape['attention_backend']!r}"))
