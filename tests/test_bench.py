@@ -496,9 +496,9 @@ def _verdicts(out: str) -> dict[str, str]:
     verdicts = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if len(cells) == 5 and cells[0] in ("tflops_per_gpu", "peak_allocated_bytes", "peak_reserved_bytes",
+        if len(cells) == 6 and cells[0] in ("tflops_per_gpu", "peak_allocated_bytes", "peak_reserved_bytes",
                                             "loss", "status"):
-            verdicts[cells[0]] = cells[4]
+            verdicts[cells[0]] = cells[5]
     return verdicts
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remat.bench.result import BenchResult
+from remat.bench.result import BenchResult, timing_noise
 from remat.doctor import AllocatorState, classify, recommend
 from remat.problems import ConfigError, Problem, read_file
 from remat.recompute import recorded_config
@@ -24,7 +24,7 @@ from remat.sizes import format_bytes
 MLP_SLOWDOWN = 0.15  # Megatron users' rule of thumb: mlp recompute costs over 15% on a large FFN
 LARGE_FFN = 3.0  # ffn_hidden / hidden at or above this is a large FFN (Llama-3: 14336/4096 = 28672/8192 = 3.5)
 LAYERNORM_PEAK_MOVE = 0.01  # a layernorm-only change moving the peak less than this moved nothing
-SLOWER_MARGIN = 0.005  # slower than this is beyond the run-to-run noise of a median step time
+SLOWER_MARGIN = 0.005  # the least difference called slower, even where the runs' spread is smaller
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ def check_mlp_slowdown(results: Sequence[BenchResult]) -> list[Finding]:
         for labels, r in group.items():
             ffn, hidden = r.shape.get("ffn_hidden_size"), r.shape.get("hidden_size")
             fast, slow = _speed(base) if base else None, _speed(r)
-            if "mlp" not in labels or not (fast and slow and ffn and hidden) or ffn / hidden < LARGE_FFN:
+            if base is None or "mlp" not in labels or not (fast and slow and ffn and hidden) or ffn / hidden < LARGE_FFN:
                 continue
             drop = 1 - slow[0] / fast[0]
-            if drop > MLP_SLOWDOWN:
+            if drop > max(MLP_SLOWDOWN, timing_noise(base, r) or 0.0):
                 rest = ",".join(sorted(labels - {"mlp"}))
                 offload = "" if r.config.get("pipeline_model_parallel_size", 1) > 1 else ", or offload (-ol N)"
                 findings.append(Finding(
@@ -157,14 +157,18 @@ def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
         if not (alone and both):
             continue
         fast, slow = _speed(alone), _speed(both)
-        if not (fast and slow) or 1 - slow[0] / fast[0] <= SLOWER_MARGIN:
+        noise = timing_noise(alone, both) or 0.0
+        margin = max(SLOWER_MARGIN, noise)
+        why = ", the runs' noise" if noise > SLOWER_MARGIN else ""
+        if not (fast and slow) or 1 - slow[0] / fast[0] <= margin:
             continue
         a, b = _peak(alone), _peak(both)
         peaks = f"; peak {format_bytes(a)} -> {format_bytes(b)}" if a and b else ""
         findings.append(Finding(
             "mlp+core_attn", f"{both.name} slower than {alone.name}", "double recompute overhead",
             f"{both.name} {slow[0]:.4g} vs {alone.name} {fast[0]:.4g} {slow[1]} ({slow[0] / fast[0] - 1:+.1%},"
-            f" beyond {SLOWER_MARGIN:.1%}){peaks}", "use --recompute_modules mlp alone"))
+            f" beyond {margin:.1%}{why}){peaks}",
+            "use --recompute_modules mlp alone"))
     return findings
 
 

@@ -2,7 +2,8 @@
 
 A relative difference beyond the threshold fails in both directions: a slower or bigger run is a REGRESSION, and a
 faster or smaller one is an UNEXPECTED IMPROVEMENT, since it usually means the run measured something other than
-the golden did (and if it is real, the golden should be updated).
+the golden did (and if it is real, the golden should be updated). A timing difference inside what noise alone makes
+of the two runs (their step times' spread; on CPU, a factor of two) is not a failure: it is "within noise".
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from remat.bench.result import BenchResult
+from remat.bench.result import BenchResult, timing_noise
 from remat.problems import ConfigError, Problem
 
-Verdict = Literal["ok", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
+Verdict = Literal["ok", "within noise", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
 OK: Verdict = "ok"
+# beyond the threshold but inside what noise alone makes of these two runs' step times: no failure
+NOISE: Verdict = "within noise"
 REGRESSION: Verdict = "REGRESSION"
 UNEXPECTED_IMPROVEMENT: Verdict = "UNEXPECTED IMPROVEMENT"
 
@@ -38,6 +41,7 @@ class MetricCheck:
     current: float
     rel_diff: float
     verdict: Verdict
+    noise: float | None = None  # the relative difference noise alone can make (timed metrics)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class _Metric:
     name: str
     read: Callable[[BenchResult], float | None]
     higher_is_worse: bool
+    timed: bool = False  # measured by the clock, so as noisy as the runs' step times
 
 
 def _last_loss(result: BenchResult) -> float | None:
@@ -52,7 +57,7 @@ def _last_loss(result: BenchResult) -> float | None:
 
 
 METRICS: tuple[_Metric, ...] = (
-    _Metric("tflops_per_gpu", lambda r: r.tflops_per_gpu, higher_is_worse=False),
+    _Metric("tflops_per_gpu", lambda r: r.tflops_per_gpu, higher_is_worse=False, timed=True),
     _Metric("peak_allocated_bytes", lambda r: r.peak_allocated_bytes, higher_is_worse=True),
     _Metric("peak_reserved_bytes", lambda r: r.peak_reserved_bytes, higher_is_worse=True),
     _Metric("loss", _last_loss, higher_is_worse=True),
@@ -65,19 +70,22 @@ def _relative_diff(current: float, golden: float) -> float:
     return (current - golden) / abs(golden)
 
 
-def _verdict(rel_diff: float, *, higher_is_worse: bool, threshold: float) -> Verdict:
+def _verdict(rel_diff: float, *, higher_is_worse: bool, threshold: float, noise: float | None) -> Verdict:
     if math.isnan(rel_diff):  # a NaN loss (or golden) cannot be vouched for
         return REGRESSION
     if abs(rel_diff) <= threshold + _ROUNDING_SLACK:
         return OK
+    if noise is not None and abs(math.log1p(rel_diff)) <= math.log1p(noise):  # as far either way, by ratio
+        return NOISE
     worse = rel_diff > 0 if higher_is_worse else rel_diff < 0
     return REGRESSION if worse else UNEXPECTED_IMPROVEMENT
 
 
-def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, threshold: float) -> MetricCheck:
+def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, threshold: float,
+           noise: float | None = None) -> MetricCheck:
     rel = _relative_diff(current, golden)
-    verdict = _verdict(rel, higher_is_worse=higher_is_worse, threshold=threshold)
-    return MetricCheck(name, float(golden), float(current), rel, verdict)
+    verdict = _verdict(rel, higher_is_worse=higher_is_worse, threshold=threshold, noise=noise)
+    return MetricCheck(name, float(golden), float(current), rel, verdict, noise)
 
 
 def threshold_problems(threshold: float) -> Iterator[Problem]:
@@ -103,20 +111,18 @@ def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAUL
             )
         ]
     checks = []
+    noise = timing_noise(current, golden)
     for metric in METRICS:
         golden_value, current_value = metric.read(golden), metric.read(current)
         if golden_value is None or current_value is None:
             continue
-        checks.append(
-            _check(
-                metric.name, current_value, golden_value, higher_is_worse=metric.higher_is_worse, threshold=threshold
-            )
-        )
+        checks.append(_check(metric.name, current_value, golden_value, higher_is_worse=metric.higher_is_worse,
+                             threshold=threshold, noise=noise if metric.timed else None))
     return checks
 
 
 def golden_failed(checks: Sequence[MetricCheck]) -> bool:
-    return any(check.verdict != OK for check in checks)
+    return any(check.verdict not in (OK, NOISE) for check in checks)
 
 
 def uncompared(current: BenchResult, golden: BenchResult) -> list[str]:

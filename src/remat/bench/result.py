@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Status = Literal["ok", "oom"]
+# How far apart the step times of one CPU process and another run for the same tiny recipe: tens of
+# percent (40-48% measured on a 2-core machine), far beyond the spread within either run; CPU
+# timings are told apart only beyond this, a factor of two.
+CPU_TIMING_NOISE = 1.0
 
 
 @dataclass
@@ -56,8 +60,17 @@ class BenchResult:
     peak_host_bytes: int | None = None  # host memory holding offloaded activations (None: no offload)
     memory: MemoryBreakdown | None = None
     losses: list[float] = field(default_factory=list)  # one per step, warm-up included
+    step_times_s: list[float] = field(default_factory=list)  # the steady steps', in order
     harness_overhead: float | None = None  # fraction of wall time spent outside measured steps
     oom: OomInfo | None = None
+
+    @property
+    def step_spread(self) -> float | None:
+        """Run-to-run noise of the steady steps: half their range over the median step time
+        (a median between them moves at most that much); None without two of them."""
+        if len(self.step_times_s) < 2 or self.step_time_s is None or not self.step_time_s > 0:
+            return None
+        return (max(self.step_times_s) - min(self.step_times_s)) / 2 / self.step_time_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,3 +84,15 @@ class BenchResult:
             data["oom"] = OomInfo(**data["oom"])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def timing_noise(*results: BenchResult) -> float | None:
+    """The relative difference in step time that noise alone can make between these runs: the
+    sum of their step spreads, and on CPU at least CPU_TIMING_NOISE; None when a GPU run has no
+    spread recorded."""
+    spreads = [r.step_spread for r in results]
+    cpu = any(r.device == "cpu" for r in results)
+    if any(spread is None for spread in spreads):
+        return CPU_TIMING_NOISE if cpu else None
+    noise = sum(spread for spread in spreads if spread is not None)
+    return max(noise, CPU_TIMING_NOISE) if cpu else noise

@@ -200,7 +200,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         peak_allocated_bytes=peak,
         peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
         peak_host_bytes=steps.host_peak,
-        memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses,
+        memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses, step_times_s=steps.step[steady],
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
     )

@@ -8,8 +8,8 @@ import argparse
 from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
 from remat.bench.run import plan_name, run_bench
 from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
-from remat.cli.common import (collected_warnings, err, out, output_problems, print_warnings, progress_bar,
-                              record_history, write_json)
+from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
+                              write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
 from remat.recompute import RecomputeConfig
 
@@ -49,15 +49,17 @@ def run(args: argparse.Namespace) -> int:
     out.print(results_table([result], title=f"remat bench: {spec.recipe}"))
     if result.memory is not None:
         out.print(memory_table(result))
+    outputs = Outputs("bench", result.to_dict())
     if args.json:
-        write_json(result.to_dict(), args.json)
-    record_history([result], args)
+        outputs.write("--json", args.json, lambda: write_json(result.to_dict(), args.json))
+    outputs.history([result], args)
     if args.save_golden:
-        save_golden(result, args.save_golden)
+        outputs.write("--save-golden", args.save_golden, lambda: save_golden(result, args.save_golden))
+    written = outputs.close()
     if golden is None:
-        return 0 if result.status == "ok" else 1
+        return max(written, 0 if result.status == "ok" else 1)
     for note in [*mismatch_notes(result, golden), *uncompared(result, golden)]:
         err.print(f"[yellow]note:[/] {note}")
     checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
     out.print(checks_table(checks))
-    return 1 if golden_failed(checks) else 0
+    return max(written, 1 if golden_failed(checks) else 0)

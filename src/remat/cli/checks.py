@@ -61,10 +61,23 @@ def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Pr
     if target.exists():
         if (error := _open_error(lambda: target.open("ab"))) is not None:
             yield Problem(flag, f"{path} cannot be overwritten ({error}); choose another path")
+        elif target.is_char_device() and (error := _write_error(target)) is not None:
+            yield Problem(flag, f"{path} refuses writes ({error}); choose another path")
     elif not folder.is_dir():
         yield Problem(flag, f"{folder} is a file, so {path} cannot be created in it; choose another path")
     elif (error := _open_error(lambda: tempfile.NamedTemporaryFile(dir=folder))) is not None:
         yield Problem(flag, f"{path} cannot be created in {folder} ({error}); choose another folder")
+
+
+def _write_error(device: Path) -> str | None:
+    """Why a byte written to a device fails (/dev/full: no space), or None; a terminal is not tried."""
+    try:
+        with device.open("ab", buffering=0) as f:
+            if not f.isatty():
+                f.write(b"\n")
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _open_error(opener: Callable[[], IO[bytes]]) -> str | None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
+import sqlite3
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -103,17 +106,50 @@ def progress_bar(enabled: bool = True) -> Iterator[Bar]:
         yield Bar(progress)
 
 
-def write_json(data: Any, path: str) -> None:
-    """--json output; like every file the commands write, its missing folders are created."""
+def write_json(data: Any, path: str | Path) -> None:
+    """JSON output; like every file the commands write, its missing folders are created."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(data, indent=1))
 
 
-def record_history(results: Sequence[BenchResult], args: argparse.Namespace) -> None:
-    if not args.no_history:
-        for result in results:
-            append(result, args.history)
+class Outputs:
+    """The files a command writes once it has measured something. Each write is tried; if any
+    fails (a full disk, a device that refuses), the measurement is kept in a rescue file, the
+    command says where, and it exits non-zero: a failed write never loses a result."""
+
+    def __init__(self, command: str, data: Any) -> None:
+        self.command, self.data = command, data
+        self.failed: list[str] = []
+
+    def write(self, flag: str, path: str | Path | None, writer: Callable[[], object]) -> None:
+        try:
+            writer()
+        except (OSError, sqlite3.Error) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            self.failed.append(f"{flag} {path}" if path is not None else flag)
+            err.print(f"[red]error:[/] could not write {self.failed[-1]} ({reason})")
+
+    def history(self, results: Sequence[BenchResult], args: argparse.Namespace) -> None:
+        if not args.no_history:
+            path = args.history or default_history_path()
+            self.write("--history", path, lambda: [append(result, path) for result in results])
+
+    def close(self) -> int:
+        """0, or 1 after keeping the data in a rescue file (and saying where) when a write failed."""
+        if not self.failed:
+            return 0
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        for folder in (Path.cwd(), Path(tempfile.gettempdir())):
+            rescue = folder / f"remat-{self.command}-{stamp}.json"
+            try:
+                write_json(self.data, rescue)
+            except OSError:
+                continue
+            err.print(f"the result is kept in {rescue}")
+            return 1
+        err.print("[red]error:[/] the result could not be kept anywhere; it is printed above")
+        return 1
 
 
 def path_problems(written: dict[str, str | Path | None]) -> list[Problem]:

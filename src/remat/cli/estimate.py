@@ -13,7 +13,8 @@ from remat.bench.run import plan_name
 from remat.cli.args import (add_model_flags, add_recompute_flags, flag_facts, meta_model, model_facts, model_overrides,
                             resolve_config, sweep_entries)
 from remat.cli.checks import configs_flag_problems
-from remat.cli.common import Problems, collected_warnings, out, path_problems, print_warnings, progress_bar, write_json
+from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
+                              write_json)
 from remat.cli.tables import estimate_table
 from remat.estimating import DEFAULT_TFLOPS, ESTIMATE_TARGETS, EstimateSpec, estimate
 from remat.layer_plan import PlanLike
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             results = estimate(spec, plans, progress=bar.note("trace on meta"))
     print_warnings(caught)
     out.print(estimate_table(spec, results))
+    data = [r.to_dict() for r in results]
+    outputs = Outputs("estimate", data)
     if args.json:
-        write_json([r.to_dict() for r in results], args.json)
-    return 0
+        outputs.write("--json", args.json, lambda: write_json(data, args.json))
+    return outputs.close()

@@ -17,11 +17,11 @@ from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
 from remat.cli.args import add_run_flags, bench_spec
 from remat.cli.checks import (offload_device_advice, offload_threshold_problems, plan_output_problems,
                               plan_run_flag_problems)
-from remat.cli.common import (Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
-                              record_history, write_json)
+from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
+                              write_json)
 from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
 from remat.estimating import cpu_run_problems
-from remat.planner import host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
+from remat.planner import PlanResult, host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
 from remat.problems import advise
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 from remat.sizes import parse_bytes
@@ -51,9 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
 
 
-def _write_mapping(keys: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(keys, indent=1) if path.endswith(".json") else yaml.safe_dump(keys, sort_keys=False))
+def _write_plan(result: PlanResult, keys: dict[str, Any] | None, path: str) -> None:
+    """The Megatron keys when they express the plan, else the per-layer plan file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if keys is None:
+        result.plan.save(path)
+    else:
+        Path(path).write_text(json.dumps(keys, indent=1) if path.endswith(".json")
+                              else yaml.safe_dump(keys, sort_keys=False))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,23 +97,22 @@ def run(args: argparse.Namespace) -> int:
     result = plan_from_trace(measured, budget, host_budget)
     out.print(plan_table(result))
     keys = result.megatron_keys()
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    if keys is not None:
-        _write_mapping(keys, args.output)
-        out.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
-    else:
-        result.plan.save(args.output)
-    out.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
     record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(), "megatron": keys,
                               "explain": [dict(layers=layers, action=what, freed_bytes=freed, added_s=seconds)
                                           for layers, what, freed, seconds in result.explain()],
                               "predicted": dataclasses.asdict(result.prediction)}
+    outputs = Outputs("plan", record)
+    outputs.write("--output", args.output, lambda: _write_plan(result, keys, args.output))
+    if not outputs.failed:
+        if keys is not None:
+            out.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
+        out.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
     if args.verify:
         with progress_bar(not args.no_progress) as bar:
             bench = run_bench(spec, result.config or result.plan, model=model, name="plan", on_step=bar.on_step())
-        out.print(verify_plan_table(result, bench, spec))
+        out.print(verify_plan_table(result, bench, spec, measured.step_noise_s))
         record["measured"] = bench.to_dict()
-        record_history([bench], args)
+        outputs.history([bench], args)
     if args.json:
-        write_json(record, args.json)
-    return 0
+        outputs.write("--json", args.json, lambda: write_json(record, args.json))
+    return outputs.close()

@@ -10,8 +10,8 @@ from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
 from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model, model_facts, sweep_entries
-from remat.cli.common import (Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
-                              record_history, write_json)
+from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
+                              write_json)
 from remat.cli.tables import results_table
 from remat.estimating import cpu_run_problems
 from remat.layer_plan import PlanLike
@@ -61,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
         results = sweep(spec, plans, on_step=bar.on_step())
     print_warnings(caught, printed=checked)
     out.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
+    data = [r.to_dict() for r in results]
+    outputs = Outputs("sweep", data)
     if args.json:
-        write_json([r.to_dict() for r in results], args.json)
-    record_history(results, args)
-    path = pareto_plot(results, args.plot or DEFAULT_PLOT,
-                       title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput")
-    out.print(f"Pareto plot: {path}")
-    return 0
+        outputs.write("--json", args.json, lambda: write_json(data, args.json))
+    outputs.history(results, args)
+    plot = args.plot or DEFAULT_PLOT
+    outputs.write("--plot", plot, lambda: pareto_plot(
+        results, plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput"))
+    if not outputs.failed or not outputs.failed[-1].startswith("--plot"):
+        out.print(f"Pareto plot: {plot}")
+    return outputs.close()

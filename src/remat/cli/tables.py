@@ -1,6 +1,7 @@
 """Every table the `remat` command prints, rendered with rich in one place."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.bench.checks import Finding
-from remat.bench.golden import OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
-from remat.bench.result import BenchResult
+from remat.bench.golden import NOISE, OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
+from remat.bench.result import BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
 from remat.doctor import Report, attribution_rows
 from remat.estimating import Estimate, EstimateSpec
@@ -24,7 +25,7 @@ from remat.verify import VerifyReport
 
 _MISSING = "-"
 _STATUS_STYLES = {"ok": "green", "oom": "bold red"}
-_VERDICT_STYLES = {OK: "green", REGRESSION: "bold red", UNEXPECTED_IMPROVEMENT: "yellow"}
+_VERDICT_STYLES = {OK: "green", NOISE: "green", REGRESSION: "bold red", UNEXPECTED_IMPROVEMENT: "yellow"}
 # (row label, MemoryBreakdown field)
 _BREAKDOWN = (
     ("weights", "weights"),
@@ -118,6 +119,7 @@ def checks_table(checks: Sequence[MetricCheck], *, title: str = "golden comparis
     table.add_column("golden", justify="right")
     table.add_column("current", justify="right")
     table.add_column("diff", justify="right")
+    table.add_column("noise", justify="right")
     table.add_column("verdict")
     for check in checks:
         table.add_row(
@@ -125,8 +127,12 @@ def checks_table(checks: Sequence[MetricCheck], *, title: str = "golden comparis
             _format_metric(check.metric, check.golden),
             _format_metric(check.metric, check.current),
             f"{check.rel_diff:+.1%}",
+            _MISSING if check.noise is None else f"±{check.noise:.1%}",
             Text(check.verdict, style=_VERDICT_STYLES[check.verdict]),
         )
+    if any(check.noise is not None for check in checks):
+        table.caption = ("noise: the difference the runs' step-time spread alone can make (on CPU, where one "
+                         "process runs tens of percent faster than another, at least a factor of two)")
     return table
 
 
@@ -178,11 +184,17 @@ def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:
 
 def trace_table(measured: Trace) -> Table:
     table = Table(title="what each action saves and costs, per layer")
-    for column in ("action", "frees", "adds"):
+    for column in ("action", "frees", "adds", "± noise"):
         table.add_column(column, justify="left" if column == "action" else "right")
-    for what, freed, ms in describe(measured):
-        table.add_row(what, format_gib(freed), f"{ms:.2f} ms")
-    table.caption = f"no-recompute step: {measured.base_step_time_s * 1e3:.1f} ms"
+    for what, freed, ms, noise in describe(measured):
+        table.add_row(what, format_gib(freed), f"{ms:.2f} ms", f"{noise:.2f} ms")
+    base = f"no-recompute step: {measured.base_step_time_s * 1e3:.1f} ms"
+    if measured.timed_on == "meta":
+        table.caption = f"{base}, counted FLOPs at the rate given (nothing ran)"
+    else:
+        table.caption = (f"{base} ± {measured.step_noise_s * 1e3:.1f} ms between steps; a cost within its noise may "
+                         "be none" + ("; on CPU a small model's timings are noisy and say little about a GPU"
+                                      if measured.timed_on == "cpu" else ""))
     return table
 
 
@@ -217,7 +229,9 @@ def plan_table(result: PlanResult) -> Table:
     return table
 
 
-def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec) -> Table:
+def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec, trace_noise_s: float) -> Table:
+    """The plan's prediction against its bench run. A step time within the noise of both (the
+    trace's step spread, the run's, and on CPU a factor of two) is marked so."""
     table = Table(title="predicted vs measured")
     for column in ("", "predicted", "measured", "error"):
         table.add_column(column, justify="right" if column else "left")
@@ -232,7 +246,12 @@ def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec) -
         rows.append(("step time", result.prediction.step_time_s, bench.step_time_s,
                      lambda s: f"{s * 1e3:.1f} ms"))
     for name, predicted, measured, fmt in rows:
-        table.add_row(name, fmt(predicted), fmt(measured), f"{(predicted - measured) / measured:+.1%}")
+        error = (predicted - measured) / measured
+        noise = None if name != "step time" else (timing_noise(bench) or 0.0) + trace_noise_s / measured
+        within = noise is not None and abs(math.log1p(error)) <= math.log1p(noise)
+        table.add_row(name, fmt(predicted), fmt(measured), f"{error:+.1%}" + (" (within noise)" if within else ""))
+    if bench.device == "cpu":
+        table.caption = "step time on CPU: one process runs tens of percent faster than another; memory is exact"
     return table
 
 

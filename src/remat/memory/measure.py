@@ -204,17 +204,22 @@ class Stepper:
     def seconds(self, plan: Plan, repeats: int) -> float:
         """Median step time under `plan` (CUDA events on GPU, wall clock on CPU); on the meta
         device, where nothing runs, the step's counted FLOPs at `flops_per_s`."""
+        return self.timing(plan, repeats)[0]
+
+    def timing(self, plan: Plan, repeats: int) -> tuple[float, float]:
+        """The median step time under `plan` and its noise: half the range of the steps timed
+        (0 on the meta device, where steps are counted, not run)."""
         apply(self.model, replace(plan, min_offloaded_tensor_size=self.min_offloaded))
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
                 raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
             with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
                 self.step()
-            return counter.get_total_flops() / self.flops_per_s
+            return counter.get_total_flops() / self.flops_per_s, 0.0
         if self.cuda:
             repeats = timing_repeats(repeats, self._timed_step())  # the warm-up step sizes the rest
-        times = [self._timed_step() for _ in range(repeats)]
-        return sorted(times)[len(times) // 2]
+        times = sorted(self._timed_step() for _ in range(repeats))
+        return times[len(times) // 2], (times[-1] - times[0]) / 2
 
     def _timed_step(self) -> float:
         if not self.cuda:
@@ -279,7 +284,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
             stepper.step()  # the state a steady step starts from: gradients, optimizer moments
             note("baseline")
             base = stepper.measure(Plan.none(n))
-            base_time = stepper.seconds(Plan.none(n), timing_repeats)
+            base_time, noise = stepper.timing(Plan.none(n), timing_repeats)
             storages = stepper.site_storages()
             kinds: dict[tuple[Any, ...], list[int]] = {}
             for i in range(n):
@@ -294,6 +299,7 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
     return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
+                 step_noise_s=noise, timed_on=input_ids.device.type,
                  offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size,
                  fixed_bytes=base.held_bytes + (0 if stepper.grads_persist else storage_bytes(
                      p for p in model.parameters() if p.requires_grad)),

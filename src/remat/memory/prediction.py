@@ -100,6 +100,10 @@ class Trace:
     fixed_bytes: int | None = None
     # what each site of each layer (and the embedding, the loss head) saves in a no-recompute step
     storages: dict[Owner, SiteStorages] = field(default_factory=dict)
+    # half the range of the no-recompute steps timed: a step time, or an action's cost summed over
+    # the layers it was timed on, within this of another is noise
+    step_noise_s: float = 0.0
+    timed_on: str = "cuda"  # the device type the steps ran on ("meta": counted FLOPs, not run)
 
     def choice(self, start: int, end: int, actions: dict[str, str] | None,
                offload_input: bool = False) -> Choice:
@@ -289,13 +293,16 @@ def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None
             yield owner_name(owner), storages, None
 
 
-def describe(trace: Trace) -> Iterator[tuple[str, int, float]]:
-    """(combination, bytes freed per layer, ms added per layer) for the first layer of each kind."""
+def describe(trace: Trace) -> Iterator[tuple[str, int, float, float]]:
+    """(combination, bytes freed per layer, ms added per layer, the noise of that in ms) for the
+    first layer of each kind. A cost is timed on every layer of its kind at once against the
+    no-recompute step, so its noise is both steps' spread over those layers."""
     for _, effects in _first_of_each_kind(trace):
+        noise = 2 * trace.step_noise_s * 1e3 / sum(other is effects for other in trace.layers)
         for combo, effect in effects.combos.items():
             yield (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep", effect.freed_bytes,
-                   effect.added_time_s * 1e3)
-        yield "full recompute", effects.groups[1].freed_bytes, effects.layer_time_s * 1e3
+                   effect.added_time_s * 1e3, noise)
+        yield "full recompute", effects.groups[1].freed_bytes, effects.layer_time_s * 1e3, noise
         if effects.offloaded_groups:
             offloaded = effects.offloaded_groups[1]
-            yield "full recompute, input offloaded", offloaded.freed_bytes, offloaded.added_time_s * 1e3
+            yield "full recompute, input offloaded", offloaded.freed_bytes, offloaded.added_time_s * 1e3, noise
