@@ -67,3 +67,14 @@ def verified_preset():
 @pytest.fixture
 def measured_peak():
     return measure_peak
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Command output as a log gets it (160 columns, lines whole), whatever COLUMNS the test
+    runner sets (pytest-xdist's workers get the terminal's); tests of narrow terminals set their own."""
+    from remat.cli import common
+
+    for console in (common.out, common.err):
+        monkeypatch.setattr(console, "width", 160)
+        monkeypatch.setattr(console, "soft_wrap", True)

@@ -161,8 +161,8 @@ def test_bench_lists_every_settings_problem(capsys: pytest.CaptureFixture[str]) 
                        "3", "-ms", "1", "-g", "h300")
     assert code == 1
     assert "invalid config (7 problems)" in err
-    for field in ("compute_dtype", "task", "gpu: 'h300'", "global_batch_size", "max_steps", "num_gpus",
-                  "gpu: -g h300 names a GPU"):
+    for field in ("-c/--compute_dtype", "--task", "-g/--gpu: 'h300'", "-gb/--global_batch_size", "-ms/--max_steps",
+                  "-ng/--num_gpus", "-g/--gpu: -g h300 names a GPU"):
         assert f"  {field}" in err
 
 
@@ -172,8 +172,8 @@ def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) 
                        "-vp", "2")
     assert code == 1
     assert "invalid config (4 problems)" in err
-    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                  "virtual_pipeline_model_parallel_size"):
+    for field in ("-tp/--tensor_model_parallel_size", "-pp/--pipeline_model_parallel_size",
+                  "-cp/--context_parallel_size", "-vp/--virtual_pipeline_model_parallel_size"):
         assert f"  {field}:" in err
 
 
@@ -181,7 +181,7 @@ def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) 
 def test_bench_lists_problems_of_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "-tp", "2", "-rl", "3")
     assert code == 1
-    for field in ("compute_dtype", "tensor_model_parallel_size", "recompute_num_layers"):
+    for field in ("-c/--compute_dtype", "-tp/--tensor_model_parallel_size", "-rl/--recompute_num_layers"):
         assert f"  {field}:" in err
 
 

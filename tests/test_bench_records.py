@@ -27,9 +27,10 @@ from remat.bench.golden import (
     save_golden,
     uncompared,
 )
-from remat.bench.plot import pareto_figure, pareto_frontier, pareto_plot
+from remat.bench.plot import pareto_figure, pareto_frontier, pareto_plot, timeline_figure, timeline_plot
 from remat.cli.tables import checks_table, format_gib, memory_table, results_table
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
+from remat.memory.timeline import Timeline
 
 GIB = 1 << 30
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -316,22 +317,47 @@ def test_pareto_plot_writes_png(tmp_path: Path) -> None:
 
 
 def test_pareto_plot_marks_ooms_apart_from_the_runs_and_frontier() -> None:
-    """An OOM run is a red x at the memory it held when it failed, on the x axis, named "(OOM)"; it is
-    neither a run point nor on the frontier."""
+    """An OOM run is a red x at the memory it held when it failed, at the bottom of the axes (it has
+    no throughput), named "(OOM)"; it is neither a run point nor on the frontier."""
     fig = pareto_figure(PARETO_RUNS, anchors=[("torch", 25.0, 380.0)], title="t")
     ax = fig.axes[0]
-    assert scatter_points(fig, "OOM (allocated at failure)") == [(140.0, 0.0)]
+    assert scatter_points(fig, "OOM (allocated at failure)") == [(140.0, 0.03)]  # y in axes coordinates
     (ooms,) = [c for c in ax.collections if c.get_label() == "OOM (allocated at failure)"]
     assert same_color(ooms.get_facecolor()[0], "red")
     assert scatter_points(fig, "runs") == [(30.0, 400.0), (20.0, 300.0), (35.0, 350.0)]
     assert scatter_points(fig, "reference") == [(25.0, 380.0)]
     labels = {text.get_text(): text.xy for text in ax.texts}
     assert labels == {"selective": (30.0, 400.0), "full_1": (20.0, 300.0), "worse": (35.0, 350.0),
-                      "none (OOM)": (140.0, 0.0), "torch": (25.0, 380.0)}
+                      "none (OOM)": (140.0, 0.03), "torch": (25.0, 380.0)}
     (frontier,) = [line for line in ax.lines if line.get_label() == "Pareto frontier"]
     assert list(zip(frontier.get_xdata(), frontier.get_ydata())) == [(20.0, 300.0), (30.0, 400.0)]
     assert "OOM (allocated at failure)" in [t.get_text() for t in ax.get_legend().get_texts()]
-    assert ax.get_ylim()[0] == 0  # the OOM markers at y = 0 are in view
+
+
+def test_pareto_labels_of_close_points_do_not_overlap() -> None:
+    """Names of runs a hair apart (as mlp+core_attn and mlp_act were) are placed apart, inside the figure."""
+    runs = [make_result(name=name, peak_allocated_bytes=int((30 + 0.01 * i) * GIB), tflops_per_gpu=400.0 + 0.1 * i)
+            for i, name in enumerate(["mlp+core_attn", "mlp_act", "core_attn+layernorm", "layernorm", "none"])]
+    fig = pareto_figure(runs)
+    renderer = fig.canvas.get_renderer()
+    boxes = [text.get_window_extent(renderer) for text in fig.axes[0].texts]
+    assert len(boxes) == 5
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)
+
+
+def test_timeline_labels_stay_in_the_figure(tmp_path: Path) -> None:
+    """The first window's name (fwd0, at op 0) is not clipped at the figure's left edge."""
+    timeline = Timeline(allocated=(1, 2, 3, 2, 1), reserved=None, marks=((0, "fwd0"), (2, "head"), (3, "bwd0")),
+                        peaks={"fwd0": 2, "head": 3, "bwd0": 2})
+    fig = timeline_figure(timeline)
+    fig.canvas.draw()
+    renderer, ax = fig.canvas.get_renderer(), fig.axes[0]
+    inside = ax.get_window_extent(renderer)
+    names = {text.get_text(): text.get_window_extent(renderer) for text in ax.texts}
+    assert set(names) == {"fwd0", "bwd0"}
+    assert all(inside.x0 <= box.x0 and box.x1 <= inside.x1 for box in names.values())
+    assert timeline_plot(timeline, tmp_path / "t.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
 def scatter_points(fig: Figure, label: str) -> list[tuple[float, float]]:
@@ -349,8 +375,9 @@ def test_pareto_plot_draws_the_tables_whole_step_throughput(tmp_path: Path) -> N
     fig = pareto_figure(results)
     assert scatter_points(fig, "runs") == [(30.0, 380.0), (20.0, 290.0)]
     assert fig.axes[0].get_ylabel() == "TFLOP/s/GPU (whole step, as in the table)"
-    # from zero, with a tenth more room past the furthest run for its name
-    assert fig.axes[0].get_xlim() == pytest.approx((0, 33.0)) and fig.axes[0].get_ylim() == pytest.approx((0, 418.0))
+    # the axes span the points with a margin for their names, not from zero
+    (x0, x1), (y0, y1) = fig.axes[0].get_xlim(), fig.axes[0].get_ylim()
+    assert 17.0 < x0 < 20.0 and 30.0 < x1 < 33.0 and 250.0 < y0 < 290.0 and 380.0 < y1 < 420.0
     assert pareto_plot([], tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels
 from remat.layout import ModelLayout
-from remat.problems import ConfigError, Problem, did_you_mean, load_mapping, one_of
+from remat.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_SITES
 
@@ -267,7 +267,7 @@ def check_plan(
     """
     problems: list[Problem] = []
     if len(layers) != layout.num_layers:
-        problems.append(Problem("layers", f"the plan has {len(layers)} layers but the model has"
+        problems.append(Problem("layers", f"the plan has {count(len(layers), 'layer')} but the model has"
                                           f" {layout.num_layers}; give one entry per layer"))
     for i, (actions, labels) in enumerate(zip(layers, layout.labels)):
         problems += _plan_layer(i, actions, labels, layout.has_layer_sites)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from remat.labels import discard_labels, recompute_labels
-from remat.problems import ConfigError, Problem, warn
+from remat.problems import ConfigError, Problem, count, warn
 from remat.recompute import RecomputeConfig, layers_per_chunk
 from remat.rules import OFFLOAD_MODULES, OFFLOAD_SITES, selected
 
@@ -35,7 +35,7 @@ def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]
                                         " sites or use fine_grained_activation_offloading")
     elif c.cpu_offloading and c.cpu_offloading_num_layers >= layout.num_layers:
         yield Problem("cpu_offloading_num_layers", f"{c.cpu_offloading_num_layers} is not fewer than the model's"
-                                                   f" {layout.num_layers} layers (the last layer's backward"
+                                                   f" {count(layout.num_layers, 'layer')} (the last layer's backward"
                                                    f" comes at once); set it below {layout.num_layers}")
     if c.fine_grained_activation_offloading:
         present = _model_labels(layout)
@@ -81,10 +81,10 @@ def _model_layer_count(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Prob
     f, n = c.facts, layout.num_layers
     stages = f.pipeline_model_parallel_size * (f.virtual_pipeline_model_parallel_size or 1)
     if f.num_layers is not None and f.num_layers != n:
-        yield Problem("num_layers", f"is {f.num_layers} but the model has {n} layers; set num_layers={n}"
+        yield Problem("num_layers", f"is {f.num_layers} but the model has {count(n, 'layer')}; set num_layers={n}"
                                     " or leave it unset")
     elif f.num_layers is None and n % stages:
-        yield Problem("num_layers", f"the model's {n} layers do not split evenly into {stages} (virtual)"
+        yield Problem("num_layers", f"the model's {count(n, 'layer')} do not split evenly into {stages} (virtual)"
                                     " pipeline stages; change the pipeline sizes")
 
 
@@ -94,7 +94,7 @@ def _model_recompute_num_layers(c: RecomputeConfig, layout: ModelLayout) -> Iter
         layout.num_layers, f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size
     )
     if c.recompute_granularity == "full" and k is not None and per_stage is not None and k > per_stage:
-        yield Problem("recompute_num_layers", f"{k} is more than the model's {per_stage} layers per virtual"
+        yield Problem("recompute_num_layers", f"{k} is more than the model's {count(per_stage, 'layer')} per virtual"
                                               f" pipeline stage; set it between 1 and {per_stage}")
 
 

@@ -73,6 +73,11 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 layer', '4 layers': a number with its noun agreeing."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def one_of(choices: Iterable[str]) -> str:
     return ", ".join(repr(c) for c in choices)
 

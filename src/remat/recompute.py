@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remat.problems import ConfigError, Problem, did_you_mean, load_mapping, warn
+from remat.problems import ConfigError, Problem, count, did_you_mean, load_mapping, warn
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE, RULES, WARNING_RULES, full_iteration_graph
 
 # ---------------------------------------------------------------------------------------------
@@ -366,13 +366,13 @@ def recorded_config(keys: Mapping[str, Any]) -> RecomputeConfig:
 
 def _describe_recompute(c: RecomputeConfig) -> str:
     g, k, per_stage = c.recompute_granularity, c.recompute_num_layers, c.facts.layers_per_virtual_stage
-    stage = f" ({per_stage} layers per virtual stage)" if per_stage is not None else ""
+    stage = f" ({count(per_stage, 'layer')} per virtual stage)" if per_stage is not None else ""
     if g == "selective":
         line = f"recompute: selective, in every layer: {', '.join(c.recompute_modules or [])}"
     elif g == "full" and c.recompute_method == "uniform":
         line = f"recompute: full, uniform: every layer, in groups of {k}{stage}"
     elif g == "full":
-        line = f"recompute: full, block: the first {k} layers of each virtual stage{stage}, the rest keep activations"
+        line = f"recompute: full, block: the first {count(k or 0, 'layer')} of each virtual stage{stage}, the rest keep activations"
     else:
         line = "recompute: off"
     if c.distribute_saved_activations:
@@ -382,7 +382,7 @@ def _describe_recompute(c: RecomputeConfig) -> str:
 
 def _describe_offload(c: RecomputeConfig) -> str:
     if c.cpu_offloading:
-        return f"offload: CPU, {c.cpu_offloading_num_layers} layers"
+        return f"offload: CPU, {count(c.cpu_offloading_num_layers, 'layer')}"
     if c.fine_grained_activation_offloading:
         return (f"offload: inputs of {', '.join(c.offload_modules)}"
                 f" (tensors of {c.min_offloaded_tensor_size} elements or more)")
@@ -397,7 +397,7 @@ def _describe_parallel(f: TrainingFacts) -> str:
 
 
 def _describe_model(f: TrainingFacts) -> str:
-    parts = [f"{f.num_layers if f.num_layers is not None else 'unknown number of'} layers"]
+    parts = [count(f.num_layers, "layer") if f.num_layers is not None else "unknown number of layers"]
     if f.layers_per_virtual_stage is not None:
         parts[0] += f" ({f.layers_per_virtual_stage} per virtual stage)"
     if f.num_moe_experts is not None:

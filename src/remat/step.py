@@ -21,7 +21,7 @@ from remat import models
 from remat.memory.measure import trace
 from remat.memory.prediction import Trace
 from remat.models import ModelConfig, ModelFamily
-from remat.problems import ConfigError, Problem, did_you_mean, one_of, raise_if_any
+from remat.problems import ConfigError, Problem, count, did_you_mean, one_of, raise_if_any
 from remat.recompute import TrainingFacts
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 
@@ -87,7 +87,7 @@ class RunSpec:
             yield Problem("num_gpus", f"is {self.num_gpus}; use at least {max(self.model_parallel, 1)}"
                                       " (tp x pp x cp)")
         elif self.num_gpus % self.model_parallel:
-            yield Problem("num_gpus", f"{self.num_gpus} GPUs do not split into data-parallel groups of tp x pp x cp"
+            yield Problem("num_gpus", f"{count(self.num_gpus, 'GPU')} do not split into data-parallel groups of tp x pp x cp"
                                       f" = {self.model_parallel}; use a multiple of {self.model_parallel}")
         elif self.global_batch_size is not None and self.micro_batch_size >= 1:
             per_step = self.micro_batch_size * self.data_parallel

@@ -15,7 +15,7 @@ from typing import Any
 
 from remat.bench.result import BenchResult, timing_noise
 from remat.doctor import AllocatorState, classify, recommend
-from remat.problems import ConfigError, Problem, read_file
+from remat.problems import ConfigError, Problem, count, read_file
 from remat.recompute import recorded_config
 from remat.rules import rule_cpu_offload_not_with_pipeline, rule_full_recompute_graph_scope
 from remat.sizes import format_bytes
@@ -146,7 +146,7 @@ def check_offload_pipeline(results: Sequence[BenchResult]) -> list[Finding]:
     return _rule_findings(
         results, rule_cpu_offload_not_with_pipeline, "CPU offload + pipeline",
         "ValueError: PP + CPU offloading", "cpu_offloading=True with pipeline_model_parallel_size > 1",
-        lambda c: (f"cpu_offloading={c.cpu_offloading} ({c.cpu_offloading_num_layers} layers),"
+        lambda c: (f"cpu_offloading={c.cpu_offloading} ({count(c.cpu_offloading_num_layers, 'layer')}),"
                    f" pipeline_model_parallel_size={c.facts.pipeline_model_parallel_size}"))
 
 

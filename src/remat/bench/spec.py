@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from remat.problems import ConfigError, Problem, did_you_mean, one_of
+from remat.problems import ConfigError, Problem, count, did_you_mean, one_of
 from remat.step import RunSpec, device_problems
 
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
@@ -36,7 +36,7 @@ class BenchSpec(RunSpec):
         if self.warmup_steps < 0:
             yield Problem("warmup_steps", f"is {self.warmup_steps}; use --warmup_steps 0 or more")
         elif self.max_steps <= self.warmup_steps:
-            yield Problem("max_steps", f"{self.max_steps} steps leave no steady step after {self.warmup_steps}"
+            yield Problem("max_steps", f"{count(self.max_steps, 'step')} leave no steady step after {self.warmup_steps}"
                                        f" warm-up steps; use -ms {self.warmup_steps + 1} or more")
         if self.compile and self.warmup_steps == 0:
             yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from collections.abc import Sequence
 
+from rich.markup import escape
+
 from remat import __version__
 from remat.cli import bench, doctor, estimate, plan, recipes, sweep, validate, verify
 from remat.cli.common import err
-from remat.problems import ConfigError
+from remat.problems import ConfigError, Problem
 
 COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes)
 
@@ -28,6 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Megatron keys a flag of another name sets
+_SET_BY = {"cpu_offloading": "activation_offload_layers", "cpu_offloading_num_layers": "activation_offload_layers"}
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """dest -> the action of each flag of a command."""
+    return {action.dest: action for action in parser._actions if action.option_strings}
+
+
+def on_command_line(problem: Problem, parser: argparse.ArgumentParser) -> Problem:
+    """A problem in the words of the command line: its field with the flag that sets it
+    ("-pp/--pipeline_model_parallel_size"), and "key=value" in its message followed by the flag
+    to type ("(-pp 1)")."""
+    flags = _flags(parser)
+    action = flags.get(_SET_BY.get(problem.field, problem.field))
+    field = "/".join(action.option_strings) if action is not None else problem.field
+
+    def typed(match: re.Match[str]) -> str:
+        key, value = match.group(1), match.group(2)
+        flag = flags.get(key)
+        if flag is None or flag.nargs == 0:  # a switch: nothing to type with the value
+            return match.group(0)
+        return f"{match.group(0)} ({flag.option_strings[0]} {value})"
+
+    return Problem(field, re.sub(r"\b([a-z_]+)=([^\s,;)]+)", typed, problem.message))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = build_parser().parse_known_args(argv)
@@ -40,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print(f"[red]invalid config ({len(e.problems)} problem"
                   f"{'s' if len(e.problems) != 1 else ''}):[/]")
         for problem in e.problems:
-            err.print(f"  [bold]{problem.field}[/]: {problem.message}")
+            shown = on_command_line(problem, args.command_parser)
+            err.print(f"  [bold]{escape(shown.field)}[/]: {escape(shown.message)}")
         return 1
     except ValueError as e:  # bad recipe name or shape override
         err.print(f"[red]error:[/] {e}")

@@ -15,8 +15,12 @@ from remat.bench.presets import megatron_presets, parse_entry, run_key
 from remat.bench.result import BenchResult
 from remat.bench.run import plan_name, run_shape
 from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS, BenchSpec
-from remat.cli.checks import (golden_flag_problems, offload_device_advice, plan_file_flag_problems,
-                              recompute_flag_problems)
+from remat.cli.checks import (
+    golden_flag_problems,
+    offload_device_advice,
+    plan_file_flag_problems,
+    recompute_flag_problems,
+)
 from remat.cli.common import Problems
 from remat.estimating import cpu_run_problems
 from remat.labels import recompute_labels

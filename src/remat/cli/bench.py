@@ -9,8 +9,9 @@ from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismat
 from remat.bench.run import plan_name, run_bench
 from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
 from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
-                              write_json)
+                              show, write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
+from remat.problems import count
 from remat.recompute import RecomputeConfig
 
 HELP = "train a recipe under a recompute config and measure it"
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     print_warnings(caught)
     if args.dryrun:
         out.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
-                  f"{spec.micro_batches} micro-batches a step, {spec.max_steps} steps "
+                  f"{count(spec.micro_batches, 'micro-batch', 'micro-batches')} a step, {count(spec.max_steps, 'step')} "
                   f"({spec.warmup_steps} warm-up), {spec.compute_dtype}")
         if isinstance(plan, RecomputeConfig):
             out.print(plan.describe())
@@ -46,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
     with collected_warnings() as during, progress_bar(not args.no_progress) as bar:
         result = run_bench(spec, plan, name=plan_name(plan), on_step=bar.on_step())
     print_warnings(during, printed=caught)
-    out.print(results_table([result], title=f"remat bench: {spec.recipe}"))
+    show(results_table([result], title=f"remat bench: {spec.recipe}"))
     if result.memory is not None:
-        out.print(memory_table(result))
+        show(memory_table(result))
     outputs = Outputs("bench", result.to_dict())
     if args.json:
         outputs.write("--json", args.json, lambda: write_json(result.to_dict(), args.json))
@@ -61,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
     for note in [*mismatch_notes(result, golden), *uncompared(result, golden)]:
         err.print(f"[yellow]note:[/] {note}")
     checks = compare(result, golden, DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
-    out.print(checks_table(checks))
+    show(checks_table(checks))
     return max(written, 1 if golden_failed(checks) else 0)

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import sqlite3
 import tempfile
 import warnings
@@ -13,21 +14,38 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from remat.bench.history import append, default_history_path
 from remat.bench.result import BenchResult
 from remat.bench.run import OnStep
-from remat.cli.checks import (dryrun_output_problems, history_file_problems, history_flag_problems,
-                              output_path_problems, png_path_problems)
+from remat.cli.checks import (
+    dryrun_output_problems,
+    history_file_problems,
+    history_flag_problems,
+    output_path_problems,
+    png_path_problems,
+)
+from remat.cli.tables import fit_width
 from remat.problems import ConfigError, Problem, RematWarning
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-for _console in (out, err):
-    if not _console.is_terminal:
-        _console.width = 160  # logs and pipes: keep table columns whole
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width, console.soft_wrap = 160, True  # logs and pipes: lines and table columns whole
+    return console
+
+
+out, err = _console(stderr=False), _console(stderr=True)
+
+
+def show(renderable: RenderableType, keys: int = 1) -> None:
+    """Print to stdout; a table too wide for the terminal is split into tables that fit,
+    each repeating its first `keys` columns (tables.fit_width)."""
+    for part in fit_width(renderable, out.width, keys) if isinstance(renderable, Table) else [renderable]:
+        out.print(part)
 
 
 class Problems:

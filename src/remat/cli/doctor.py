@@ -19,7 +19,7 @@ from remat.bench.plot import timeline_plot
 from remat.bench.run import plan_name, run_bench
 from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
 from remat.cli.checks import doctor_flag_problems, doctor_run_problems, png_path_problems
-from remat.cli.common import Problems, out, path_problems, progress_bar
+from remat.cli.common import Problems, out, path_problems, progress_bar, show
 from remat.cli.tables import doctor_report, findings_table, format_gib
 from remat.memory.timeline import timeline
 from remat.problems import Problem
@@ -63,7 +63,7 @@ def _results(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     results = found.run(load_results, args.results, field="results")
     found.raise_if_any()
     findings = check_results(results)
-    out.print(findings_table(findings, args.results))
+    show(findings_table(findings, args.results))
     return 1 if findings else 0
 
 

@@ -10,10 +10,18 @@ import dataclasses
 
 from remat.apply import apply
 from remat.bench.run import plan_name
-from remat.cli.args import (add_model_flags, add_recompute_flags, flag_facts, meta_model, model_facts, model_overrides,
-                            resolve_config, sweep_entries)
+from remat.cli.args import (
+    add_model_flags,
+    add_recompute_flags,
+    flag_facts,
+    meta_model,
+    model_facts,
+    model_overrides,
+    resolve_config,
+    sweep_entries,
+)
 from remat.cli.checks import configs_flag_problems
-from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
+from remat.cli.common import (Outputs, Problems, collected_warnings, path_problems, print_warnings, progress_bar, show,
                               write_json)
 from remat.cli.tables import estimate_table
 from remat.estimating import DEFAULT_TFLOPS, ESTIMATE_TARGETS, EstimateSpec, estimate
@@ -95,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(not args.no_progress) as bar:
             results = estimate(spec, plans, progress=bar.note("trace on meta"))
     print_warnings(caught)
-    out.print(estimate_table(spec, results))
+    show(estimate_table(spec, results), keys=2)
     data = [r.to_dict() for r in results]
     outputs = Outputs("estimate", data)
     if args.json:

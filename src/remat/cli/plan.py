@@ -15,10 +15,14 @@ import yaml
 from remat.bench.run import run_bench
 from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
 from remat.cli.args import add_run_flags, bench_spec
-from remat.cli.checks import (offload_device_advice, offload_threshold_problems, plan_output_problems,
-                              plan_run_flag_problems)
+from remat.cli.checks import (
+    offload_device_advice,
+    offload_threshold_problems,
+    plan_output_problems,
+    plan_run_flag_problems,
+)
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
-                              write_json)
+                              show, write_json)
 from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
 from remat.estimating import cpu_run_problems
 from remat.planner import PlanResult, host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
@@ -92,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
                                        else args.min_offloaded_tensor_size),
             progress=bar.note("trace"))
     measured = dataclasses.replace(measured, max_group=args.max_group)
-    out.print(storage_table(measured))
-    out.print(trace_table(measured))
+    show(storage_table(measured))
+    show(trace_table(measured))
     result = plan_from_trace(measured, budget, host_budget)
-    out.print(plan_table(result))
+    show(plan_table(result))
     keys = result.megatron_keys()
     record: dict[str, Any] = {"budget_bytes": budget, "plan": result.plan.to_dict(), "megatron": keys,
                               "explain": [dict(layers=layers, action=what, freed_bytes=freed, added_s=seconds)
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         with progress_bar(not args.no_progress) as bar:
             bench = run_bench(spec, result.config or result.plan, model=model, name="plan", on_step=bar.on_step())
-        out.print(verify_plan_table(result, bench, spec, measured.step_noise_s))
+        show(verify_plan_table(result, bench, spec, measured.step_noise_s))
         record["measured"] = bench.to_dict()
         outputs.history([bench], args)
     if args.json:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from remat.cli.common import out
+from remat.cli.common import show
 from remat.cli.tables import recipes_table
 from remat.models import family_of, recipe_config, recipes
 
@@ -16,5 +16,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out.print(recipes_table([(name, family_of(name).name, recipe_config(name)) for name in recipes()]))
+    show(recipes_table([(name, family_of(name).name, recipe_config(name)) for name in recipes()]))
     return 0

@@ -11,7 +11,7 @@ from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
 from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model, model_facts, sweep_entries
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
-                              write_json)
+                              show, write_json)
 from remat.cli.tables import results_table
 from remat.estimating import cpu_run_problems
 from remat.layer_plan import PlanLike
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     with collected_warnings() as caught, progress_bar(not args.no_progress) as bar:
         results = sweep(spec, plans, on_step=bar.on_step())
     print_warnings(caught, printed=checked)
-    out.print(results_table(results, title=f"remat sweep: {spec.recipe}"))
+    show(results_table(results, title=f"remat sweep: {spec.recipe}"))
     data = [r.to_dict() for r in results]
     outputs = Outputs("sweep", data)
     if args.json:

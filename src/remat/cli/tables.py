@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -33,6 +33,54 @@ _BREAKDOWN = (
     ("optimizer state", "optimizer"),
     ("activations", "activations"),
 )
+
+
+def fit_width(table: Table, width: int, keys: int = 1) -> list[RenderableType]:
+    """`table` as one table when it fits `width` columns of text (numbers whole, text wrapped);
+    else split into tables of its columns that do, each repeating the first `keys` columns,
+    with the caption after them across the whole width."""
+    table = _columns(table, range(len(table.columns)))
+    if _narrowest(table) <= width or len(table.columns) <= keys + 1:
+        return [table]
+    parts: list[list[int]] = []
+    for i in range(keys, len(table.columns)):
+        if parts and _narrowest(_columns(table, [*range(keys), *parts[-1], i])) <= width:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    split: list[RenderableType] = [_columns(table, [*range(keys), *part], title=k == 0, caption=False)
+                                   for k, part in enumerate(parts)]
+    return split + ([Text(str(table.caption), style="table.caption")] if table.caption else [])
+
+
+def _narrowest(table: Table) -> int:
+    """The fewest text columns the table renders in without cutting a cell that must stay whole
+    (a column kept on one line needs its widest cell, one that wraps its longest word), with a
+    column's borders and padding."""
+    widths = []
+    for column in table.columns:
+        texts = [str(column.header), *(str(cell) for cell in column.cells)]
+        if column.no_wrap:
+            widths.append(max(len(text) for text in texts))
+        else:
+            widths.append(max(len(word) for text in texts for word in text.split() or [""]))
+    return 1 + sum(w + 3 for w in widths)
+
+
+# Cells up to this wide stay on one line (names, numbers); longer text wraps.
+_WHOLE = 24
+
+
+def _columns(table: Table, chosen: Iterable[int], title: bool = True, caption: bool = True) -> Table:
+    """A table of `chosen` columns of `table`, numbers and short cells kept on one line."""
+    part = Table(title=table.title if title else None, caption=table.caption if caption else None)
+    picked = [table.columns[i] for i in chosen]
+    for column in picked:
+        whole = column.justify == "right" or max((len(str(c)) for c in column.cells), default=0) <= _WHOLE
+        part.add_column(column.header, justify=column.justify, style=column.style, no_wrap=column.no_wrap or whole)
+    for row, *cells in zip(table.rows, *(column.cells for column in picked)):
+        part.add_row(*cells, end_section=row.end_section)
+    return part
 
 
 def format_gib(n_bytes: float | None) -> str:

@@ -11,13 +11,19 @@ import torch
 from remat.apply import apply, offloader_of
 from remat.cli.args import add_recompute_flags, flag_facts, model_facts, resolve_config
 from remat.cli.checks import tolerance_problems
-from remat.cli.common import Problems, collected_warnings, out, print_warnings
+from remat.cli.common import Problems, collected_warnings, out, print_warnings, show
 from remat.cli.tables import verify_table
 from remat.estimating import cpu_run_problems
 from remat.models import build, recipe_config
 from remat.problems import Problem
 from remat.sizes import format_bytes
-from remat.step import RunSpec, device_problems, micro_batch_problems, micro_batch_tokens_problems, single_process_problems
+from remat.step import (
+    RunSpec,
+    device_problems,
+    micro_batch_problems,
+    micro_batch_tokens_problems,
+    single_process_problems,
+)
 from remat.verify import verify
 
 HELP = "run one step without and with a config; compare gradients"
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         report = verify(model, config, ids[:, :-1], ids[:, 1:], seed=args.seed)
     print_warnings(caught)
     out.print(report.plan.describe())
-    out.print(verify_table(report, args.model_recipe_name, args.micro_batch_size, args.dtype, args.device))
+    show(verify_table(report, args.model_recipe_name, args.micro_batch_size, args.dtype, args.device))
     offloader = offloader_of(model)
     if offloader is not None:
         stats = offloader.stats()
