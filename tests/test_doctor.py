@@ -460,7 +460,8 @@ def test_cli_says_what_to_pass(tmp_path, capsys) -> None:
     assert EXPANDABLE_SEGMENTS in capsys.readouterr().out
     if not torch.cuda.is_available():
         assert main(["doctor", "-mr", "llama3_tiny"]) == 1
-        assert "pass --results, --snapshot or --oom_message" in capsys.readouterr().err
+        assert "pass --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or --oom_message" \
+            in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, said", [

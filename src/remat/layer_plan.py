@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels
+from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, site_labels
 from remat.layout import ModelLayout
 from remat.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
@@ -242,6 +242,8 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
     layers = data.get("layers")
     if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
         problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
+    else:  # what needs no model: known labels and actions
+        problems += [p for i, actions in enumerate(layers) for p in _layer_words(i, actions)]
     ranges = data.get("full_recompute", [])
     if not isinstance(ranges, list) or not all(
         isinstance(r, (list, tuple)) and len(r) == 2 and all(map(_is_index, r)) for r in ranges
@@ -255,6 +257,17 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
     if unknown:
         problems.append(Problem(", ".join(unknown), f"unknown plan keys; a plan has {', '.join(_PLAN_KEYS)}"))
     return problems
+
+
+def _layer_words(i: int, actions: Mapping[Any, Any]) -> Iterator[Problem]:
+    for label, action in actions.items():
+        name = f"layers[{i}].{label}"
+        if label not in site_labels():
+            hint = did_you_mean(label, site_labels()) if isinstance(label, str) else ""
+            yield Problem(name, f"unknown site label {label!r}{hint}; use one of {one_of(site_labels())}")
+        if action not in ACTIONS:
+            hint = did_you_mean(action, ACTIONS) if isinstance(action, str) else ""
+            yield Problem(name, f"unknown action {action!r}{hint}; use one of {one_of(ACTIONS)}")
 
 
 def check_plan(

@@ -209,6 +209,6 @@ def load_results(path: str | Path) -> list[BenchResult]:
                                               "--json` wrote")])
     try:
         return [BenchResult.from_dict(d) for d in (data if isinstance(data, list) else [data])]
-    except (TypeError, AttributeError) as err:
+    except (ValueError, TypeError, AttributeError) as err:
         raise ConfigError([Problem(str(path), f"is not a remat bench result ({err}); pass what `remat bench "
                                               "--json` or `remat sweep --json` wrote")]) from None

@@ -197,8 +197,9 @@ def load_golden(path: str | os.PathLike[str]) -> BenchResult:
         raise ValueError(f"golden file {source} must hold a JSON object, got {type(data).__name__}")
     try:
         result = BenchResult.from_dict(data)
-    except TypeError as err:
-        raise ValueError(f"golden file {source} is not a remat bench result: {err}") from err
+    except ValueError as err:
+        raise ValueError(f"golden file {source} is not a remat bench result ({err}); pass a file that"
+                         " `remat bench --save-golden` or `--json` wrote") from None
     if result.status not in STATUS_VALUES:
         raise ValueError(f"golden file {source} has unknown status {result.status!r}")
     return result

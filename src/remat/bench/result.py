@@ -77,11 +77,22 @@ class BenchResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BenchResult":
+        """A result as `to_dict` wrote it; ValueError naming what is missing or malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"it is {type(data).__name__}, not a mapping of a result's fields")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"it has no {', '.join(missing)}")
         data = dict(data)
-        if data.get("memory") is not None:
-            data["memory"] = MemoryBreakdown(**data["memory"])
-        if data.get("oom") is not None:
-            data["oom"] = OomInfo(**data["oom"])
+        try:
+            if data.get("memory") is not None:
+                data["memory"] = MemoryBreakdown(**data["memory"])
+            if data.get("oom") is not None:
+                data["oom"] = OomInfo(**data["oom"])
+        except TypeError as err:
+            raise ValueError(f"its memory or oom record is malformed ({err})") from None
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

@@ -56,7 +56,8 @@ class BenchSpec(RunSpec):
             parameters = self._parameters()
             if parameters is not None and parameters > CPU_MAX_PARAMETERS:
                 yield Problem("device", f"{parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
-                                        " recipe or shrink it (--num_layers, --hidden_size)")
+                                        " recipe or shrink it (--num_layers, --hidden_size), or predict its"
+                                        " memory without a GPU with `remat estimate`")
         if self.device == "cpu" and self.gpu is not None:
             yield Problem("gpu", f"-g {self.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
         elif self.gpu in GPUS and self.device.startswith("cuda"):

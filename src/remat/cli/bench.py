@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
                         "another recipe or shape is refused before running; another GPU name or recompute "
                         "config is a note, and so is a metric only one side has")
-    p.add_argument("--save-golden", dest="save_golden", metavar="FILE", help="store this result as golden")
+    p.add_argument("--save-golden", "--save_golden", dest="save_golden", metavar="FILE",
+                   help="store this result as golden")
     p.add_argument("--threshold", type=float,
                    help=f"with --golden: relative difference that fails the comparison, both ways (default "
                         f"{DEFAULT_THRESHOLD})")

@@ -110,8 +110,10 @@ def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timel
 def doctor_run_problems(cuda_available: bool) -> Iterator[Problem]:
     """remat doctor -mr runs the bench to catch an OOM, and an OOM is a GPU's."""
     if not cuda_available:
-        yield Problem("doctor", "-mr runs the bench on a CUDA GPU and this machine has none; pass --results, "
-                                "--snapshot or --oom_message instead")
+        yield Problem("doctor", "without --results, --snapshot, --oom_message or --timeline it runs the bench of a"
+                                " recipe (-mr) on a CUDA GPU to diagnose an OOM, and this machine has none; pass"
+                                " --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or"
+                                " --oom_message to diagnose a past run")
 
 
 def tolerance_problems(tolerance: float) -> Iterator[Problem]:
