@@ -84,7 +84,7 @@ def _model_layer_count(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Prob
         yield Problem("num_layers", f"is {f.num_layers} but the model has {count(n, 'layer')}; set num_layers={n}"
                                     " or leave it unset")
     elif f.num_layers is None and n % stages:
-        yield Problem("num_layers", f"the model's {count(n, 'layer')} do not split evenly into {stages} (virtual)"
+        yield Problem("num_layers", f"the model's {count(n, 'layer')} {'does' if n == 1 else 'do'} not split evenly into {stages} (virtual)"
                                     " pipeline stages; change the pipeline sizes")
 
 

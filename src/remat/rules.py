@@ -395,7 +395,7 @@ def rule_layers_divisible(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron 
     f = c.facts
     stages = f.pipeline_model_parallel_size * (f.virtual_pipeline_model_parallel_size or 1)
     if f.num_layers is not None and f.num_layers >= 1 and stages >= 1 and f.num_layers % stages:
-        yield Problem("num_layers", f"{count(f.num_layers, 'layer')} do not split evenly into {stages} (virtual) pipeline"
+        yield Problem("num_layers", f"{count(f.num_layers, 'layer')} {'does' if f.num_layers == 1 else 'do'} not split evenly into {stages} (virtual) pipeline"
                                     f" stages; use a multiple of {stages} or change the pipeline sizes")
 
 

@@ -33,6 +33,10 @@ BRIDGE_TASKS: tuple[str, ...] = ("pretrain", "sft", "peft")
 # Tokens of one micro-batch on one GPU: 2^22 of a 4096-wide bf16 hidden state are 32 GiB a layer,
 # past what a GPU trains; the shapes-only trace of far more loops for hours.
 MAX_TOKENS_PER_GPU = 1 << 22
+# Micro-batches a step accumulates on one rank: far past what Megatron runs (thousands at most).
+MAX_MICRO_BATCHES = 1 << 16
+# GPUs of one run: ten times the largest jobs trained.
+MAX_GPUS = 1 << 20
 
 
 def _default_device() -> str:
@@ -83,11 +87,13 @@ class RunSpec:
         yield from micro_batch_problems(self.micro_batch_size)
         if self.num_gpus is None:
             pass
+        elif self.num_gpus > MAX_GPUS:
+            yield Problem("num_gpus", f"is {self.num_gpus:,}; remat plans for at most {MAX_GPUS:,} GPUs")
         elif self.num_gpus < 1:
             yield Problem("num_gpus", f"is {self.num_gpus}; use at least {max(self.model_parallel, 1)}"
                                       " (tp x pp x cp)")
         elif self.num_gpus % self.model_parallel:
-            yield Problem("num_gpus", f"{count(self.num_gpus, 'GPU')} do not split into data-parallel groups of tp x pp x cp"
+            yield Problem("num_gpus", f"{count(self.num_gpus, 'GPU')} {'does' if self.num_gpus == 1 else 'do'} not split into data-parallel groups of tp x pp x cp"
                                       f" = {self.model_parallel}; use a multiple of {self.model_parallel}")
         elif self.global_batch_size is not None and self.micro_batch_size >= 1:
             per_step = self.micro_batch_size * self.data_parallel
@@ -96,6 +102,10 @@ class RunSpec:
             if self.global_batch_size < per_step or self.global_batch_size % per_step:
                 yield Problem("global_batch_size", f"{self.global_batch_size} is not a positive multiple of {of};"
                                                    " use a multiple of it")
+            elif self.global_batch_size // per_step > MAX_MICRO_BATCHES:
+                yield Problem("global_batch_size", f"{self.global_batch_size:,} makes {self.global_batch_size // per_step:,}"
+                                                   f" micro-batches a step; remat runs at most {MAX_MICRO_BATCHES:,}:"
+                                                   " lower -gb or raise -mb")
 
     @property
     def family(self) -> ModelFamily:

@@ -80,9 +80,24 @@ def append(result: BenchResult, path: str | os.PathLike[str] | None = None) -> i
 
 def recent(limit: int = 20, path: str | os.PathLike[str] | None = None) -> list[BenchResult]:
     """The latest runs by date, newest first (ties in insertion order, latest first)."""
+    return [result for _, result in entries(limit, path)]
+
+
+def entries(limit: int = 20, path: str | os.PathLike[str] | None = None) -> list[tuple[int, BenchResult]]:
+    """(row id, run) of the latest runs by date, newest first (ties in insertion order, latest first)."""
     db = _resolve(path)
     if not db.exists():  # reading should not create a history
         return []
     with closing(_connect(db)) as conn:
-        rows = conn.execute("SELECT result FROM runs ORDER BY date DESC, id DESC LIMIT ?", (limit,)).fetchall()
-    return [BenchResult.from_dict(json.loads(text)) for (text,) in rows]
+        rows = conn.execute("SELECT id, result FROM runs ORDER BY date DESC, id DESC LIMIT ?", (limit,)).fetchall()
+    return [(row_id, BenchResult.from_dict(json.loads(text))) for row_id, text in rows]
+
+
+def entry(row_id: int, path: str | os.PathLike[str] | None = None) -> BenchResult | None:
+    """The run stored under `row_id`, or None."""
+    db = _resolve(path)
+    if not db.exists():
+        return None
+    with closing(_connect(db)) as conn:
+        row = conn.execute("SELECT result FROM runs WHERE id = ?", (row_id,)).fetchone()
+    return None if row is None else BenchResult.from_dict(json.loads(row[0]))

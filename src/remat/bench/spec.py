@@ -17,6 +17,8 @@ GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr20
 CPU_MAX_PARAMETERS = 300_000_000
 DEFAULT_MAX_STEPS = 10
 DEFAULT_WARMUP_STEPS = 3
+# A benchmark's steps: a million is days of a full-size model, and far more than a median needs.
+MAX_STEPS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class BenchSpec(RunSpec):
             yield Problem("gpu", f"{self.gpu!r} is not a GPU name{did_you_mean(self.gpu, GPUS)}; use one of {one_of(GPUS)}")
         if self.warmup_steps < 0:
             yield Problem("warmup_steps", f"is {self.warmup_steps}; use --warmup_steps 0 or more")
+        elif self.max_steps > MAX_STEPS:
+            yield Problem("max_steps", f"is {self.max_steps:,}; a benchmark runs at most {MAX_STEPS:,} steps")
         elif self.max_steps <= self.warmup_steps:
             yield Problem("max_steps", f"{count(self.max_steps, 'step')} leave no steady step after {self.warmup_steps}"
                                        f" warm-up steps; use -ms {self.warmup_steps + 1} or more")

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from rich.markup import escape
 
 from remat import __version__
-from remat.cli import bench, doctor, estimate, plan, recipes, sweep, validate, verify
+from remat.cli import bench, doctor, estimate, history, plan, recipes, sweep, validate, verify
 from remat.cli.common import err
 from remat.problems import ConfigError, Problem
 
-COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes)
+COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, history)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,7 @@ def on_command_line(problem: Problem, parser: argparse.ArgumentParser) -> Proble
         flag = flags.get(key)
         if flag is None or flag.nargs == 0:  # a switch: nothing to type with the value
             return match.group(0)
-        return f"{match.group(0)} ({flag.option_strings[0]} {value})"
+        return f"{match.group(0)} ({flag.option_strings[0]} {value.strip(chr(39))})"
 
     return Problem(field, re.sub(r"\b([a-z_]+)=([^\s,;)]+)", typed, problem.message))
 

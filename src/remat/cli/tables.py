@@ -326,6 +326,18 @@ def doctor_report(report: Report) -> RenderableType:
     return Group(*parts)
 
 
+def history_table(runs: Sequence[tuple[int, BenchResult]], path: str) -> Table:
+    """(id, run) pairs, newest first."""
+    table = Table(title=f"runs in {path}, newest first (remat history show ID for one)")
+    for column in ("id", "date", "recipe", "name", "status", "gpu", "TFLOP/s/GPU", "peak allocated"):
+        table.add_column(column, justify="right" if column in ("id", "TFLOP/s/GPU", "peak allocated") else "left")
+    for row_id, r in runs:
+        table.add_row(str(row_id), r.date.replace("T", " ")[:16], r.recipe, r.name,
+                      Text(r.status, style=_STATUS_STYLES.get(r.status, "")), r.gpu, _tflops(r.tflops_per_gpu),
+                      _peak_cells(r)[0])
+    return table
+
+
 def recipes_table(rows: Sequence[tuple[str, str, Any]]) -> Table:
     """(recipe, family, config) as a table of shapes; parameters counted on the meta device."""
     table = Table(title="recipes (override any shape with --num_layers, --hidden_size, -sl)")
