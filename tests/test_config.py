@@ -146,6 +146,8 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_dropout_range", {"attention_dropout": 1.5}, "attention_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": -0.1}, "hidden_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": 1.0}, "hidden_dropout", "below 1"),
+    ("rule_positive_sizes", {"tensor_model_parallel_size": 2**21}, "tensor_model_parallel_size",
+     "sizes up to 1,048,576"),
     ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method",
      "applies only to full recompute"),
     ("rule_settings_without_granularity", {"recompute_num_layers": 2}, "recompute_num_layers", "would do nothing"),

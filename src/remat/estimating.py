@@ -93,6 +93,12 @@ def estimate_threshold_problems(thresholds: Iterable[int]) -> Iterator[Problem]:
                                                    "traces one: give them the same")
 
 
+def parallel_sizes(facts: TrainingFacts) -> ParallelSizes:
+    """The parallel layout of Megatron's settings, as a model family reads it."""
+    return ParallelSizes(facts.tensor_model_parallel_size, facts.sequence_parallel,
+                         facts.pipeline_model_parallel_size, facts.context_parallel_size)
+
+
 @dataclass(frozen=True)
 class EstimateSpec(RunSpec):
     """One rank of a training run, described by shapes: the step's settings, the parallel layout
@@ -134,9 +140,7 @@ class EstimateSpec(RunSpec):
 
     @property
     def parallel(self) -> ParallelSizes:
-        f = self.facts
-        return ParallelSizes(f.tensor_model_parallel_size, f.sequence_parallel, f.pipeline_model_parallel_size,
-                             f.context_parallel_size)
+        return parallel_sizes(self.facts)
 
     @property
     def model_parallel(self) -> int:

@@ -30,6 +30,8 @@ OFFLOAD_SITES: dict[str, str | None] = {
     "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
     "qkv_linear": None, "attn_proj": None, "expert_fc1": None,
 }
+# The largest layer count or parallel size the rules take: past any run, and safe to multiply.
+MAX_SIZE = 1 << 20
 # Megatron's default min_offloaded_tensor_size, in elements: smaller tensors stay on the device.
 MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
 CUDA_GRAPH_IMPLS: tuple[str, ...] = ("none", "local", "transformer_engine", "full_iteration")
@@ -379,6 +381,8 @@ def rule_positive_sizes(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron Mo
     for name, size in sizes.items():
         if size is not None and size < 1:
             yield Problem(name, f"got {size}; set it to 1 or more")
+        elif size is not None and size > MAX_SIZE:
+            yield Problem(name, f"got {size:,}; remat checks sizes up to {MAX_SIZE:,} (a million GPUs or layers)")
 
 
 @_rule

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from remat.timing import spread
+
 Status = Literal["ok", "oom"]
 # How far apart the step times of one CPU process and another run for the same tiny recipe: tens of
 # percent (40-48% measured on a 2-core machine), far beyond the spread within either run; CPU
@@ -66,11 +68,11 @@ class BenchResult:
 
     @property
     def step_spread(self) -> float | None:
-        """Run-to-run noise of the steady steps: half their range over the median step time
-        (a median between them moves at most that much); None without two of them."""
+        """Step-to-step noise of the steady steps, relative to the median step time
+        (timing.spread); None without two of them."""
         if len(self.step_times_s) < 2 or self.step_time_s is None or not self.step_time_s > 0:
             return None
-        return (max(self.step_times_s) - min(self.step_times_s)) / 2 / self.step_time_s
+        return spread(self.step_times_s) / self.step_time_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,7 +10,8 @@ from remat.apply import apply
 from remat.cli.args import add_recompute_flags, resolve_config
 from remat.cli.checks import plan_file_flag_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings
-from remat.models import build, recipe_config
+from remat.estimating import parallel_sizes
+from remat.models import build, family_of, recipe_config
 from remat.recompute import RecomputeConfig
 
 HELP = "check a recompute config and print it resolved"
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     found = Problems()
-    model = None
+    model, shape = None, None
     facts: dict[str, Any] = {}
     if args.model_recipe_name:
         overrides = {"num_layers": args.num_layers} if args.num_layers is not None else {}
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         config = found.run(resolve_config, args, facts)  # without a model's facts, as with no -mr
         if config is not None and not isinstance(config, RecomputeConfig):
             found.add(plan_file_flag_problems({}, model is not None))
+        elif config is not None and shape is not None:  # the same shape checks as remat estimate
+            found.add(family_of(args.model_recipe_name).shard_problems(shape, parallel_sizes(config.facts)))
         found.raise_if_any()
         plan = apply(model, config) if model is not None else None
     print_warnings(caught)

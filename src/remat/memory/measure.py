@@ -39,6 +39,7 @@ from remat.memory.windows import Window
 from remat.problems import ConfigError, Problem, raise_if_any
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 from remat.sites import Site
+from remat.timing import spread
 
 # Host link bandwidth assumed for offload copies on the meta device, each way: pinned copies on the
 # H200 measured 55 GB/s (benchmarks/README.md).
@@ -207,8 +208,8 @@ class Stepper:
         return self.timing(plan, repeats)[0]
 
     def timing(self, plan: Plan, repeats: int) -> tuple[float, float]:
-        """The median step time under `plan` and its noise: half the range of the steps timed
-        (0 on the meta device, where steps are counted, not run)."""
+        """The median step time under `plan` and its noise (timing.spread of the steps timed; 0 on
+        the meta device, where steps are counted, not run)."""
         apply(self.model, replace(plan, min_offloaded_tensor_size=self.min_offloaded))
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
@@ -219,7 +220,7 @@ class Stepper:
         if self.cuda:
             repeats = timing_repeats(repeats, self._timed_step())  # the warm-up step sizes the rest
         times = sorted(self._timed_step() for _ in range(repeats))
-        return times[len(times) // 2], (times[-1] - times[0]) / 2
+        return times[len(times) // 2], spread(times)
 
     def _timed_step(self) -> float:
         if not self.cuda:

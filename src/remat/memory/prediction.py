@@ -100,7 +100,7 @@ class Trace:
     fixed_bytes: int | None = None
     # what each site of each layer (and the embedding, the loss head) saves in a no-recompute step
     storages: dict[Owner, SiteStorages] = field(default_factory=dict)
-    # half the range of the no-recompute steps timed: a step time, or an action's cost summed over
+    # the no-recompute steps' spread (timing.spread): a step time, or an action's cost summed over
     # the layers it was timed on, within this of another is noise
     step_noise_s: float = 0.0
     timed_on: str = "cuda"  # the device type the steps ran on ("meta": counted FLOPs, not run)
