@@ -32,7 +32,7 @@ from remat.cli import main
 from remat.cli.checks import output_path_problems
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig
-from remat.models import build, family_of, recipe_config
+from remat.models import build, family_of
 from remat.models.llama import MLP
 from remat.layer_plan import Plan
 
