@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         outputs.write("--json", args.json, lambda: write_json(data, args.json))
     outputs.history(results, args)
-    plot = args.plot or DEFAULT_PLOT
+    plot, failed = args.plot or DEFAULT_PLOT, len(outputs.failed)
     outputs.write("--plot", plot, lambda: pareto_plot(
         results, plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput"))
-    if not outputs.failed or not outputs.failed[-1].startswith("--plot"):
+    if len(outputs.failed) == failed:
         out.print(f"Pareto plot: {plot}")
     return outputs.close()
