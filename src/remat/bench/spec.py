@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from remat.models import parameter_count
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of
 from remat.step import RunSpec, device_problems
 
@@ -40,25 +41,29 @@ class BenchSpec(RunSpec):
         elif self.max_steps > MAX_STEPS:
             yield Problem("max_steps", f"is {self.max_steps:,}; a benchmark runs at most {MAX_STEPS:,} steps")
         elif self.max_steps <= self.warmup_steps:
-            yield Problem("max_steps", f"{count(self.max_steps, 'step')} leave no steady step after {self.warmup_steps}"
-                                       f" warm-up steps; use -ms {self.warmup_steps + 1} or more")
+            verb = "leaves" if self.max_steps == 1 else "leave"
+            yield Problem("max_steps", f"{count(self.max_steps, 'step')} {verb} no steady step after"
+                                       f" {self.warmup_steps} warm-up steps; use -ms {self.warmup_steps + 1} or more")
         if self.compile and self.warmup_steps == 0:
             yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"
                                           " steady step; use --warmup_steps 1 or more")
         if self.num_gpus not in (None, 1):
             yield Problem("num_gpus", f"is {self.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
                                       " through torchrun arrive with the parallel issue); use -ng 1")
-        yield from self._device_checks()
+        if not device_problems(self.device):
+            yield from self._device_checks()
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from device_problems(self.device)
 
     def _device_checks(self) -> Iterator[Problem]:
-        if device_problems(self.device):
-            return
+        """What the device (already checked to exist) says of this run."""
         if self.device == "cpu" and not self.dryrun:
-            parameters = self._parameters()
-            if parameters is not None and parameters > CPU_MAX_PARAMETERS:
+            try:
+                parameters = parameter_count(self.recipe, **self.overrides)
+            except (ConfigError, ValueError):  # a bad shape: RunSpec reports it
+                parameters = 0
+            if parameters > CPU_MAX_PARAMETERS:
                 yield Problem("device", f"{parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
                                         " recipe or shrink it (--num_layers, --hidden_size), or predict its"
                                         " memory without a GPU with `remat estimate`")
@@ -69,11 +74,3 @@ class BenchSpec(RunSpec):
             # whole words of the name: "b200" is not a GB200
             if self.gpu not in re.findall(r"[a-z0-9]+", present.lower()):
                 yield Problem("gpu", f"-g {self.gpu} but this machine's GPU is {present}; fix -g or drop it")
-
-    def _parameters(self) -> int | None:
-        """The model's parameter count, from a model on meta; None when its shape is invalid."""
-        try:
-            model = self.family.build(self.model_config, device="meta")
-        except (ConfigError, ValueError):  # reported by RunSpec
-            return None
-        return sum(p.numel() for p in model.parameters())

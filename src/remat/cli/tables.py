@@ -18,7 +18,7 @@ from remat.doctor import Report, attribution_rows
 from remat.estimating import Estimate, EstimateSpec
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
-from remat.models import build
+from remat.models import parameter_count
 from remat.planner import PlanResult
 from remat.sizes import format_bytes
 from remat.verify import VerifyReport
@@ -351,7 +351,7 @@ def recipes_table(rows: Sequence[tuple[str, str, Any]]) -> Table:
 
 
 def _parameters(recipe: str) -> str:
-    count = sum(p.numel() for p in build(recipe, device="meta").parameters())
+    count = parameter_count(recipe)
     return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 

@@ -14,7 +14,7 @@ from remat.cli.checks import tolerance_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings, show
 from remat.cli.tables import verify_table
 from remat.estimating import cpu_run_problems
-from remat.models import build, recipe_config
+from remat.models import build, parameter_count, recipe_config
 from remat.problems import Problem
 from remat.sizes import format_bytes
 from remat.step import (
@@ -55,7 +55,7 @@ def _cpu_run_problems(args: argparse.Namespace, overrides: dict[str, Any]) -> li
     """On CPU: the larger step (without recompute) and the two sets of gradients kept to compare."""
     spec = RunSpec(recipe=args.model_recipe_name, overrides=overrides, micro_batch_size=args.micro_batch_size,
                    compute_dtype=_COMPUTE_DTYPES[args.dtype], device=args.device, optimizer=False)
-    weights = sum(p.numel() for p in build(args.model_recipe_name, device="meta", **overrides).parameters())
+    weights = parameter_count(args.model_recipe_name, **overrides)
     return list(cpu_run_problems(spec, [("no recompute", None)], 2 * weights * spec.dtype.itemsize))
 
 

@@ -53,5 +53,10 @@ def build(recipe: str, *, dtype: torch.dtype | None = None, device: torch.device
     return family.build(family.config(recipe, **overrides), dtype=dtype, device=device)
 
 
+def parameter_count(recipe: str, **overrides: Any) -> int:
+    """The recipe's parameters, counted on a model built on the meta device (nothing allocated)."""
+    return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
+
+
 __all__ = ["FAMILIES", "ModelConfig", "ModelFamily", "ParallelSizes", "SequenceParallelPoints", "Target",
-           "build", "family_of", "recipe_config", "recipes", "register"]
+           "build", "family_of", "parameter_count", "recipe_config", "recipes", "register"]
