@@ -126,7 +126,7 @@ REJECTED = [
                  ["invalid config (1 problem)", "--recompute_granularity: full recomputes whole layers"],
                  id="full-and-modules"),
     pytest.param(["-rl", "3"], ["recompute_num_layers: 3 is out of range", "between 1 and 2"], id="rl-too-many"),
-    pytest.param(["--recompute_modules", "moe"], ["'moe' matches no site in this model"], id="label-moe"),
+    pytest.param(["--recompute_modules", "moe"], ["'moe' matches no site in LlamaModel"], id="label-moe"),
     pytest.param(["--recompute_modules", "mlp,shared_experts"], ["'shared_experts' matches no site"],
                  id="label-shared-experts"),
     pytest.param(["--recompute_modules", "moe_act"], ["recompute_modules: 'moe_act'"], id="label-moe-act"),

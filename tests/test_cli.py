@@ -52,7 +52,7 @@ def test_validate_rejects_both_rl_and_modules(capsys) -> None:
 
 def test_validate_checks_labels_against_the_recipe(capsys) -> None:
     code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "moe")
-    assert code == 1 and "'moe' matches no site in this model (its sites: core_attn, layernorm, mlp, mlp_act)" in err
+    assert code == 1 and "'moe' matches no site in LlamaModel (its sites: core_attn, layernorm, mlp, mlp_act)" in err
     code, out, _ = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "mlp")
     assert code == 0 and "layers 0-3: mlp=recompute" in out
 
@@ -173,7 +173,7 @@ def test_bad_inputs_are_refused_before_anything_runs(argv, message, capsys, tmp_
      ["invalid config (3 problems)", "model_recipe_name: unknown recipe 'nope'", "micro_batch_size: is 0",
       "tolerance: is -1.0"]),
     (("verify", "--num_layers", "2", "-sl", "16", "--tolerance", "-1", "--recompute_modules", "moe"),
-     ["invalid config (2 problems)", "tolerance: is -1.0", "recompute_modules: 'moe' matches no site in this model"]),
+     ["invalid config (2 problems)", "tolerance: is -1.0", "recompute_modules: 'moe' matches no site in LlamaModel"]),
     (("validate", "-mr", "nope", "--recompute_modules", "mlpp"),
      ["invalid config (2 problems)", "model_recipe_name: unknown recipe 'nope'", "unknown label 'mlpp'"]),
 ])

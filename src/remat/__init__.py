@@ -6,6 +6,7 @@ site saves and costs, `plan` picks the fastest plan under a memory budget, `esti
 peak memory from shapes alone, `verify` checks a plan's gradients, and `doctor` explains OOMs.
 """
 from remat import doctor, models
+from remat.adapt import adapt, unadapt
 from remat.apply import apply, find_sites
 from remat.engine import checkpoint
 from remat.estimating import EstimateSpec, estimate
@@ -21,6 +22,6 @@ from remat.verify import verify
 
 __all__ = [
     "ConfigError", "EstimateSpec", "doctor", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
-    "PlanResult", "apply", "checkpoint", "estimate", "find_sites", "measure_saved", "models", "plan", "trace", "verify",
+    "PlanResult", "adapt", "apply", "checkpoint", "estimate", "find_sites", "measure_saved", "models", "plan", "trace", "unadapt", "verify",
 ]
 __version__ = "0.1.0"

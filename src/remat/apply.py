@@ -24,6 +24,7 @@ class SiteMap:
 
     layers: list[Site]
     inner: list[list[Site]]
+    model: str = "this model"
 
     @property
     def layout(self) -> ModelLayout:
@@ -32,6 +33,7 @@ class SiteMap:
             labels=tuple(frozenset(s.label for s in group) for group in self.inner),
             fused=frozenset(s.label for s in all_sites if s.fused),
             has_layer_sites=bool(self.layers),
+            model=self.model,
         )
 
 
@@ -52,7 +54,7 @@ def find_sites(model: nn.Module) -> SiteMap:
             loose.append(site)
     if not layers:  # a model without layer Sites: treat it as one layer holding every site
         inner = [loose] if loose else []
-    return SiteMap(layers, inner)
+    return SiteMap(layers, inner, type(model).__name__)
 
 
 def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:

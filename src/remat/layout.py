@@ -19,6 +19,7 @@ class ModelLayout:
     # Labels whose sites wrap a kernel that already recomputes internally (flash/SDPA attention).
     fused: frozenset[str] = frozenset()
     has_layer_sites: bool = True
+    model: str = "this model"  # the model's class, as errors name it
 
     @property
     def num_layers(self) -> int:
@@ -42,7 +43,7 @@ def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]
         offloadable = [m for m in OFFLOAD_MODULES if OFFLOAD_SITES[m] in present]
         for label in c.offload_modules:
             if OFFLOAD_SITES.get(label) not in present:
-                yield Problem("offload_modules", f"{label!r} matches no site in this model (it can offload:"
+                yield Problem("offload_modules", f"{label!r} matches no site in {layout.model} (it can offload:"
                                                  f" {', '.join(offloadable) or 'none'}); drop {label!r}, or"
                                                  " offload whole layers with cpu_offloading")
 
@@ -67,7 +68,7 @@ def _model_selected_labels(c: RecomputeConfig, layout: ModelLayout) -> Iterator[
     has = ", ".join(label for label in recompute_labels() if label in present) or "none"
     for label in selected(c):
         if label not in present:
-            yield Problem("recompute_modules", f"{label!r} matches no site in this model (its sites: {has});"
+            yield Problem("recompute_modules", f"{label!r} matches no site in {layout.model} (its sites: {has});"
                                                f" drop {label!r}")
 
 

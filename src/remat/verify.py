@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
+from remat.calls import forward_loss
 from remat.layer_plan import Plan
 from remat.memory import SavedMemory, measure_saved
 from remat.recompute import RecomputeConfig
@@ -54,7 +55,7 @@ def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, se
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss, saved = measure_saved(lambda: model(input_ids, labels))
+    loss, saved = measure_saved(lambda: forward_loss(model, input_ids, labels))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return StepResult(loss.detach(), grads, saved)

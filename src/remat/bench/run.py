@@ -19,6 +19,7 @@ from remat import step
 from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
+from remat.calls import forward_loss
 from remat.layer_plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
@@ -88,7 +89,7 @@ def _iteration(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: tor
     start = clock.mark()
     total = torch.zeros((), device=spec.device)
     for _ in range(spec.micro_batches):
-        loss = model(*data.batch()) / spec.micro_batches
+        loss = forward_loss(model, *data.batch()) / spec.micro_batches
         loss.backward()
         total += loss.detach()
     mid = clock.mark()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.apply import apply, find_sites, offloader_of
+from remat.calls import forward_loss
 from remat.labels import LAYER
 from remat.layer_plan import Plan
 from remat.layout import ModelLayout
@@ -146,7 +147,7 @@ class Stepper:
              after_forward: Callable[[], None] | None = None) -> None:
         torch.manual_seed(self.seed)
         before = meter.now() if meter else 0
-        out = self.model(*self.batch)
+        out = forward_loss(self.model, *self.batch)
         if after_forward is not None:
             after_forward()
         if windows and meter:

@@ -12,7 +12,9 @@ from torch import nn
 
 from remat import labels
 from remat.models import llama
-from remat.models.family import ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, unknown
+from remat.models.family import (Adapter, ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target,
+                                 unknown)
+from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -26,6 +28,14 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 register(llama.FAMILY)
+
+# Families of models remat did not write, for `remat.adapt`.
+ADAPTERS: list[Adapter] = [HF_ADAPTER]
+
+
+def adapter_for(model: nn.Module) -> Adapter | None:
+    """The adapter of the family `model` belongs to, or None."""
+    return next((adapter for adapter in ADAPTERS if adapter.handles(model)), None)
 
 
 def recipes() -> list[str]:
@@ -58,5 +68,5 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
     return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
 
 
-__all__ = ["FAMILIES", "ModelConfig", "ModelFamily", "ParallelSizes", "SequenceParallelPoints", "Target",
+__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelSizes", "SequenceParallelPoints", "Target",
            "build", "family_of", "parameter_count", "recipe_config", "recipes", "register"]

@@ -13,7 +13,7 @@ import difflib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 from torch import nn
@@ -133,3 +133,27 @@ class ModelFamily(ABC):
     @abstractmethod
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
         """Prepare `model` to run on a sequence-parallel rank's tokens; where it communicates."""
+
+
+class Adapter(ABC):
+    """A family of models remat did not write (Hugging Face transformers): how to recognise one,
+    where its Sites go, and what to set on it first. Used by `remat.adapt`."""
+
+    name: str
+
+    @abstractmethod
+    def handles(self, model: nn.Module) -> bool:
+        """Whether `model` belongs to this family."""
+
+    @abstractmethod
+    def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
+        """label -> module path patterns for this model."""
+
+    def place(self, label: str, module: nn.Module, site: nn.Module) -> Callable[[], None] | None:
+        """Route `label`'s computation in `module` through `site` this family's own way; returns
+        what undoes it, or None to wrap the module's forward."""
+        return None
+
+    def prepare(self, model: nn.Module) -> Callable[[], None]:
+        """Settings the model needs before Sites act (e.g. its own checkpointing off); returns the undo."""
+        return lambda: None

@@ -1,0 +1,22 @@
+"""How remat calls a model in a training step: `model(input_ids, labels=labels)`.
+
+remat's models return the loss (or a pipeline stage's hidden states); a Hugging Face-style model
+returns an output holding `.loss`. Every step remat runs (trace, verify, bench) calls through here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+
+def forward_loss(model: nn.Module, input_ids: Tensor, labels: Tensor) -> Tensor:
+    """The loss (or hidden states) of one forward; TypeError if the model returns neither."""
+    out: Any = model(input_ids, labels=labels)
+    if isinstance(out, Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"{type(model).__name__}(input_ids, labels=labels) returned {type(out).__name__} without a"
+                        " loss tensor; remat steps a model that returns its loss, or an output with .loss")
+    return loss
