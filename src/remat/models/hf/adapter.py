@@ -1,19 +1,202 @@
-"""Hugging Face transformers models: where their Sites go (placeholder, filled next)."""
+"""Hugging Face transformers causal LMs: where remat's Sites go, found from the module tree.
+
+A decoder layer is a `GradientCheckpointingLayer` (what HF's own checkpointing wraps); inside it
+the attention module (`self_attn`, or GPT-2's `attn`), the pre-norms, and the MLP or MoE block.
+Core attention is the attention *function* the module dispatches to through transformers'
+`ALL_ATTENTION_FUNCTIONS` (sdpa, flex, flash, or the model file's own eager function, Gemma's
+soft-capped one included): remat puts a routing function under every key, which calls through
+the module's Site when it has one and straight through otherwise.
+"""
 from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
 from remat.models.family import Adapter
+from remat.problems import ConfigError, Problem, warn
+
+# The attention module of a decoder layer, by the names transformers' models use.
+_ATTENTION = ("self_attn", "attn", "self_attention")
+# A layer's pre-norms: before attention, and before the MLP. Llama-style models call the second
+# post_attention_layernorm; Gemma's post_attention_layernorm is a post-norm (its output goes into
+# the residual add, which saves nothing) and pre_feedforward_layernorm is the pre-MLP norm.
+_PRE_NORMS = (("input_layernorm", "ln_1"), ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2"))
+_SHARED_EXPERTS = ("shared_expert", "shared_experts")
+_MLA_UP = ("q_b_proj", "kv_b_proj")
+
+
+def _is_transformers(obj: type) -> bool:
+    return any(cls.__module__.startswith("transformers.") for cls in obj.__mro__)
+
+
+def _layer_paths(model: nn.Module) -> list[str]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _first_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
+def _layer_sites(layer: nn.Module) -> Iterator[tuple[str, str]]:
+    """(label, path inside the layer) of one decoder layer's sites."""
+    yield "layer", ""
+    for names in _PRE_NORMS:
+        norm = _first_child(layer, names)
+        if norm is not None:
+            yield "layernorm", norm
+    attention = _first_child(layer, _ATTENTION)
+    if attention is not None:
+        yield "core_attn", attention
+        for name in _MLA_UP:
+            if isinstance(getattr(layer.get_submodule(attention), name, None), nn.Module):
+                yield "mla_up_proj", f"{attention}.{name}"
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        return
+    experts = getattr(mlp, "experts", None)
+    if not isinstance(experts, nn.Module):
+        yield "mlp", "mlp"
+        return
+    yield "moe", "mlp"
+    if isinstance(getattr(experts, "act_fn", None), nn.Module):
+        yield "moe_act", "mlp.experts.act_fn"
+    shared = _first_child(mlp, _SHARED_EXPERTS)
+    if shared is not None:
+        yield "shared_experts", f"mlp.{shared}"
+
+
+def _compress(hits: list[tuple[str, str]], layers: list[str]) -> tuple[str, ...]:
+    """(layer, path inside it) pairs as patterns: `model.layers.*.mlp` where every layer has the
+    path and the layers share one parent, else each layer's own path."""
+    parents = {layer.rsplit(".", 1)[0] for layer in layers}
+    by_inner: dict[str, list[str]] = {}
+    for layer, inner in hits:
+        by_inner.setdefault(inner, []).append(layer)
+    patterns: list[str] = []
+    for inner, owners in by_inner.items():
+        suffix = f".{inner}" if inner else ""
+        if len(parents) == 1 and len(layers) > 1 and sorted(owners) == sorted(layers):
+            patterns.append(f"{next(iter(parents))}.*{suffix}")
+        else:
+            patterns.extend(f"{owner}{suffix}" for owner in owners)
+    return tuple(patterns)
+
+
+class _Router:
+    """Stands under one key of ALL_ATTENTION_FUNCTIONS: calls the attention function through the
+    calling module's Site when it has one."""
+
+    def __init__(self, adapter: HfAdapter, key: str, inner: Callable[..., Any] | None) -> None:
+        self.adapter, self.key, self.inner = adapter, key, inner
+
+    def function(self, module: nn.Module) -> Callable[..., Any]:
+        if self.inner is not None:
+            return self.inner
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise RuntimeError(f"{type(module).__name__} runs eager attention but its module defines no "
+                               "eager_attention_forward for remat's core_attn Site to call; use sdpa")
+        return eager
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        site = self.adapter.attention_sites.get(module)
+        fn = self.function(module)
+        return fn(module, *args, **kwargs) if site is None else site(fn, module, *args, **kwargs)
 
 
 class HfAdapter(Adapter):
     name = "hf"
 
+    def __init__(self) -> None:
+        self.attention_sites: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self.routers: dict[str, _Router] = {}
+
     def handles(self, model: nn.Module) -> bool:
-        return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+        return _is_transformers(type(model))
 
     def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
-        raise NotImplementedError
+        layers = _layer_paths(model)
+        if not layers:
+            raise ConfigError([Problem("site_map", f"{type(model).__name__} has no decoder layers remat"
+                                                   " recognises (GradientCheckpointingLayer); give a site map")])
+        found: dict[str, list[tuple[str, str]]] = {}
+        for path in layers:
+            for label, inner in _layer_sites(model.get_submodule(path)):
+                found.setdefault(label, []).append((path, inner))
+        return {label: _compress(hits, layers) for label, hits in found.items()}
+
+    def place(self, label: str, module: nn.Module, site: nn.Module) -> Callable[[], None] | None:
+        if label != "core_attn" or not hasattr(module, "config"):
+            return None
+        self._route_attention()
+        self.attention_sites[module] = site
+
+        def undo() -> None:
+            self.attention_sites.pop(module, None)
+            if not self.attention_sites:
+                self._unroute_attention()
+        return undo
+
+    def _route_attention(self) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        if self.routers:
+            return
+        for key in ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]:
+            inner = None if key == "eager" else ALL_ATTENTION_FUNCTIONS[key]
+            self.routers[key] = _Router(self, key, inner)
+            ALL_ATTENTION_FUNCTIONS[key] = self.routers[key]
+
+    def _unroute_attention(self) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        for key, router in self.routers.items():
+            if ALL_ATTENTION_FUNCTIONS._local_mapping.get(key) is router:
+                del ALL_ATTENTION_FUNCTIONS[key]
+        self.routers.clear()
+
+    def prepare(self, model: nn.Module) -> Callable[[], None]:
+        """HF's own gradient checkpointing off (remat's `full` recompute does what it does), and
+        no key/value cache while training, as HF's checkpointing sets it."""
+        was_checkpointing = _checkpointing(model)
+        if was_checkpointing:
+            _set_checkpointing(model, False)
+            warn(f"remat turned off {type(model).__name__}'s gradient checkpointing: remat's Sites recompute"
+                 " instead (recompute_granularity='full' is what it did); remat.unadapt turns it back on")
+        handle = model.register_forward_pre_hook(_training_call, with_kwargs=True)
+
+        def undo() -> None:
+            handle.remove()
+            if was_checkpointing:
+                _set_checkpointing(model, True)
+        return undo
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether HF's own checkpointing is on (5.25 renamed it activation checkpointing)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _set_checkpointing(model: Any, on: bool) -> None:
+    new = getattr(model, f"activation_checkpointing_{'enable' if on else 'disable'}", None)
+    (new or getattr(model, f"gradient_checkpointing_{'enable' if on else 'disable'}"))()
+
+
+def _training_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before each forward: in training, no cache (as HF's checkpointing does); HF's checkpointing
+    turned on again after adapt would recompute inside remat's Sites, so it is refused."""
+    if model.training and _checkpointing(model):
+        raise ConfigError([Problem("gradient_checkpointing", f"{type(model).__name__} has remat's Sites and HF"
+                                                             " gradient checkpointing on at once; call"
+                                                             " model.gradient_checkpointing_disable() and let"
+                                                             " remat recompute (full recompute of every layer is"
+                                                             " what HF's did)")])
+    if model.training:
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 ADAPTER = HfAdapter()

@@ -1,0 +1,166 @@
+"""remat on Hugging Face transformers models, built from small configs (no download): the site
+map each family gets, and every label and full recompute bit-identical to the unmodified model in
+float64 with dropout on."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import remat  # noqa: E402
+from remat.adapt import site_map_of  # noqa: E402
+from remat.apply import find_sites  # noqa: E402
+from remat.models.hf.configs import TINY, hf_config  # noqa: E402
+from remat.problems import ConfigError  # noqa: E402
+from remat.recompute import RecomputeConfig, TrainingFacts  # noqa: E402
+from remat.verify import run_step, verify  # noqa: E402
+
+BATCH, SEQ, LAYERS = 2, 16, 3
+DROPOUT = 0.1
+
+
+def build(family: str, attention: str | None = None, dropout: float = DROPOUT, **overrides) -> torch.nn.Module:
+    config = hf_config(family, num_layers=LAYERS, **overrides)
+    for name in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, dropout)
+    torch.manual_seed(0)
+    kwargs = {"attn_implementation": attention} if attention else {}
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        kwargs["experts_implementation"] = "eager"  # grouped_mm takes no float64
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, **kwargs)
+    return model.train()
+
+
+def batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=g)
+    return ids, ids
+
+
+def selective(*labels: str) -> RecomputeConfig:
+    # moe_act: Megatron asks for grouped GEMM experts; transformers' experts stand in for them
+    return RecomputeConfig(recompute_granularity="selective", recompute_modules=list(labels),
+                           facts=TrainingFacts(moe_grouped_gemm="moe_act" in labels,
+                                               multi_latent_attention="mla_up_proj" in labels))
+
+
+def full(method: str, k: int) -> RecomputeConfig:
+    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
+
+
+LABELS = {
+    **{f: ("core_attn", "layernorm", "mlp") for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                                                      "gpt2")},
+    "mixtral": ("core_attn", "layernorm", "moe", "moe_act"),
+    "qwen2_moe": ("core_attn", "layernorm", "moe", "moe_act", "shared_experts"),
+    "qwen3_moe": ("core_attn", "layernorm", "mlp", "moe", "moe_act"),
+    "deepseek_v3": ("core_attn", "layernorm", "mlp", "mla_up_proj", "moe", "moe_act", "shared_experts"),
+}
+CASES = [(family, selective(label)) for family, labels in LABELS.items() for label in labels] + [
+    (family, config) for family in LABELS for config in (full("uniform", 1), full("block", 2), selective(*LABELS[family]))]
+
+
+def _case_id(case) -> str:
+    family, c = case
+    what = (",".join(c.recompute_modules) if c.recompute_granularity == "selective"
+            else f"{c.recompute_method}{c.recompute_num_layers}")
+    return f"{family}-{what}"
+
+
+def test_every_family_has_its_labels_and_every_layer() -> None:
+    assert set(LABELS) == set(TINY)
+    for family, labels in LABELS.items():
+        layout = find_sites(remat.adapt(build(family))).layout
+        assert layout.num_layers == LAYERS, family
+        assert frozenset().union(*layout.labels) == frozenset(labels), family
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_every_label_and_full_recompute_is_bit_identical_with_dropout(case) -> None:
+    family, config = case
+    model = build(family)
+    model.config.use_cache = False  # as remat (and HF's own checkpointing) run training
+    plain = run_step(model, *batch(model), seed=5)
+    remat.adapt(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)  # core_attn on SDPA saves little: said, not wrong
+        report = verify(model, config, *batch(model), seed=5)
+    assert report.bit_identical, report.max_grad_diff
+    assert torch.equal(plain.loss, report.candidate.loss)
+    assert plain.grads.keys() == report.candidate.grads.keys()
+    assert all(torch.equal(plain.grads[n], g) for n, g in report.candidate.grads.items())
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="FlexAttention has no backward on CPU; benchmarks/hf_grads.py runs it on CUDA"))])
+def test_core_attn_goes_through_each_attention_implementation(attention) -> None:
+    model = build("llama", attention=attention, dropout=0.0 if attention == "flex_attention" else DROPOUT)
+    plain = run_step(model, *batch(model), seed=5)
+    remat.adapt(model)
+    report = verify(model, selective("core_attn"), *batch(model), seed=5)
+    assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss)
+    if attention == "eager":  # the scores and probabilities it saved are gone
+        assert report.freed_bytes >= LAYERS * 2 * BATCH * model.config.num_attention_heads * SEQ * SEQ * 8
+
+
+def test_gemma2_soft_capped_eager_attention_is_recomputed_exactly() -> None:
+    model = build("gemma2", attention="eager")
+    assert model.config.attn_logit_softcapping
+    plain = run_step(model, *batch(model), seed=5)
+    report = verify(remat.adapt(model), selective("core_attn"), *batch(model), seed=5)
+    assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss) and report.freed_bytes > 0
+
+
+def test_moe_frees_the_experts_activations() -> None:
+    model = remat.adapt(build("mixtral", dropout=0.0))
+    assert verify(model, selective("moe"), *batch(model)).freed_bytes > verify(
+        model, selective("moe_act"), *batch(model)).freed_bytes > 0
+
+
+def test_unadapt_restores_the_attention_functions_and_the_model() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    model = build("llama", dropout=0.0)
+    plain = run_step(model, *batch(model), seed=1)
+    remat.adapt(model)
+    assert site_map_of(model)["core_attn"] == ("model.layers.*.self_attn",)
+    remat.apply(model, selective("core_attn"))
+    remat.unadapt(model)
+    assert dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == before
+    assert torch.equal(run_step(model, *batch(model), seed=1).loss, plain.loss)
+
+
+def test_hf_gradient_checkpointing_is_turned_off_and_said_and_refused_if_turned_on_again() -> None:
+    model = build("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.warns(remat.RematWarning, match="remat turned off LlamaForCausalLM's gradient checkpointing"):
+        remat.adapt(model)
+    assert not model.is_gradient_checkpointing
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match="has remat's Sites and HF gradient checkpointing on at once; call"
+                                          r" model.gradient_checkpointing_disable\(\)"):
+        model(*batch(model))
+    model.gradient_checkpointing_disable()
+    remat.unadapt(model)
+    assert model.is_gradient_checkpointing  # unadapt puts back what adapt turned off
+
+
+def test_training_runs_without_a_cache_and_eval_keeps_it() -> None:
+    model = remat.adapt(build("llama", dropout=0.0))
+    ids, _ = batch(model)
+    assert model(ids, use_cache=True).past_key_values is None if hasattr(
+        transformers.modeling_outputs.CausalLMOutputWithPast, "past_key_values") else True
+    model.eval()
+    out = model(ids, use_cache=True)
+    assert (getattr(out, "past_key_values", None) or getattr(out, "cache", None)) is not None
+
+
+def test_an_unknown_family_and_a_bad_override_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"'lama' is neither a family \(did you mean 'llama'\?\)"):
+        hf_config("lama")
+    with pytest.raises(ConfigError, match="num_layer: is not a field of LlamaConfig"):
+        hf_config("llama", num_layer=2)
