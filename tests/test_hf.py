@@ -164,3 +164,36 @@ def test_an_unknown_family_and_a_bad_override_are_named() -> None:
         hf_config("lama")
     with pytest.raises(ConfigError, match="num_layer: is not a field of LlamaConfig"):
         hf_config("llama", num_layer=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen3"])
+def test_the_chunked_loss_head_gives_hf_loss_and_gradients(family) -> None:
+    model = build(family, dropout=0.0, output_router_logits=True) if family == "mixtral" else build(family, dropout=0.0)
+    model.config.use_cache = False
+    ids, labels = batch(model)
+    labels = labels.clone()
+    labels[0, :5] = -100
+    plain = run_step(model, ids, labels, seed=0)
+    counted = model(ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+    remat.adapt(model, loss_head=True)
+    chunked = run_step(model, ids, labels, seed=0)
+    out = model(ids, labels=labels, num_items_in_batch=torch.tensor(40))
+    assert out.logits is None
+    # HF upcasts the logits to float32 (even a float64 model's): equal to float32's precision
+    torch.testing.assert_close(chunked.loss.float(), plain.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.loss.float(), counted, rtol=1e-6, atol=1e-6)
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(chunked.grads[name], grad, rtol=1e-5, atol=1e-7)
+    # what the step keeps: the chunked head keeps the weight's and hidden states' gradients (computed
+    # in forward), not tokens x vocabulary logits; so it saves less once tokens outnumber the width
+    long_ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    chunked_long = run_step(model, long_ids, long_ids, seed=0).saved.bytes
+    remat.unadapt(model)
+    assert chunked_long < run_step(model, long_ids, long_ids, seed=0).saved.bytes
+
+
+def test_the_loss_head_is_refused_where_logits_are_soft_capped() -> None:
+    model = build("gemma2")
+    with pytest.raises(ConfigError, match="Gemma2ForCausalLM soft-caps its logits"):
+        remat.adapt(model, loss_head=True)
+    assert not any(isinstance(m, remat.Site) for m in model.modules()) and "forward" not in model.__dict__

@@ -35,6 +35,7 @@ SiteMapLike = Union[Mapping[str, Union[str, Iterable[str]]], str, Path]
 @dataclass(frozen=True)
 class _Adaptation:
     site_map: dict[str, tuple[str, ...]]
+    loss_head: bool
     undo: tuple[Callable[[], None], ...]
 
 
@@ -142,12 +143,14 @@ def _place(adapter: Adapter | None, label: str, module: nn.Module) -> Callable[[
     return undo
 
 
-def adapt(model: nn.Module, site_map: SiteMapLike | None = None) -> nn.Module:
+def adapt(model: nn.Module, site_map: SiteMapLike | None = None, *, loss_head: bool = False) -> nn.Module:
     """Place Sites on `model` in place (and return it), so `remat.apply`, `trace` and `plan` act on it.
 
     `site_map`: label -> module path pattern(s), as a mapping or a YAML file; None uses the map of
     the model's family when remat knows it (Hugging Face transformers models). Idempotent:
     adapting again with the same map changes nothing, with another map replaces the first.
+    `loss_head`: compute the training loss with remat's chunked linear + cross-entropy instead of
+    the model's full-vocabulary logits (same loss; the output then carries no logits).
     Raises ConfigError naming every unknown label and every pattern that matches nothing.
     """
     adapter = models.adapter_for(model)
@@ -163,7 +166,7 @@ def adapt(model: nn.Module, site_map: SiteMapLike | None = None) -> nn.Module:
         wanted = load_site_map(site_map)
     previous = _ADAPTED.get(model)
     if previous is not None:
-        if previous.site_map == wanted:
+        if previous.site_map == wanted and previous.loss_head == loss_head:
             return model
         unadapt(model)
     own = [name for name, m in model.named_modules() if isinstance(m, Site)]
@@ -175,13 +178,18 @@ def adapt(model: nn.Module, site_map: SiteMapLike | None = None) -> nn.Module:
     try:
         if adapter is not None:
             undo.append(adapter.prepare(model))
+        if loss_head:
+            if adapter is None:
+                raise ConfigError([Problem("loss_head", f"remat has no chunked loss head for {type(model).__name__};"
+                                                        " leave loss_head off")])
+            undo.append(adapter.loss_head(model))
         for label, _, module in placements:
             undo.append(_place(adapter, label, module))
     except BaseException:
         for step in reversed(undo):
             step()
         raise
-    _ADAPTED[model] = _Adaptation(wanted, tuple(undo))
+    _ADAPTED[model] = _Adaptation(wanted, loss_head, tuple(undo))
     return model
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from remat.labels import Label
-from remat.problems import Problem
+from remat.problems import ConfigError, Problem
 
 Target = Literal["cuda", "cpu"]
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -153,6 +153,10 @@ class Adapter(ABC):
         """Route `label`'s computation in `module` through `site` this family's own way; returns
         what undoes it, or None to wrap the module's forward."""
         return None
+
+    def loss_head(self, model: nn.Module) -> Callable[[], None]:
+        """Swap the model's loss for remat's chunked linear + cross-entropy; returns the undo."""
+        raise ConfigError([Problem("loss_head", f"remat has no chunked loss head for {type(model).__name__}")])
 
     def prepare(self, model: nn.Module) -> Callable[[], None]:
         """Settings the model needs before Sites act (e.g. its own checkpointing off); returns the undo."""

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from remat.models.family import Adapter
+from remat.models.hf.loss_head import swap_loss_head
 from remat.problems import ConfigError, Problem, warn
 
 # The attention module of a decoder layer, by the names transformers' models use.
@@ -157,6 +158,9 @@ class HfAdapter(Adapter):
             if ALL_ATTENTION_FUNCTIONS._local_mapping.get(key) is router:
                 del ALL_ATTENTION_FUNCTIONS[key]
         self.routers.clear()
+
+    def loss_head(self, model: nn.Module) -> Callable[[], None]:
+        return swap_loss_head(model)
 
     def prepare(self, model: nn.Module) -> Callable[[], None]:
         """HF's own gradient checkpointing off (remat's `full` recompute does what it does), and

@@ -1,0 +1,79 @@
+"""The chunked loss head for a Hugging Face causal LM: the loss from the last hidden states and
+the output embedding, chunk by chunk (remat's chunked linear + cross-entropy), instead of the
+full-vocabulary logits that HF's `ForCausalLMLoss` upcasts to float32 (4 GiB per sequence of 8192
+tokens at a 128k vocabulary). Same loss as HF's: labels shifted by one, -100 ignored, a mean, or a
+sum over `num_items_in_batch` where the Trainer passes it. The output then has no logits."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.problems import ConfigError, Problem
+
+IGNORE = -100
+CHUNK_TOKENS = 4096
+
+
+def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, num_items_in_batch: Any = None,
+                   kernels: LossKernels = LossKernels()) -> Tensor:
+    """HF's causal-LM loss of `hidden` [b, s, h] through `weight` [V, h], without all the logits at once."""
+    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    flat = shifted.reshape(-1).to(hidden.device)
+    mean = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, CHUNK_TOKENS, IGNORE,
+                                        kernels=kernels)
+    if num_items_in_batch is None:
+        return mean
+    valid = (flat != IGNORE).sum()
+    return mean * valid / torch.as_tensor(num_items_in_batch, device=mean.device)
+
+
+def swap_loss_head(model: Any) -> Callable[[], None]:
+    """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
+    problems = []
+    if getattr(model.config, "final_logit_softcapping", None):
+        problems.append(Problem("loss_head", f"{type(model).__name__} soft-caps its logits, which the chunked"
+                                             " loss head does not; leave loss_head off"))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        problems.append(Problem("loss_head", f"{type(model).__name__}'s output layer is not a Linear without bias;"
+                                             " leave loss_head off"))
+    if problems:
+        raise ConfigError(problems)
+    base = model.base_model
+    own = model.__dict__.get("forward")
+    inner = model.forward
+    state: dict[str, Any] = {}
+
+    def capture(module: nn.Module, args: tuple, out: Any) -> None:
+        state["hidden"] = out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+    def forward(*args: Any, labels: Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is None:
+            return inner(*args, **kwargs)
+        handle = base.register_forward_hook(capture)
+        try:  # no logits at all: keep none of the positions
+            out = inner(*args, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
+        finally:
+            handle.remove()
+        hidden = state.pop("hidden")
+        # compiled on CUDA (remat's Triton chunk kernel); eager elsewhere, where compiling costs more than it saves
+        kernels = compiled_loss_kernels() if hidden.is_cuda else LossKernels()
+        loss = causal_lm_loss(hidden, head.weight, labels, kwargs.get("num_items_in_batch"), kernels)
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:  # MoE load balancing, as HF adds it when labels are given
+            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        out.loss, out.logits = loss, None
+        return out
+
+    model.forward = forward
+
+    def undo() -> None:
+        if own is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = own
+    return undo
