@@ -11,6 +11,7 @@ are unchanged, and `unadapt` takes every one of them away again.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -191,6 +192,26 @@ def adapt(model: nn.Module, site_map: SiteMapLike | None = None, *, loss_head: b
         raise
     _ADAPTED[model] = _Adaptation(wanted, loss_head, tuple(undo))
     return model
+
+
+def compile_sites(model: nn.Module, **compile_kwargs: Any) -> int:
+    """torch.compile the call of every placed Site that holds no other Site (norms, MLPs, experts):
+    one compiled function per module class, shared by its layers. The Sites stay outside compiled
+    code, so every plan composes with it. Returns how many calls were compiled."""
+    import torch
+
+    by_class: dict[type, Callable[..., Any]] = {}
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, _SitedForward) or any(
+                isinstance(m, Site) and m is not forward.site for m in module.modules()):
+            continue
+        cls = type(module)
+        compiled = by_class.setdefault(cls, torch.compile(cls.forward, **compile_kwargs))
+        forward.inner = functools.partial(compiled, module)
+        count += 1
+    return count
 
 
 def unadapt(model: nn.Module) -> nn.Module:

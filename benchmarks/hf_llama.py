@@ -1,0 +1,150 @@
+"""remat on transformers' own LlamaForCausalLM at Llama-3-8B shapes, beside HF's own runs in the
+same process: forward + backward + fused AdamW step, bf16, SDPA.
+
+  PYTHONPATH=src python benchmarks/hf_llama.py [--layers 8 --seq 8192 --mb 2]
+  writes $OUT/hf_llama.json
+
+Modes: HF without checkpointing, HF with `gradient_checkpointing_enable()`, then remat on the
+same model: `adapt(model, loss_head=True)` (chunked loss head), `compile_sites` (norms and MLPs
+compiled between the Sites), a trace, and the planner's plan at each HF run's measured peak as
+the budget (and no recompute). TFLOP/s counts the model FLOPs of remat's Llama (6 x parameters x
+tokens + attention), the same for every mode; recompute is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+import remat
+from remat.adapt import compile_sites
+from remat.calls import forward_loss
+from remat.planner import NoPlanFits, plan_from_trace
+from remat.problems import RematWarning
+
+OUT = Path(os.environ.get("OUT", "."))
+GIB = 2**30
+
+
+def llama_config(layers: int, seq: int) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                    num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                                    max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False)
+
+
+def model_flops(c: transformers.LlamaConfig, batch: int, seq: int) -> float:
+    h, f, d = c.hidden_size, c.intermediate_size, c.hidden_size // c.num_attention_heads
+    layer = 2 * h * h + 2 * h * c.num_key_value_heads * d + 3 * h * f
+    dense = 6 * (c.num_hidden_layers * layer + h * c.vocab_size) * batch * seq
+    return float(dense + 6 * c.num_hidden_layers * 2 * batch * seq**2 * h)
+
+
+def measure(model: torch.nn.Module, ids: torch.Tensor, warmup: int = 3, steps: int = 6) -> dict:
+    """Median step time and the peak allocated over steady steps (weights, gradients, AdamW state)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step() -> None:
+        forward_loss(model, ids, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return dict(step_s=sorted(times)[len(times) // 2], peak_bytes=torch.cuda.max_memory_allocated())
+    except torch.OutOfMemoryError:
+        return dict(status="oom")
+    finally:
+        del optimizer
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    warnings.simplefilter("ignore", RematWarning)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--mb", type=int, default=2)
+    args = parser.parse_args()
+    config = llama_config(args.layers, args.seq)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (args.mb, args.seq), device="cuda")
+    flops = model_flops(config, args.mb, args.seq)
+    rows: list[dict] = []
+
+    def record(name: str, result: dict, **extra: object) -> dict:
+        row = dict(mode=name, **extra)
+        if "step_s" in result:
+            row.update(step_s=round(result["step_s"], 4), tflops=round(flops / result["step_s"] / 1e12, 1),
+                       peak_gib=round(result["peak_bytes"] / GIB, 3))
+        else:
+            row.update(result)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    hf = record("hf", measure(model, ids))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_gc = record("hf_gradient_checkpointing", measure(model, ids))
+    model.gradient_checkpointing_disable()
+
+    remat.adapt(model, loss_head=True)
+    compiled = compile_sites(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    start = time.perf_counter()
+    trace = remat.trace(model, (ids, ids), optimizer=optimizer, progress=lambda m: print("trace:", m, flush=True))
+    trace_s = time.perf_counter() - start
+    del optimizer
+    torch.cuda.empty_cache()
+    record("remat_none", measure(model, ids), predicted_peak_gib=round(trace.predict(None).peak_bytes / GIB, 3))
+    for anchor in (hf_gc, hf):
+        if "peak_gib" not in anchor:
+            continue
+        budget = int(anchor["peak_gib"] * GIB)
+        try:
+            chosen = plan_from_trace(trace, budget)
+        except NoPlanFits as err:
+            rows.append(dict(mode=f"remat_plan_at_{anchor['mode']}", status=str(err)))
+            continue
+        remat.apply(model, chosen.plan)
+        row = record(f"remat_plan_at_{anchor['mode']}_peak", measure(model, ids),
+                     budget_gib=anchor["peak_gib"], predicted_peak_gib=round(chosen.prediction.peak_bytes / GIB, 3),
+                     plan=[list(r) for r in chosen.explain()], megatron=chosen.megatron_keys())
+        if "tflops" in row:
+            row.update(ratio=round(row["tflops"] / anchor["tflops"], 3),
+                       peak_error=round(row["predicted_peak_gib"] / row["peak_gib"] - 1, 4))
+            print(json.dumps(row), flush=True)
+        remat.apply(model, None)
+
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
+                  date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src python benchmarks/hf_llama.py "
+                  + " ".join(sys.argv[1:]), shape=vars(args), compiled_sites=compiled, trace_s=round(trace_s, 1),
+                  rows=rows)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "hf_llama.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
