@@ -197,3 +197,74 @@ def test_the_loss_head_is_refused_where_logits_are_soft_capped() -> None:
     with pytest.raises(ConfigError, match="Gemma2ForCausalLM soft-caps its logits"):
         remat.adapt(model, loss_head=True)
     assert not any(isinstance(m, remat.Site) for m in model.modules()) and "forward" not in model.__dict__
+
+
+def test_lora_adapters_get_the_same_gradients_inside_recomputed_regions() -> None:
+    peft = pytest.importorskip("peft")
+
+    def lora_model() -> torch.nn.Module:
+        base = build("llama")
+        base.config.use_cache = False
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                 target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+        return peft.get_peft_model(base, config).train()
+
+    plain = run_step(lora_model(), *batch(build("llama")), seed=3)
+    assert plain.grads and all("lora_" in name for name in plain.grads)  # the base is frozen
+    model = remat.adapt(lora_model())
+    for config in (full("uniform", 1), selective("mlp", "core_attn", "layernorm")):
+        report = verify(model, config, *batch(build("llama")), seed=3)
+        assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss)
+        assert all(torch.equal(plain.grads[n], g) for n, g in report.candidate.grads.items())
+        assert report.candidate.grads.keys() == plain.grads.keys()
+
+
+def test_two_trainer_steps_with_gradient_accumulation_match_the_unmodified_model(tmp_path) -> None:
+    pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (8, SEQ), generator=g)]
+
+    def train(plan: RecomputeConfig | None) -> dict[str, torch.Tensor]:
+        model = build("llama")
+        model.float()
+        if plan is not None:
+            remat.apply(remat.adapt(model), plan)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / ("plan" if plan else "plain")), max_steps=2, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+            logging_strategy="no", seed=7, dataloader_num_workers=0)
+        transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    plain = train(None)
+    for plan in (full("block", 2), selective("core_attn", "layernorm", "mlp")):
+        trained = train(plan)
+        assert trained.keys() == plain.keys()
+        assert all(torch.equal(plain[n], p) for n, p in trained.items())
+
+
+def test_remat_bench_runs_a_transformers_model_from_a_config(capsys) -> None:
+    from remat.cli import main
+    code = main(["bench", "-m", "hf", "--hf_config", "qwen3_moe", "--num_layers", "2", "-sl", "16", "-ms", "2",
+                 "--warmup_steps", "1", "--recompute_modules", "moe", "--no_history", "--no_progress",
+                 "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "moe" in out and "ok" in out
+
+
+def test_the_command_line_names_hf_mistakes(capsys) -> None:
+    from remat.cli import main
+    assert main(["bench", "--hf_config", "llama", "--no_history", "--device", "cpu"]) == 1
+    assert "hf_config: names a Hugging Face config; add -m hf" in capsys.readouterr().err
+    assert main(["estimate", "-m", "hf", "--hf_config", "llama"]) == 1
+    assert "hf:llama cannot run on shapes alone yet" in capsys.readouterr().err
+
+
+def test_importing_remat_does_not_import_transformers() -> None:
+    import subprocess
+    import sys
+    code = "import sys, remat; remat.models.recipes(); print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

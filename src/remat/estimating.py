@@ -120,6 +120,9 @@ class EstimateSpec(RunSpec):
             config = self.model_config
             RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=config.num_layers))
             yield from self.family.shard_problems(config, self.parallel)
+            if not self.family.runs_on_meta:
+                yield Problem("model_recipe_name", f"{self.recipe} cannot run on shapes alone yet (its code reads"
+                                                   " tensor values); measure it on a device with remat plan")
         except ConfigError as err:
             yield from err.problems
         except ValueError:  # an unknown recipe: RunSpec reported it
@@ -463,7 +466,7 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
                                 " CPU; lower -sl, -mb or --num_layers, or run on a GPU")
         return
     available = available_host_bytes()
-    if available is None:
+    if available is None or not spec.family.runs_on_meta:
         return
     for name, plan in plans:
         need = step_peak(spec, plan) + extra_bytes

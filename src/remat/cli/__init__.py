@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from remat import __version__
 from remat.cli import bench, doctor, estimate, history, plan, recipes, sweep, validate, verify
+from remat.cli.args import select_model
 from remat.cli.common import err
 from remat.problems import ConfigError, Problem
 
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["remat", *argv])  # recorded with each result
     try:
+        select_model(args)
         return args.func(args)
     except ConfigError as e:
         err.print(f"[red]invalid config ({len(e.problems)} problem"

@@ -68,6 +68,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("-m", "--model_family_name", default="llama", choices=list(FAMILIES))
     g.add_argument("-mr", "--model_recipe_name", default="llama3_tiny", metavar="RECIPE",
                    help="see `remat recipes` (default llama3_tiny, which runs on CPU)")
+    g.add_argument("--hf_config", metavar="FAMILY_OR_JSON",
+                   help="with -m hf: a transformers family (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, gpt2,"
+                        " mixtral, qwen2_moe, qwen3_moe, deepseek_v3; small shapes to override) or a config.json;"
+                        " built from the config, never downloaded")
     g.add_argument("-ng", "--num_gpus", type=int, default=1)
     g.add_argument("-sl", "--seq_length", type=int, metavar="N")
     g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
@@ -77,10 +81,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
                    help="let autograd add each weight gradient into .grad with its own kernel instead of the "
                         "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")
-    g.add_argument("--compile", action="store_true",
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model's regions between Sites (QKV split+RoPE, SwiGLU, loss softmax); "
                         "on CUDA, SwiGLU+linear_fc2, the QKV split with RoPE, RMSNorm and the loss chunk run "
-                        "remat's Triton kernels")
+                        "remat's Triton kernels; a Hugging Face model gets the chunked loss head. Default: on"
+                        " for CUDA (the fast path), off for CPU")
     g.add_argument("--no_optimizer", action="store_true",
                    help="forward+backward only, gradients accumulating, as the torch anchor measures")
     return g
@@ -99,6 +104,16 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
                                                    "~/.cache/remat/history.sqlite)")
     g.add_argument("--no_history", action="store_true", help="do not record the run")
+
+
+def select_model(args: argparse.Namespace) -> None:
+    """-m hf --hf_config X is the recipe hf:X; --hf_config needs -m hf."""
+    family = getattr(args, "model_family_name", None)
+    hf = getattr(args, "hf_config", None)
+    if hf is not None and family != "hf":
+        raise ConfigError([Problem("hf_config", "names a Hugging Face config; add -m hf")])
+    if family == "hf":
+        args.model_recipe_name = f"hf:{hf or 'llama'}"
 
 
 def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,12 +167,17 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def compile_default(flag: bool | None, device: str) -> bool:
+    """--compile / --no-compile as given, else the fast path where there is one (CUDA)."""
+    return device.startswith("cuda") if flag is None else flag
+
+
 def bench_spec(args: argparse.Namespace) -> BenchSpec:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return BenchSpec(recipe=args.model_recipe_name, overrides=model_overrides(args),
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
-                     compute_dtype=args.compute_dtype, device=device, compile=args.compile,
+                     compute_dtype=args.compute_dtype, device=device, compile=compile_default(args.compile, device),
                      gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
                      command=args.command_line, dryrun=getattr(args, "dryrun", False))
 

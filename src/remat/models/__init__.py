@@ -14,6 +14,7 @@ from remat import labels
 from remat.models import llama
 from remat.models.family import (Adapter, ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target,
                                  unknown)
+from remat.models.hf import family as hf_family
 from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -28,6 +29,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 register(llama.FAMILY)
+register(hf_family.FAMILY)
 
 # Families of models remat did not write, for `remat.adapt`.
 ADAPTERS: list[Adapter] = [HF_ADAPTER]
@@ -46,7 +48,7 @@ def recipes() -> list[str]:
 def family_of(recipe: str) -> ModelFamily:
     """The family a recipe belongs to; ValueError naming the closest recipe if none."""
     for family in FAMILIES.values():
-        if recipe in family.recipes():
+        if family.owns(recipe):
             return family
     raise unknown("recipe", recipe, recipes())
 

@@ -29,12 +29,18 @@ VOCAB_DIVISOR = 128
 class ModelConfig(Protocol):
     """What remat reads from any family's config."""
 
-    num_layers: int
-    hidden_size: int
-    seq_length: int
-    vocab_size: int
-    attention_dropout: float
-    hidden_dropout: float
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def seq_length(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def attention_dropout(self) -> float: ...
+    @property
+    def hidden_dropout(self) -> float: ...
 
     def record(self) -> dict[str, Any]:
         """The model's shape as a benchmark result records it (compared with a golden's)."""
@@ -90,10 +96,16 @@ class ModelFamily(ABC):
     name: str
     # Site labels the family's models use beyond Megatron's; registered with the family.
     labels: tuple[Label, ...] = ()
+    # Whether its models step on the meta device (shapes only), as remat estimate runs them.
+    runs_on_meta: bool = True
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         """Recipe name -> config fields."""
+
+    def owns(self, recipe: str) -> bool:
+        """Whether `recipe` names one of this family's models."""
+        return recipe in self.recipes()
 
     @abstractmethod
     def config(self, recipe: str, **overrides: Any) -> ModelConfig:

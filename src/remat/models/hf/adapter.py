@@ -34,6 +34,12 @@ def _is_transformers(obj: type) -> bool:
     return any(cls.__module__.startswith("transformers.") for cls in obj.__mro__)
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself, inside a PEFT wrapper (LoRA) or not."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) and isinstance(get_base_model(), nn.Module) else model
+
+
 def _layer_paths(model: nn.Module) -> list[str]:
     from transformers.modeling_layers import GradientCheckpointingLayer
     return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -118,7 +124,7 @@ class HfAdapter(Adapter):
         self.routers: dict[str, _Router] = {}
 
     def handles(self, model: nn.Module) -> bool:
-        return _is_transformers(type(model))
+        return _is_transformers(type(_hf_model(model)))
 
     def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
         layers = _layer_paths(model)
@@ -160,7 +166,7 @@ class HfAdapter(Adapter):
         self.routers.clear()
 
     def loss_head(self, model: nn.Module) -> Callable[[], None]:
-        return swap_loss_head(model)
+        return swap_loss_head(_hf_model(model))
 
     def prepare(self, model: nn.Module) -> Callable[[], None]:
         """HF's own gradient checkpointing off (remat's `full` recompute does what it does), and

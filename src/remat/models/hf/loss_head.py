@@ -41,7 +41,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
     if not isinstance(head, nn.Linear) or head.bias is not None:
         problems.append(Problem("loss_head", f"{type(model).__name__}'s output layer is not a Linear without bias;"
                                              " leave loss_head off"))
-    if problems:
+    if problems or head is None:
         raise ConfigError(problems)
     base = model.base_model
     own = model.__dict__.get("forward")

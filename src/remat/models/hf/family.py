@@ -1,0 +1,156 @@
+"""Hugging Face transformers causal LMs behind the model seam: recipes `hf:FAMILY` (a small config
+of that family, shape overrides in Megatron's names) or `hf:path/to/config.json`. The model is
+built from the config (never downloaded) and adapted (`remat.adapt`); its fast path is the
+chunked loss head and its Sites' calls compiled."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target
+from remat.models.hf.configs import TINY, hf_config, transformers_module
+from remat.problems import ConfigError, Problem
+
+PREFIX = "hf:"
+DEFAULT_SEQ = 64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HfModelConfig:
+    """A transformers config and the sequence length a step runs."""
+
+    source: str  # the family name or config.json it came from
+    hf: Any
+    seq_length: int
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf.vocab_size)
+
+    @property
+    def attention_dropout(self) -> float:
+        return float(getattr(self.hf, "attention_dropout", getattr(self.hf, "attn_pdrop", 0.0)) or 0.0)
+
+    @property
+    def hidden_dropout(self) -> float:
+        return float(getattr(self.hf, "hidden_dropout", getattr(self.hf, "resid_pdrop", 0.0)) or 0.0)
+
+    def record(self) -> dict[str, Any]:
+        return {"hf_config": self.source, "model_type": self.hf.model_type, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "seq_length": self.seq_length, "vocab_size": self.vocab_size}
+
+
+def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
+    transformers = transformers_module()
+    with torch.device(device or "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config.hf, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def _matmul_params(config: HfModelConfig) -> tuple[int, int]:
+    """(parameters every token multiplies by, those of its routed experts), on a meta model."""
+    return _counted(config.hf.to_json_string(), config)
+
+
+@functools.lru_cache(maxsize=16)
+def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
+    model = _build(config, None, "meta")
+    dense = routed = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        own = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+        if getattr(module, "gate_up_proj", None) is not None and getattr(module, "down_proj", None) is not None \
+                and module.gate_up_proj.dim() == 3:
+            routed += own
+        else:
+            dense += own
+    if getattr(model.config, "tie_word_embeddings", False):  # the output layer is the embedding's weight
+        dense += model.get_output_embeddings().weight.numel()
+    return dense, routed
+
+
+class HfFamily(ModelFamily):
+    name = "hf"
+    # transformers' mask code branches on tensor values (packed sequences, all-ones masks)
+    runs_on_meta = False
+
+    def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        return {f"{PREFIX}{family}": {"model_type": model_type} for family, (model_type, _) in TINY.items()}
+
+    def owns(self, recipe: str) -> bool:
+        return recipe.startswith(PREFIX)
+
+    def config(self, recipe: str, **overrides: Any) -> HfModelConfig:
+        source = recipe.removeprefix(PREFIX)
+        seq = overrides.pop("seq_length", None) or DEFAULT_SEQ
+        hf = hf_config(source, **overrides)
+        if getattr(hf, "max_position_embeddings", seq) < seq:
+            hf.max_position_embeddings = seq
+        return HfModelConfig(source, hf, seq)
+
+    def build(self, config: HfModelConfig, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None, pre_process: bool = True,
+              post_process: bool = True) -> nn.Module:
+        if not (pre_process and post_process):
+            raise ConfigError([Problem("pipeline_model_parallel_size", "Hugging Face models run as one pipeline"
+                                                                       " stage for now; use -pp 1")])
+        from remat.adapt import adapt
+        return adapt(_build(config, dtype, device))
+
+    def reset_parameters(self, model: nn.Module) -> None:
+        init: Any = model._init_weights
+        model.apply(init)
+
+    def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        for field, size in (("tensor_model_parallel_size", sizes.tensor), ("pipeline_model_parallel_size",
+                                                                            sizes.pipeline),
+                            ("context_parallel_size", sizes.context)):
+            if size != 1:
+                yield Problem(field, f"is {size}; Hugging Face models run on one device for now; use 1")
+
+    def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
+        return config
+
+    def flops(self, config: HfModelConfig, tokens_per_seq: int, sequences: int) -> float:
+        """6 x (matmul parameters, routed experts at top-k of all) x tokens, plus attention's two
+        matmuls (QK^T and PV at their head dims, the causal mask not halved)."""
+        hf = config.hf
+        dense, routed = _matmul_params(config)
+        experts = next((getattr(hf, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(hf, n, None)), None)
+        active = dense + (routed * hf.num_experts_per_tok / experts if experts else routed)
+        heads = hf.num_attention_heads
+        qk = getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        v = getattr(hf, "v_head_dim", None) or qk
+        attention = 6 * hf.num_hidden_layers * sequences * tokens_per_seq**2 * heads * (qk + v)
+        return float(6 * active * sequences * tokens_per_seq + attention)
+
+    def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
+        if not compiled:
+            return
+        from remat.adapt import adapt, compile_sites
+        adapt(model, loss_head=True)
+        if not shapes_only:
+            compile_sites(model)
+
+    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
+        raise ConfigError([Problem("sequence_parallel", "Hugging Face models run on one device for now;"
+                                                        " drop --sequence_parallel")])
+
+
+FAMILY = HfFamily()
