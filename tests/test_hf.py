@@ -170,8 +170,9 @@ def test_an_unknown_family_and_a_bad_override_are_named() -> None:
 def test_the_chunked_loss_head_gives_hf_loss_and_gradients(family) -> None:
     model = build(family, dropout=0.0, output_router_logits=True) if family == "mixtral" else build(family, dropout=0.0)
     model.config.use_cache = False
-    ids, labels = batch(model)
-    labels = labels.clone()
+    # more tokens than half the hidden size: fewer keep HF's head (test below)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
     labels[0, :5] = -100
     plain = run_step(model, ids, labels, seed=0)
     counted = model(ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
@@ -190,6 +191,14 @@ def test_the_chunked_loss_head_gives_hf_loss_and_gradients(family) -> None:
     chunked_long = run_step(model, long_ids, long_ids, seed=0).saved.bytes
     remat.unadapt(model)
     assert chunked_long < run_step(model, long_ids, long_ids, seed=0).saved.bytes
+
+
+def test_a_micro_batch_of_few_tokens_keeps_hf_loss_head() -> None:
+    model = remat.adapt(build("llama", dropout=0.0), loss_head=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    # hidden size 64: at 32 tokens the output layer's gradient would outweigh the logits, at 96 not
+    assert model(ids[:, :16], labels=ids[:, :16]).logits is not None
+    assert model(ids, labels=ids).logits is None
 
 
 def test_the_loss_head_is_refused_where_logits_are_soft_capped() -> None:

@@ -5,6 +5,7 @@ chunked loss head and its Sites' calls compiled."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,6 +40,19 @@ class HfModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf.vocab_size)
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return int(getattr(self.hf, "intermediate_size", None) or getattr(self.hf, "n_inner", None)
+                   or 4 * self.hidden_size)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf.num_attention_heads)
+
+    @property
+    def num_query_groups(self) -> int:
+        return int(getattr(self.hf, "num_key_value_heads", None) or self.num_attention_heads)
 
     @property
     def attention_dropout(self) -> float:
@@ -90,6 +104,8 @@ class HfFamily(ModelFamily):
     runs_on_meta = False
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        if importlib.util.find_spec("transformers") is None:  # listed where they can be built
+            return {}
         return {f"{PREFIX}{family}": {"model_type": model_type} for family, (model_type, _) in TINY.items()}
 
     def owns(self, recipe: str) -> bool:

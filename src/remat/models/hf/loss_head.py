@@ -2,7 +2,8 @@
 the output embedding, chunk by chunk (remat's chunked linear + cross-entropy), instead of the
 full-vocabulary logits that HF's `ForCausalLMLoss` upcasts to float32 (4 GiB per sequence of 8192
 tokens at a 128k vocabulary). Same loss as HF's: labels shifted by one, -100 ignored, a mean, or a
-sum over `num_items_in_batch` where the Trainer passes it. The output then has no logits."""
+sum over `num_items_in_batch` where the Trainer passes it. The output then has no logits. A
+micro-batch of fewer tokens than half the hidden size keeps HF's head, which then holds less."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,8 +53,11 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
         state["hidden"] = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
     def forward(*args: Any, labels: Tensor | None = None, **kwargs: Any) -> Any:
-        if labels is None:
-            return inner(*args, **kwargs)
+        if labels is None or labels.numel() * 2 <= head.in_features:
+            # the chunked head keeps the output layer's gradient (vocab x hidden) from forward to
+            # backward, HF's keeps float32 logits (tokens x vocab): fewer tokens than half the
+            # hidden size keep less HF's way
+            return inner(*args, labels=labels, **kwargs)
         handle = base.register_forward_hook(capture)
         try:  # no logits at all: keep none of the positions
             out = inner(*args, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
