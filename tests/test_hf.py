@@ -277,3 +277,61 @@ def test_importing_remat_does_not_import_transformers() -> None:
     code = "import sys, remat; remat.models.recipes(); print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def _trace(model: torch.nn.Module) -> remat.Trace:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        return remat.trace(model, batch(model), timing_repeats=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral", "deepseek_v3"])
+def test_the_trace_predicts_the_bytes_saved_tensors_hooks_find(family) -> None:
+    """Storages the forward saved for backward, still alive when it returns (a router's dropped
+    branch saves and frees), besides weights and the batch; plus the loss."""
+    import gc
+    import weakref
+    model = remat.adapt(build(family))
+    trace = _trace(model)
+    ids, labels = batch(model)
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids, labels]}
+    packed: list[weakref.ref] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(weakref.ref(t)) or t, lambda t: t):
+        loss = model(ids, labels=labels).loss
+    gc.collect()
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in packed if (t := ref()) is not None}
+    counted = sum(n for ptr, n in alive.items() if ptr not in held) + loss.untyped_storage().nbytes()
+    assert trace.predict(None).saved_bytes == counted
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_the_trace_predicts_what_each_plan_leaves_allocated(family) -> None:
+    from test_trace import _held_by_ops
+    model = remat.adapt(build(family))
+    trace = _trace(model)
+    ids, labels = batch(model)
+
+    def counted(plan: RecomputeConfig) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat.RematWarning)
+            remat.apply(model, plan)
+        model.zero_grad(set_to_none=True)
+        loss, held = _held_by_ops(lambda: model(ids, labels=labels).loss)
+        loss.backward()
+        return held
+
+    for label in LABELS[family]:
+        assert trace.predict(selective(label)).saved_bytes == counted(selective(label)), label
+    assert trace.predict(selective(*LABELS[family])).saved_bytes == counted(selective(*LABELS[family]))
+    # Known overcount: each full-recompute group keeps the decoder layers' shared position_ids
+    # (int64 [1, seq]) as an input, and the trace, measuring one layer, books it once per group.
+    position_ids = SEQ * 8
+    assert trace.predict(full("uniform", 1)).saved_bytes - counted(full("uniform", 1)) == (LAYERS - 1) * position_ids
+
+
+def test_mlp_recompute_frees_exactly_the_mlp_intermediates() -> None:
+    """gate_proj's output (SiLU's input), SiLU's output and up_proj's output (the product's inputs)
+    and the product (down_proj's input): four [b, s, ffn] float64 tensors a layer."""
+    model = remat.adapt(build("llama", dropout=0.0))
+    report = verify(model, selective("mlp"), *batch(model))
+    assert report.freed_bytes == LAYERS * 4 * BATCH * SEQ * model.config.intermediate_size * 8

@@ -113,7 +113,13 @@ class _Router:
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         site = self.adapter.attention_sites.get(module)
         fn = self.function(module)
-        return fn(module, *args, **kwargs) if site is None else site(fn, module, *args, **kwargs)
+        if site is None:
+            return fn(module, *args, **kwargs)
+        if "flash" not in self.key:
+            # only flash kernels read position_ids (packed sequences); a recomputed call would keep
+            # the tensor, shared by every layer, alive as its input
+            kwargs.pop("position_ids", None)
+        return site(fn, module, *args, **kwargs)
 
 
 class HfAdapter(Adapter):
