@@ -120,9 +120,6 @@ class EstimateSpec(RunSpec):
             config = self.model_config
             RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=config.num_layers))
             yield from self.family.shard_problems(config, self.parallel)
-            if not self.family.runs_on_meta:
-                yield Problem("model_recipe_name", f"{self.recipe} cannot run on shapes alone yet (its code reads"
-                                                   " tensor values); measure it on a device with remat plan")
         except ConfigError as err:
             yield from err.problems
         except ValueError:  # an unknown recipe: RunSpec reported it
@@ -314,9 +311,17 @@ class _TargetKernels(TorchFunctionMode):
         kwargs = kwargs or {}
         if not args or not isinstance(args[0], Tensor) or args[0].device.type != "meta":
             return func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention and self._fused(args, kwargs):
             return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _fused(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the target runs SDPA fused: flash and cuDNN take one head dim for q, k and v
+        (MLA's v is narrower), and CPU flash no dropout; torch runs those unfused, as meta does."""
+        if len(args) < 3 or args[0].shape[-1] != args[2].shape[-1]:
+            return False
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return self.target == "cuda" or not dropout
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -466,7 +471,7 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
                                 " CPU; lower -sl, -mb or --num_layers, or run on a GPU")
         return
     available = available_host_bytes()
-    if available is None or not spec.family.runs_on_meta:
+    if available is None:
         return
     for name, plan in plans:
         need = step_peak(spec, plan) + extra_bytes

@@ -96,8 +96,6 @@ class ModelFamily(ABC):
     name: str
     # Site labels the family's models use beyond Megatron's; registered with the family.
     labels: tuple[Label, ...] = ()
-    # Whether its models step on the meta device (shapes only), as remat estimate runs them.
-    runs_on_meta: bool = True
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:

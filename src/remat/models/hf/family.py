@@ -98,10 +98,23 @@ def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
     return dense, routed
 
 
+def _packed_sequences_on_meta() -> None:
+    """transformers looks for packed sequences by reading position_ids' values, which a meta tensor
+    has none of: on meta there are none (a mock batch packs none), elsewhere it looks as before."""
+    masking = transformers_module().masking_utils
+    found = masking.find_packed_sequence_indices
+    if getattr(found, "remat_meta", False):
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        return None if position_ids.is_meta else found(position_ids)
+
+    find_packed_sequence_indices.remat_meta = True  # type: ignore[attr-defined]
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+
+
 class HfFamily(ModelFamily):
     name = "hf"
-    # transformers' mask code branches on tensor values (packed sequences, all-ones masks)
-    runs_on_meta = False
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         if importlib.util.find_spec("transformers") is None:  # listed where they can be built
@@ -157,6 +170,8 @@ class HfFamily(ModelFamily):
         return float(6 * active * sequences * tokens_per_seq + attention)
 
     def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
+        if shapes_only:
+            _packed_sequences_on_meta()
         if not compiled:
             return
         from remat.adapt import adapt, compile_sites
