@@ -32,7 +32,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
-        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).triu(1)
         probs = F.dropout(scores.masked_fill(mask, float("-inf")).softmax(-1), self.dropout, self.training)
         return probs @ v
 
@@ -234,3 +234,28 @@ def test_a_pattern_star_never_spans_a_dot() -> None:
     from remat.adapt import matches
     assert matches("layers.*", "layers.0") and not matches("layers.*", "layers.0.feed_forward")
     assert matches("layers.*.w[13]", "layers.2.w3") and not matches("layers.*.w[13]", "layers.2.w2")
+
+
+def titan_model() -> tuple[Transformer, dict]:
+    """A factory for `--model test_adapt:titan_model`: the model and its site map."""
+    return Transformer(dropout=0.0), SITE_MAP
+
+
+def test_any_model_runs_through_the_command_line_from_a_factory(capsys) -> None:
+    from remat.cli import main
+    code = main(["bench", "--model", "test_adapt:titan_model", "-sl", str(SEQ), "-ms", "2", "--warmup_steps", "1",
+                 "--recompute_modules", "mlp,layernorm", "--no_history", "--no_progress", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "ok" in out
+    code = main(["estimate", "--model", "test_adapt:titan_model", "-sl", str(SEQ), "--target", "cpu", "-rl", "1"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_a_factory_that_cannot_load_is_named(capsys) -> None:
+    from remat.cli import main
+    assert main(["bench", "--model", "test_adapt:no_such", "--no_history", "--device", "cpu"]) == 1
+    assert "cannot load 'test_adapt:no_such'" in capsys.readouterr().err
+    assert main(["bench", "--model", "test_adapt:titan_model", "--num_layers", "2", "--no_history",
+                 "--device", "cpu"]) == 1
+    assert "a factory's model takes only -sl/--seq_length" in capsys.readouterr().err

@@ -72,6 +72,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="with -m hf: a transformers family (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, gpt2,"
                         " mixtral, qwen2_moe, qwen3_moe, deepseek_v3; small shapes to override) or a config.json;"
                         " built from the config, never downloaded")
+    g.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
+                   help="any model: a function (no arguments) returning it, or (model, site map); token ids"
+                        " below its first embedding's vocabulary, -sl tokens")
     g.add_argument("-ng", "--num_gpus", type=int, default=1)
     g.add_argument("-sl", "--seq_length", type=int, metavar="N")
     g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
@@ -107,13 +110,17 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def select_model(args: argparse.Namespace) -> None:
-    """-m hf --hf_config X is the recipe hf:X; --hf_config needs -m hf."""
+    """-m hf --hf_config X is the recipe hf:X (--hf_config needs -m hf); --model P is module:P."""
     family = getattr(args, "model_family_name", None)
-    hf = getattr(args, "hf_config", None)
+    hf, factory = getattr(args, "hf_config", None), getattr(args, "model", None)
     if hf is not None and family != "hf":
         raise ConfigError([Problem("hf_config", "names a Hugging Face config; add -m hf")])
+    if factory is not None and family == "hf":
+        raise ConfigError([Problem("model", "is a model of its own; drop -m hf")])
     if family == "hf":
         args.model_recipe_name = f"hf:{hf or 'llama'}"
+    elif factory is not None:
+        args.model_recipe_name = f"module:{factory}"
 
 
 def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:

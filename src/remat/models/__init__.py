@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from remat import labels
-from remat.models import llama
+from remat.models import factory, llama
 from remat.models.family import (Adapter, ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target,
                                  unknown)
 from remat.models.hf import family as hf_family
@@ -30,6 +30,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 register(llama.FAMILY)
 register(hf_family.FAMILY)
+register(factory.FAMILY)
 
 # Families of models remat did not write, for `remat.adapt`.
 ADAPTERS: list[Adapter] = [HF_ADAPTER]

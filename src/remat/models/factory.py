@@ -1,0 +1,134 @@
+"""Any model, from a factory: recipe `module:package.module:function`. The function takes no
+arguments and returns the model, or (model, site map) for `remat.adapt`; a transformers model is
+adapted as it is. The step feeds it `model(input_ids, labels=labels)` with token ids below the
+vocabulary of its first embedding. Runs on one device; FLOPs count its matmul weights only."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target
+from remat.problems import ConfigError, Problem
+
+PREFIX = "module:"
+DEFAULT_SEQ = 64
+
+
+def _factory(path: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError([Problem("model", f"cannot load {path!r} ({err}); give package.module:function,"
+                                            " a function that returns the model")]) from err
+    if not callable(factory):
+        raise ConfigError([Problem("model", f"{path!r} is not a function; give one that returns the model")])
+    return factory
+
+
+def _made(path: str) -> nn.Module:
+    """The factory's model, adapted (its own Sites, a transformers family, or the map it returned)."""
+    from remat.adapt import adapt
+    made = _factory(path)()
+    model, site_map = made if isinstance(made, tuple) else (made, None)
+    if not isinstance(model, nn.Module):
+        raise ConfigError([Problem("model", f"{path} returned {type(model).__name__}, not an nn.Module")])
+    return adapt(model, site_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class FactoryConfig:
+    path: str
+    seq_length: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {"model": self.path, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "seq_length": self.seq_length, "vocab_size": self.vocab_size}
+
+
+@functools.lru_cache(maxsize=8)
+def _shape(path: str) -> tuple[int, int, int]:
+    """(layers, hidden size, vocabulary) of the factory's model, built on meta."""
+    from remat.apply import find_sites
+    with torch.device("meta"):
+        model = _made(path)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ConfigError([Problem("model", f"{path}'s model has no nn.Embedding to tell its vocabulary by")])
+    return find_sites(model).layout.num_layers, embedding.embedding_dim, embedding.num_embeddings
+
+
+class FactoryFamily(ModelFamily):
+    name = "module"
+
+    def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        return {}  # any importable factory: `owns` recognises them
+
+    def owns(self, recipe: str) -> bool:
+        return recipe.startswith(PREFIX)
+
+    def config(self, recipe: str, **overrides: Any) -> FactoryConfig:
+        path = recipe.removeprefix(PREFIX)
+        unknown = sorted(set(overrides) - {"seq_length"})
+        if unknown:
+            raise ConfigError([Problem(key, "a factory's model takes only -sl/--seq_length; change the factory for"
+                                            " other shapes") for key in unknown])
+        layers, hidden, vocab = _shape(path)
+        return FactoryConfig(path, overrides.get("seq_length") or DEFAULT_SEQ, layers, hidden, vocab)
+
+    def build(self, config: FactoryConfig, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None, pre_process: bool = True,
+              post_process: bool = True) -> nn.Module:
+        if not (pre_process and post_process):
+            raise ConfigError([Problem("pipeline_model_parallel_size", "a factory's model runs as one pipeline"
+                                                                       " stage; use -pp 1")])
+        with torch.device(device or "cpu"):
+            model = _made(config.path)
+        return model.to(dtype=dtype) if dtype is not None else model
+
+    def reset_parameters(self, model: nn.Module) -> None:
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset) and module is not model:
+                reset()
+
+    def shard_problems(self, config: FactoryConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        for field, size in (("tensor_model_parallel_size", sizes.tensor),
+                            ("pipeline_model_parallel_size", sizes.pipeline), ("context_parallel_size", sizes.context)):
+            if size != 1:
+                yield Problem(field, f"is {size}; a factory's model runs on one device; use 1")
+
+    def shard(self, config: FactoryConfig, sizes: ParallelSizes) -> FactoryConfig:
+        return config
+
+    def flops(self, config: FactoryConfig, tokens_per_seq: int, sequences: int) -> float:
+        """6 x matmul weights (every parameter of two or more dimensions but embeddings) x tokens;
+        attention's own matmuls are not counted (their shapes are the factory's)."""
+        with torch.device("meta"):
+            model = _made(config.path)
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+        return float(6 * weights * tokens_per_seq * sequences)
+
+    def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
+        if compiled and not shapes_only:
+            from remat.adapt import compile_sites
+            compile_sites(model)
+
+    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
+        raise ConfigError([Problem("sequence_parallel", "a factory's model runs on one device; drop"
+                                                        " --sequence_parallel")])
+
+
+FAMILY = FactoryFamily()
