@@ -150,14 +150,33 @@ def test_hf_gradient_checkpointing_is_turned_off_and_said_and_refused_if_turned_
     assert model.is_gradient_checkpointing  # unadapt puts back what adapt turned off
 
 
+def _cache(out) -> object:
+    """The key/value cache an output carries (transformers 5.25 calls it cache, 5.17 past_key_values)."""
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
 def test_training_runs_without_a_cache_and_eval_keeps_it() -> None:
     model = remat.adapt(build("llama", dropout=0.0))
     ids, _ = batch(model)
-    assert model(ids, use_cache=True).past_key_values is None if hasattr(
-        transformers.modeling_outputs.CausalLMOutputWithPast, "past_key_values") else True
+    assert _cache(model(ids, use_cache=True)) is None
     model.eval()
-    out = model(ids, use_cache=True)
-    assert (getattr(out, "past_key_values", None) or getattr(out, "cache", None)) is not None
+    assert _cache(model(ids, use_cache=True)) is not None
+
+
+def test_switching_to_eval_and_back_under_a_plan() -> None:
+    plain = build("llama")
+    ids, labels = batch(plain)
+    plain.eval()
+    expected = plain(ids).logits
+    model = remat.adapt(build("llama"))
+    remat.apply(model, full("uniform", 1))
+    model.eval()  # dropout off, gradients on: the plan still runs, and changes nothing
+    assert torch.equal(model(ids).logits, expected)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    model.train()
+    report = verify(model, full("uniform", 1), ids, labels, seed=5)
+    assert report.bit_identical
 
 
 def test_an_unknown_family_and_a_bad_override_are_named() -> None:
@@ -358,3 +377,21 @@ def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> No
             (stage,) = est.stages
             assert (stage.activations, stage.peak, stage.peak_window) == (
                 predicted.saved_bytes, predicted.peak_bytes, predicted.peak_window), name
+
+
+def test_remat_verify_takes_moe_and_mla_labels_on_a_transformers_model(capsys) -> None:
+    """The config's facts (grouped GEMM experts, multi-latent attention) come from the model."""
+    from remat.cli import main
+    code = main(["verify", "-m", "hf", "--hf_config", "deepseek_v3", "--num_layers", "2", "-sl", "16",
+                 "--recompute_modules", "moe_act,mla_up_proj,shared_experts"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "bit-identical: True" in out
+
+
+def test_without_transformers_the_message_says_how_to_install_it(monkeypatch) -> None:
+    import sys
+    from remat.models.hf.configs import transformers_module
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"^Hugging Face models need transformers: pip install 'remat\[hf\]'$"):
+        transformers_module()

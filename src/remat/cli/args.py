@@ -62,9 +62,8 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="YAML or JSON with Megatron TransformerConfig keys; flags override it")
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Model and batch flags of Megatron Bridge's performance scripts."""
-    g = p.add_argument_group("model and run (Megatron Bridge names)")
+def add_model_source_flags(g: argparse._ActionsContainer) -> None:
+    """Which model: a recipe, a Hugging Face config, or any model from a factory."""
     g.add_argument("-m", "--model_family_name", default="llama", choices=list(FAMILIES))
     g.add_argument("-mr", "--model_recipe_name", default="llama3_tiny", metavar="RECIPE",
                    help="see `remat recipes` (default llama3_tiny, which runs on CPU)")
@@ -75,6 +74,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
                    help="any model: a function (no arguments) returning it, or (model, site map); token ids"
                         " below its first embedding's vocabulary, -sl tokens")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Model and batch flags of Megatron Bridge's performance scripts."""
+    g = p.add_argument_group("model and run (Megatron Bridge names)")
+    add_model_source_flags(g)
     g.add_argument("-ng", "--num_gpus", type=int, default=1)
     g.add_argument("-sl", "--seq_length", type=int, metavar="N")
     g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
@@ -192,8 +197,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
 def model_facts(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Megatron keys a recipe's model fixes for the recompute rules."""
     config = recipe_config(args.model_recipe_name, **(model_overrides(args) if overrides is None else overrides))
-    return {"num_layers": config.num_layers, "attention_dropout": config.attention_dropout,
-            "hidden_dropout": config.hidden_dropout}
+    return config.megatron_facts()
 
 
 def meta_model(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> nn.Module:

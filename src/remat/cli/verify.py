@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from remat.apply import apply, offloader_of
-from remat.cli.args import add_recompute_flags, flag_facts, model_facts, resolve_config
+from remat.cli.args import add_model_source_flags, add_recompute_flags, flag_facts, model_facts, resolve_config
 from remat.cli.checks import tolerance_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings, show
 from remat.cli.tables import verify_table
@@ -30,8 +30,7 @@ HELP = "run one step without and with a config; compare gradients"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-mr", "--model_recipe_name", metavar="RECIPE", default="llama3_tiny",
-                   help="the recipe (default llama3_tiny; `remat recipes` lists them)")
+    add_model_source_flags(p)
     p.add_argument("--num_layers", type=int, metavar="N")
     p.add_argument("--hidden_size", type=int, metavar="N")
     p.add_argument("-sl", "--seq_length", type=int, metavar="N")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target
+from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
 from remat.problems import ConfigError, Problem
 
 PREFIX = "module:"
@@ -51,6 +51,9 @@ class FactoryConfig:
     vocab_size: int
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+
+    def megatron_facts(self) -> dict[str, Any]:
+        return dense_facts(self)
 
     def record(self) -> dict[str, Any]:
         return {"model": self.path, "num_layers": self.num_layers, "hidden_size": self.hidden_size,

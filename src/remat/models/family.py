@@ -46,6 +46,16 @@ class ModelConfig(Protocol):
         """The model's shape as a benchmark result records it (compared with a golden's)."""
         ...
 
+    def megatron_facts(self) -> dict[str, Any]:
+        """The Megatron keys the model fixes for the recompute rules (layers, dropout, MoE, MLA)."""
+        ...
+
+
+def dense_facts(config: ModelConfig) -> dict[str, Any]:
+    """The recompute rules' keys every model fixes: its layers and dropout."""
+    return {"num_layers": config.num_layers, "attention_dropout": config.attention_dropout,
+            "hidden_dropout": config.hidden_dropout}
+
 
 @dataclass(frozen=True)
 class ParallelSizes:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target
+from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.problems import ConfigError, Problem
 
@@ -62,6 +62,16 @@ class HfModelConfig:
     def hidden_dropout(self) -> float:
         return float(getattr(self.hf, "hidden_dropout", getattr(self.hf, "resid_pdrop", 0.0)) or 0.0)
 
+    def megatron_facts(self) -> dict[str, Any]:
+        """Dense facts, and for MoE and MLA models what their labels need: transformers' experts
+        run as grouped GEMMs (moe_act's rule), DeepSeek's attention is multi-latent."""
+        facts = dense_facts(self)
+        if any(getattr(self.hf, n, None) for n in ("num_local_experts", "num_experts", "n_routed_experts")):
+            facts["moe_grouped_gemm"] = True
+        if getattr(self.hf, "kv_lora_rank", None):
+            facts["multi_latent_attention"] = True
+        return facts
+
     def record(self) -> dict[str, Any]:
         return {"hf_config": self.source, "model_type": self.hf.model_type, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "seq_length": self.seq_length, "vocab_size": self.vocab_size}
@@ -69,8 +79,13 @@ class HfModelConfig:
 
 def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
     transformers = transformers_module()
+    kwargs: dict[str, Any] = {}
+    if config.megatron_facts().get("moe_grouped_gemm"):
+        # torch's grouped GEMM takes bf16 (on meta, and float64 nowhere); other dtypes run the
+        # experts as batched matmuls, whose shapes, unlike the eager loop's, do not depend on routing
+        kwargs["experts_implementation"] = "grouped_mm" if dtype == torch.bfloat16 else "batched_mm"
     with torch.device(device or "cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(config.hf, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config.hf, dtype=dtype, **kwargs)
     model.config.use_cache = False
     return model
 

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from remat.models.family import dense_facts
 from remat.problems import ConfigError, Problem
 
 # remat's models compute attention with torch's SDPA (fused kernels) or eagerly (s x s scores kept).
@@ -84,6 +85,9 @@ class LlamaConfig:
         return dict(num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                     seq_length=self.seq_length, vocab_size=self.vocab_size,
                     gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+
+    def megatron_facts(self) -> dict[str, Any]:
+        return dense_facts(self)
 
 
 def _positive_int(value: Any) -> bool:
