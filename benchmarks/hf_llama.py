@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import remat
-from remat.adapt import compile_sites
+from remat.placement import compile_sites
 from remat.calls import forward_loss
 from remat.planner import NoPlanFits, PlanResult, plan_from_trace
 from remat.problems import RematWarning

@@ -23,7 +23,7 @@ import transformers
 from hf_llama import measure
 
 import remat
-from remat.adapt import compile_sites
+from remat.placement import compile_sites
 from remat.models.hf.family import HfModelConfig, HfFamily
 from remat.problems import RematWarning
 from remat.recompute import RecomputeConfig, TrainingFacts

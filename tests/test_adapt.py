@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.adapt import SITE_NAME, site_map_of
+from remat.placement import SITE_NAME, site_map_of
 from remat.apply import find_sites
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig
@@ -231,7 +231,7 @@ def test_a_label_the_adapted_model_has_no_place_for_names_the_model_and_its_labe
 
 
 def test_a_pattern_star_never_spans_a_dot() -> None:
-    from remat.adapt import matches
+    from remat.placement import matches
     assert matches("layers.*", "layers.0") and not matches("layers.*", "layers.0.feed_forward")
     assert matches("layers.*.w[13]", "layers.2.w3") and not matches("layers.*.w[13]", "layers.2.w2")
 

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import remat  # noqa: E402
-from remat.adapt import site_map_of  # noqa: E402
+from remat.placement import site_map_of  # noqa: E402
 from remat.apply import find_sites  # noqa: E402
 from remat.models.hf.configs import TINY, hf_config  # noqa: E402
 from remat.problems import ConfigError  # noqa: E402

@@ -13,8 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.labels import LAYER
 from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
+from remat.placement import compile_sites, place_sites
 from remat.problems import ConfigError, Problem
+from remat.sites import Site
 
 PREFIX = "module:"
 DEFAULT_SEQ = 64
@@ -34,12 +37,12 @@ def _factory(path: str) -> Any:
 
 def _made(path: str) -> nn.Module:
     """The factory's model, adapted (its own Sites, a transformers family, or the map it returned)."""
-    from remat.adapt import adapt
+    from remat import models
     made = _factory(path)()
     model, site_map = made if isinstance(made, tuple) else (made, None)
     if not isinstance(model, nn.Module):
         raise ConfigError([Problem("model", f"{path} returned {type(model).__name__}, not an nn.Module")])
-    return adapt(model, site_map)
+    return place_sites(model, site_map, models.adapter_for(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +66,13 @@ class FactoryConfig:
 @functools.lru_cache(maxsize=8)
 def _shape(path: str) -> tuple[int, int, int]:
     """(layers, hidden size, vocabulary) of the factory's model, built on meta."""
-    from remat.apply import find_sites
     with torch.device("meta"):
         model = _made(path)
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         raise ConfigError([Problem("model", f"{path}'s model has no nn.Embedding to tell its vocabulary by")])
-    return find_sites(model).layout.num_layers, embedding.embedding_dim, embedding.num_embeddings
+    layers = sum(isinstance(m, Site) and m.label == LAYER for m in model.modules())
+    return layers, embedding.embedding_dim, embedding.num_embeddings
 
 
 class FactoryFamily(ModelFamily):
@@ -126,7 +129,6 @@ class FactoryFamily(ModelFamily):
 
     def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
         if compiled and not shapes_only:
-            from remat.adapt import compile_sites
             compile_sites(model)
 
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:

@@ -13,13 +13,14 @@ import difflib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 from remat.labels import Label
-from remat.problems import ConfigError, Problem
+from remat.placement import Adapter
+from remat.problems import Problem
 
 Target = Literal["cuda", "cpu"]
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
@@ -154,30 +155,3 @@ class ModelFamily(ABC):
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
         """Prepare `model` to run on a sequence-parallel rank's tokens; where it communicates."""
 
-
-class Adapter(ABC):
-    """A family of models remat did not write (Hugging Face transformers): how to recognise one,
-    where its Sites go, and what to set on it first. Used by `remat.adapt`."""
-
-    name: str
-
-    @abstractmethod
-    def handles(self, model: nn.Module) -> bool:
-        """Whether `model` belongs to this family."""
-
-    @abstractmethod
-    def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
-        """label -> module path patterns for this model."""
-
-    def place(self, label: str, module: nn.Module, site: nn.Module) -> Callable[[], None] | None:
-        """Route `label`'s computation in `module` through `site` this family's own way; returns
-        what undoes it, or None to wrap the module's forward."""
-        return None
-
-    def loss_head(self, model: nn.Module) -> Callable[[], None]:
-        """Swap the model's loss for remat's chunked linear + cross-entropy; returns the undo."""
-        raise ConfigError([Problem("loss_head", f"remat has no chunked loss head for {type(model).__name__}")])
-
-    def prepare(self, model: nn.Module) -> Callable[[], None]:
-        """Settings the model needs before Sites act (e.g. its own checkpointing off); returns the undo."""
-        return lambda: None

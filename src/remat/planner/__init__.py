@@ -73,7 +73,9 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     if plan == Plan.none(n):
         return RecomputeConfig()
     labels = sorted(frozenset().union(*layout.labels))
-    facts = TrainingFacts(num_layers=n)
+    # a model with these sites runs what their rules ask for (grouped GEMM experts, MLA)
+    facts = TrainingFacts(num_layers=n, moe_grouped_gemm="moe_act" in labels,
+                          multi_latent_attention="mla_up_proj" in labels)
     candidates: list[dict[str, Any]]  # RecomputeConfig keyword arguments
     candidates = [dict(recompute_granularity="selective",
                        recompute_modules=[x for i, x in enumerate(labels) if mask >> i & 1])

@@ -15,6 +15,8 @@ from torch import nn
 
 from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
 from remat.models.hf.configs import TINY, hf_config, transformers_module
+from remat.models.hf.adapter import ADAPTER
+from remat.placement import compile_sites, place_sites
 from remat.problems import ConfigError, Problem
 
 PREFIX = "hf:"
@@ -153,8 +155,7 @@ class HfFamily(ModelFamily):
         if not (pre_process and post_process):
             raise ConfigError([Problem("pipeline_model_parallel_size", "Hugging Face models run as one pipeline"
                                                                        " stage for now; use -pp 1")])
-        from remat.adapt import adapt
-        return adapt(_build(config, dtype, device))
+        return place_sites(_build(config, dtype, device), None, ADAPTER)
 
     def reset_parameters(self, model: nn.Module) -> None:
         init: Any = model._init_weights
@@ -189,8 +190,7 @@ class HfFamily(ModelFamily):
             _packed_sequences_on_meta()
         if not compiled:
             return
-        from remat.adapt import adapt, compile_sites
-        adapt(model, loss_head=True)
+        place_sites(model, None, ADAPTER, loss_head=True)
         if not shapes_only:
             compile_sites(model)
 
