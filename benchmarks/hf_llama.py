@@ -46,6 +46,14 @@ def model_flops(c: transformers.LlamaConfig, batch: int, seq: int) -> float:
     return float(dense + 6 * c.num_hidden_layers * 2 * batch * seq**2 * h)
 
 
+def timing_fields(result: dict, flops: float) -> dict:
+    """A measured step as a row's fields (step time, TFLOP/s, peak), or its failure as it is."""
+    if "step_s" not in result:
+        return dict(result)
+    return dict(step_s=round(result["step_s"], 4), tflops=round(flops / result["step_s"] / 1e12, 1),
+                peak_gib=round(result["peak_bytes"] / GIB, 3))
+
+
 def measure(model: torch.nn.Module, ids: torch.Tensor, warmup: int = 3, steps: int = 6) -> dict:
     """Median step time and the peak allocated over steady steps (weights, gradients, AdamW state)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -97,12 +105,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def record(name: str, result: dict, **extra: object) -> dict:
-        row = dict(mode=name, **extra)
-        if "step_s" in result:
-            row.update(step_s=round(result["step_s"], 4), tflops=round(flops / result["step_s"] / 1e12, 1),
-                       peak_gib=round(result["peak_bytes"] / GIB, 3))
-        else:
-            row.update(result)
+        row = dict(mode=name, **extra, **timing_fields(result, flops))
         rows.append(row)
         print(json.dumps(row), flush=True)
         return row

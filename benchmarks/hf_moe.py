@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from hf_llama import measure
+from hf_llama import measure, timing_fields
 
 import remat
 from remat.placement import compile_sites
@@ -68,12 +68,8 @@ def run_slice(name: str) -> list[dict]:
     rows = []
 
     def record(mode: str, result: dict) -> None:
-        row = dict(model=name, mode=mode, experts=model.config._experts_implementation)
-        if "step_s" in result:
-            row.update(step_s=round(result["step_s"], 4), tflops=round(flops / result["step_s"] / 1e12, 1),
-                       peak_gib=round(result["peak_bytes"] / GIB, 3))
-        else:
-            row.update(result)
+        row = dict(model=name, mode=mode, experts=model.config._experts_implementation,
+                   **timing_fields(result, flops))
         rows.append(row)
         print(json.dumps(row), flush=True)
 

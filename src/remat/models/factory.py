@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from remat.labels import LAYER
-from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
+from remat.models.family import (ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
+                                 one_device_problems)
 from remat.placement import compile_sites, place_sites
 from remat.problems import ConfigError, Problem
 from remat.sites import Site
@@ -110,10 +111,7 @@ class FactoryFamily(ModelFamily):
                 reset()
 
     def shard_problems(self, config: FactoryConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        for field, size in (("tensor_model_parallel_size", sizes.tensor),
-                            ("pipeline_model_parallel_size", sizes.pipeline), ("context_parallel_size", sizes.context)):
-            if size != 1:
-                yield Problem(field, f"is {size}; a factory's model runs on one device; use 1")
+        yield from one_device_problems(sizes, "models from a factory")
 
     def shard(self, config: FactoryConfig, sizes: ParallelSizes) -> FactoryConfig:
         return config

@@ -52,6 +52,14 @@ class ModelConfig(Protocol):
         ...
 
 
+def one_device_problems(sizes: ParallelSizes, what: str) -> Iterator[Problem]:
+    """A family that runs on one device only: every parallel size above 1, named."""
+    for field, size in (("tensor_model_parallel_size", sizes.tensor), ("pipeline_model_parallel_size", sizes.pipeline),
+                        ("context_parallel_size", sizes.context)):
+        if size != 1:
+            yield Problem(field, f"is {size}; {what} run on one device for now; use 1")
+
+
 def dense_facts(config: ModelConfig) -> dict[str, Any]:
     """The recompute rules' keys every model fixes: its layers and dropout."""
     return {"num_layers": config.num_layers, "attention_dropout": config.attention_dropout,

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
+from remat.models.family import (ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
+                                 one_device_problems)
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER
 from remat.placement import compile_sites, place_sites
@@ -162,11 +163,7 @@ class HfFamily(ModelFamily):
         model.apply(init)
 
     def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        for field, size in (("tensor_model_parallel_size", sizes.tensor), ("pipeline_model_parallel_size",
-                                                                            sizes.pipeline),
-                            ("context_parallel_size", sizes.context)):
-            if size != 1:
-                yield Problem(field, f"is {size}; Hugging Face models run on one device for now; use 1")
+        yield from one_device_problems(sizes, "Hugging Face models")
 
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
         return config
