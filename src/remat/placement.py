@@ -146,10 +146,11 @@ class _SitedForward:
         return self.site(self.inner, *args, **kwargs)
 
 
-def _wrap_forward(module: nn.Module, site: Site) -> Callable[[], None]:
-    """Call `module`'s forward through `site`; returns what undoes it."""
-    own = module.__dict__.get("forward")  # an instance-level forward someone installed before
-    module.forward = _SitedForward(site, module.forward)  # type: ignore[method-assign]
+def replace_forward(module: nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Set `module`'s forward to `wrap(its forward)` on the instance; returns what puts back the
+    forward it had (its class's, or one installed on the instance before)."""
+    own = module.__dict__.get("forward")
+    module.forward = wrap(module.forward)  # type: ignore[method-assign]
 
     def undo() -> None:
         if own is None:
@@ -162,7 +163,7 @@ def _wrap_forward(module: nn.Module, site: Site) -> Callable[[], None]:
 def _place(adapter: Adapter | None, label: str, module: nn.Module) -> Callable[[], None]:
     site = Site(label)
     special = adapter.place(label, module, site) if adapter is not None else None
-    unwrap = special if special is not None else _wrap_forward(module, site)
+    unwrap = special if special is not None else replace_forward(module, functools.partial(_SitedForward, site))
     module.add_module(SITE_NAME, site)
 
     def undo() -> None:

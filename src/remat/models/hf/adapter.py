@@ -9,6 +9,7 @@ the module's Site when it has one and straight through otherwise.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -37,7 +38,8 @@ def _is_transformers(obj: type) -> bool:
 def _hf_model(model: nn.Module) -> nn.Module:
     """The transformers model itself, inside a PEFT wrapper (LoRA) or not."""
     get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) and isinstance(get_base_model(), nn.Module) else model
+    base = get_base_model() if callable(get_base_model) else None
+    return base if isinstance(base, nn.Module) else model
 
 
 def _layer_paths(model: nn.Module) -> list[str]:
@@ -182,7 +184,9 @@ class HfAdapter(Adapter):
             _set_checkpointing(model, False)
             warn(f"remat turned off {type(model).__name__}'s gradient checkpointing: remat's Sites recompute"
                  " instead (recompute_granularity='full' is what it did); remat.unadapt turns it back on")
-        handle = model.register_forward_pre_hook(_training_call, with_kwargs=True)
+        # the modules HF's checkpointing switches, found once: the hook runs before every forward
+        switches = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        handle = model.register_forward_pre_hook(functools.partial(_training_call, switches), with_kwargs=True)
 
         def undo() -> None:
             handle.remove()
@@ -191,9 +195,11 @@ class HfAdapter(Adapter):
         return undo
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether HF's own checkpointing is on (5.25 renamed it activation checkpointing)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+def _checkpointing(model: nn.Module, switches: list[nn.Module] | None = None) -> bool:
+    """Whether HF's own checkpointing is on (5.25 renamed it activation checkpointing), by the
+    `gradient_checkpointing` flag of `switches` (default: every module's)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True
+               for m in (model.modules() if switches is None else switches))
 
 
 def _set_checkpointing(model: Any, on: bool) -> None:
@@ -201,10 +207,10 @@ def _set_checkpointing(model: Any, on: bool) -> None:
     (new or getattr(model, f"gradient_checkpointing_{'enable' if on else 'disable'}"))()
 
 
-def _training_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _training_call(switches: list[nn.Module], model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before each forward: in training, no cache (as HF's checkpointing does); HF's checkpointing
     turned on again after adapt would recompute inside remat's Sites, so it is refused."""
-    if model.training and _checkpointing(model):
+    if model.training and _checkpointing(model, switches):
         raise ConfigError([Problem("gradient_checkpointing", f"{type(model).__name__} has remat's Sites and HF"
                                                              " gradient checkpointing on at once; call"
                                                              " model.gradient_checkpointing_disable() and let"

@@ -6,6 +6,7 @@ sum over `num_items_in_batch` where the Trainer passes it. The output then has n
 micro-batch of fewer tokens than half the hidden size keeps HF's head, which then holds less."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
+from remat.placement import replace_forward
 from remat.problems import ConfigError, Problem
 
 IGNORE = -100
@@ -45,14 +47,15 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
     if problems or head is None:
         raise ConfigError(problems)
     base = model.base_model
-    own = model.__dict__.get("forward")
-    inner = model.forward
     state: dict[str, Any] = {}
 
     def capture(module: nn.Module, args: tuple, out: Any) -> None:
         state["hidden"] = out[0] if isinstance(out, tuple) else out.last_hidden_state
 
-    def forward(*args: Any, labels: Tensor | None = None, **kwargs: Any) -> Any:
+    def chunked(inner: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(_forward, inner)
+
+    def _forward(inner: Callable[..., Any], *args: Any, labels: Tensor | None = None, **kwargs: Any) -> Any:
         if labels is None or labels.numel() * 2 <= head.in_features:
             # the chunked head keeps the output layer's gradient (vocab x hidden) from forward to
             # backward, HF's keeps float32 logits (tokens x vocab): fewer tokens than half the
@@ -73,11 +76,4 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
         out.loss, out.logits = loss, None
         return out
 
-    model.forward = forward
-
-    def undo() -> None:
-        if own is None:
-            model.__dict__.pop("forward", None)
-        else:
-            model.forward = own
-    return undo
+    return replace_forward(model, chunked)
