@@ -65,15 +65,18 @@ class FactoryConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _shape(path: str) -> tuple[int, int, int]:
-    """(layers, hidden size, vocabulary) of the factory's model, built on meta."""
+def _shape(path: str) -> tuple[int, int, int, int]:
+    """(layers, hidden size, vocabulary, matmul weights: parameters of two or more dimensions but
+    embeddings) of the factory's model, built on meta."""
     with torch.device("meta"):
         model = _made(path)
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         raise ConfigError([Problem("model", f"{path}'s model has no nn.Embedding to tell its vocabulary by")])
     layers = sum(isinstance(m, Site) and m.label == LAYER for m in model.modules())
-    return layers, embedding.embedding_dim, embedding.num_embeddings
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    return layers, embedding.embedding_dim, embedding.num_embeddings, weights
 
 
 class FactoryFamily(ModelFamily):
@@ -91,7 +94,7 @@ class FactoryFamily(ModelFamily):
         if unknown:
             raise ConfigError([Problem(key, "a factory's model takes only -sl/--seq_length; change the factory for"
                                             " other shapes") for key in unknown])
-        layers, hidden, vocab = _shape(path)
+        layers, hidden, vocab, _ = _shape(path)
         return FactoryConfig(path, overrides.get("seq_length") or DEFAULT_SEQ, layers, hidden, vocab)
 
     def build(self, config: FactoryConfig, *, dtype: torch.dtype | None = None,
@@ -119,11 +122,7 @@ class FactoryFamily(ModelFamily):
     def flops(self, config: FactoryConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x matmul weights (every parameter of two or more dimensions but embeddings) x tokens;
         attention's own matmuls are not counted (their shapes are the factory's)."""
-        with torch.device("meta"):
-            model = _made(config.path)
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
-        return float(6 * weights * tokens_per_seq * sequences)
+        return float(6 * _shape(config.path)[3] * tokens_per_seq * sequences)
 
     def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
         if compiled and not shapes_only:
