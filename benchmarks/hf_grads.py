@@ -35,28 +35,6 @@ def check(model: torch.nn.Module, config: remat.RecomputeConfig) -> dict:
                 max_diff=report.max_grad_diff)
 
 
-def flex_check() -> dict:
-    """core_attn under flex attention: loss and gradients against the unadapted model (a plain step:
-    remat's saved-bytes count cannot see inside flex attention's higher-order op)."""
-    model = build("llama", attention="flex_attention", dropout=0.0).float().cuda()
-    model.config.use_cache = False
-    ids, labels = (t.cuda() for t in batch(model))
-
-    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain_loss, plain = step()
-    remat.apply(remat.adapt(model), selective("core_attn"))
-    loss, grads = step()
-    same = torch.equal(plain_loss, loss) and grads.keys() == plain.keys() and all(
-        torch.equal(plain[n], g) for n, g in grads.items())
-    return dict(bit_identical=bool(same), freed_bytes=None, max_diff=max(
-        float((plain[n] - g).abs().max()) for n, g in grads.items()))
-
-
 def main() -> None:
     warnings.simplefilter("ignore", RematWarning)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -64,7 +42,8 @@ def main() -> None:
     for family, config in CASES:
         rows.append(dict(case=_case_id((family, config)), **check(build(family).cuda(), config)))
         print(json.dumps(rows[-1]), flush=True)
-    rows.append(dict(case="llama-flex_attention-core_attn-fp32", **flex_check()))
+    flex = build("llama", attention="flex_attention", dropout=0.0).float().cuda()
+    rows.append(dict(case="llama-flex_attention-core_attn-fp32", **check(flex, selective("core_attn"))))
     print(json.dumps(rows[-1]), flush=True)
     summary = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
                    date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src:tests python benchmarks/hf_grads.py",

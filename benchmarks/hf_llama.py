@@ -2,7 +2,7 @@
 same process: forward + backward + fused AdamW step, bf16, SDPA.
 
   PYTHONPATH=src python benchmarks/hf_llama.py [--layers 8 --seq 8192 --mb 2]
-  writes $OUT/hf_llama.json
+  writes $OUT/hf_llama.json (--name); --attention flex_attention runs the same under flex attention
 
 Modes: HF without checkpointing, HF with `gradient_checkpointing_enable()`, then remat on the
 same model: `adapt(model, loss_head=True)` (chunked loss head), `compile_sites` (norms and MLPs
@@ -33,10 +33,10 @@ OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30
 
 
-def llama_config(layers: int, seq: int) -> transformers.LlamaConfig:
+def llama_config(layers: int, seq: int, attention: str = "sdpa") -> transformers.LlamaConfig:
     return transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                     num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                                    max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False)
+                                    max_position_embeddings=seq, attn_implementation=attention, use_cache=False)
 
 
 def model_flops(c: transformers.LlamaConfig, batch: int, seq: int) -> float:
@@ -94,8 +94,10 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=2)
     parser.add_argument("--budgets", type=float, nargs="*", default=[30.0, 26.0, 22.0],
                         help="more budgets (GiB) whose plans are run, predicted peak against measured")
+    parser.add_argument("--attention", default="sdpa", help="transformers' attn_implementation (sdpa, flex_attention)")
+    parser.add_argument("--name", default="hf_llama", help="writes $OUT/NAME.json")
     args = parser.parse_args()
-    config = llama_config(args.layers, args.seq)
+    config = llama_config(args.layers, args.seq, args.attention)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -163,7 +165,7 @@ def main() -> None:
                   + " ".join(sys.argv[1:]), shape=vars(args), compiled_sites=compiled, trace_s=round(trace_s, 1),
                   rows=rows)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "hf_llama.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -100,9 +100,12 @@ def test_every_label_and_full_recompute_is_bit_identical_with_dropout(case) -> N
     not torch.cuda.is_available(), reason="FlexAttention has no backward on CPU; benchmarks/hf_grads.py runs it on CUDA"))])
 def test_core_attn_goes_through_each_attention_implementation(attention) -> None:
     model = build("llama", attention=attention, dropout=0.0 if attention == "flex_attention" else DROPOUT)
-    plain = run_step(model, *batch(model), seed=5)
+    if attention == "flex_attention":  # on CUDA, where flex has a backward (compiled: float32)
+        model = model.float().cuda()
+    ids, labels = (t.to(model.device) for t in batch(model))
+    plain = run_step(model, ids, labels, seed=5)
     remat.adapt(model)
-    report = verify(model, selective("core_attn"), *batch(model), seed=5)
+    report = verify(model, selective("core_attn"), ids, labels, seed=5)
     assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss)
     if attention == "eager":  # the scores and probabilities it saved are gone
         assert report.freed_bytes >= LAYERS * 2 * BATCH * model.config.num_attention_heads * SEQ * SEQ * 8

@@ -46,14 +46,33 @@ class SavedMemory:
     storages: int
 
 
-def measure_saved(fn: Callable[[], Any]) -> tuple[Any, SavedMemory]:
-    """Run `fn()` and count the storages it allocated that are still alive when it returns."""
+def measure_saved(fn: Callable[[], Any], device: torch.device | str | None = None) -> tuple[Any, SavedMemory]:
+    """Run `fn()` and count the storages it allocated that are still alive when it returns.
+
+    On a CUDA `device` the caching allocator counts them (in its 512-byte blocks): compiled
+    higher-order ops such as flex attention refuse to run under the dispatch mode used elsewhere.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        return _measure_saved_cuda(fn, torch.device(device))
     recorder = NewStorages(lambda storage: None)
     with recorder:
         result = fn()
     gc.collect()
     alive = list(recorder.seen)
     return result, SavedMemory(sum(s.nbytes() for s in alive), len(alive))
+
+
+def _measure_saved_cuda(fn: Callable[[], Any], device: torch.device) -> tuple[Any, SavedMemory]:
+    def held() -> tuple[int, int]:
+        gc.collect()
+        torch.cuda.synchronize(device)
+        stats = torch.cuda.memory_stats(device)
+        return stats.get("allocated_bytes.all.current", 0), stats.get("allocation.all.current", 0)
+
+    bytes_before, count_before = held()
+    result = fn()
+    bytes_after, count_after = held()
+    return result, SavedMemory(bytes_after - bytes_before, count_after - count_before)
 
 
 class LiveBytes:

@@ -42,11 +42,13 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
     gradients over them in place (a chunk then holds one buffer of logits, not two)."""
     logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(logits32, dim=-1)
-    target = logits32.gather(1, labels[:, None]).squeeze(1)
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
+    # the target logit as a masked sum, not a gather: torch 2.11's inductor on CPU ran the gather
+    # after the in-place write below (float32 logits alias logits32) and got the loss wrong
+    target = torch.where(onehot, logits32, 0.0).sum(-1)
     loss = torch.where(valid, lse - target, 0.0).sum()
     if not need_grad:
         return loss, None
-    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
     d_logits = ((logits32 - lse[:, None]).exp() - onehot.to(logits32.dtype)) * row_scale[:, None]
     return loss, logits.copy_(d_logits)
 
@@ -128,6 +130,10 @@ def _accumulate_mm(acc: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype)
     if a.device.type in ("cuda", "meta") and _MIXED_ADDMM:
         if acc is None:
             return torch.mm(a, b, out_dtype=dtype)
+        if a.device.type == "meta":
+            # meta holds no values, and torch 2.11's meta addmm(out_dtype=) fails: writing the
+            # product into acc books the same allocations and FLOPs as adding into it
+            return torch.mm(a, b, out_dtype=dtype, out=acc)
         return torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
     # elsewhere the operands are cast first, so the product is not rounded to their dtype either
     a, b = a.to(dtype), b.to(dtype)
