@@ -57,6 +57,14 @@ def test_validate_checks_labels_against_the_recipe(capsys) -> None:
     assert code == 0 and "layers 0-3: mlp=recompute" in out
 
 
+def test_validate_refuses_megatron_labels_remat_has_no_model_for(capsys) -> None:
+    code, _, err = _run(capsys, "validate", "-mr", "llama3_tiny", "--recompute_modules", "mhc,mlp")
+    err = " ".join(err.split())
+    assert code == 1 and "invalid config (1 problem)" in err and "unknown label" not in err
+    assert "'mhc' recomputes the HyperConnection (mHC) intermediates (Megatron: needs enable_mhc_connections=True" in err
+    assert "remat has no model with that layer yet: drop 'mhc'" in err
+
+
 def test_validate_reads_a_per_layer_plan(capsys, tmp_path) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text("remat_plan: 1\nlayers: [{}, {mlp: recompute}, {}, {}]\nfull_recompute: [[2, 4]]\n")
@@ -104,6 +112,7 @@ def test_console_script_help_and_version() -> None:
     result = subprocess.run([sys.executable, "-m", "remat", "validate", "--help"],
                             capture_output=True, text=True, check=True)
     assert "--recompute_modules" in result.stdout and "-rl" in result.stdout
+    assert "Megatron's gdn_norm_out, gdp_in_proj, gdp_qkv, mhc are refused" in " ".join(result.stdout.split())
     result = subprocess.run([sys.executable, "-m", "remat", "--version"], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == f"remat {__version__}"
 

@@ -11,12 +11,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import layer_plan, recompute, rules
-from remat.labels import recompute_labels
+from remat import labels, layer_plan, recompute, rules
+from remat.labels import Label, labels_without_model, recompute_labels
 from remat.layer_plan import check_plan
 from remat.layout import ModelLayout, check_config
 from remat.problems import ConfigError, Problem, RematWarning
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.recompute import RecomputeConfig, TrainingFacts, recorded_config
 from remat.rules import RULES, WARNING_RULES
 
 RECOMPUTE_MODULES = recompute_labels()
@@ -63,6 +63,17 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
      "recompute_method", "only full recompute uses it"),
     ("rule_selective_needs_modules", sel(), "recompute_modules", "no-recompute control"),
     ("rule_known_recompute_modules", sel("core_atn"), "recompute_modules", "did you mean 'core_attn'"),
+    ("rule_known_recompute_modules", sel("mch"), "recompute_modules", "did you mean 'mhc'"),
+    ("rule_recompute_labels_without_model", sel("gdn_norm_out"), "recompute_modules",
+     "'gdn_norm_out' recomputes Gated DeltaNet's output norm (Megatron: only with experimental_attention_variant"
+     " 'gdn' or 'gdn2'); remat has no model with that layer yet: drop 'gdn_norm_out'"),
+    ("rule_recompute_labels_without_model", sel("gdp_in_proj"), "recompute_modules",
+     "'gdp_in_proj' recomputes GatedDeltaProduct's input projection"),
+    ("rule_recompute_labels_without_model", sel("gdp_qkv"), "recompute_modules",
+     "GatedDeltaProduct's causal convolution and QKV preparation; remat has no model with that layer yet"),
+    ("rule_recompute_labels_without_model", sel("mhc", "core_attn"), "recompute_modules",
+     "(Megatron: needs enable_mhc_connections=True, and neither 'mlp' nor full recompute beside it); remat has no"
+     " model with that layer yet: drop 'mhc'"),
     ("rule_no_duplicate_labels", sel("mlp", "mlp"), "recompute_modules", "'mlp' more than once"),
     ("rule_no_duplicate_labels", {"fine_grained_activation_offloading": True,
                                   "offload_modules": ["core_attn", "core_attn"]}, "offload_modules", "more than once"),
@@ -114,13 +125,38 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True},
      "offload_modules", "offloads nothing"),
     ("rule_known_offload_modules", {"offload_modules": "core_atn"}, "offload_modules", "did you mean 'core_attn'"),
+    ("rule_fused_group_mlp_needs_op_fuser", {"fine_grained_activation_offloading": True,
+                                             "offload_modules": ["fused_group_mlp"]},
+     "offload_modules", "use_transformer_engine_op_fuser=True; remat has no TE op fuser: drop 'fused_group_mlp'"),
+    ("rule_fused_group_mlp_alone", {"fine_grained_activation_offloading": True,
+                                    "offload_modules": ["fused_group_mlp", "expert_fc1"]},
+     "offload_modules", "cannot be combined; drop 'expert_fc1' or 'fused_group_mlp'"),
+    ("rule_fused_group_mlp_alone", {"fine_grained_activation_offloading": True,
+                                    "offload_modules": ["moe_act", "fused_group_mlp"]},
+     "offload_modules", "cannot be combined; drop 'moe_act' or 'fused_group_mlp'"),
+    ("rule_gdp_qkv_offload_without_model", {"fine_grained_activation_offloading": True, "offload_modules": ["gdp_qkv"]},
+     "offload_modules", "GatedDeltaProduct's QKV preparation; remat has no model with that layer yet: drop 'gdp_qkv'"),
     ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
                                                 "offload_modules": ["attn_proj"]},
      "offload_modules", "offload 'core_attn' too"),
     ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
                                                   "offload_modules": ["moe_act"]},
      "offload_modules", "nothing to offload"),
+    ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
+                                                  "offload_modules": ["fused_group_mlp"]},
+     "offload_modules", "so 'fused_group_mlp' has nothing to offload; drop 'fused_group_mlp' or drop 'moe'"),
     ("rule_min_offload_size", {"min_offloaded_tensor_size": -1}, "min_offloaded_tensor_size", "0 or more"),
+    ("rule_offload_fraction_range", {"activation_offload_fraction": 1.5}, "activation_offload_fraction",
+     "must be in range [0, 1], got 1.5; set it to 1.0"),
+    ("rule_offload_fraction_range", {"activation_offload_fraction": -0.25}, "activation_offload_fraction",
+     "must be in range [0, 1], got -0.25"),
+    ("rule_offload_fraction_range", {"activation_offload_fraction": float("nan")}, "activation_offload_fraction",
+     "must be in range [0, 1], got nan"),
+    ("rule_offload_fraction_whole", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"],
+                                     "activation_offload_fraction": 0.5}, "activation_offload_fraction",
+     "got 0.5; remat offloads every tensor of each chosen module and cannot offload a fraction yet: set it to 1.0"),
+    ("rule_offload_fraction_whole", {"activation_offload_fraction": 0}, "activation_offload_fraction",
+     "cannot offload a fraction yet"),
     ("rule_offloaded_site_not_recomputed", {**sel("core_attn"), "fine_grained_activation_offloading": True,
                                             "offload_modules": ["core_attn"]}, "offload_modules", "also recomputed"),
     ("rule_norm_offload_together", {"fine_grained_activation_offloading": True, "offload_modules": ["attn_norm"]},
@@ -194,13 +230,27 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_fine_grained_not_with_cpu_offload", {"fine_grained_activation_offloading": True,
                                                 "offload_modules": ["core_attn"]}),
     ("rule_fine_grained_needs_modules", {"fine_grained_activation_offloading": True, "offload_modules": "core_attn"}),
+    ("rule_recompute_labels_without_model", {**sel("core_attn", "mlp", "moe", "mla_up_proj"),
+                                             "multi_latent_attention": True}),
     ("rule_known_offload_modules", {"fine_grained_activation_offloading": True,
-                                    "offload_modules": list(rules.OFFLOAD_MODULES)}),
+                                    "offload_modules": [m for m in rules.OFFLOAD_MODULES
+                                                        if m not in rules.REFUSED_OFFLOAD_MODULES]}),
+    # fused_group_mlp itself is refused (no op fuser): its true passing cases are in
+    # test_rules_accept_what_only_another_rule_refuses.
+    ("rule_fused_group_mlp_needs_op_fuser", {"fine_grained_activation_offloading": True,
+                                             "offload_modules": ["expert_fc1", "moe_act"]}),
+    ("rule_fused_group_mlp_alone", {"fine_grained_activation_offloading": True,
+                                    "offload_modules": ["expert_fc1", "moe_act"]}),
+    ("rule_gdp_qkv_offload_without_model", {"fine_grained_activation_offloading": True,
+                                            "offload_modules": ["qkv_linear", "core_attn"]}),
     ("rule_attn_proj_offload_needs_core_attn", {"fine_grained_activation_offloading": True,
                                                 "offload_modules": ["core_attn", "attn_proj"]}),
     ("rule_moe_recompute_blocks_expert_offload", {**sel("moe"), "fine_grained_activation_offloading": True,
                                                   "offload_modules": ["core_attn"]}),
     ("rule_min_offload_size", {"min_offloaded_tensor_size": 0}),
+    ("rule_offload_fraction_range", {"activation_offload_fraction": 1}),
+    ("rule_offload_fraction_whole", {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"],
+                                     "activation_offload_fraction": 1.0}),
     ("rule_offloaded_site_not_recomputed", {**sel("layernorm"), "fine_grained_activation_offloading": True,
                                             "offload_modules": ["core_attn"]}),
     ("rule_norm_offload_together", {"fine_grained_activation_offloading": True,
@@ -291,6 +341,85 @@ def test_every_rule_has_failing_and_passing_cases() -> None:
     assert {r.__name__ for r in WARNING_RULES} == {c[0] for c in WARNING_CASES} == {c[0] for c in QUIET}
 
 
+# Megatron Core's allowed recompute_modules and offload_modules (spec 1.2 and 1.3).
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                              "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+MEGATRON_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                            "fused_group_mlp", "gdp_qkv")
+
+
+def problems_if_any(settings_: dict[str, Any]) -> list[Problem]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematWarning)
+        try:
+            RecomputeConfig.from_megatron(settings_)
+        except ConfigError as err:
+            return err.problems
+    return []
+
+
+@pytest.mark.parametrize("label", MEGATRON_RECOMPUTE_MODULES)
+def test_every_megatron_recompute_label_is_known(label: str) -> None:
+    assert label in {*recompute_labels(), *labels_without_model()}
+    assert not any("unknown" in p.message for p in problems_if_any(sel(label)))
+
+
+@pytest.mark.parametrize("module", MEGATRON_OFFLOAD_MODULES)
+def test_every_megatron_offload_module_is_known(module: str) -> None:
+    assert module in rules.OFFLOAD_MODULES
+    offload = {"fine_grained_activation_offloading": True, "offload_modules": [module]}
+    assert not any("unknown" in p.message for p in problems_if_any(offload))
+
+
+def test_remat_refuses_the_megatron_options_it_cannot_run() -> None:
+    assert set(labels_without_model()) == {"gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc"}
+    assert set(rules.OFFLOAD_MODULES) == set(MEGATRON_OFFLOAD_MODULES)
+    assert set(rules.REFUSED_OFFLOAD_MODULES) == {"fused_group_mlp", "gdp_qkv"}
+    # Choices offered in messages are the ones remat runs.
+    [unknown] = problems_of(sel("nope"))
+    assert not any(f"'{label}'" in unknown.message for label in labels_without_model())
+    [unknown] = problems_of({"fine_grained_activation_offloading": True, "offload_modules": ["nope"]})
+    assert not any(f"'{m}'" in unknown.message for m in rules.REFUSED_OFFLOAD_MODULES)
+
+
+def test_a_family_that_registers_a_megatron_label_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert has(problems_of(sel("gdp_qkv")), "recompute_modules", "remat has no model with that layer yet")
+    monkeypatch.setattr(labels, "_REGISTRY", dict(labels._REGISTRY))
+    labels.register(Label("gdp_qkv", discard=True))
+    assert "gdp_qkv" not in labels_without_model()
+    assert build_quietly(sel("gdp_qkv")).recompute_modules == ["gdp_qkv"]
+
+
+FUSED_ALONE = {"fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]}
+
+
+@pytest.mark.parametrize("rule, settings_, refused", [
+    # fused_group_mlp alone, and without 'moe' recompute: only the op-fuser rule refuses these.
+    (rules.rule_fused_group_mlp_alone, FUSED_ALONE, False),
+    (rules.rule_fused_group_mlp_alone, {**FUSED_ALONE, "offload_modules": ["fused_group_mlp", "moe_act"]}, True),
+    (rules.rule_moe_recompute_blocks_expert_offload, {**sel("moe_act"), **FUSED_ALONE}, False),
+    (rules.rule_moe_recompute_blocks_expert_offload, {**sel("moe"), **FUSED_ALONE}, True),
+])
+def test_rules_accept_what_only_another_rule_refuses(rule: Any, settings_: dict[str, Any], refused: bool) -> None:
+    assert bool(list(rule(recorded_config(settings_)))) == refused
+
+
+def test_megatron_options_remat_cannot_run_are_reported_together() -> None:
+    problems = problems_of({**sel("moe", "mhc"), "fine_grained_activation_offloading": True,
+                            "offload_modules": ["fused_group_mlp", "moe_act", "gdp_qkv"],
+                            "activation_offload_fraction": 2})
+    for field, phrase in [
+        ("recompute_modules", "drop 'mhc'"),
+        ("offload_modules", "remat has no TE op fuser: drop 'fused_group_mlp'"),
+        ("offload_modules", "cannot be combined; drop 'moe_act' or 'fused_group_mlp'"),
+        ("offload_modules", "drop 'gdp_qkv'"),
+        ("offload_modules", "so 'fused_group_mlp' has nothing to offload"),
+        ("offload_modules", "so 'moe_act' has nothing to offload"),
+        ("activation_offload_fraction", "must be in range [0, 1], got 2.0"),
+    ]:
+        assert has(problems, field, phrase), phrase
+
+
 def test_warning_points_at_caller() -> None:
     with pytest.warns(RematWarning) as record:
         RecomputeConfig(facts=TrainingFacts(sequence_parallel=True))
@@ -308,6 +437,8 @@ def test_warning_points_at_caller() -> None:
     ("recompute_modules", ["mlp", 1]),
     ("recompute_granularity", ["full"]),
     ("min_offloaded_tensor_size", 1.5),
+    ("activation_offload_fraction", "all"),
+    ("activation_offload_fraction", True),
     ("tensor_model_parallel_size", 1.5),
     ("num_layers", True),
     ("sequence_parallel", "yes"),
@@ -451,7 +582,7 @@ RICH = {**FULL, "recompute_method": "block", "recompute_num_layers": 2, "num_lay
     {**sel("core_attn", "mlp"), "attention_backend": "unfused"},
     {**sel("mla_up_proj", "moe_act"), "multi_latent_attention": True, "moe_grouped_gemm": True,
      "fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "attn_proj"],
-     "min_offloaded_tensor_size": 0},
+     "min_offloaded_tensor_size": 0, "activation_offload_fraction": 1},
     {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "num_layers": 4},
 ])
 def test_to_megatron_round_trip(d: dict[str, Any], tmp_path: Any) -> None:

@@ -4,6 +4,7 @@ Megatron Core's selective-recompute labels are known from the start; a model fam
 the labels of its own (remat's Llama registers `mlp_act`). A label says how its site is
 recomputed: plainly (keep the inputs, rerun the call in backward) or by discarding its output,
 for cheap ops whose output the next op saves anyway; and which label's site always runs it.
+Megatron's labels for layers no remat model has are known by name only, and the rules refuse them.
 """
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ for _label in (Label("core_attn"), Label("layernorm", discard=True), Label("mlp"
                Label("moe_act", discard=True, enclosed_by="moe"), Label("shared_experts", enclosed_by="moe"),
                Label("mla_up_proj", discard=True)):
     register(_label)
+
+# Megatron Core's labels for layers no remat model has yet, with what each recomputes and Megatron's
+# own preconditions: known, so a config naming one is refused for what it is, not as a typo.
+WITHOUT_MODEL: dict[str, str] = {
+    "gdn_norm_out": "recomputes Gated DeltaNet's output norm (Megatron: only with experimental_attention_variant"
+                    " 'gdn' or 'gdn2')",
+    "gdp_in_proj": "recomputes GatedDeltaProduct's input projection (and its context-parallel gather)",
+    "gdp_qkv": "recomputes GatedDeltaProduct's causal convolution and QKV preparation",
+    "mhc": "recomputes the HyperConnection (mHC) intermediates (Megatron: needs enable_mhc_connections=True,"
+           " and neither 'mlp' nor full recompute beside it)",
+}
+
+
+def labels_without_model() -> tuple[str, ...]:
+    """Megatron's labels no registered family has sites for yet (a family that registers one runs it)."""
+    return tuple(name for name in WITHOUT_MODEL if name not in _REGISTRY)
 
 
 def recompute_labels() -> tuple[str, ...]:

@@ -96,6 +96,7 @@ _RECOMPUTE_PARSERS: dict[str, Parser] = {
     "fine_grained_activation_offloading": _bool,
     "offload_modules": _labels_or_empty,
     "min_offloaded_tensor_size": _int,
+    "activation_offload_fraction": _float,
 }
 
 _FACT_PARSERS: dict[str, Parser] = {
@@ -200,6 +201,7 @@ class RecomputeConfig:
     fine_grained_activation_offloading: bool = False
     offload_modules: list[str] = field(default_factory=list)
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
+    activation_offload_fraction: float = 1.0
     facts: TrainingFacts = field(default_factory=TrainingFacts)
 
     def __post_init__(self) -> None:

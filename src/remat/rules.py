@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from remat.labels import enclosing, recompute_labels
+from remat.labels import WITHOUT_MODEL, enclosing, labels_without_model, recompute_labels
 from remat.problems import Problem, count, did_you_mean, one_of
 
 if TYPE_CHECKING:
@@ -23,12 +23,16 @@ METHODS: tuple[str, ...] = ("uniform", "block")
 # Submodule inputs Megatron's fine-grained offloading can move to the host.
 OFFLOAD_MODULES: tuple[str, ...] = (
     "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+    "fused_group_mlp", "gdp_qkv",
 )
+# Megatron's offload modules remat refuses: it has no Transformer Engine op fuser (fused_group_mlp)
+# and no GatedDeltaProduct model (gdp_qkv).
+REFUSED_OFFLOAD_MODULES: tuple[str, ...] = ("fused_group_mlp", "gdp_qkv")
 # The site whose saved tensors (its input among them) each offload module sends to host; None
 # where remat marks no site around that submodule.
 OFFLOAD_SITES: dict[str, str | None] = {
     "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
-    "qkv_linear": None, "attn_proj": None, "expert_fc1": None,
+    "qkv_linear": None, "attn_proj": None, "expert_fc1": None, "fused_group_mlp": None, "gdp_qkv": None,
 }
 # The largest layer count or parallel size the rules take: past any run, and safe to multiply.
 MAX_SIZE = 1 << 20
@@ -55,6 +59,10 @@ def _rule(fn: Rule) -> Rule:
 def _warning_rule(fn: Rule) -> Rule:
     WARNING_RULES.append(fn)
     return fn
+
+
+def _usable_offload_modules() -> tuple[str, ...]:
+    return tuple(m for m in OFFLOAD_MODULES if m not in REFUSED_OFFLOAD_MODULES)
 
 
 def selected(c: RecomputeConfig) -> list[str]:
@@ -145,10 +153,19 @@ def rule_selective_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 
 @_rule
 def rule_known_recompute_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+    known = (*recompute_labels(), *labels_without_model())
     for label in c.recompute_modules or []:
-        if label not in recompute_labels():
-            yield Problem("recompute_modules", f"unknown label {label!r}{did_you_mean(label, recompute_labels())};"
+        if label not in known:
+            yield Problem("recompute_modules", f"unknown label {label!r}{did_you_mean(label, known)};"
                                                f" use labels from {one_of(recompute_labels())}")
+
+
+@_rule
+def rule_recompute_labels_without_model(c: RecomputeConfig) -> Iterator[Problem]:  # remat: no model has them
+    for label in c.recompute_modules or []:
+        if label in labels_without_model():
+            yield Problem("recompute_modules", f"{label!r} {WITHOUT_MODEL[label]}; remat has no model with that"
+                                               f" layer yet: drop {label!r}")
 
 
 @_rule
@@ -296,7 +313,7 @@ def rule_fine_grained_not_with_cpu_offload(c: RecomputeConfig) -> Iterator[Probl
 def rule_fine_grained_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
     if c.fine_grained_activation_offloading and not c.offload_modules:
         yield Problem("offload_modules", f"fine-grained offloading with no modules offloads nothing; list some"
-                                         f" of {one_of(OFFLOAD_MODULES)}")
+                                         f" of {one_of(_usable_offload_modules())}")
 
 
 @_rule
@@ -304,7 +321,35 @@ def rule_known_offload_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Mega
     for label in c.offload_modules:
         if label not in OFFLOAD_MODULES:
             yield Problem("offload_modules", f"unknown module {label!r}{did_you_mean(label, OFFLOAD_MODULES)};"
-                                             f" use modules from {one_of(OFFLOAD_MODULES)}")
+                                             f" use modules from {one_of(_usable_offload_modules())}")
+
+
+@_rule
+def rule_fused_group_mlp_needs_op_fuser(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron, and remat has none
+    if "fused_group_mlp" in c.offload_modules:
+        yield Problem("offload_modules", "'fused_group_mlp' offloads inside Transformer Engine's fused grouped"
+                                         " expert MLP, which Megatron builds only with"
+                                         " use_transformer_engine_op_fuser=True; remat has no TE op fuser:"
+                                         " drop 'fused_group_mlp'")
+
+
+@_rule
+def rule_fused_group_mlp_alone(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+    # The fused op replaces the expert FC1 and activation those modules would offload.
+    if not (c.fine_grained_activation_offloading and "fused_group_mlp" in c.offload_modules):
+        return
+    for label in ("expert_fc1", "moe_act"):
+        if label in c.offload_modules:
+            yield Problem("offload_modules", f"'fused_group_mlp' fuses the expert MLP that {label!r} is part of,"
+                                             f" so the two cannot be combined; drop {label!r} or"
+                                             " 'fused_group_mlp'")
+
+
+@_rule
+def rule_gdp_qkv_offload_without_model(c: RecomputeConfig) -> Iterator[Problem]:  # remat: no model has it
+    if "gdp_qkv" in c.offload_modules:
+        yield Problem("offload_modules", "'gdp_qkv' offloads the input of GatedDeltaProduct's QKV preparation;"
+                                         " remat has no model with that layer yet: drop 'gdp_qkv'")
 
 
 @_rule
@@ -319,7 +364,7 @@ def rule_attn_proj_offload_needs_core_attn(c: RecomputeConfig) -> Iterator[Probl
 def rule_moe_recompute_blocks_expert_offload(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
     if not (c.fine_grained_activation_offloading and "moe" in selected(c)):
         return
-    for label in ("expert_fc1", "moe_act"):
+    for label in ("expert_fc1", "moe_act", "fused_group_mlp"):
         if label in c.offload_modules:
             yield Problem("offload_modules", f"'moe' recompute keeps nothing inside the MoE layer, so {label!r}"
                                              f" has nothing to offload; drop {label!r} or drop 'moe' from"
@@ -366,6 +411,23 @@ def rule_min_offload_size(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
 def min_offload_size_problems(size: int) -> Iterator[Problem]:
     if size < 0:
         yield Problem("min_offloaded_tensor_size", f"got {size}; set it to 0 or more (a tensor size in elements)")
+
+
+@_rule
+def rule_offload_fraction_range(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+    fraction = c.activation_offload_fraction
+    if not 0 <= fraction <= 1:  # NaN too
+        yield Problem("activation_offload_fraction", f"must be in range [0, 1], got {fraction}; set it to 1.0"
+                                                     " (offload every tensor of each chosen module)")
+
+
+@_rule
+def rule_offload_fraction_whole(c: RecomputeConfig) -> Iterator[Problem]:  # remat: offloads whole sites
+    fraction = c.activation_offload_fraction
+    if 0 <= fraction < 1:
+        yield Problem("activation_offload_fraction", f"got {fraction}; remat offloads every tensor of each chosen"
+                                                     " module and cannot offload a fraction yet: set it to 1.0"
+                                                     " or remove it")
 
 
 @_rule
