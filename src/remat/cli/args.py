@@ -23,7 +23,7 @@ from remat.cli.checks import (
 )
 from remat.cli.common import Problems
 from remat.estimating import cpu_run_problems
-from remat.labels import recompute_labels
+from remat.labels import labels_without_model, recompute_labels
 from remat.layer_plan import Plan, PlanLike, load_plan_or_config
 from remat.models import FAMILIES, build, recipe_config
 from remat.problems import ConfigError, Problem, advise
@@ -39,7 +39,8 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="full: whole layers; selective: the modules in --recompute_modules")
     megatron = [label for label in recompute_labels() if label != "mlp_act"]
     g.add_argument("--recompute_modules", metavar="A,B",
-                   help=f"selective labels, comma separated ({', '.join(megatron)}; remat's mlp_act); "
+                   help=f"selective labels, comma separated ({', '.join(megatron)}; remat's mlp_act; Megatron's "
+                        f"{', '.join(labels_without_model())} are refused: no remat model has their layers yet); "
                         "implies --recompute_granularity selective")
     g.add_argument("-rl", "--recompute_num_layers", type=int, metavar="N",
                    help="full recompute of N layers per (virtual) stage; implies full granularity "
@@ -86,6 +87,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
     g.add_argument("--num_layers", type=int, metavar="N")
     g.add_argument("--hidden_size", type=int, metavar="N")
+    g.add_argument("--num_moe_experts", type=int, metavar="N", help="MoE recipes: routed experts (a slice that fits)")
+    g.add_argument("--moe_layer_freq", metavar="F",
+                   help="MoE recipes: every F-th layer is MoE, or one 0/1 per layer as '[0]*1+[1]*3'")
+    g.add_argument("-ep", "--expert_model_parallel_size", type=int, metavar="N",
+                   help="MoE recipes: an expert-parallel rank's share of the experts (estimated by shape)")
+    g.add_argument("-etp", "--expert_tensor_parallel_size", type=int, metavar="N")
     g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
                    help="let autograd add each weight gradient into .grad with its own kernel instead of the "
                         "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")
@@ -172,8 +179,12 @@ def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> Rec
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe's fields the flags replace."""
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length")
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length", "num_moe_experts",
+                                               "expert_model_parallel_size", "expert_tensor_parallel_size")
                  if getattr(args, k, None) is not None}
+    if getattr(args, "moe_layer_freq", None) is not None:
+        freq = args.moe_layer_freq
+        overrides["moe_layer_freq"] = int(freq) if freq.isdigit() else freq
     if getattr(args, "no_gradient_accumulation_fusion", False):
         overrides["gradient_accumulation_fusion"] = False
     return overrides

@@ -12,6 +12,7 @@ from torch import nn
 
 from remat import labels
 from remat.models import factory, llama
+from remat.models.moe import family as moe_family
 from remat.models.family import (Adapter, ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target,
                                  unknown)
 from remat.models.hf import family as hf_family
@@ -29,6 +30,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 register(llama.FAMILY)
+register(moe_family.FAMILY)
 register(hf_family.FAMILY)
 register(factory.FAMILY)
 

@@ -61,6 +61,8 @@ class LlamaConfig:
     # Add each linear's weight gradient into .grad inside its GEMM when gradients accumulate
     # (remat.models.kernels.grad_accumulation): Megatron's flag of the same name.
     gradient_accumulation_fusion: bool = True
+    # RMSNorm of each query and key head before RoPE (Qwen3)
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         problems = shape_problems({name: getattr(self, name) for name in self.field_names()})
@@ -70,6 +72,11 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width RoPE rotates: the whole head."""
+        return self.head_dim
 
     @property
     def attention_width(self) -> int:

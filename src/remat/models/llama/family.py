@@ -27,7 +27,7 @@ def _model(model: nn.Module) -> LlamaModel:
 
 class LlamaFamily(ModelFamily):
     name = "llama"
-    labels = (MLP_ACT,)
+    labels: tuple[Label, ...] = (MLP_ACT,)
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return RECIPES

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,9 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm over the hidden size, computed by `kernel`: torch's F.rms_norm (fused where torch
     has a fused kernel), swapped by LlamaModel.compile_regions for remat's Triton one on CUDA."""
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
+    def __init__(self, config: LlamaConfig, *, size: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
-        super().__init__(config.hidden_size, eps=config.norm_epsilon, **_factory(dtype, device))
+        super().__init__(size or config.hidden_size, eps=config.norm_epsilon, **_factory(dtype, device))
         self.kernel: rmsnorm.NormFn = rmsnorm.rms_norm
 
     def forward(self, x: Tensor) -> Tensor:
@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.head_dim, self.base = config.head_dim, config.rotary_base
+        self.head_dim, self.base = config.rotary_dim, config.rotary_base
         self.seq_length = config.seq_length
         # Non-persistent: rebuilt from the config, never part of a checkpoint.
         empty = torch.empty(self.seq_length, self.head_dim, **_factory(dtype, device))
@@ -84,7 +84,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _expand_kv(x: Tensor, num_heads: int) -> Tensor:
     """[b, groups, s, d] -> [b, heads, s, d]: query head i uses key/value group i // (heads/groups)."""
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+    return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
 def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
@@ -103,6 +103,14 @@ def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
     q, k, v = qkv.view(b, s, num_groups, heads_per_group + 2, head_dim).split([heads_per_group, 1, 1], dim=3)
     q = q.reshape(b, s, num_heads, head_dim)
     return apply_rotary(q, cos, sin), apply_rotary(k.squeeze(3), cos, sin), v.squeeze(3).contiguous()
+
+
+def split_heads(qkv: Tensor, num_heads: int, num_groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """split_qkv's layout without RoPE (for norms between the split and RoPE)."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, num_groups, num_heads // num_groups + 2, head_dim).split(
+        [num_heads // num_groups, 1, 1], dim=3)
+    return q.reshape(b, s, num_heads, head_dim), k.squeeze(3), v.squeeze(3).contiguous()
 
 
 def merge_heads(o: Tensor) -> Tensor:
@@ -128,34 +136,45 @@ class SelfAttention(nn.Module):
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
         self.fuse_grads = config.gradient_accumulation_fusion
+        # Qwen3's norms of each query and key head, before RoPE (Megatron's qk_layernorm)
+        self.q_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
+        self.k_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
         # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
         self.split_qkv: rope.SplitFn = split_qkv
         self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         qkv = linear(x, self.linear_qkv.weight, self.fuse_grads)
-        q, k, v = (t.transpose(1, 2) for t in self.split_qkv(qkv, cos, sin, self.num_heads, self.num_groups))
-        o = self.core_attn_site(self.core_attention, q, k, v)
+        if self.q_layernorm is None or self.k_layernorm is None:
+            q, k, v = self.split_qkv(qkv, cos, sin, self.num_heads, self.num_groups)
+        else:
+            q, k, v = split_heads(qkv, self.num_heads, self.num_groups, self.head_dim)
+            q, k = apply_rotary(self.q_layernorm(q), cos, sin), apply_rotary(self.k_layernorm(k), cos, sin)
+        o = self.core_attn_site(self.core_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return linear(self.merge_heads(o), self.linear_proj.weight, self.fuse_grads)
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """softmax(causal(QK^T / sqrt(d))) V with dropout: the only place s x s scores exist.
+        """q [b, heads, s, d]; k, v [b, groups, s, d]; returns [b, heads, s, d]."""
+        return causal_attention(q, k, v, self.attention_dropout if self.training else 0.0, self.backend)
 
-        q [b, heads, s, d]; k, v [b, groups, s, d]; returns [b, heads, s, d].
-        """
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if self.backend == "sdpa":
-            # enable_gqa keeps k/v unexpanded, which measured faster on cuDNN than expanding them.
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                  enable_gqa=True)
-        k, v = _expand_kv(k, self.num_heads), _expand_kv(v, self.num_heads)
-        s = q.shape[2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-        probs = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-        return F.dropout(probs, dropout_p, self.training) @ v
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> Tensor:
+    """softmax(causal(QK^T / sqrt(d))) V with dropout: the only place s x s scores exist.
+
+    q [b, heads, s, d]; k [b, groups, s, d]; v [b, groups, s, d_v]; returns [b, heads, s, d_v].
+    """
+    if backend == "sdpa":
+        # enable_gqa keeps k/v unexpanded, which measured faster on cuDNN than expanding them.
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    s = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+    probs = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    return F.dropout(probs, dropout_p, dropout_p > 0) @ v
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -167,13 +186,12 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 class MLP(nn.Module):
     """SwiGLU feed-forward with Megatron's fused gate/up ``linear_fc1`` and ``linear_fc2``."""
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
+    def __init__(self, config: LlamaConfig, *, ffn_hidden_size: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=False,
-                                    **_factory(dtype, device))
-        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False,
-                                    **_factory(dtype, device))
+        ffn = ffn_hidden_size or config.ffn_hidden_size  # a shared expert's is its own
+        self.linear_fc1 = nn.Linear(config.hidden_size, 2 * ffn, bias=False, **_factory(dtype, device))
+        self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=False, **_factory(dtype, device))
         self.fuse_grads = config.gradient_accumulation_fusion
         self.act_site = Site("mlp_act")
         # swapped for a compiled version by LlamaModel.compile_regions
@@ -190,17 +208,20 @@ class TransformerLayer(nn.Module):
     """Pre-norm decoder layer; its Sites are exactly the places remat acts on."""
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, self_attention: nn.Module | None = None,
+                 mlp: nn.Module | None = None, mlp_label: str = "mlp") -> None:
+        """`self_attention` and `mlp` replace the dense ones (MLA, an MoE layer, whose Site is
+        `mlp_label`); both take the normed hidden states, attention also RoPE's cos and sin."""
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = RMSNorm(config, dtype=dtype, device=device)
-        self.self_attention = SelfAttention(config, dtype=dtype, device=device)
+        self.self_attention = self_attention or SelfAttention(config, dtype=dtype, device=device)
         self.pre_mlp_layernorm = RMSNorm(config, dtype=dtype, device=device)
-        self.mlp = MLP(config, dtype=dtype, device=device)
+        self.mlp = mlp or MLP(config, dtype=dtype, device=device)
         self.layer_site = Site("layer")
         self.input_norm_site = Site("layernorm")
         self.pre_mlp_norm_site = Site("layernorm")
-        self.mlp_site = Site("mlp")
+        self.mlp_site = Site(mlp_label)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return self.layer_site(self._forward, x, cos, sin)
@@ -219,11 +240,11 @@ class TransformerBlock(nn.Module):
     """The decoder stack: ``layers`` then ``final_layernorm``."""
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, final_layernorm: bool = True) -> None:
+                 device: torch.device | str | None = None, final_layernorm: bool = True,
+                 build_layer: Callable[[int], TransformerLayer] | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
-        )
+        build = build_layer or (lambda _: TransformerLayer(config, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(build(index) for index in range(config.num_layers))
         self.final_layernorm = RMSNorm(config, dtype=dtype, device=device) if final_layernorm else None
 
     def transformer_layers(self) -> Iterator[TransformerLayer]:
@@ -264,7 +285,8 @@ class LlamaModel(nn.Module):
         self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size, **_factory(dtype, meta))
                           if pre_process else None)
         self.rotary_pos_emb = RotaryEmbedding(config, dtype=dtype, device=meta)
-        self.decoder = TransformerBlock(config, dtype=dtype, device=meta, final_layernorm=post_process)
+        self.decoder = TransformerBlock(config, dtype=dtype, device=meta, final_layernorm=post_process,
+                                        build_layer=lambda index: self.build_layer(index, dtype, meta))
         self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                        **_factory(dtype, meta)) if post_process else None)
         self.loss_kernels = LossKernels()  # compile_regions compiles them
@@ -274,14 +296,21 @@ class LlamaModel(nn.Module):
         self.to_empty(device=target)
         self.init_weights()
 
+    def build_layer(self, index: int, dtype: torch.dtype | None, device: torch.device) -> TransformerLayer:
+        """Decoder layer `index` (a family with other layers, MoE or MLA, builds its own)."""
+        return TransformerLayer(self.config, dtype=dtype, device=device)
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Linear and embedding weights ~ N(0, init_method_std), norm weights 1, RoPE tables rebuilt."""
+        """Linear and embedding weights ~ N(0, init_method_std), norm weights 1, RoPE tables
+        rebuilt; modules with weights of their own (experts, routers) fill them by `init_weights(std)`."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.init_method_std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif module is not self and callable(init := getattr(module, "init_weights", None)):
+                init(self.config.init_method_std)
         self.rotary_pos_emb.reset_buffers()
 
     def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
@@ -318,10 +347,11 @@ class LlamaModel(nn.Module):
         compiled_qkv, compiled_merge, activation = (
             rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
             swiglu.on_cuda(torch.compile(silu_mul, backend=backend)))
-        for layer in self.decoder.transformer_layers():
-            layer.self_attention.split_qkv = compiled_qkv
-            layer.self_attention.merge_heads = compiled_merge
-            layer.mlp.activation = activation
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.split_qkv, module.merge_heads = compiled_qkv, compiled_merge
+            elif isinstance(module, MLP):
+                module.activation = activation
         self.set_norm_kernel(rmsnorm.on_cuda())
         self.loss_kernels = compiled_loss_kernels(backend)
 
@@ -335,9 +365,11 @@ class LlamaModel(nn.Module):
             self.compile_regions(backend="aot_eager_decomp_partition")
             self.loss_kernels = dataclasses.replace(self.loss_kernels, chunk=loss.chunk_loss_shapes)
             if target == "cuda":
-                for layer in self.decoder.transformer_layers():
-                    layer.mlp.activation = swiglu.activation
-                    layer.self_attention.split_qkv = rope.split_qkv
+                for module in self.modules():
+                    if isinstance(module, SelfAttention):
+                        module.split_qkv = rope.split_qkv
+                    elif isinstance(module, MLP):
+                        module.activation = swiglu.activation
         if target == "cuda":
             self.set_norm_kernel(rmsnorm.triton_rms_norm)
 

@@ -1,0 +1,75 @@
+"""The MoE family (DeepSeek-V3, Qwen3-MoE, Mixtral shapes) behind the model seam."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from remat.labels import Label
+from remat.models.family import ParallelSizes, one_device_problems, unknown
+from remat.models.llama.config import LlamaConfig
+from remat.models.llama.family import LlamaFamily
+from remat.models.moe.config import RECIPES, MoEConfig, config_fields
+from remat.models.moe.model import MoEModel
+from remat.problems import Problem
+
+
+def _moe(config: LlamaConfig) -> MoEConfig:
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"the moe family takes an MoEConfig, not {type(config).__name__}")
+    return config
+
+
+class MoEFamily(LlamaFamily):
+    """remat's decoder with MoE layers and MLA; the Llama's kernels, pieces and seams otherwise."""
+
+    name = "moe"
+    labels: tuple[Label, ...] = ()  # mlp_act is the Llama family's, registered with it
+
+    def recipes(self) -> Mapping[str, Mapping[str, Any]]:
+        return RECIPES
+
+    def config(self, recipe: str, **overrides: Any) -> MoEConfig:
+        if recipe not in RECIPES:
+            raise unknown("recipe", recipe, list(RECIPES))
+        valid = list(MoEConfig.field_names())
+        for key in overrides:
+            if key not in valid:
+                raise unknown("override", key, valid)
+        return MoEConfig(**config_fields(RECIPES[recipe], overrides))
+
+    def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None, pre_process: bool = True,
+              post_process: bool = True) -> MoEModel:
+        return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
+
+    def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        yield from one_device_problems(sizes, "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+
+    def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
+        return _moe(config)
+
+    def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
+        """6 x active matmul parameters x tokens (routed experts at top-k, the router, shared
+        experts, MLA's projections), plus attention's two matmuls at their head dims (causal mask
+        not halved), as for the Llama."""
+        c = _moe(config)
+        h, heads = c.hidden_size, c.num_attention_heads
+        if c.multi_latent_attention:
+            qk, v = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+            q = h * heads * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * heads * qk
+            attention = q + h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * heads * (
+                c.qk_head_dim + v) + heads * v * h
+        else:
+            qk = v = c.head_dim
+            attention = 2 * h * heads * qk + 2 * h * c.num_query_groups * qk
+        moe = h * c.num_moe_experts + c.moe_router_topk * 3 * h * c.expert_ffn + 3 * h * (
+            c.moe_shared_expert_intermediate_size or 0)
+        mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in range(c.num_layers))
+        active = c.num_layers * attention + mlps + h * c.vocab_size
+        scores = 6 * c.num_layers * sequences * tokens_per_seq**2 * heads * (qk + v)
+        return float(6 * active * sequences * tokens_per_seq + scores)
+
+
+FAMILY = MoEFamily()
