@@ -826,3 +826,16 @@ def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu()
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 4, 4)) == []  # context parallel splits it
     [problem] = micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 2, 1)
     assert problem.field == "seq_length" and "lower -sl or -mb, or raise -cp" in problem.message
+
+
+def test_a_label_on_some_layers_only_says_it_does_nothing_on_the_others() -> None:
+    """Megatron's 'mlp' on a model with MoE layers acts on the dense ones only; remat says so."""
+    moe = frozenset({"core_attn", "layernorm", "moe", "moe_act"})
+    layout = ModelLayout(labels=(DENSE, moe, moe, DENSE, moe))
+    mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
+    with pytest.warns(RematWarning, match=r"'mlp' acts on 2 layers of 5; layers 1-2, 4 have no 'mlp' site.*"
+                                          r"their sites are core_attn, layernorm, moe, moe_act"):
+        check_config(mlp, layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematWarning)
+        check_config(mlp, ModelLayout(labels=(DENSE,) * 5))  # every layer has it: nothing to say

@@ -110,7 +110,27 @@ def check_config(config: RecomputeConfig, layout: ModelLayout) -> None:
     problems = [p for check in _MODEL_CHECKS for p in check(config, layout)]
     if problems:
         raise ConfigError(problems)
+    for label in selected(config):
+        missing = [i for i, labels in enumerate(layout.labels) if label not in labels]
+        if missing and len(missing) < layout.num_layers:
+            there = ", ".join(sorted(frozenset().union(*(layout.labels[i] for i in missing)) & set(recompute_labels())))
+            warn(f"recompute_modules: {label!r} acts on {count(layout.num_layers - len(missing), 'layer')} of "
+                 f"{layout.num_layers}; {_layer_ranges(missing)} {'has' if len(missing) == 1 else 'have'} no "
+                 f"{label!r} site, and it does nothing there (as Megatron's 'mlp' on MoE layers): their sites are "
+                 f"{there or 'none'}")
     if "core_attn" in selected(config) and "core_attn" in layout.fused:
         warn("recompute_modules: 'core_attn' saves almost nothing: flash/SDPA attention already recomputes"
               " the attention matrix; drop core_attn")
 
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'layers 0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    return f"layer{'s' if len(layers) > 1 else ''} {text}"

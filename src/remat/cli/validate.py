@@ -33,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
         shape = found.run(lambda: recipe_config(args.model_recipe_name, **overrides), field="model_recipe_name")
         if shape is not None:
             model = build(args.model_recipe_name, device="meta", **overrides)
-            facts["num_layers"] = shape.num_layers
+            facts.update(shape.megatron_facts())  # its layers, dropout, MoE and MLA switches
     elif args.num_layers is not None:
         facts["num_layers"] = args.num_layers
     with collected_warnings() as caught:
-        config = found.run(resolve_config, args, facts)  # without a model's facts, as with no -mr
+        config = found.run(resolve_config, args, facts)
         if config is not None and not isinstance(config, RecomputeConfig):
             found.add(plan_file_flag_problems({}, model is not None))
         elif config is not None and shape is not None:  # the same shape checks as remat estimate

@@ -32,14 +32,22 @@ class LlamaFamily(ModelFamily):
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return RECIPES
 
+    # the config class a family of Llama-based models builds (the MoE family's extends it)
+    config_type: type[LlamaConfig] = LlamaConfig
+
     def config(self, recipe: str, **overrides: Any) -> LlamaConfig:
-        if recipe not in RECIPES:
-            raise unknown("recipe", recipe, list(RECIPES))
-        valid = list(LlamaConfig.field_names())
+        recipes = self.recipes()
+        if recipe not in recipes:
+            raise unknown("recipe", recipe, list(recipes))
+        valid = list(self.config_type.field_names())
         for key in overrides:
             if key not in valid:
                 raise unknown("override", key, valid)
-        return LlamaConfig(**{**RECIPES[recipe], **overrides})
+        return self.config_type(**self.config_fields(recipes[recipe], overrides))
+
+    def config_fields(self, recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """The config's fields: the recipe's, with overrides."""
+        return {**recipe, **overrides}
 
     def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None, pre_process: bool = True,

@@ -182,7 +182,7 @@ def moe_problems(c: MoEConfig) -> list[Problem]:
                                                                   f" got {c.moe_router_load_balancing_type!r}"))
     if isinstance(pattern := layer_pattern(c.moe_layer_freq, c.num_layers if _positive(c.num_layers) else 0), str):
         problems.append(Problem("moe_layer_freq", pattern))
-    if problems:  # the rules below need valid sizes
+    if any(p.field != "moe_layer_freq" for p in problems):  # the rules below need valid sizes
         return problems
     experts, topk = c.num_moe_experts, c.moe_router_topk
     if topk > experts:

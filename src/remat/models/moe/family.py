@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from remat.labels import Label
-from remat.models.family import ParallelSizes, one_device_problems, unknown
+from remat.models.family import ParallelSizes, one_device_problems
 from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
@@ -30,14 +30,10 @@ class MoEFamily(LlamaFamily):
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return RECIPES
 
-    def config(self, recipe: str, **overrides: Any) -> MoEConfig:
-        if recipe not in RECIPES:
-            raise unknown("recipe", recipe, list(RECIPES))
-        valid = list(MoEConfig.field_names())
-        for key in overrides:
-            if key not in valid:
-                raise unknown("override", key, valid)
-        return MoEConfig(**config_fields(RECIPES[recipe], overrides))
+    config_type = MoEConfig
+
+    def config_fields(self, recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return config_fields(recipe, overrides)
 
     def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None, pre_process: bool = True,

@@ -94,7 +94,9 @@ class TopKRouter(nn.Module):
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
         if c.moe_router_topk_scaling_factor:
             probs = probs * c.moe_router_topk_scaling_factor
-        tokens_per_expert = torch.bincount(experts.flatten(), minlength=c.num_moe_experts)
+        # a scatter-add rather than bincount: its size does not depend on the values (meta estimates)
+        chosen = experts.flatten()
+        tokens_per_expert = chosen.new_zeros(c.num_moe_experts).scatter_add_(0, chosen, torch.ones_like(chosen))
         if self.training and c.moe_router_enable_expert_bias:
             probs = _CountTokens.apply(probs, tokens_per_expert, self.local_tokens_per_expert)
         if self.training and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
@@ -177,11 +179,20 @@ def grouped_mm_torch(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return torch._grouped_mm(x, weight, offs=offsets)
 
 
+def grouped_mm_shapes(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """On meta, in a dtype torch's grouped matmul refuses: one matmul with the same output, FLOPs
+    and saved tensors (x and the experts' weights), as the per-expert loop cannot split by counts
+    a meta tensor does not hold."""
+    return x @ weight[0]
+
+
 def grouped_mm_for(x: Tensor) -> GroupedMM:
-    """torch's grouped matmul where it runs forward and backward (CUDA, bf16; shapes on meta),
-    the per-expert loop elsewhere."""
-    fast = hasattr(torch, "_grouped_mm") and (x.device.type == "meta" or (
-        x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)))
+    """torch's grouped matmul where it runs forward and backward (CUDA, bf16; and bf16 shapes on
+    meta), the per-expert loop elsewhere."""
+    if x.device.type == "meta":
+        return grouped_mm_torch if hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 else grouped_mm_shapes
+    fast = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and (
+        torch.cuda.get_device_capability(x.device) >= (9, 0))
     return grouped_mm_torch if fast else grouped_mm_loop
 
 
