@@ -477,3 +477,15 @@ def test_verify_runs_an_moe_recipe(capsys) -> None:
     code = main(["verify", "-mr", "moe_tiny", "-sl", "16", "--hidden_dropout", "0.1",
                  "--recompute_modules", "moe,moe_act"])
     assert code == 0 and "bit-identical: True" in capsys.readouterr().out
+
+
+def test_the_bench_step_moves_the_expert_bias_after_each_optimizer_step() -> None:
+    from remat.calls import after_optimizer_step
+    model = build("deepseek_tiny", dtype=torch.float64)
+    routers = model.routers()
+    for router in routers:
+        router.local_tokens_per_expert.copy_(torch.arange(float(len(router.local_tokens_per_expert))))
+    after_optimizer_step(model)
+    for router in routers:
+        assert router.expert_bias.abs().eq(model.config.moe_router_bias_update_rate).all()
+        assert not router.local_tokens_per_expert.any()

@@ -20,3 +20,11 @@ def forward_loss(model: nn.Module, input_ids: Tensor, labels: Tensor) -> Tensor:
         raise TypeError(f"{type(model).__name__}(input_ids, labels=labels) returned {type(out).__name__} without a"
                         " loss tensor; remat steps a model that returns its loss, or an output with .loss")
     return loss
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """The model's own work after each optimizer step, if it has any (an MoE model moves its
+    routers' balancing bias, as Megatron does after every step)."""
+    hook = getattr(model, "after_optimizer_step", None)
+    if callable(hook):
+        hook()

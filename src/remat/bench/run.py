@@ -19,7 +19,7 @@ from remat import step
 from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
-from remat.calls import forward_loss
+from remat.calls import after_optimizer_step, forward_loss
 from remat.layer_plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
@@ -96,6 +96,7 @@ def _iteration(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: tor
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        after_optimizer_step(model)
     return total, start, mid, clock.mark()
 
 

@@ -32,6 +32,10 @@ class MoEModel(LlamaModel):
     def routers(self) -> list[TopKRouter]:
         return [module for module in self.modules() if isinstance(module, TopKRouter)]
 
+    def after_optimizer_step(self) -> None:
+        """What a training step runs after the optimizer's: the routers' balancing step."""
+        self.update_expert_bias()
+
     def update_expert_bias(self) -> None:
         """Every router's balancing step (DeepSeek-V3), after the optimizer's."""
         for router in self.routers():
