@@ -251,8 +251,7 @@ class MoELayer(nn.Module):
         local = experts.flatten() % self.local_experts
         order = torch.argsort(local, stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        counts = tokens_per_expert.view(-1, self.local_experts).sum(0) if self.local_experts < len(
-            tokens_per_expert) else tokens_per_expert
+        counts = tokens_per_expert.view(-1, self.local_experts).sum(0)  # global experts onto local ones
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         routed = self.experts(_Permute.apply(tokens, order, inverse, self.topk), probs.flatten()[order], offsets)
         out = _Unpermute.apply(routed, order, inverse, self.topk).view(b, s, h)
