@@ -238,9 +238,10 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, dtype=dtype, device=device)
         self.experts = GroupedExperts(config, dtype=dtype, device=device)
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_experts = (MLP(config, ffn_hidden_size=shared, dtype=dtype, device=device)
-                               if shared else None)
-        self.shared_experts_site = Site("shared_experts")
+        # no shared experts, no site: a 'shared_experts' label on such a model then names what it has
+        self.shared_experts, self.shared_experts_site = (
+            (MLP(config, ffn_hidden_size=shared, dtype=dtype, device=device), Site("shared_experts"))
+            if shared else (None, None))
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
@@ -255,7 +256,7 @@ class MoELayer(nn.Module):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         routed = self.experts(_Permute.apply(tokens, order, inverse, self.topk), probs.flatten()[order], offsets)
         out = _Unpermute.apply(routed, order, inverse, self.topk).view(b, s, h)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and self.shared_experts_site is not None:
             out = out + self.shared_experts_site(self.shared_experts, x)
         return out
 
