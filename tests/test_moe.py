@@ -185,6 +185,13 @@ def test_shared_experts_frees_what_the_shared_mlp_saves(recipe) -> None:
     assert freed == _moe_layers(model) * per_layer
 
 
+def test_a_model_without_shared_experts_has_no_shared_experts_site_and_says_so() -> None:
+    model = _model("moe_tiny", dropout=0.0, moe_shared_expert_intermediate_size=None)
+    assert all("shared_experts" not in labels for labels in remat.find_sites(model).layout.labels)
+    with pytest.raises(ConfigError, match="'shared_experts' matches no site in MoEModel .*drop 'shared_experts'"):
+        remat.apply(model, _selective(model, "shared_experts"))
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. The router chooses the same experts when a recompute replays it.
 
