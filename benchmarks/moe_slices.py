@@ -6,7 +6,7 @@ the planner's plan at the best preset's measured peak, each with its predicted p
 experts' grouped GEMMs against one dense GEMM of the same FLOPs, and grouped against the
 per-expert loop (the fallback) for agreement.
 
-  PYTHONPATH=src:benchmarks python benchmarks/moe_slices.py [--only deepseek_v3|qwen3_moe]
+  PYTHONPATH=src:benchmarks python benchmarks/moe_slices.py [--only deepseek_v3|qwen3_moe] [--presets-only]
   writes $OUT/moe_slices.json
 
 TFLOP/s counts active parameters (remat's moe family FLOPs) for every row, HF's included.
@@ -64,7 +64,7 @@ def hf_anchor(name: str, seq: int, mb: int, flops: float) -> list[dict]:
     return rows
 
 
-def run_slice(name: str) -> list[dict]:
+def run_slice(name: str, single_labels: bool = True) -> list[dict]:
     recipe, overrides, presets = SLICES[name]
     seq, mb = HF_SLICES[name][1], HF_SLICES[name][2]
     family = family_of(recipe)
@@ -101,7 +101,7 @@ def run_slice(name: str) -> list[dict]:
         return record(mode, result, **extra)
 
     run("remat_none", None)
-    for label in labels:
+    for label in labels if single_labels else []:
         run(f"remat_{label}", selective(label, facts))
     preset_rows = [run(f"preset_{preset}", selective(preset, facts)) for preset in presets]
     run("remat_full_uniform_1", RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
@@ -156,11 +156,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", choices=sorted(SLICES))
     parser.add_argument("--no-gemm", action="store_true")
+    parser.add_argument("--presets-only", action="store_true", help="skip the single labels")
     args = parser.parse_args()
     rows = [] if args.no_gemm else gemm_rows(16, 2 * 4096 * 8, 7168, 2048) + gemm_rows(128, 4 * 4096 * 8, 2048, 768)
     print(*map(json.dumps, rows), sep="\n", flush=True)
     for name in [args.only] if args.only else SLICES:
-        rows += run_slice(name)
+        rows += run_slice(name, single_labels=not args.presets_only)
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
                   date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src:benchmarks python benchmarks/moe_slices.py "
                   + " ".join(sys.argv[1:]), slices={k: dict(recipe=v[0], **v[1]) for k, v in SLICES.items()}, rows=rows)

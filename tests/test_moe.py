@@ -20,6 +20,8 @@ from remat.models.moe.config import MoEConfig
 from remat.models.moe.moe_layer import GroupedExperts, TopKRouter, grouped_mm_loop, grouped_mm_torch
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig
+from remat.apply import offloader_of
+from remat.layer_plan import Plan
 from remat.verify import run_step, verify
 
 BATCH, SEQ = 2, 16
@@ -78,6 +80,7 @@ LABELS = {
     "moe_tiny": ("core_attn", "layernorm", "mlp", "mlp_act", "moe", "moe_act", "shared_experts"),
     "deepseek_tiny": ("core_attn", "layernorm", "mlp", "mlp_act", "mla_up_proj", "moe", "moe_act", "shared_experts"),
 }
+OFFLOAD_ONLY = ("expert_fc1",)  # sites kept or offloaded, never recomputed
 # Megatron Bridge's recipes: DeepSeek-V3 "mla_up_proj,mlp", "layernorm,moe_act", "moe"; Qwen3-MoE
 # "moe_act", "moe" (single labels, run above)
 COMBOS = {"moe_tiny": (), "deepseek_tiny": (("mla_up_proj", "mlp"), ("layernorm", "moe_act"))}
@@ -99,7 +102,7 @@ def test_each_recipe_has_exactly_the_labels_tested() -> None:
         model = _model(recipe)
         layout = find_sites(model).layout
         assert layout.num_layers == 3
-        assert frozenset().union(*layout.labels) == frozenset(LABELS[recipe]), recipe
+        assert frozenset().union(*layout.labels) == frozenset(LABELS[recipe] + OFFLOAD_ONLY), recipe
         assert [model.config.is_moe_layer(i) for i in range(3)] == [False, True, True]
 
 
@@ -190,6 +193,38 @@ def test_a_model_without_shared_experts_has_no_shared_experts_site_and_says_so()
     assert all("shared_experts" not in labels for labels in remat.find_sites(model).layout.labels)
     with pytest.raises(ConfigError, match="'shared_experts' matches no site in MoEModel .*drop 'shared_experts'"):
         remat.apply(model, _selective(model, "shared_experts"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("modules", [["expert_fc1"], ["moe_act"], ["expert_fc1", "moe_act"]])
+def test_expert_offload_is_bit_identical_and_moves_the_experts_inputs(recipe, modules) -> None:
+    model = _model(recipe)
+    c = model.config
+    rows, ffn = TOKENS * c.moe_router_topk, c.moe_ffn_hidden_size
+    config = _config(model, fine_grained_activation_offloading=True, offload_modules=modules,
+                     min_offloaded_tensor_size=0)
+    plain = run_step(model, *_batch(), seed=5)
+    report = verify(model, config, *_batch(), seed=5)
+    moved = offloader_of(model).stats().offloaded_bytes
+    assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss)
+    # expert_fc1: FC1's input, the permuted tokens [rows, hidden]; moe_act: the activation's input
+    # (FC1's output, [rows, 2 ffn]), its routing probabilities and the SwiGLU intermediates
+    # (silu(gate) and the product, [rows, ffn] each) FC2 does not save
+    per_layer = {"expert_fc1": rows * c.hidden_size, "moe_act": rows * 2 * ffn + rows + 2 * rows * ffn}
+    # Megatron offloads no module of the last layer, whose backward comes right after its forward
+    offloaded_layers = _moe_layers(model) - 1
+    assert moved == offloaded_layers * sum(per_layer[m] for m in modules) * F64
+    assert report.freed_bytes == moved
+
+
+def test_expert_fc1_is_refused_as_a_recompute_label_and_as_a_plan_recompute() -> None:
+    model = _model("moe_tiny")
+    with pytest.raises(ConfigError, match="'expert_fc1' is an offload module: recomputing it frees nothing;"
+                                          " move it to offload_modules"):
+        _selective(model, "expert_fc1")
+    with pytest.raises(ConfigError, match=r"layers\[1\].expert_fc1: 'expert_fc1' marks a place to offload from;"
+                                          " use 'offload' or 'keep'"):
+        remat.apply(model, Plan([{}, {"expert_fc1": "recompute"}, {}]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +500,20 @@ def test_estimate_runs_an_moe_slice_and_predicts_the_moe_act_saving(capsys, tmp_
     # one micro-batch of 16 tokens, top-2, expert FFN 48, bf16: the three [slots, ffn] tensors of
     # the measured float64 run (test above), in 2 MoE layers
     assert activations["none"] - activations["moe_act"] == 2 * 3 * (16 * 2) * 48 * 2
+
+
+def test_estimate_with_expert_parallel_holds_one_rank_s_share_of_the_experts(capsys, tmp_path) -> None:
+    weights, said = {}, {}
+    for ep in (1, 2):
+        out = tmp_path / f"ep{ep}.json"
+        code = main(["estimate", "-mr", "moe_tiny", "--num_moe_experts", "8", "-ep", str(ep), "-sl", "16",
+                     "--no_progress", "--configs", "none", "--json", str(out)])
+        said[ep] = capsys.readouterr().out
+        assert code == 0
+        weights[ep] = json.loads(out.read_text())[0]["stages"][0]["weights"]
+    assert "cp 1, ep 2, etp 1, micro-batch" in said[2] and "ep 1, etp 1" in said[1]
+    # half of 8 experts' FC1 [2 x 48, 64] and FC2 [64, 48], bf16, in moe_tiny's 2 MoE layers
+    assert weights[1] - weights[2] == 2 * 4 * (2 * 48 * 64 + 64 * 48) * 2
 
 
 def test_validate_checks_moe_labels_against_the_recipe(capsys) -> None:

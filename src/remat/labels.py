@@ -22,6 +22,8 @@ class Label:
 
     discard: recomputed with the output-discarding checkpoint (its consumer saves its output).
     discard_only: its output is all its consumer saves, so a plain recompute frees nothing.
+    offload_only: a site that exists so what its call saves (its input) can go to host memory,
+    as Megatron's offload module of that name does; recomputing it would free nothing.
     enclosed_by: the label whose site always runs this one: recomputing that one replays this
     one too, so an action here does nothing there.
     """
@@ -29,6 +31,7 @@ class Label:
     name: str
     discard: bool = False
     discard_only: bool = False
+    offload_only: bool = False
     enclosed_by: str | None = None
 
 
@@ -48,10 +51,13 @@ def register(label: Label) -> Label:
     return label
 
 
-# Megatron Core's labels, in the order its documentation lists them.
+# Megatron Core's recompute labels, in the order its documentation lists them, then its offload
+# modules that need a site of their own.
 for _label in (Label("core_attn"), Label("layernorm", discard=True), Label("mlp"), Label("moe"),
                Label("moe_act", discard=True, enclosed_by="moe"), Label("shared_experts", enclosed_by="moe"),
-               Label("mla_up_proj", discard=True)):
+               Label("mla_up_proj", discard=True),
+               # Megatron's offload module for the routed experts' FC1 input (the permuted tokens)
+               Label("expert_fc1", offload_only=True, enclosed_by="moe")):
     register(_label)
 
 # Megatron Core's labels for layers no remat model has yet, with what each recomputes and Megatron's
@@ -73,7 +79,7 @@ def labels_without_model() -> tuple[str, ...]:
 
 def recompute_labels() -> tuple[str, ...]:
     """Every selective-recompute label, Megatron's first, then the families' in registration order."""
-    return tuple(_REGISTRY)
+    return tuple(name for name, label in _REGISTRY.items() if not label.offload_only)
 
 
 def site_labels() -> tuple[str, ...]:
@@ -89,6 +95,11 @@ def discard_labels() -> frozenset[str]:
 def discard_only_labels() -> frozenset[str]:
     """Labels whose output is all their consumer saves: a plain checkpoint of them frees nothing."""
     return frozenset(name for name, label in _REGISTRY.items() if label.discard_only)
+
+
+def offload_only_labels() -> frozenset[str]:
+    """Labels whose sites are only kept or offloaded."""
+    return frozenset(name for name, label in _REGISTRY.items() if label.offload_only)
 
 
 def enclosing() -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, site_labels
+from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, offload_only_labels, site_labels
 from remat.layout import ModelLayout
 from remat.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
@@ -158,6 +158,8 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
         if action not in ACTIONS:
             hint = did_you_mean(action, ACTIONS) if isinstance(action, str) else ""
             yield Problem(name, f"unknown action {action!r}{hint}; use one of {one_of(ACTIONS)}")
+        elif action in ("recompute", "discard") and label in offload_only_labels():
+            yield Problem(name, f"{label!r} marks a place to offload from; use 'offload' or 'keep'")
         elif action == "discard" and not has_layer_sites:
             yield Problem(name, "'discard' needs the enclosing 'layer' site as its scope and this model marks"
                                 " none; use 'recompute' or add layer sites")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from remat.labels import WITHOUT_MODEL, enclosing, labels_without_model, recompute_labels
+from remat.labels import WITHOUT_MODEL, enclosing, labels_without_model, offload_only_labels, recompute_labels
 from remat.problems import Problem, count, did_you_mean, one_of
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ REFUSED_OFFLOAD_MODULES: tuple[str, ...] = ("fused_group_mlp", "gdp_qkv")
 # where remat marks no site around that submodule.
 OFFLOAD_SITES: dict[str, str | None] = {
     "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
-    "qkv_linear": None, "attn_proj": None, "expert_fc1": None, "fused_group_mlp": None, "gdp_qkv": None,
+    "qkv_linear": None, "attn_proj": None, "expert_fc1": "expert_fc1", "fused_group_mlp": None, "gdp_qkv": None,
 }
 # The largest layer count or parallel size the rules take: past any run, and safe to multiply.
 MAX_SIZE = 1 << 20
@@ -155,7 +155,10 @@ def rule_selective_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 def rule_known_recompute_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
     known = (*recompute_labels(), *labels_without_model())
     for label in c.recompute_modules or []:
-        if label not in known:
+        if label in offload_only_labels():
+            yield Problem("recompute_modules", f"{label!r} is an offload module: recomputing it frees nothing;"
+                                               f" move it to offload_modules")
+        elif label not in known:
             yield Problem("recompute_modules", f"unknown label {label!r}{did_you_mean(label, known)};"
                                                f" use labels from {one_of(recompute_labels())}")
 

@@ -201,12 +201,21 @@ def milliseconds(seconds: float) -> str:
     return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms" if ms >= 0.001 else "< 0.001 ms"
 
 
+def _expert_parallel(spec: EstimateSpec) -> str:
+    """'ep N, etp M, ' for a model with routed experts (its config has Megatron's expert sizes)."""
+    config = spec.model_config
+    if not hasattr(config, "expert_model_parallel_size"):
+        return ""
+    return f"ep {config.expert_model_parallel_size}, etp {config.expert_tensor_parallel_size}, "
+
+
 def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:
     f = spec.facts
     sp = f.sequence_parallel and f.tensor_model_parallel_size > 1
     title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if sp else ''}, "
              f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
-             f"cp {f.context_parallel_size}, micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
+             f"cp {f.context_parallel_size}, {_expert_parallel(spec)}"
+             f"micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
     table = Table(title=f"estimated peak memory per GPU, {title}")
     host = any(s.host for result in results for s in result.stages)
     columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from remat.labels import LAYER, discard_labels, discard_only_labels, enclosing
+from remat.labels import LAYER, discard_labels, discard_only_labels, enclosing, offload_only_labels
 from remat.layer_plan import Plan, check_plan
 from remat.layout import ModelLayout, check_config
 from remat.memory.attribution import Owner, SiteStorages, owner_name
@@ -225,7 +225,8 @@ def combos(labels: frozenset[str]) -> list[Combo]:
     """Keep or recompute every label (discard instead where that is all that frees anything);
     discard too where outputs are discarded (layernorm...). Each distinct combination once."""
     ordered = sorted(labels)
-    options = [("keep", *(() if label in discard_only_labels() else ("recompute",)),
+    options = [("keep",) if label in offload_only_labels() else
+               ("keep", *(() if label in discard_only_labels() else ("recompute",)),
                 *(("discard",) if label in discard_labels() else ())) for label in ordered]
     return list(dict.fromkeys(combo_of(dict(zip(ordered, choice))) for choice in itertools.product(*options)))
 

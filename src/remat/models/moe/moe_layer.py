@@ -74,10 +74,11 @@ class TopKRouter(nn.Module):
         self.local_tokens_per_expert.zero_()
 
     def forward(self, x: Tensor, sequences: int = 1) -> tuple[Tensor, Tensor, Tensor]:
-        """x [tokens, hidden] of `sequences` sequences -> (probs [tokens, k] float32,
-        experts [tokens, k], tokens_per_expert [experts])."""
+        """x [tokens, hidden] of `sequences` sequences -> (probs [tokens, k] in float32 or the
+        model's wider dtype, experts [tokens, k], tokens_per_expert [experts])."""
         c = self.config
-        logits = F.linear(x, self.weight).float()
+        # scores in float32 at least: bf16 would tie and reorder experts near each other
+        logits = F.linear(x, self.weight).to(torch.promote_types(x.dtype, torch.float32))
         softmax_after_topk = c.moe_router_score_function == "softmax" and not c.moe_router_pre_softmax
         scores = torch.sigmoid(logits) if c.moe_router_score_function == "sigmoid" else torch.softmax(logits, -1)
         choice = logits if softmax_after_topk else scores
@@ -213,6 +214,7 @@ class GroupedExperts(nn.Module):
         self.weight1 = nn.Parameter(torch.empty(experts, 2 * ffn, config.hidden_size, dtype=dtype, device=device))
         self.weight2 = nn.Parameter(torch.empty(experts, config.hidden_size, ffn, dtype=dtype, device=device))
         self.grouped = config.moe_grouped_gemm
+        self.fc1_site = Site("expert_fc1")
         self.act_site = Site("moe_act")
         self.activation: Callable[[Tensor, Tensor], Tensor] = swiglu_with_probs
 
@@ -223,7 +225,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, probs: Tensor, offsets: Tensor) -> Tensor:
         """x [N, hidden] grouped by expert, probs [N]; returns [N, hidden]."""
         mm = grouped_mm_for(x) if self.grouped else grouped_mm_loop
-        fc1 = mm(x, self.weight1.transpose(1, 2), offsets)
+        fc1 = self.fc1_site(mm, x, self.weight1.transpose(1, 2), offsets)
         return mm(self.act_site(self.activation, fc1, probs), self.weight2.transpose(1, 2), offsets)
 
 
