@@ -22,6 +22,7 @@ from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig
 from remat.apply import offloader_of
 from remat.layer_plan import Plan
+from remat.planner import uniform_config
 from remat.verify import run_step, verify
 
 BATCH, SEQ = 2, 16
@@ -500,6 +501,16 @@ def test_estimate_runs_an_moe_slice_and_predicts_the_moe_act_saving(capsys, tmp_
     # one micro-batch of 16 tokens, top-2, expert FFN 48, bf16: the three [slots, ffn] tensors of
     # the measured float64 run (test above), in 2 MoE layers
     assert activations["none"] - activations["moe_act"] == 2 * 3 * (16 * 2) * 48 * 2
+
+
+def test_the_planner_writes_an_moe_plan_as_megatron_keys_without_its_offload_only_sites() -> None:
+    model = _model("moe_tiny", dropout=0.0)
+    traced = remat.trace(model, _batch(), timing_repeats=1)
+    layout = traced.layout
+    assert any("expert_fc1" in labels for labels in layout.labels)
+    for modules in (["moe_act"], ["layernorm", "moe"]):
+        config = uniform_config(Plan.from_config(_selective(model, *modules), layout), traced)
+        assert config is not None and config.recompute_modules == modules
 
 
 def test_estimate_with_expert_parallel_holds_one_rank_s_share_of_the_experts(capsys, tmp_path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.labels import recompute_labels
 from remat.layer_plan import Plan
 from remat.memory.measure import meta_offload_problems, trace
 from remat.memory.meter import storage_bytes
@@ -72,7 +73,8 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     n = layout.num_layers
     if plan == Plan.none(n):
         return RecomputeConfig()
-    labels = sorted(frozenset().union(*layout.labels))
+    present = frozenset().union(*layout.labels)
+    labels = sorted(label for label in recompute_labels() if label in present)  # not offload-only sites
     # a model with these sites runs what their rules ask for (grouped GEMM experts, MLA)
     facts = TrainingFacts(num_layers=n, moe_grouped_gemm="moe_act" in labels,
                           multi_latent_attention="mla_up_proj" in labels)
