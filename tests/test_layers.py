@@ -86,3 +86,8 @@ def test_the_layer_checks_can_fail() -> None:
     assert _offenders("remat.apply", ("remat.engine",))
     assert any(_inside(name, "remat.bench") for name in MODULES["remat.cli.bench"])
     assert "remat.labels" in MODULES["remat.models"]
+
+
+def test_parallel_imports_only_sites_labels_and_problems() -> None:
+    # the distributed layouts act on Sites, as apply does, and know no model family
+    assert _offenders("remat.parallel", ("remat.parallel", "remat.sites", "remat.labels", "remat.problems")) == {}

@@ -260,7 +260,7 @@ class _GroupMember:
                                "full recompute needs layers called once each, first to last")
         try:
             with group.offload.context() if group.offload is not None else contextlib.nullcontext():
-                out = group.region.call(fn, args, kwargs)
+                out = group.region.call(fn, args, kwargs, site.before_replay)
         except BaseException:
             group.region = None  # an aborted forward (e.g. OOM) must not keep the group's tensors
             raise

@@ -33,6 +33,9 @@ class Site(nn.Module):
         # so recomputing this site frees almost nothing.
         self.fused = fused
         self.action: SiteAction | None = None
+        # Runs before a full-recompute group replays this layer from a later layer's backward:
+        # a layer whose parameters are sharded (FSDP2) gathers them (set by remat.parallel).
+        self.before_replay: Callable[[], None] | None = None
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.action is None or not torch.is_grad_enabled() or inside_region():

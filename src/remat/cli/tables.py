@@ -204,9 +204,8 @@ def milliseconds(seconds: float) -> str:
 def _expert_parallel(spec: EstimateSpec) -> str:
     """'ep N, etp M, ' for a model with routed experts (its config has Megatron's expert sizes)."""
     config = spec.model_config
-    if not hasattr(config, "expert_model_parallel_size"):
-        return ""
-    return f"ep {config.expert_model_parallel_size}, etp {config.expert_tensor_parallel_size}, "
+    ep, etp = (getattr(config, f"expert_{kind}_parallel_size", None) for kind in ("model", "tensor"))
+    return "" if ep is None else f"ep {ep}, etp {etp}, "
 
 
 def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:

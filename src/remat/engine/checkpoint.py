@@ -96,6 +96,7 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     state: ReplayState
+    before_replay: Callable[[], None] | None = None
 
 
 class Region:
@@ -111,12 +112,15 @@ class Region:
         self._output_refs: dict[int, int] = {}  # consumer references still to be unpacked
 
     # ---- forward -------------------------------------------------------------------------
-    def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """Run `fn(*args, **kwargs)` as the next call of this region and return its output."""
+    def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+             before_replay: Callable[[], None] | None = None) -> Any:
+        """Run `fn(*args, **kwargs)` as the next call of this region and return its output.
+        `before_replay` runs before the replay calls `fn` again (e.g. gathering the sharded
+        parameters of a layer replayed from a later layer's backward)."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         self._calls.append(
             _Call(fn, tuple(self._keep(a) for a in args),
-                  {k: self._keep(v) for k, v in kwargs.items()}, ReplayState.capture(tensors))
+                  {k: self._keep(v) for k, v in kwargs.items()}, ReplayState.capture(tensors), before_replay)
         )
         with _region_running(), saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*args, **kwargs)
@@ -188,6 +192,8 @@ class Region:
         with forked_rng(devices), torch.enable_grad(), _region_running():
             try:
                 for call in self._calls:
+                    if call.before_replay is not None:
+                        call.before_replay()
                     call.state.restore_rng()
                     args = tuple(self._restore(a, outputs) for a in call.args)
                     kwargs = {k: self._restore(v, outputs) for k, v in call.kwargs.items()}

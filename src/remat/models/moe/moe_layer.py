@@ -241,9 +241,11 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, dtype=dtype, device=device)
         shared = config.moe_shared_expert_intermediate_size
         # no shared experts, no site: a 'shared_experts' label on such a model then names what it has
-        self.shared_experts, self.shared_experts_site = (
-            (MLP(config, ffn_hidden_size=shared, dtype=dtype, device=device), Site("shared_experts"))
-            if shared else (None, None))
+        self.shared_experts: MLP | None = None
+        self.shared_experts_site: Site | None = None
+        if shared:
+            self.shared_experts = MLP(config, ffn_hidden_size=shared, dtype=dtype, device=device)
+            self.shared_experts_site = Site("shared_experts")
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape

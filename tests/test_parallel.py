@@ -1,0 +1,72 @@
+"""FSDP2 data parallelism (remat.parallel) on CPU: two processes under torchrun with gloo.
+
+Under FSDP2, every recompute and offload plan gives each rank the loss and the gradients of the
+same sharded run without recompute, bit for bit, dropout on (the arithmetic is the same and each
+rank's dropout masks are replayed). The sharded run without recompute matches one process on
+the whole global batch only to float64 rounding: FSDP2 sums the two ranks' gradients (a
+reduce-scatter) where one process sums over all sequences in one GEMM, so the order of the
+additions differs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat.calls import forward_loss
+from remat.parallel import fully_shard_layers
+from remat.problems import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import fsdp_worker  # noqa: E402
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(WORLD), str(Path(fsdp_worker.__file__)), str(out)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("plan", [p for p in fsdp_worker.PLANS if p != "none"])
+def test_every_plan_under_fsdp2_is_bit_identical_to_fsdp2_without_recompute(sharded, plan, dropout) -> None:
+    losses, grads = sharded[f"{plan}@{dropout}"]
+    plain_losses, plain_grads = sharded[f"none@{dropout}"]
+    assert losses == plain_losses
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+def test_fsdp2_without_recompute_matches_one_process_on_the_global_batch(sharded) -> None:
+    losses, grads = sharded["none@0.0"]
+    model = fsdp_worker.model(0.0)
+    loss = forward_loss(model, *fsdp_worker.global_batch(WORLD))
+    loss.backward()
+    # equal tokens per rank: the global mean loss is the mean of the ranks', and FSDP2 averages
+    # the ranks' gradients
+    assert sum(losses) / WORLD == pytest.approx(loss.item(), rel=1e-13)
+    assert losses[0] != losses[1]  # the ranks saw different sequences
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-13)
+
+
+def test_fully_shard_layers_says_what_is_missing() -> None:
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError) as err:
+        fully_shard_layers(plain)
+    said = str(err.value)
+    assert "model: Sequential marks no 'layer' Sites, so FSDP2 has no per-layer units" in said
+    assert "torch.distributed: no process group: launch with torchrun" in said

@@ -1,0 +1,73 @@
+"""Run by tests/test_parallel.py under torchrun (gloo, CPU): remat's tiny Llama sharded with FSDP2,
+one step per plan on this rank's share of a global batch; rank 0 saves the losses of every rank
+and the full gradients to the file named by argv[1]."""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import remat
+from remat.calls import forward_loss
+from remat.layer_plan import Plan
+from remat.models import build
+from remat.parallel import fully_shard_layers
+from remat.recompute import RecomputeConfig
+
+LAYERS, PER_RANK, SEQ = 4, 2, 16
+
+
+def model(dropout: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, attention_backend="eager",
+                 attention_dropout=dropout, hidden_dropout=dropout, seq_length=SEQ)
+
+
+def global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 256, (world * PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def full(method: str, k: int) -> RecomputeConfig:
+    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
+
+
+PLANS: dict[str, RecomputeConfig | Plan | None] = {
+    "none": None,
+    "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "mlp"]),
+    "full_uniform_1": full("uniform", 1),
+    "full_uniform_2": full("uniform", 2),  # replays layers 0 and 2 after FSDP2 resharded them
+    "full_block_3": full("block", 3),
+    "offload": Plan([{"layer": "offload"}, {"core_attn": "offload"}, {}, {}], [(2, 4)], min_offloaded_tensor_size=0),
+}
+
+
+def step(dropout: float, plan: object) -> tuple[list[float], dict[str, torch.Tensor]]:
+    m = fully_shard_layers(model(dropout))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(m, plan)  # type: ignore[arg-type]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(world))
+    torch.manual_seed(100 + rank)  # each rank its own dropout masks
+    loss = forward_loss(m, inputs, labels)
+    loss.backward()
+    losses = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(losses, loss.detach().clone())
+    grads = {name: p.grad.full_tensor() for name, p in m.named_parameters()}  # type: ignore[union-attr]
+    return [float(x) for x in losses], grads
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    results = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
