@@ -50,6 +50,15 @@ def test_every_plan_under_fsdp2_is_bit_identical_to_fsdp2_without_recompute(shar
         assert torch.equal(grad, plain_grads[name]), name
 
 
+def test_bf16_compute_over_fp32_shards_recomputes_bit_identically(sharded) -> None:
+    losses, grads = sharded["full_uniform_2@bf16"]
+    plain_losses, plain_grads = sharded["none@bf16"]
+    assert losses == plain_losses
+    assert all(g.dtype == torch.float32 for g in grads.values())  # fp32 main gradients
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
 def test_fsdp2_without_recompute_matches_one_process_on_the_global_batch(sharded) -> None:
     losses, grads = sharded["none@0.0"]
     model = fsdp_worker.model(0.0)

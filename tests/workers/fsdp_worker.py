@@ -19,9 +19,9 @@ from remat.recompute import RecomputeConfig
 LAYERS, PER_RANK, SEQ = 4, 2, 16
 
 
-def model(dropout: float) -> torch.nn.Module:
+def model(dropout: float, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, attention_backend="eager",
+    return build("llama3_tiny", dtype=dtype, num_layers=LAYERS, attention_backend="eager",
                  attention_dropout=dropout, hidden_dropout=dropout, seq_length=SEQ)
 
 
@@ -44,8 +44,10 @@ PLANS: dict[str, RecomputeConfig | Plan | None] = {
 }
 
 
-def step(dropout: float, plan: object) -> tuple[list[float], dict[str, torch.Tensor]]:
-    m = fully_shard_layers(model(dropout))
+def step(dropout: float, plan: object, mixed: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """mixed: float32 shards, bfloat16 compute, float32 gradient reduction."""
+    m = fully_shard_layers(model(dropout, torch.float32 if mixed else torch.float64),
+                           compute_dtype=torch.bfloat16 if mixed else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         remat.apply(m, plan)  # type: ignore[arg-type]
@@ -55,7 +57,7 @@ def step(dropout: float, plan: object) -> tuple[list[float], dict[str, torch.Ten
     loss = forward_loss(m, inputs, labels)
     loss.backward()
     losses = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(losses, loss.detach().clone())
+    dist.all_gather(losses, loss.detach().double())
     grads = {name: p.grad.full_tensor() for name, p in m.named_parameters()}  # type: ignore[union-attr]
     return [float(x) for x in losses], grads
 
@@ -63,6 +65,7 @@ def step(dropout: float, plan: object) -> tuple[list[float], dict[str, torch.Ten
 def main() -> None:
     dist.init_process_group("gloo")
     results = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
+    results.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     dist.barrier()
