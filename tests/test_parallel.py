@@ -8,6 +8,7 @@ reduce-scatter) where one process sums over all sequences in one GEMM, so the or
 additions differs."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from remat.bench.spec import BenchSpec
 from remat.calls import forward_loss
 from remat.parallel import fully_shard_layers
 from remat.problems import ConfigError
@@ -79,3 +81,30 @@ def test_fully_shard_layers_says_what_is_missing() -> None:
     said = str(err.value)
     assert "model: Sequential marks no 'layer' Sites, so FSDP2 has no per-layer units" in said
     assert "torch.distributed: no process group: launch with torchrun" in said
+
+
+def _bench_json(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "llama3_tiny", "--device", "cpu", "-ms", "3",
+                          "--warmup_steps", "1", "--no_history", "--no_progress", "--json", str(out), *flags],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("remat bench: llama3_tiny") == 1  # rank 0 alone reports
+    return json.loads(out.read_text())
+
+
+def test_bench_ng_2_starts_torchrun_and_each_rank_holds_half_the_weights_and_optimizer_state(tmp_path) -> None:
+    full = ["--recompute_granularity", "full", "--recompute_method", "uniform", "-rl", "2"]
+    one, two = _bench_json(tmp_path, *full), _bench_json(tmp_path, "-ng", "2", *full)
+    assert two["status"] == "ok" and len(two["losses"]) == 3
+    assert two["shape"]["data_parallel"] == 2 and "data_parallel" not in one["shape"]
+    assert two["memory"]["weights"] * 2 == one["memory"]["weights"]
+    assert two["memory"]["optimizer"] * 2 == one["memory"]["optimizer"]
+
+
+def test_a_bench_spec_must_match_the_processes_torchrun_started(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="num_gpus: is 1 but torchrun started 2 processes; launch with torchrun"
+                                          " --nproc-per-node 1, or let remat bench -ng 1 start it"):
+        BenchSpec(recipe="llama3_tiny", device="cpu")

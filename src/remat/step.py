@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from remat import models
+from remat import parallel
 from remat.memory.measure import trace
+from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
 from remat.models import ModelConfig, ModelFamily
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of, raise_if_any
@@ -228,6 +230,8 @@ def build_model(spec: RunSpec) -> nn.Module:
     model = family.build(spec.model_config, dtype=spec.dtype, device=spec.device)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
+    if parallel.world_size() > 1:  # under torchrun: data parallel over every rank
+        parallel.fully_shard_layers(model)
     return model
 
 
@@ -243,7 +247,8 @@ class MockData:
     def __init__(self, spec: RunSpec) -> None:
         config = spec.model_config
         self.spec, self.vocab, self.seq = spec, config.vocab_size, config.seq_length
-        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed)
+        # each data-parallel rank its own sequences
+        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + parallel.rank())
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, self.vocab, (self.spec.micro_batch_size, self.seq + 1),
@@ -266,7 +271,8 @@ def make_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer | N
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes on this device: a sharded tensor's local shard."""
+    return sum(local.numel() * local.element_size() for local in map(local_tensor, tensors))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:

@@ -24,6 +24,7 @@ from remat.layer_plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
+from remat.parallel import max_over_ranks, mean_over_ranks, world_size
 from remat.step import MockData
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
@@ -115,7 +116,7 @@ def _train(model: nn.Module, spec: BenchSpec,
             offloader.reset_stats()
         wall0 = time.perf_counter()
         total, start, mid, end = _iteration(model, spec, data, optimizer, clock)
-        steps.losses.append(total.item())  # the one host sync of a step
+        steps.losses.append(mean_over_ranks(total).item())  # the one host sync of a step
         steps.wall.append(time.perf_counter() - wall0)
         steps.step.append(clock.seconds(start, end))
         steps.fwd_bwd.append(clock.seconds(start, mid))
@@ -141,7 +142,9 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
 
 def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
-    return dict(**spec.model_config.record(), micro_batch_size=spec.micro_batch_size,
+    ranks = world_size()  # under torchrun: data-parallel ranks, each with its own micro-batches
+    return dict(**spec.model_config.record(), **({"data_parallel": ranks} if ranks > 1 else {}),
+                micro_batch_size=spec.micro_batch_size,
                 global_batch_size=spec.global_batch_size or spec.micro_batch_size,
                 max_steps=spec.max_steps, task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile)
 
@@ -193,15 +196,15 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     sequences = spec.micro_batch_size * spec.micro_batches
     flops = spec.family.flops(config, config.seq_length, sequences)
-    peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak
-    assert peak is not None  # _train counts it where there is no CUDA allocator
+    assert cuda or steps.cpu_peak is not None  # _train counts it where there is no CUDA allocator
+    peak = max_over_ranks(torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0)
     result = BenchResult(
         status="ok", step_time_s=step_s, fwd_bwd_time_s=fwd_bwd_s,
         tflops_per_gpu=flops / step_s / 1e12, tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
         tokens_per_s_per_gpu=sequences * config.seq_length / step_s,
         peak_allocated_bytes=peak,
-        peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
-        peak_host_bytes=steps.host_peak,
+        peak_reserved_bytes=max_over_ranks(torch.cuda.max_memory_reserved()) if cuda else None,
+        peak_host_bytes=None if steps.host_peak is None else max_over_ranks(steps.host_peak),
         memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses, step_times_s=steps.step[steady],
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from remat.models import parameter_count
+from remat.parallel import launched_world
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of
 from remat.step import RunSpec, device_problems
 
@@ -47,11 +48,17 @@ class BenchSpec(RunSpec):
         if self.compile and self.warmup_steps == 0:
             yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"
                                           " steady step; use --warmup_steps 1 or more")
-        if self.num_gpus not in (None, 1):
-            yield Problem("num_gpus", f"is {self.num_gpus}; remat bench runs on one GPU for now (multi-GPU runs"
-                                      " through torchrun arrive with the parallel issue); use -ng 1")
+        yield from self._launch_problems()
         if not device_problems(self.device):
             yield from self._device_checks()
+
+    def _launch_problems(self) -> Iterator[Problem]:
+        """Several GPUs: data parallel (FSDP2) over the processes torchrun started, one per GPU."""
+        gpus, started = self.num_gpus or 1, launched_world()
+        if started != gpus:
+            yield Problem("num_gpus", f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"
+                                      f" launch with torchrun --nproc-per-node {gpus}, or let remat bench -ng"
+                                      f" {gpus} start it")
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from device_problems(self.device)

@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # the command's own usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = shlex.join(["remat", *argv])  # recorded with each result
+    args.argv = argv  # what a command that starts torchrun runs again in each process
     try:
         select_model(args)
         return args.func(args)

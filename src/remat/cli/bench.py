@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
 from remat.bench.run import plan_name, run_bench
 from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
 from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
+from remat.parallel import is_main, launched_world, start, stop, torchrun, world_size
 from remat.problems import count
 from remat.recompute import RecomputeConfig
 
@@ -34,6 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Under torchrun, every rank runs the bench and rank 0 reports; `-ng N` outside torchrun
+    starts it with N processes."""
+    if args.num_gpus > 1 and launched_world() == 1 and not args.dryrun:
+        return torchrun(args.num_gpus, args.argv)
+    start(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not is_main():
+        out.quiet = True
+    try:
+        return _run(args)
+    finally:
+        stop()
+
+
+def _run(args: argparse.Namespace) -> int:
     with collected_warnings() as caught:
         spec, plan, resolved, golden = check_bench(args, output_problems(args))
     print_warnings(caught)
@@ -45,10 +62,14 @@ def run(args: argparse.Namespace) -> int:
             out.print(plan.describe())
         out.print(resolved.describe())
         return 0
-    with collected_warnings() as during, progress_bar(not args.no_progress) as bar:
+    with collected_warnings() as during, progress_bar(not args.no_progress and is_main()) as bar:
         result = run_bench(spec, plan, name=plan_name(plan), on_step=bar.on_step())
+    if not is_main():  # rank 0 reports and writes; its numbers are every rank's (peaks the highest)
+        return 0 if result.status == "ok" else 1
     print_warnings(during, printed=caught)
-    show(results_table([result], title=f"remat bench: {spec.recipe}"))
+    ranks = world_size()
+    show(results_table([result], title=f"remat bench: {spec.recipe}"
+                                       + (f", data parallel over {ranks} ranks (FSDP2)" if ranks > 1 else "")))
     if result.memory is not None:
         show(memory_table(result))
     outputs = Outputs("bench", result.to_dict())

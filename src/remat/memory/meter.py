@@ -64,6 +64,16 @@ class CpuMeter(AbstractContextManager):
         return peak
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a DTensor: FSDP2's parameters, their gradients and
+    optimizer state), whose bytes are on this device; other tensors as they are."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    from torch.distributed.tensor import DTensor  # only a sharded run has one
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """What a step starts with: parameters, existing gradients, optimizer state."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
@@ -74,5 +84,6 @@ def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the unique storages behind `tensors`."""
-    storages = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+    local = [local_tensor(t) for t in tensors]
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in local}
     return sum(storages.values())

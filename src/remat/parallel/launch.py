@@ -1,0 +1,71 @@
+"""Runs launched by torchrun: the world it started, the process group, and the few numbers a
+benchmark agrees on across ranks. `remat bench -ng N` starts torchrun itself."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def launched_world() -> int:
+    """How many processes torchrun started (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(device: str) -> None:
+    """Join torchrun's process group (NCCL on CUDA, each rank on its local GPU; gloo on CPU)."""
+    if launched_world() == 1 or dist.is_initialized():
+        return
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar over the ranks (gloo has no AVG: a sum, divided)."""
+    if not dist.is_initialized():
+        return t
+    total = t.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def torchrun(nproc: int, argv: Sequence[str]) -> int:
+    """Run `remat ARGV` under torchrun on this machine with `nproc` processes; its exit status."""
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={nproc}", "-m", "remat", *argv])
