@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     starts it with N processes."""
     if args.num_gpus > 1 and launched_world() == 1 and not args.dryrun:
         return torchrun(args.num_gpus, args.argv)
+    if args.num_gpus == 1:  # the default: under torchrun, as many GPUs as it started processes
+        args.num_gpus = launched_world()
     start(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not is_main():
         out.quiet = True
