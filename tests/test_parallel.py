@@ -74,6 +74,13 @@ def test_fsdp2_without_recompute_matches_one_process_on_the_global_batch(sharded
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-13)
 
 
+def test_saved_for_backward_under_fsdp2_leaves_out_the_parameters_it_gathers(sharded) -> None:
+    # the root's gathered parameters stay from its forward to its backward, and each layer's
+    # are freed by resizing their storage: weights, not activations
+    plain, under_fsdp2 = sharded["saved"]
+    assert under_fsdp2 == plain
+
+
 def test_fully_shard_layers_says_what_is_missing() -> None:
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ConfigError) as err:

@@ -55,7 +55,8 @@ def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, se
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss, saved = measure_saved(lambda: forward_loss(model, input_ids, labels), input_ids.device)
+    loss, saved = measure_saved(lambda: forward_loss(model, input_ids, labels), input_ids.device,
+                                resident=model.parameters)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return StepResult(loss.detach(), grads, saved)

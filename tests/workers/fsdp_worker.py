@@ -15,6 +15,7 @@ from remat.layer_plan import Plan
 from remat.models import build
 from remat.parallel import fully_shard_layers
 from remat.recompute import RecomputeConfig
+from remat.verify import run_step
 
 LAYERS, PER_RANK, SEQ = 4, 2, 16
 
@@ -62,10 +63,20 @@ def step(dropout: float, plan: object, mixed: bool = False) -> tuple[list[float]
     return [float(x) for x in losses], grads
 
 
+def saved_for_backward() -> tuple[tuple[int, int], tuple[int, int]]:
+    """What this rank's forward leaves for backward, by one process and under FSDP2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(world))
+    plain = run_step(model(0.0), inputs, labels, seed=0).saved
+    sharded = run_step(fully_shard_layers(model(0.0)), inputs, labels, seed=0).saved
+    return (plain.bytes, plain.storages), (sharded.bytes, sharded.storages)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     results = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
     results.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
+    results["saved"] = saved_for_backward()  # type: ignore[assignment]
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     dist.barrier()

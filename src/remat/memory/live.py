@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import weakref
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.engine import storage_key
+
+# The CUDA caching allocator rounds every block up to this many bytes.
+CUDA_BLOCK = 512
 
 
 class NewStorages(TorchDispatchMode):
@@ -46,33 +50,46 @@ class SavedMemory:
     storages: int
 
 
-def measure_saved(fn: Callable[[], Any], device: torch.device | str | None = None) -> tuple[Any, SavedMemory]:
+def measure_saved(fn: Callable[[], Any], device: torch.device | str | None = None,
+                  resident: Callable[[], Iterable[torch.Tensor]] | None = None) -> tuple[Any, SavedMemory]:
     """Run `fn()` and count the storages it allocated that are still alive when it returns.
 
+    `resident`: what outlives the step anyway, asked for after `fn` (a model's parameters: under
+    FSDP2 the root's gathered parameters are created by the forward and stay until backward);
+    their storages are not counted.
     On a CUDA `device` the caching allocator counts them (in its 512-byte blocks): compiled
     higher-order ops such as flex attention refuse to run under the dispatch mode used elsewhere.
     """
     if device is not None and torch.device(device).type == "cuda":
-        return _measure_saved_cuda(fn, torch.device(device))
+        return _measure_saved_cuda(fn, torch.device(device), resident)
     recorder = NewStorages(lambda storage: None)
     with recorder:
         result = fn()
     gc.collect()
-    alive = list(recorder.seen)
+    kept = {storage_key(t) for t in resident()} if resident is not None else set()
+    # FSDP2 frees a gathered layer by resizing its storage to nothing: alive, but holding no bytes
+    alive = [s for s in recorder.seen if s._cdata not in kept and s.nbytes() > 0]
     return result, SavedMemory(sum(s.nbytes() for s in alive), len(alive))
 
 
-def _measure_saved_cuda(fn: Callable[[], Any], device: torch.device) -> tuple[Any, SavedMemory]:
+def _measure_saved_cuda(fn: Callable[[], Any], device: torch.device,
+                        resident: Callable[[], Iterable[torch.Tensor]] | None) -> tuple[Any, SavedMemory]:
     def held() -> tuple[int, int]:
         gc.collect()
         torch.cuda.synchronize(device)
         stats = torch.cuda.memory_stats(device)
         return stats.get("allocated_bytes.all.current", 0), stats.get("allocation.all.current", 0)
 
+    def resident_storages() -> dict[int, int]:
+        return {storage_key(t): t.untyped_storage().nbytes() for t in resident()} if resident is not None else {}
+
+    before = resident_storages()
     bytes_before, count_before = held()
     result = fn()
     bytes_after, count_after = held()
-    return result, SavedMemory(bytes_after - bytes_before, count_after - count_before)
+    new = [n for key, n in resident_storages().items() if key not in before and n > 0]
+    gathered = sum(-(-n // CUDA_BLOCK) * CUDA_BLOCK for n in new)
+    return result, SavedMemory(bytes_after - bytes_before - gathered, count_after - count_before - len(new))
 
 
 class LiveBytes:
