@@ -215,7 +215,7 @@ def test_tables_fit_80_columns(capsys, monkeypatch, argv) -> None:
 
 @pytest.mark.parametrize("argv, said", [
     (["bench", "-pp", "2", "--no_history"], "-pp/--pipeline_model_parallel_size: is 2"),
-    (["bench", "-ng", "2", "--no_history"], "-ng/--num_gpus: is 2"),
+    (["bench", "-ng", "0", "--no_history"], "-ng/--num_gpus: is 0"),
     (["validate", "-ol", "1", "-pp", "2", "--num_layers", "4"], "set pipeline_model_parallel_size=1 (-pp 1)"),
     (["doctor"], "pass --timeline PNG to plot one step's memory (CPU too)"),
     (["plan", "-mr", "llama3_8b", "--memory-budget", "60GiB"], "predict its memory without a GPU with `remat estimate`"),

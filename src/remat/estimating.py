@@ -43,7 +43,8 @@ from remat.models import ParallelSizes, Target
 from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import format_bytes
-from remat.step import RunSpec, adamw, available_host_bytes, optimizer_state_bytes
+from remat.optimizer import main_grad_bytes, make
+from remat.step import RunSpec, available_host_bytes, optimizer_state_bytes
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
 # Sustained bf16 dense throughput assumed for estimated step times, about what remat's plans reach
@@ -365,7 +366,7 @@ class _StageTrace:
     optimizer_state: int
     input_bytes: int  # the hidden states a later stage receives and holds until its backward
     output_bytes: int  # the hidden states a stage sends on: freed once sent, as Megatron does
-    grads_persist: bool
+    grads: int  # gradients held through the step: main gradients, or the weights' own across micro-batches
 
     def predict(self, stage: int, plan: PlanLike, spec: EstimateSpec) -> StageEstimate:
         p = self.trace.predict(plan)
@@ -373,7 +374,7 @@ class _StageTrace:
         per_micro_batch = p.saved_bytes + self.input_bytes - self.output_bytes
         return StageEstimate(
             stage=stage, layers=self.trace.layout.num_layers, in_flight=flight, weights=self.weights,
-            grads=self.weights if self.grads_persist else 0, optimizer_state=self.optimizer_state,
+            grads=self.grads, optimizer_state=self.optimizer_state,
             activations=round(flight * per_micro_batch),
             peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch) + spec.workspace_bytes,
             peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes),
@@ -409,7 +410,9 @@ def _stage_model(spec: EstimateSpec, stage: int) -> _StageModel:
         inputs = torch.zeros(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta, requires_grad=True)
     optimizer: torch.optim.Optimizer | None = None
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
-        optimizer = _AdamWState(model.parameters()) if spec.target == "cuda" else adamw(model.parameters(), False)
+        shards = spec.data_parallel if spec.precision.use_distributed_optimizer else 1
+        optimizer = make(model.parameters(), spec.precision, fused=False, shards=shards,
+                         inner=_AdamWState if spec.target == "cuda" else None)
         _begin_state(model, optimizer)
     hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta)
     return _StageModel(model, inputs, labels, optimizer, hidden)
@@ -428,9 +431,11 @@ def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None]
                          micro_batches=spec.micro_batches, timing_repeats=1, flops_per_s=spec.tflops * 1e12,
                          **offload, progress=lambda what: note(f"stage {stage}: {what}"))
     hidden_bytes = shard.hidden.untyped_storage().nbytes()
-    return _StageTrace(measured, storage_bytes(shard.model.parameters()), optimizer_state_bytes(shard.optimizer),
-                       0 if stage == 0 else hidden_bytes, 0 if stage == spec.stages - 1 else hidden_bytes,
-                       gradients_persist(shard.optimizer, spec.micro_batches))
+    weights = storage_bytes(shard.model.parameters())
+    main_grads = main_grad_bytes(shard.optimizer)
+    grads = main_grads or (weights if gradients_persist(shard.optimizer, spec.micro_batches) else 0)
+    return _StageTrace(measured, weights, optimizer_state_bytes(shard.optimizer),
+                       0 if stage == 0 else hidden_bytes, 0 if stage == spec.stages - 1 else hidden_bytes, grads)
 
 
 def step_peak(spec: RunSpec, plan: PlanLike) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from remat import models
 from remat import parallel
+from remat.optimizer import OptimizerPrecision, make as make_step_optimizer
 from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
@@ -62,6 +63,7 @@ class RunSpec:
     optimizer: bool = True  # False: forward+backward only, gradients accumulating (as the torch anchor)
     task: str = "pretrain"  # "sft" masks the first quarter of each sequence's labels (the prompt)
     seed: int = 1234
+    precision: OptimizerPrecision = field(default_factory=OptimizerPrecision)
 
     def __post_init__(self) -> None:
         raise_if_any(self.problems())
@@ -77,6 +79,7 @@ class RunSpec:
             yield Problem("model_recipe_name", str(err))
         yield from _dtype_problems(self.compute_dtype)
         yield from _task_problems(self.task)
+        yield from self.precision.problems()
         yield from self._device_problems()
         yield from self._batch_problems()
         if config is not None:
@@ -259,15 +262,11 @@ class MockData:
         return tokens[:, :-1], labels
 
 
-def adamw(params: Iterable[nn.Parameter], fused: bool) -> torch.optim.AdamW:
-    """AdamW as Megatron's recipes set it: fused on GPU (moments updated in place, no
-    temporaries); elsewhere torch's loop over the tensors, which allocates a few per tensor."""
-    return torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
-
-
 def make_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer | None:
-    """The step's AdamW, or None for forward+backward runs."""
-    return adamw(model.parameters(), fused=spec.device.startswith("cuda")) if spec.optimizer else None
+    """The step's AdamW in the spec's precision, or None for forward+backward runs."""
+    if not spec.optimizer:
+        return None
+    return make_step_optimizer(model.parameters(), spec.precision, fused=spec.device.startswith("cuda"))
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -276,9 +275,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """The moments (exp_avg, exp_avg_sq); the per-parameter step counters are scalars."""
+    """The moments (exp_avg, exp_avg_sq) and any main parameters; the per-parameter step counters
+    are scalars, and main gradients are gradients."""
     states = optimizer.state.values() if optimizer is not None else []
-    return tensor_bytes(v for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step")
+    return tensor_bytes(v for s in states for k, v in s.items()
+                        if isinstance(v, torch.Tensor) and k not in ("step", "main_grad"))
 
 
 def release_memory(model: nn.Module) -> None:

@@ -24,6 +24,7 @@ from remat.layer_plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
+from remat.optimizer import main_grad_bytes
 from remat.parallel import max_over_ranks, mean_over_ranks, world_size
 from remat.step import MockData
 
@@ -132,10 +133,11 @@ def _train(model: nn.Module, spec: BenchSpec,
 def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: BenchSpec,
                peak: int) -> MemoryBreakdown:
     weights = step.tensor_bytes(model.parameters())
-    grads = step.tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    main_grads = main_grad_bytes(optimizer)  # held by the optimizer through the step
+    grads = main_grads or step.tensor_bytes(p for p in model.parameters() if p.requires_grad)
     optim = step.optimizer_state_bytes(optimizer)
     # Gradients built during backward are part of what the rest of the peak holds.
-    persist = gradients_persist(optimizer, spec.micro_batches)
+    persist = bool(main_grads) or gradients_persist(optimizer, spec.micro_batches)
     activations = max(peak - weights - optim - (grads if persist else 0), 0)
     return MemoryBreakdown(weights, grads, optim, activations, grads_persist=persist)
 

@@ -26,6 +26,7 @@ from remat.estimating import cpu_run_problems
 from remat.labels import labels_without_model, recompute_labels
 from remat.layer_plan import Plan, PlanLike, load_plan_or_config
 from remat.models import FAMILIES, build, recipe_config
+from remat.optimizer import DTYPES, OptimizerPrecision
 from remat.problems import ConfigError, Problem, advise
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, GRANULARITIES, METHODS, MIN_OFFLOADED_TENSOR_SIZE
@@ -103,7 +104,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         " for CUDA (the fast path), off for CPU")
     g.add_argument("--no_optimizer", action="store_true",
                    help="forward+backward only, gradients accumulating, as the torch anchor measures")
+    g.add_argument("--main_params_dtype", choices=sorted(DTYPES), metavar="DTYPE",
+                   help="Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside "
+                        "the model's (fp32 in Megatron's bf16 runs); default: AdamW on the model's parameters")
+    g.add_argument("--main_grads_dtype", choices=sorted(DTYPES), metavar="DTYPE",
+                   help="with --main_params_dtype: the main gradients each backward adds into (default: the main "
+                        "parameters' dtype)")
+    g.add_argument("--use_distributed_optimizer", action="store_true",
+                   help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters "
+                        "and moments (estimate)")
     return g
+
+
+def optimizer_precision(args: argparse.Namespace) -> OptimizerPrecision:
+    return OptimizerPrecision(args.main_params_dtype, args.main_grads_dtype, args.use_distributed_optimizer)
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -202,6 +216,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=compile_default(args.compile, device),
                      gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
+                     precision=optimizer_precision(args),
                      command=args.command_line, dryrun=getattr(args, "dryrun", False))
 
 

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     """Under torchrun, every rank runs the bench and rank 0 reports; `-ng N` outside torchrun
     starts it with N processes."""
     if args.num_gpus > 1 and launched_world() == 1 and not args.dryrun:
+        check_bench(args, output_problems(args))  # every problem before any process starts
         return torchrun(args.num_gpus, args.argv)
     if args.num_gpus == 1:  # the default: under torchrun, as many GPUs as it started processes
         args.num_gpus = launched_world()

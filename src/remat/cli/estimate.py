@@ -13,6 +13,7 @@ from remat.bench.run import plan_name
 from remat.cli.args import (
     add_model_flags,
     compile_default,
+    optimizer_precision,
     add_recompute_flags,
     flag_facts,
     meta_model,
@@ -91,7 +92,8 @@ def check(args: argparse.Namespace) -> tuple[EstimateSpec, list[tuple[str, PlanL
     spec = found.run(lambda: EstimateSpec(
         recipe=args.model_recipe_name, overrides=model_overrides(args), facts=facts,
         micro_batch_size=args.micro_batch_size, global_batch_size=_global_batch(args, facts),
-        num_gpus=args.num_gpus, optimizer=not args.no_optimizer, device=args.target,
+        num_gpus=args.num_gpus, optimizer=not args.no_optimizer, precision=optimizer_precision(args),
+        device=args.target,
         compile=compile_default(args.compile, args.target),
         tflops=args.tflops, host_gbps=args.host_gbps, cublas_workspace=workspace))
     found.raise_if_any()
