@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import remat
-from remat.step import adamw
+from remat.optimizer import adamw
 from remat.cli import main
 from remat.estimating import EstimateSpec, cublas_workspace_bytes, estimate, in_flight
 from remat.layer_plan import pipeline_range_problems
