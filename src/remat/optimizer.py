@@ -88,22 +88,20 @@ class MainParamsAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                main, grad = state["main_param"], state["main_grad"]
-                main.grad = grad.view_as(main) if grad.dtype == main.dtype and grad.numel() == main.numel() \
-                    else grad.reshape(-1)[:main.numel()].to(main.dtype).view_as(main)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            main, grad = self.state[p]["main_param"], self.state[p]["main_grad"]
+            # a view where dtype and size match; a rank's share (by shape) cast otherwise
+            main.grad = grad.reshape(-1)[:main.numel()].to(main.dtype).view_as(main)
         self._inner.step()
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                main = state["main_param"]
-                state.update({k: v for k, v in self._inner.state[main].items() if k != "step"})
-                if main.numel() == p.numel():
-                    p.copy_(main.view_as(p))
-                main.grad = None
-                state["main_grad"].zero_()
+        for p in params:
+            state = self.state[p]
+            main = state["main_param"]
+            state.update({k: v for k, v in self._inner.state[main].items() if k != "step"})
+            if main.numel() == p.numel():
+                p.copy_(main.view_as(p))
+            main.grad = None
+            state["main_grad"].zero_()
 
 
 def _into_main_grad(owner: "weakref.ref[MainParamsAdamW]", p: torch.Tensor) -> None:
