@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 
@@ -90,3 +90,17 @@ def linear(x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
     if fuse and torch.is_grad_enabled() and weight.requires_grad and not autocast:
         return _AccumulatingLinear.apply(x, weight)
     return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias computed by `linear`: with `fuse_grads`, its backward adds the weight
+    gradient into weight.grad. A module rather than a function call, so that hooks on it (torch's
+    tensor-parallel styles) see the call."""
+
+    def __init__(self, in_features: int, out_features: int, *, fuse_grads: bool, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device)
+        self.fuse_grads = fuse_grads
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.fuse_grads)

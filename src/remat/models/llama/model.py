@@ -14,10 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from remat.models.kernels import loss, rmsnorm, rope, swiglu
-from remat.models.kernels.grad_accumulation import linear
+from remat.models.kernels.grad_accumulation import Linear
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.models.llama.config import LlamaConfig
 from remat.sites import Site
+
+
+# F.dropout's signature (input, p, training): what a family may swap for one drawing elsewhere
+DropoutFn = Callable[[Tensor, float, bool], Tensor]
 
 
 def _factory(dtype: torch.dtype | None, device: torch.device | str | None) -> dict:
@@ -130,12 +134,14 @@ class SelfAttention(nn.Module):
         self.backend = config.attention_backend
         self.attention_dropout = config.attention_dropout
         qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=False, **_factory(dtype, device))
-        self.linear_proj = nn.Linear(config.attention_width, config.hidden_size, bias=False,
-                                     **_factory(dtype, device))
+        fuse = config.gradient_accumulation_fusion
+        self.linear_qkv = Linear(config.hidden_size, qkv_size, fuse_grads=fuse, **_factory(dtype, device))
+        self.linear_proj = Linear(config.attention_width, config.hidden_size, fuse_grads=fuse,
+                                  **_factory(dtype, device))
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
-        self.fuse_grads = config.gradient_accumulation_fusion
+        # the scores, softmax, dropout and values (a family may run it drawing from another stream)
+        self.attention: Callable[[Tensor, Tensor, Tensor, float, str], Tensor] = causal_attention
         # Qwen3's norms of each query and key head, before RoPE (Megatron's qk_layernorm)
         self.q_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
         self.k_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
@@ -144,18 +150,18 @@ class SelfAttention(nn.Module):
         self.merge_heads = merge_heads
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        qkv = linear(x, self.linear_qkv.weight, self.fuse_grads)
+        qkv = self.linear_qkv(x)
         if self.q_layernorm is None or self.k_layernorm is None:
             q, k, v = self.split_qkv(qkv, cos, sin, self.num_heads, self.num_groups)
         else:
             q, k, v = split_heads(qkv, self.num_heads, self.num_groups, self.head_dim)
             q, k = apply_rotary(self.q_layernorm(q), cos, sin), apply_rotary(self.k_layernorm(k), cos, sin)
         o = self.core_attn_site(self.core_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return linear(self.merge_heads(o), self.linear_proj.weight, self.fuse_grads)
+        return self.linear_proj(self.merge_heads(o))
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [b, heads, s, d]; k, v [b, groups, s, d]; returns [b, heads, s, d]."""
-        return causal_attention(q, k, v, self.attention_dropout if self.training else 0.0, self.backend)
+        return self.attention(q, k, v, self.attention_dropout if self.training else 0.0, self.backend)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> Tensor:
@@ -190,18 +196,17 @@ class MLP(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size  # a shared expert's is its own
-        self.linear_fc1 = nn.Linear(config.hidden_size, 2 * ffn, bias=False, **_factory(dtype, device))
+        self.linear_fc1 = Linear(config.hidden_size, 2 * ffn, fuse_grads=config.gradient_accumulation_fusion,
+                                 **_factory(dtype, device))
+        # torch's linear, not the fusing one: it saves its input before its matmul, so a recompute
+        # replay of the MLP (or of a whole layer) stops there instead of running the GEMM again.
         self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=False, **_factory(dtype, device))
-        self.fuse_grads = config.gradient_accumulation_fusion
         self.act_site = Site("mlp_act")
         # swapped for a compiled version by LlamaModel.compile_regions
         self.activation: swiglu.ActivationFn = silu_mul
 
     def forward(self, x: Tensor) -> Tensor:
-        act = self.act_site(self.activation, linear(x, self.linear_fc1.weight, self.fuse_grads))
-        # torch's linear, not the fusing one: it saves its input before its matmul, so a recompute
-        # replay of the MLP (or of a whole layer) stops there instead of running the GEMM again.
-        return F.linear(act, self.linear_fc2.weight)
+        return self.linear_fc2(self.act_site(self.activation, self.linear_fc1(x)))
 
 
 class TransformerLayer(nn.Module):
@@ -214,6 +219,7 @@ class TransformerLayer(nn.Module):
         `mlp_label`); both take the normed hidden states, attention also RoPE's cos and sin."""
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
+        self.dropout: DropoutFn = F.dropout  # a family may swap it for one drawing from another stream
         self.input_layernorm = RMSNorm(config, dtype=dtype, device=device)
         self.self_attention = self_attention or SelfAttention(config, dtype=dtype, device=device)
         self.pre_mlp_layernorm = RMSNorm(config, dtype=dtype, device=device)
@@ -233,7 +239,7 @@ class TransformerLayer(nn.Module):
         return x + self._dropout(self.mlp_site(self.mlp, h))
 
     def _dropout(self, x: Tensor) -> Tensor:
-        return F.dropout(x, self.hidden_dropout, self.training)
+        return self.dropout(x, self.hidden_dropout, self.training)
 
 
 class TransformerBlock(nn.Module):
@@ -290,6 +296,7 @@ class LlamaModel(nn.Module):
         self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                        **_factory(dtype, meta)) if post_process else None)
         self.loss_kernels = LossKernels()  # compile_regions compiles them
+        self.embedding_dropout: DropoutFn = F.dropout  # a family may swap it for one drawing from another stream
         # Under sequence parallelism a rank holds 1/n of the tokens outside attention and MLP; the
         # rotary tables still cover the whole sequence (Megatron's rotary_seq_len).
         self.sequence_parallel_size = 1
@@ -320,7 +327,7 @@ class LlamaModel(nn.Module):
         post_process the result is this stage's hidden states, and labels are unused."""
         x = input_ids
         if self.embedding is not None:
-            x = F.dropout(self.embedding(input_ids), self.config.hidden_dropout, self.training)
+            x = self.embedding_dropout(self.embedding(input_ids), self.config.hidden_dropout, self.training)
         cos, sin = self.rotary_pos_emb(x.shape[1] * self.sequence_parallel_size)
         x = self.decoder(x, cos, sin)
         if self.output_layer is None:
