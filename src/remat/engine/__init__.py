@@ -9,7 +9,8 @@ from remat.engine.checkpoint import (
     output_tensors,
 )
 from remat.engine.offload import HostPool, Offloader, OffloadStats
+from remat.engine.rng import RNGStream, register_stream
 from remat.engine.storage import storage_key
 
-__all__ = ["DiscardScope", "HostPool", "OffloadStats", "Offloader", "Region",
-           "checkpoint", "current_scope", "inside_region", "offloading", "output_tensors", "storage_key"]
+__all__ = ["DiscardScope", "HostPool", "OffloadStats", "Offloader", "RNGStream", "Region", "checkpoint",
+           "current_scope", "inside_region", "offloading", "output_tensors", "register_stream", "storage_key"]

@@ -189,7 +189,8 @@ class Region:
 
         outputs: list[torch.Tensor] = []
         devices = sorted({d for c in self._calls for d in c.state.devices})
-        with forked_rng(devices), torch.enable_grad(), _region_running():
+        streams = [stream for c in self._calls for stream, _ in c.state.streams]
+        with forked_rng(devices, streams), torch.enable_grad(), _region_running():
             try:
                 for call in self._calls:
                     if call.before_replay is not None:
