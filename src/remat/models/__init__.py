@@ -56,6 +56,12 @@ def family_of(recipe: str) -> ModelFamily:
     raise unknown("recipe", recipe, recipes())
 
 
+def family_of_model(model: nn.Module) -> ModelFamily | None:
+    """The family whose model class `model` is (the closest one, for a subclass), or None."""
+    by_type = {family.model_type: family for family in FAMILIES.values() if family.model_type is not None}
+    return next((by_type[cls] for cls in type(model).__mro__ if cls in by_type), None)
+
+
 def recipe_config(recipe: str, **overrides: Any) -> Any:
     """The recipe's config with fields replaced by overrides (Megatron names)."""
     return family_of(recipe).config(recipe, **overrides)
@@ -73,5 +79,6 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
     return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
 
 
-__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelSizes", "SequenceParallelPoints", "Target",
-           "build", "family_of", "parameter_count", "recipe_config", "recipes", "register"]
+__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelSizes",
+           "SequenceParallelPoints", "Target", "build", "family_of", "family_of_model", "parameter_count",
+           "recipe_config", "recipes", "register"]

@@ -3,26 +3,31 @@
 A family knows its recipes and how to build a model from a config, with or without the first
 stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
-a target runs; and where sequence parallelism communicates. The model it builds places `Site`s
-and knows nothing else of recompute. Code outside `remat.models` reaches a family only through
-this interface.
+a target runs; where sequence parallelism communicates; and which of torch's tensor-parallel
+styles each module of a built model takes. The model it builds places `Site`s and knows nothing
+else of recompute. Code outside `remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
 import difflib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.labels import Label
 from remat.placement import Adapter
-from remat.problems import Problem
+from remat.problems import ConfigError, Problem
 
 Target = Literal["cuda", "cpu"]
+# Runs what it encloses drawing from a tensor-parallel rank's own random stream (Megatron's
+# get_cuda_rng_tracker().fork()): dropout on what only this rank holds.
+Fork = Callable[[], AbstractContextManager[None]]
 # Megatron pads the vocabulary to a multiple of this times tp (make_vocab_size_divisible_by).
 VOCAB_DIVISOR = 128
 
@@ -115,6 +120,8 @@ class ModelFamily(ABC):
     name: str
     # Site labels the family's models use beyond Megatron's; registered with the family.
     labels: tuple[Label, ...] = ()
+    # The class of the models `build` returns (None: models of many classes), for family_of_model.
+    model_type: type[nn.Module] | None = None
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
@@ -163,3 +170,13 @@ class ModelFamily(ABC):
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
         """Prepare `model` to run on a sequence-parallel rank's tokens; where it communicates."""
 
+    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
+        """Why `model` (built by this family) cannot run split over `sizes.tensor` ranks this way."""
+        yield Problem("tensor_model_parallel_size", f"is {sizes.tensor}; {self.name} models have no tensor-parallel"
+                                                    " plan; use 1")
+
+    def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
+        """Prepare `model` to run as one of `sizes.tensor` ranks (its local head counts, dropout on
+        what only this rank holds inside `fork`) and return torch's parallel style for each module
+        path, as `parallelize_module` takes them. Call when tensor_parallel_problems finds none."""
+        raise ConfigError(list(self.tensor_parallel_problems(model, sizes)))

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel)
 
 from remat.labels import Label
-from remat.models.family import ModelFamily, ParallelSizes, SequenceParallelPoints, Target, padded_vocab, unknown
+from remat.models.family import (Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, padded_vocab,
+                                 unknown)
 from remat.models.llama.config import RECIPES, LlamaConfig
-from remat.models.llama.model import LlamaModel
+from remat.models.llama.model import MLP, LlamaModel, SelfAttention
 from remat.problems import Problem
 
 # The SwiGLU activation between linear_fc1 and linear_fc2: what `moe_act` is in Megatron's
@@ -25,9 +29,29 @@ def _model(model: nn.Module) -> LlamaModel:
     return model
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def forked(fork: Fork, fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn`, drawing its randoms from the stream `fork` swaps in."""
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with fork():
+            return fn(*args, **kwargs)
+    return run
+
+
+@torch.no_grad()
+def _gate_up_by_rank(weight: Tensor, tp: int) -> None:
+    """linear_fc1's rows [gate; up] reordered [gate_0; up_0; gate_1; up_1; ...], so that a column
+    split gives each rank the gate and up rows of its own FFN share, as Megatron stores them."""
+    weight.copy_(weight.unflatten(0, (2, tp, -1)).transpose(0, 1).reshape(weight.shape).clone())
+
+
 class LlamaFamily(ModelFamily):
     name = "llama"
     labels: tuple[Label, ...] = (MLP_ACT,)
+    model_type: type[nn.Module] | None = LlamaModel
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return RECIPES
@@ -109,6 +133,54 @@ class LlamaFamily(ModelFamily):
         return SequenceParallelPoints(
             blocks=blocks, split_after=[llama.embedding] if llama.embedding is not None else [],
             gather_after=[llama.decoder] if llama.output_layer is not None else [])
+
+    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
+        llama = _model(model)
+        yield from self.shard_problems(llama.config, sizes)
+        if llama.config.qk_layernorm:
+            yield Problem("qk_layernorm", "norms each rank's own heads with a weight every rank holds, whose"
+                                          " gradient parts no tensor-parallel style sums; turn it off")
+        others = sorted({type(part).__name__ for layer in llama.decoder.transformer_layers()
+                         for part, dense in ((layer.self_attention, SelfAttention), (layer.mlp, MLP))
+                         if type(part) is not dense})
+        if others:
+            yield Problem("model", f"layers with {', '.join(others)} have no tensor-parallel plan; only the"
+                                   " dense Llama's SelfAttention and MLP split")
+
+    def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
+        """Megatron's split, in torchtitan's styles: linear_qkv and linear_fc1 by columns (whole
+        query groups; each rank's gate and up rows), linear_proj and linear_fc2 by rows, attention
+        and the MLP on local tensors. With sequence parallelism the norms run on this rank's tokens,
+        the projections gather them and reduce-scatter their sums, the embedding's output is split
+        and the decoder's gathered again for the loss head."""
+        llama, tp = _model(model), sizes.tensor
+        tokens = Shard(1) if sizes.sequence_parallel else Replicate()
+        names = {module: name for name, module in llama.named_modules()}
+        plan: dict[str, ParallelStyle] = {}
+        for layer in llama.decoder.transformer_layers():
+            attention, mlp, name = layer.self_attention, layer.mlp, names[layer]
+            assert isinstance(attention, SelfAttention) and isinstance(mlp, MLP)  # tensor_parallel_problems
+            attention.num_heads, attention.num_groups = attention.num_heads // tp, attention.num_groups // tp
+            attention.attention = forked(fork, attention.attention)  # over this rank's heads
+            _gate_up_by_rank(mlp.linear_fc1.weight, tp)
+            plan |= {f"{name}.self_attention.linear_qkv": ColwiseParallel(input_layouts=tokens),
+                     f"{name}.self_attention.linear_proj": RowwiseParallel(output_layouts=tokens),
+                     f"{name}.mlp.linear_fc1": ColwiseParallel(input_layouts=tokens),
+                     f"{name}.mlp.linear_fc2": RowwiseParallel(output_layouts=tokens)}
+            if sizes.sequence_parallel:
+                layer.dropout = forked(fork, layer.dropout)  # over this rank's tokens
+                plan |= {f"{name}.{norm}": SequenceParallel(use_local_output=True)
+                         for norm in ("input_layernorm", "pre_mlp_layernorm")}
+        if sizes.sequence_parallel:
+            points = self.sequence_parallel(llama, tp)
+            llama.embedding_dropout = forked(fork, llama.embedding_dropout)
+            plan |= {names[m]: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+                     for m in points.split_after}
+            plan |= {names[m]: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+                     for m in points.gather_after}
+            if llama.decoder.final_layernorm is not None:
+                plan[names[llama.decoder.final_layernorm]] = SequenceParallel(use_local_output=True)
+        return plan
 
 
 FAMILY = LlamaFamily()

@@ -31,6 +31,7 @@ class MoEFamily(LlamaFamily):
         return RECIPES
 
     config_type = MoEConfig
+    model_type = MoEModel
 
     def config_fields(self, recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         return config_fields(recipe, overrides)
