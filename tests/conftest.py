@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +81,13 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
     for console in (common.out, common.err):
         monkeypatch.setattr(console, "width", 160)
         monkeypatch.setattr(console, "soft_wrap", True)
+
+
+def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:
+    """Run the script `worker` (its argv[1]: `out`) under torchrun with `nproc` CPU processes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(nproc), str(worker), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -1,0 +1,164 @@
+"""Tensor parallelism (remat.parallel.tensor_parallel) on CPU: two processes under torchrun with gloo.
+
+Split over two tensor-parallel ranks, with and without sequence parallelism, every recompute,
+discard and offload plan gives each rank the loss and the gradients of the same split run without
+recompute, bit for bit, dropout on: the arithmetic is the same, and each replay restores this
+rank's own dropout stream as well as torch's default generators. gradient_accumulation_fusion
+is on (the recipe's default): the fusing linear runs on the DTensor weights.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_under_torchrun
+from remat.calls import forward_loss
+from remat.engine import checkpoint, register_stream, rng
+from remat.parallel.tensor_parallel import RANK_SEED_OFFSET, RankStream, parallelize_tensor
+from remat.problems import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import fsdp_worker  # noqa: E402
+import tp_worker  # noqa: E402
+
+TP = 2
+SPLIT = [False, True]  # sequence parallelism off, on
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp") / "results.pt"
+    run_under_torchrun(Path(tp_worker.__file__), out, TP)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("sp", SPLIT)
+@pytest.mark.parametrize("plan", [p for p in tp_worker.PLANS if p != "none"])
+def test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute(split, plan, sp,
+                                                                                       dropout) -> None:
+    losses, grads = split[f"{plan}@sp={sp}@{dropout}"]
+    plain_losses, plain_grads = split[f"none@sp={sp}@{dropout}"]
+    assert losses == plain_losses
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+def _gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """Under tensor parallelism linear_fc1's rows are each rank's gate then up rows; one
+    process has all gate rows, then all up rows."""
+    if not name.endswith("linear_fc1.weight"):
+        return grad
+    return grad.unflatten(0, (TP, 2, -1)).transpose(0, 1).reshape(grad.shape)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("sp", SPLIT)
+def test_tensor_parallelism_without_recompute_matches_one_process(split, sp, micro_batches) -> None:
+    losses, grads = split[f"none@sp={sp}@0.0" if micro_batches == 1 else f"accumulated@sp={sp}"]
+    model = fsdp_worker.model(0.0)
+    for _ in range(micro_batches):  # the second adds into .grad (fused into the GEMM under TP too)
+        loss = forward_loss(model, *tp_worker.batch())
+        loss.backward()
+    # Not bit for bit: the row-parallel linears (linear_proj, linear_fc2) sum the ranks' partial
+    # products by an all-reduce (a reduce-scatter under sequence parallelism) where one process
+    # sums the whole inner dimension in one GEMM, and the norms' weight gradients under sequence
+    # parallelism are sums of the ranks' token halves: the additions run in another order.
+    assert losses[0] == losses[1]  # the loss head is whole on each rank, on every token
+    assert losses[0] == pytest.approx(loss.item(), rel=1e-13)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def _masks(split: dict, sp: bool, dim: int) -> list[list[torch.Tensor]]:
+    """Each rank's dropped positions, one per dropout call on `dim`-D tensors (4: attention
+    probabilities, 3: hidden states), in call order."""
+    return [[dropped for dropped, _ in rank if dropped.dim() == dim] for rank in split[f"masks@sp={sp}"]]
+
+
+@pytest.mark.parametrize("sp", SPLIT)
+def test_dropout_on_a_ranks_own_share_draws_its_own_masks_and_on_what_all_hold_the_same(split, sp) -> None:
+    attention, hidden = _masks(split, sp, 4), _masks(split, sp, 3)
+    layers = fsdp_worker.LAYERS
+    assert [len(a) for a in attention] == [layers] * TP and [len(h) for h in hidden] == [2 * layers + 1] * TP
+    # each rank's own heads (rank 0 would draw rank 1's masks from one shared default stream)
+    assert all(not torch.equal(a, b) for a, b in zip(*attention))
+    # the embedding's and the layers' hidden dropout: on each rank's own tokens under sequence
+    # parallelism, else on the whole sequence every rank holds, where masks must agree (and do
+    # after each attention's forked draws, which leave the default stream as it was)
+    assert all(torch.equal(a, b) != sp for a, b in zip(*hidden))
+
+
+def test_each_stream_is_seeded_as_megatron_seeds_it(split) -> None:
+    # the worker built its models from seed 0, then seeded the step STEP_SEED on both ranks
+    p = fsdp_worker.model(0.1).config.attention_dropout
+    for rank, recorded in enumerate(split["masks@sp=False"]):
+        first_attention = next((dropped, nonzero) for dropped, nonzero in recorded if dropped.dim() == 4)
+        first_hidden = next((dropped, nonzero) for dropped, nonzero in recorded if dropped.dim() == 3)
+        for seed, (dropped, nonzero) in ((RANK_SEED_OFFSET + rank, first_attention),
+                                         (tp_worker.STEP_SEED, first_hidden)):
+            torch.manual_seed(seed)
+            drawn = F.dropout(torch.ones(dropped.shape, dtype=torch.float64), p) == 0
+            assert torch.equal(drawn & nonzero, dropped), (rank, seed)
+
+
+def test_a_replay_draws_from_a_registered_stream_what_the_forward_drew(monkeypatch) -> None:
+    monkeypatch.setattr(rng, "_streams", {})
+    x = torch.randn(256, dtype=torch.float64, requires_grad=True)
+
+    def grad_through(stream: RankStream, recompute: bool) -> torch.Tensor:
+        def f(t: torch.Tensor) -> torch.Tensor:
+            with stream.fork():
+                return F.dropout(t, 0.5) * t
+        register_stream("tensor_parallel", stream)
+        y = checkpoint(f, x) if recompute else f(x)
+        torch.rand(1)  # the default stream moves on between forward and backward
+        with stream.fork():
+            torch.rand(1)  # and so does the rank's own
+        return torch.autograd.grad(y.sum(), x)[0]
+
+    default = torch.get_rng_state()
+    plain = grad_through(RankStream(torch.device("cpu"), seed=5), recompute=False)
+    assert torch.equal(grad_through(RankStream(torch.device("cpu"), seed=5), recompute=True), plain)
+    assert not torch.equal(grad_through(RankStream(torch.device("cpu"), seed=6), recompute=True), plain)
+    torch.set_rng_state(default)
+
+
+def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
+    assert split["refusals"]["shape"].splitlines() == [
+        "tensor_model_parallel_size: num_attention_heads=3 does not split over 2 tensor-parallel ranks; use a"
+        " tensor-parallel size that divides it",
+        "tensor_model_parallel_size: num_query_groups=1 does not split over 2 tensor-parallel ranks; use a"
+        " tensor-parallel size that divides it",
+        "tensor_model_parallel_size: ffn_hidden_size=81 does not split over 2 tensor-parallel ranks; use a"
+        " tensor-parallel size that divides it",
+        "sequence_parallel: each rank's 15 tokens do not split over 2 tensor-parallel ranks; use a sequence length"
+        " that is a multiple of 2, or turn sequence parallelism off",
+        "qk_layernorm: norms each rank's own heads with a weight every rank holds, whose gradient parts no"
+        " tensor-parallel style sums; turn it off"]
+
+
+def test_parallelize_tensor_refuses_an_moe_model_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
+    refusals = split["refusals"]
+    assert refusals["moe"].splitlines() == [
+        "tensor_model_parallel_size: is 2; MoE models (an expert-parallel rank: expert_model_parallel_size) run on"
+        " one device for now; use 1",
+        "model: layers with MoELayer have no tensor-parallel plan; only the dense Llama's SelfAttention and MLP split"]
+    assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
+    assert refusals["seed"] == (
+        "seed: torch's default generators were seeded [0, 1] on the tensor-parallel ranks, so dropout on the tensors"
+        " they all hold would differ; call torch.manual_seed() with one seed on every tensor-parallel rank first")
+
+
+def test_parallelize_tensor_says_what_is_missing() -> None:
+    with pytest.raises(ConfigError) as err:
+        parallelize_tensor(torch.nn.Linear(4, 4), sequence_parallel=False)
+    assert str(err.value).splitlines() == [
+        "torch.distributed: no process group: launch with torchrun and call torch.distributed.init_process_group()"
+        " first",
+        "model: Linear belongs to no model family remat knows; build it with remat.models.build"]

@@ -1,0 +1,133 @@
+"""Run by tests/test_tensor_parallel.py under torchrun (gloo, CPU, 2 processes): remat's tiny Llama
+split by tensor parallelism (with and without sequence parallelism), one step per plan on the
+same batch on both ranks; the dropout masks each rank draws; the refusals. Rank 0 saves every
+result to the file named by argv[1]."""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+import remat
+from remat.calls import forward_loss
+from remat.layer_plan import Plan
+from remat.models import build
+from remat.parallel.tensor_parallel import parallelize_tensor
+from remat.problems import ConfigError
+
+import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
+
+PLANS: dict[str, Any] = {**fsdp_worker.PLANS, "mlp_act": Plan([{"mlp_act": "discard"}] * fsdp_worker.LAYERS, [])}
+STEP_SEED = 100  # torch's default generators for the step, alike on both ranks
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return fsdp_worker.global_batch(1)  # every tensor-parallel rank takes the same sequences
+
+
+def split(dropout: float, sp: bool) -> torch.nn.Module:
+    """The tiny model (built from seed 0, so this rank's own stream is seeded 0 + 2718 + rank)."""
+    return parallelize_tensor(fsdp_worker.model(dropout), sequence_parallel=sp)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+            for name, p in model.named_parameters()}
+
+
+def step(dropout: float, sp: bool, plan: object, micro_batches: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Each rank's loss (the last micro-batch's) and the full gradients."""
+    model = split(dropout, sp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(model, plan)  # type: ignore[arg-type]
+    torch.manual_seed(STEP_SEED)
+    for _ in range(micro_batches):
+        loss = forward_loss(model, *batch())
+        loss.backward()
+    losses = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss.detach())
+    return [float(x) for x in losses], full_grads(model)
+
+
+class DropoutMasks(TorchFunctionMode):
+    """Where each F.dropout call dropped a nonzero element, with the nonzero elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is F.dropout:
+            nonzero = args[0] != 0
+            self.masks.append(((out == 0) & nonzero, nonzero))
+        return out
+
+
+def masks(sp: bool) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every rank's dropout masks in one forward, attention and hidden dropout on."""
+    model = split(0.1, sp)
+    torch.manual_seed(STEP_SEED)
+    with DropoutMasks() as recorded:
+        forward_loss(model, *batch())
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, recorded.masks)
+    return every
+
+
+def refusal(make: Any, sp: bool = True, mesh: Any = None) -> str:
+    """What parallelize_tensor says of the model `make` builds, and that it changed nothing."""
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        parallelize_tensor(model, mesh, sequence_parallel=sp)
+    except ConfigError as err:
+        after = model.state_dict()
+        assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items())
+        return str(err)
+    raise AssertionError("parallelize_tensor took it")
+
+
+def refusals() -> dict[str, str]:
+    def bad_shape() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build("llama3_tiny", num_layers=1, hidden_size=48, num_attention_heads=3, num_query_groups=1,
+                     ffn_hidden_size=81, seq_length=15, qk_layernorm=True)
+
+    def moe() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build("moe_tiny", qk_layernorm=False)
+
+    def unseeded() -> torch.nn.Module:
+        model = fsdp_worker.model(0.0)
+        torch.manual_seed(dist.get_rank())  # each rank its own seed
+        return model
+
+    return {"shape": refusal(bad_shape), "moe": refusal(moe), "seed": refusal(unseeded),
+            "mesh": refusal(lambda: fsdp_worker.model(0.0), mesh=init_device_mesh("cpu", (1, 2),
+                                                                                  mesh_dim_names=("dp", "tp")))}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    results: dict[str, Any] = {f"{name}@sp={sp}@{dropout}": step(dropout, sp, plan)
+                               for sp in (False, True) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
+    results.update({f"accumulated@sp={sp}": step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
+    results.update({f"masks@sp={sp}": masks(sp) for sp in (False, True)})
+    results["refusals"] = refusals()
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
