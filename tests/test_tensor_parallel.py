@@ -4,7 +4,8 @@ Split over two tensor-parallel ranks, with and without sequence parallelism, eve
 discard and offload plan gives each rank the loss and the gradients of the same split run without
 recompute, bit for bit, dropout on: the arithmetic is the same, and each replay restores this
 rank's own dropout stream as well as torch's default generators. gradient_accumulation_fusion
-is on (the recipe's default): the fusing linear runs on the DTensor weights.
+is on (the recipe's default): the fusing linear runs on the DTensor weights. The same holds with
+FSDP2 over two replicas of such a split (four processes).
 """
 from __future__ import annotations
 
@@ -25,15 +26,33 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import fsdp_worker  # noqa: E402
 import tp_worker  # noqa: E402
 
-TP = 2
+TP = tp_worker.TP
 SPLIT = [False, True]  # sequence parallelism off, on
+REPLICAS = 2  # data-parallel, by FSDP2
+
+
+def _run(tmp_path_factory, nproc: int) -> dict:
+    out = tmp_path_factory.mktemp("tp") / "results.pt"
+    run_under_torchrun(Path(tp_worker.__file__), out, nproc)
+    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("tp") / "results.pt"
-    run_under_torchrun(Path(tp_worker.__file__), out, TP)
-    return torch.load(out)
+    return _run(tmp_path_factory, TP)
+
+
+@pytest.fixture(scope="module")
+def sharded_split(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory, REPLICAS * TP)
+
+
+def _assert_bit_identical(result: tuple, plain: tuple) -> None:
+    (losses, grads), (plain_losses, plain_grads) = result, plain
+    assert losses == plain_losses
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -41,12 +60,14 @@ def split(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("plan", [p for p in tp_worker.PLANS if p != "none"])
 def test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute(split, plan, sp,
                                                                                        dropout) -> None:
-    losses, grads = split[f"{plan}@sp={sp}@{dropout}"]
-    plain_losses, plain_grads = split[f"none@sp={sp}@{dropout}"]
-    assert losses == plain_losses
-    assert grads.keys() == plain_grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        assert torch.equal(grad, plain_grads[name]), name
+    _assert_bit_identical(split[f"{plan}@sp={sp}@{dropout}"], split[f"none@sp={sp}@{dropout}"])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("plan", [p for p in tp_worker.DP_TP_PLANS if p != "none"])
+def test_every_plan_under_fsdp2_over_tensor_parallelism_is_bit_identical_to_it_without_recompute(
+        sharded_split, plan, dropout) -> None:
+    _assert_bit_identical(sharded_split[f"{plan}@{dropout}"], sharded_split[f"none@{dropout}"])
 
 
 def _gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -71,6 +92,21 @@ def test_tensor_parallelism_without_recompute_matches_one_process(split, sp, mic
     # parallelism are sums of the ranks' token halves: the additions run in another order.
     assert losses[0] == losses[1]  # the loss head is whole on each rank, on every token
     assert losses[0] == pytest.approx(loss.item(), rel=1e-13)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_the_global_batch(
+        sharded_split) -> None:
+    losses, grads = sharded_split["none@0.0"]
+    model = fsdp_worker.model(0.0)
+    loss = forward_loss(model, *fsdp_worker.global_batch(REPLICAS))
+    loss.backward()
+    # ranks are replica-major: each replica's tensor-parallel ranks hold its loss whole; FSDP2
+    # averages the replicas' gradients (rounding as in the tests above and in test_parallel.py)
+    per_replica = losses[::TP]
+    assert all(losses[i] == per_replica[i // TP] for i in range(len(losses)))
+    assert sum(per_replica) / REPLICAS == pytest.approx(loss.item(), rel=1e-13)
     for name, p in model.named_parameters():
         torch.testing.assert_close(_gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
 

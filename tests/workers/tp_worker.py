@@ -1,7 +1,9 @@
-"""Run by tests/test_tensor_parallel.py under torchrun (gloo, CPU, 2 processes): remat's tiny Llama
-split by tensor parallelism (with and without sequence parallelism), one step per plan on the
-same batch on both ranks; the dropout masks each rank draws; the refusals. Rank 0 saves every
-result to the file named by argv[1]."""
+"""Run by tests/test_tensor_parallel.py under torchrun (gloo, CPU). With 2 processes: remat's tiny
+Llama split by tensor parallelism (with and without sequence parallelism), one step per plan on
+the same batch on both ranks; the dropout masks each rank draws; the refusals. With 4: FSDP2 over
+2 data-parallel replicas of tensor parallelism over 2 ranks with sequence parallelism, one step
+per plan, each replica its own share of the global batch. Rank 0 saves every result to the file
+named by argv[1]."""
 from __future__ import annotations
 
 import sys
@@ -19,13 +21,16 @@ import remat
 from remat.calls import forward_loss
 from remat.layer_plan import Plan
 from remat.models import build
+from remat.parallel import fully_shard_layers
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
 
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
 
 PLANS: dict[str, Any] = {**fsdp_worker.PLANS, "mlp_act": Plan([{"mlp_act": "discard"}] * fsdp_worker.LAYERS, [])}
-STEP_SEED = 100  # torch's default generators for the step, alike on both ranks
+DP_TP_PLANS = ("none", "selective", "full_uniform_2", "offload")  # under FSDP2 over tensor parallelism
+STEP_SEED = 100  # torch's default generators for the step, alike on the tensor-parallel ranks
+TP = 2
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,15 +47,18 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def step(dropout: float, sp: bool, plan: object, micro_batches: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+Result = tuple[list[float], dict[str, torch.Tensor]]
+
+
+def step(model: torch.nn.Module, plan: object, inputs: tuple[torch.Tensor, torch.Tensor], seed: int,
+         micro_batches: int = 1) -> Result:
     """Each rank's loss (the last micro-batch's) and the full gradients."""
-    model = split(dropout, sp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         remat.apply(model, plan)  # type: ignore[arg-type]
-    torch.manual_seed(STEP_SEED)
+    torch.manual_seed(seed)
     for _ in range(micro_batches):
-        loss = forward_loss(model, *batch())
+        loss = forward_loss(model, *inputs)
         loss.backward()
     losses = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(losses, loss.detach())
@@ -116,13 +124,37 @@ def refusals() -> dict[str, str]:
                                                                                   mesh_dim_names=("dp", "tp")))}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    results: dict[str, Any] = {f"{name}@sp={sp}@{dropout}": step(dropout, sp, plan)
+def tensor_parallel() -> dict[str, Any]:
+    def tp_step(dropout: float, sp: bool, plan: object, micro_batches: int = 1) -> Result:
+        return step(split(dropout, sp), plan, batch(), STEP_SEED, micro_batches)
+
+    results: dict[str, Any] = {f"{name}@sp={sp}@{dropout}": tp_step(dropout, sp, plan)
                                for sp in (False, True) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
-    results.update({f"accumulated@sp={sp}": step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
+    results.update({f"accumulated@sp={sp}": tp_step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
     results.update({f"masks@sp={sp}": masks(sp) for sp in (False, True)})
     results["refusals"] = refusals()
+    return results
+
+
+def fsdp_over_tensor_parallel() -> dict[str, Any]:
+    """FSDP2 over the data-parallel dimension of a dp x tp mesh, tensor and sequence parallelism
+    over its other (torchtitan's order: tensor parallelism first)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp", "tp"))
+    dp, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    rows = slice(dp * fsdp_worker.PER_RANK, (dp + 1) * fsdp_worker.PER_RANK)
+    inputs = tuple(t[rows] for t in fsdp_worker.global_batch(replicas))
+
+    def dp_tp_step(dropout: float, plan: object) -> Result:
+        model = parallelize_tensor(fsdp_worker.model(dropout), mesh["tp"], sequence_parallel=True)
+        return step(fully_shard_layers(model, mesh["dp"]), plan, inputs, STEP_SEED + dp)  # type: ignore[arg-type]
+
+    return {f"{name}@{dropout}": dp_tp_step(dropout, PLANS[name])
+            for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    results = tensor_parallel() if dist.get_world_size() == TP else fsdp_over_tensor_parallel()
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     dist.barrier()
