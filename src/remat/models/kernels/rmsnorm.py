@@ -83,9 +83,9 @@ def triton_rms_norm(x: Tensor, weight: Tensor, eps: float | None) -> Tensor:
 
 
 def on_cuda(fallback: NormFn = rms_norm) -> NormFn:
-    """RMSNorm through RMSNormFunction for CUDA tensors of KERNEL_DTYPES with a weight of the same
-    dtype and device (when Triton is installed and autocast is off, which would pick the norm's
-    dtype); `fallback` for anything else."""
+    """RMSNorm through RMSNormFunction for plain CUDA tensors of KERNEL_DTYPES with a weight of the
+    same dtype and device (when Triton is installed and autocast is off, which would pick the
+    norm's dtype); `fallback` for anything else (a sequence-parallel norm's DTensors among them)."""
     return dispatch(triton_rms_norm, fallback, lambda x, weight, eps: (
-        x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and weight.device == x.device
-        and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled("cuda")))
+        type(x) is Tensor and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
+        and weight.device == x.device and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled("cuda")))
