@@ -98,11 +98,16 @@ REJECTED = [
     pytest.param(["-c", "fp8"], ["'fp8' is not a compute dtype; Megatron Bridge's are ", "'fp8_cs'", "use -c bf16"],
                  id="dtype-bridge-prefix"),
     pytest.param(["-ng", "0"], ["num_gpus: is 0"], id="num-gpus"),
-    pytest.param(["-tp", "2"], ["tensor_model_parallel_size: is 2"], id="tp"),
-    pytest.param(["-pp", "2"], ["pipeline_model_parallel_size: is 2"], id="pp"),
-    pytest.param(["-cp", "2"], ["context_parallel_size: is 2"], id="cp"),
+    pytest.param(["-tp", "3"], ["tensor_model_parallel_size: num_attention_heads=4 does not split over 3"], id="tp"),
+    pytest.param(["-pp", "2"], ["global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages needs at least"
+                                " 2: raise -gb"], id="pp"),
+    pytest.param(["-cp", "2"], ["context_parallel_size: is 2; remat runs data, tensor (with sequence) and pipeline"
+                                " parallelism, not context parallelism yet"], id="cp"),
     pytest.param(["-vp", "2"], ["virtual_pipeline_model_parallel_size"], id="vp"),
-    pytest.param(["--num_layers", "4", "-pp", "2", "-vp", "2"], ["pipeline_model_parallel_size: is 2", "drop -vp"], id="pp-vp"),
+    pytest.param(["--num_layers", "4", "-pp", "2", "-vp", "2", "-gb", "6"],
+                 ["interleaved 1F1B runs them in rounds of pp = 2: use a multiple"], id="pp-vp"),
+    pytest.param(["-pp", "2", "-gb", "2", "-ng", "3"], ["num_gpus: 3 GPUs do not split into data-parallel groups"],
+                 id="ng-not-multiple"),
     pytest.param(["-mb", "2", "-gb", "3"], ["global_batch_size: 3 is not a positive multiple of the micro-batch size 2"],
                  id="gb-not-multiple"),
     pytest.param(["-mb", "4", "-gb", "2"], ["global_batch_size: 2 is not a positive multiple"], id="gb-below-mb"),
@@ -168,18 +173,16 @@ def test_bench_lists_every_settings_problem(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "--num_layers", "4", "-tp", "2", "-pp", "2", "-cp", "2",
-                       "-vp", "2")
+    code, _, err = cli(capsys, "bench", *TINY, "--num_layers", "4", "-tp", "3", "-pp", "2", "-cp", "2",
+                       "-vp", "2", "-gb", "6")
     assert code == 1
-    assert "invalid config (4 problems)" in err
-    for field in ("-tp/--tensor_model_parallel_size", "-pp/--pipeline_model_parallel_size",
-                  "-cp/--context_parallel_size", "-vp/--virtual_pipeline_model_parallel_size"):
+    for field in ("-tp/--tensor_model_parallel_size", "-cp/--context_parallel_size", "-gb/--global_batch_size"):
         assert f"  {field}:" in err
 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_problems_of_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "-tp", "2", "-rl", "3")
+    code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "-tp", "3", "-rl", "3")
     assert code == 1
     for field in ("-c/--compute_dtype", "-tp/--tensor_model_parallel_size", "-rl/--recompute_num_layers"):
         assert f"  {field}:" in err

@@ -145,7 +145,7 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
     (("doctor", "--results", "{tmp}/empty.json", "--request", "5GiB"), "--request: describes an OOM's allocator"),
     (("doctor", "--oom_message", "Tried to allocate 2.00 GiB", "--limit", "80GiB"),
      "--limit: the OOM message gives the device's capacity"),
-    (("verify", "--num_layers", "2", "-sl", "16", "-tp", "2"), "tensor_model_parallel_size: is 2; this runs one device"),
+    (("verify", "--num_layers", "2", "-sl", "16", "-tp", "2"), "tensor_model_parallel_size: is 2; this runs one process, without model parallelism"),
     (("verify", "--num_layers", "2", "-sl", "16", "--tolerance", "-1"), "tolerance: is -1.0; use 0 (bit-identical)"),
     (("plan", *TINY_RUN, "--memory-budget", "1GiB", "--min_offloaded_tensor_size", "256"),
      "min_offloaded_tensor_size: sets which tensors offload moves, and offload is off"),

@@ -214,7 +214,7 @@ def test_tables_fit_80_columns(capsys, monkeypatch, argv) -> None:
 # --- 6. messages ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, said", [
-    (["bench", "-pp", "2", "--no_history"], "-pp/--pipeline_model_parallel_size: is 2"),
+    (["bench", "-pp", "2", "--no_history"], "-gb/--global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages"),
     (["bench", "-ng", "0", "--no_history"], "-ng/--num_gpus: is 0"),
     (["validate", "-ol", "1", "-pp", "2", "--num_layers", "4"], "set pipeline_model_parallel_size=1 (-pp 1)"),
     (["doctor"], "pass --timeline PNG to plot one step's memory (CPU too)"),

@@ -39,7 +39,7 @@ from remat.layout import ModelLayout
 from remat.memory.measure import DEFAULT_HOST_GBPS, Stepper, gradients_persist, trace, training_state_kept
 from remat.memory.meter import storage_bytes
 from remat.memory.prediction import Trace, offload_prediction_problems, resolve, unmeasured_problems
-from remat.models import ParallelSizes, Target
+from remat.models import Target
 from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import format_bytes
@@ -94,19 +94,12 @@ def estimate_threshold_problems(thresholds: Iterable[int]) -> Iterator[Problem]:
                                                    "traces one: give them the same")
 
 
-def parallel_sizes(facts: TrainingFacts) -> ParallelSizes:
-    """The parallel layout of Megatron's settings, as a model family reads it."""
-    return ParallelSizes(facts.tensor_model_parallel_size, facts.sequence_parallel,
-                         facts.pipeline_model_parallel_size, facts.context_parallel_size)
-
-
 @dataclass(frozen=True)
 class EstimateSpec(RunSpec):
     """One rank of a training run, described by shapes: the step's settings, the parallel layout
     (`facts`: tp, sp, pp, vpp, cp) and the target whose kernels and speed to assume."""
 
     device: str = "cuda"  # the target: whose fused kernels (attention, RMSNorm) and workspaces to count
-    facts: TrainingFacts = field(default_factory=TrainingFacts)
     tflops: float = DEFAULT_TFLOPS
     host_gbps: float = DEFAULT_HOST_GBPS  # times offload copies, each way
     # bytes of one cuBLAS handle's workspace; None: from CUBLAS_WORKSPACE_CONFIG, else torch's default
@@ -117,14 +110,6 @@ class EstimateSpec(RunSpec):
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
-        try:  # the recompute rules check the parallel sizes and the pipeline split of the layers
-            config = self.model_config
-            RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=config.num_layers))
-            yield from self.family.shard_problems(config, self.parallel)
-        except ConfigError as err:
-            yield from err.problems
-        except ValueError:  # an unknown recipe: RunSpec reported it
-            pass
         yield from estimate_problems(self.device, self.tflops, self.host_gbps, self.cublas_workspace)
         try:
             object.__setattr__(self, "workspace_bytes", self._workspace_bytes())  # frozen: set once here
@@ -138,23 +123,6 @@ class EstimateSpec(RunSpec):
     @property
     def target(self) -> Target:
         return "cuda" if self.device.startswith("cuda") else "cpu"
-
-    @property
-    def parallel(self) -> ParallelSizes:
-        return parallel_sizes(self.facts)
-
-    @property
-    def model_parallel(self) -> int:
-        f = self.facts
-        return max(f.tensor_model_parallel_size * f.pipeline_model_parallel_size * f.context_parallel_size, 1)
-
-    @property
-    def context_parallel(self) -> int:
-        return self.facts.context_parallel_size
-
-    @property
-    def stages(self) -> int:
-        return self.facts.pipeline_model_parallel_size
 
     def _workspace_bytes(self) -> int:
         if self.target != "cuda":
@@ -445,7 +413,7 @@ def step_peak(spec: RunSpec, plan: PlanLike) -> int:
     shape = EstimateSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec)
                             if f.name != "device"}, device="cuda" if spec.device.startswith("cuda") else "cpu")
     shard = _stage_model(shape, 0)
-    resolved = resolve(plan, find_sites(shard.model).layout)
+    resolved = resolve(_stage_plan(plan, shape, 0), find_sites(shard.model).layout)
     stepper = Stepper(shard.model, (shard.inputs, shard.labels), shard.optimizer,
                       gradients_persist(shard.optimizer, shape.micro_batches), seed=0,
                       min_offloaded=resolved.min_offloaded_tensor_size)
@@ -508,11 +476,7 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
         # Megatron lowers recompute_num_layers per virtual chunk: keep that many chunks
         return _per_chunk(plan, stage_facts, facts.virtual_pipeline_model_parallel_size or 1)
     if isinstance(plan, Plan) and spec.stages > 1:
-        layers = _stage_layers(facts, len(plan.layers), stage)
-        local = {layer: i for i, layer in enumerate(layers)}
-        # a range lies within one chunk (pipeline_range_problems), consecutive here too
-        ranges = [(local[s], local[s] + e - s) for s, e in plan.full_recompute if s in local]
-        return Plan([dict(plan.layers[i]) for i in layers], ranges, plan.min_offloaded_tensor_size)
+        return plan.cut(_stage_layers(facts, len(plan.layers), stage))
     return plan
 
 

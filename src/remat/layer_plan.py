@@ -64,6 +64,13 @@ class Plan:
                     plan.layers[i].update({label: "offload" for label in offloaded if label in layout.labels[i]})
         return plan
 
+    def cut(self, layers: Sequence[int]) -> "Plan":
+        """The plan of a pipeline stage that runs `layers` of the model, in order (a range of full
+        recompute lies within one stage: pipeline_range_problems)."""
+        local = {layer: i for i, layer in enumerate(layers)}
+        ranges = [(local[s], local[s] + e - s) for s, e in self.full_recompute if s in local]
+        return Plan([dict(self.layers[i]) for i in layers], ranges, self.min_offloaded_tensor_size)
+
     def offloads(self) -> bool:
         return any(a == "offload" for actions in self.layers for a in actions.values())
 

@@ -7,6 +7,7 @@ micro-batches of forward and backward (gradients accumulate), then an AdamW step
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,13 +20,19 @@ from torch import nn
 
 from remat import models
 from remat import parallel
+from remat.apply import apply
+from remat.calls import forward_loss
+from remat.layer_plan import Plan, PlanLike
 from remat.optimizer import OptimizerPrecision, make as make_step_optimizer
 from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
-from remat.models import ModelConfig, ModelFamily
+from remat.models import ModelConfig, ModelFamily, ParallelSizes
+from remat.parallel.pipeline import Pipeline, PipelineLayout, model_chunks
+from remat.parallel.tensor_parallel import parallelize_tensor
+from torch.distributed.device_mesh import DeviceMesh
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of, raise_if_any
-from remat.recompute import TrainingFacts
+from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -64,6 +71,8 @@ class RunSpec:
     task: str = "pretrain"  # "sft" masks the first quarter of each sequence's labels (the prompt)
     seed: int = 1234
     precision: OptimizerPrecision = field(default_factory=OptimizerPrecision)
+    # the parallel layout in Megatron's sizes (tp, sp, pp, vpp, cp) and what the rules read of the run
+    facts: TrainingFacts = field(default_factory=TrainingFacts)
 
     def __post_init__(self) -> None:
         raise_if_any(self.problems())
@@ -84,14 +93,23 @@ class RunSpec:
         yield from self._batch_problems()
         if config is not None:
             yield from micro_batch_tokens_problems(config.seq_length, self.micro_batch_size, self.context_parallel)
+            yield from self._layout_problems(config)
+
+    def _layout_problems(self, config: ModelConfig) -> Iterator[Problem]:
+        """The recompute rules' checks of the parallel sizes and the family's of its shard."""
+        try:
+            RecomputeConfig(facts=dataclasses.replace(self.facts, num_layers=config.num_layers))
+        except ConfigError as err:
+            yield from err.problems
+        yield from self.family.shard_problems(config, self.parallel)
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from _device_name_problems(self.device)
 
     def _batch_problems(self) -> Iterator[Problem]:
         yield from micro_batch_problems(self.micro_batch_size)
-        if self.num_gpus is None:
-            pass
+        if self.num_gpus is None:  # one copy of the model
+            yield from self._global_batch_problems()
         elif self.num_gpus > MAX_GPUS:
             yield Problem("num_gpus", f"is {self.num_gpus:,}; remat plans for at most {MAX_GPUS:,} GPUs")
         elif self.num_gpus < 1:
@@ -100,7 +118,11 @@ class RunSpec:
         elif self.num_gpus % self.model_parallel:
             yield Problem("num_gpus", f"{count(self.num_gpus, 'GPU')} {'does' if self.num_gpus == 1 else 'do'} not split into data-parallel groups of tp x pp x cp"
                                       f" = {self.model_parallel}; use a multiple of {self.model_parallel}")
-        elif self.global_batch_size is not None and self.micro_batch_size >= 1:
+        else:
+            yield from self._global_batch_problems()
+
+    def _global_batch_problems(self) -> Iterator[Problem]:
+        if self.global_batch_size is not None and self.micro_batch_size >= 1:
             per_step = self.micro_batch_size * self.data_parallel
             of = (f"the micro-batch size {per_step}" if self.data_parallel == 1
                   else f"micro-batch x data parallel = {per_step}")
@@ -125,13 +147,26 @@ class RunSpec:
         return COMPUTE_DTYPES[self.compute_dtype]
 
     @property
+    def parallel(self) -> ParallelSizes:
+        return parallel_sizes(self.facts)
+
+    @property
     def model_parallel(self) -> int:
-        """GPUs one copy of the model spans (tp x pp x cp): 1 for a one-process run."""
-        return 1
+        """GPUs one copy of the model spans (tp x pp x cp)."""
+        f = self.facts
+        return max(f.tensor_model_parallel_size * f.pipeline_model_parallel_size * f.context_parallel_size, 1)
 
     @property
     def context_parallel(self) -> int:
-        return 1
+        return self.facts.context_parallel_size
+
+    @property
+    def stages(self) -> int:
+        return self.facts.pipeline_model_parallel_size
+
+    @property
+    def pipeline(self) -> PipelineLayout:
+        return PipelineLayout(self.stages, self.facts.virtual_pipeline_model_parallel_size or 1)
 
     @property
     def data_parallel(self) -> int:
@@ -143,6 +178,12 @@ class RunSpec:
         if self.global_batch_size is None:
             return 1
         return max(self.global_batch_size // (self.micro_batch_size * self.data_parallel), 1)
+
+
+def parallel_sizes(facts: TrainingFacts) -> ParallelSizes:
+    """The parallel layout of Megatron's settings, as a model family reads it."""
+    return ParallelSizes(facts.tensor_model_parallel_size, facts.sequence_parallel,
+                         facts.pipeline_model_parallel_size, facts.context_parallel_size)
 
 
 def _dtype_problems(dtype: str) -> Iterator[Problem]:
@@ -192,17 +233,24 @@ def micro_batch_tokens_problems(seq_length: int, micro_batch_size: int, context_
 
 
 def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
-    """What the recompute rules accept but a one-process step (bench, verify) does not run (yet)."""
-    sizes = {"tensor_model_parallel_size": facts.tensor_model_parallel_size,
-             "pipeline_model_parallel_size": facts.pipeline_model_parallel_size,
-             "context_parallel_size": facts.context_parallel_size}
-    for name, size in sizes.items():
+    """What the recompute rules accept but a one-process step (verify) does not run."""
+    for name, size in (("tensor_model_parallel_size", facts.tensor_model_parallel_size),
+                       ("pipeline_model_parallel_size", facts.pipeline_model_parallel_size)):
         if size != 1:
-            yield Problem(name, f"is {size}; this runs one device without model parallelism for now"
-                                " (parallel execution arrives with its own issue); use 1")
+            yield Problem(name, f"is {size}; this runs one process, without model parallelism; use 1 (remat bench"
+                                " runs it under torchrun)")
     if facts.virtual_pipeline_model_parallel_size is not None:
         yield Problem("virtual_pipeline_model_parallel_size", "needs pipeline parallelism, which this run"
-                                                              " does not execute yet; drop -vp")
+                                                              " does not execute; drop -vp")
+    yield from unrun_problems(facts)
+
+
+def unrun_problems(facts: TrainingFacts) -> Iterator[Problem]:
+    """What the recompute rules accept but remat does not run yet (remat estimate predicts it)."""
+    if facts.context_parallel_size != 1:
+        yield Problem("context_parallel_size", f"is {facts.context_parallel_size}; remat runs data, tensor (with"
+                                               " sequence) and pipeline parallelism, not context parallelism yet"
+                                               " (remat estimate predicts it); use 1")
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
@@ -227,21 +275,86 @@ def available_host_bytes() -> int | None:
 
 
 def build_model(spec: RunSpec) -> nn.Module:
-    """The spec's model on its device, from the spec's seed, with its kernels."""
-    torch.manual_seed(spec.seed)
-    family = spec.family
-    model = family.build(spec.model_config, dtype=spec.dtype, device=spec.device)
+    """The spec's model on its device, from the spec's seed, with its kernels. Under torchrun, on
+    a pp x dp x tp mesh: this rank's pipeline stages (a `Pipeline`) when pp > 1, each split by
+    tensor parallelism when tp > 1, and sharded with FSDP2 over the data-parallel ranks when
+    there are several."""
+    if parallel.world_size() == 1:
+        if spec.model_parallel > 1:
+            raise ConfigError([Problem("num_gpus", f"tp x pp x cp = {spec.model_parallel} needs as many processes;"
+                                                   f" launch with torchrun, or let remat bench start it")])
+        return _build_chunk(spec, spec.model_config, 0)
+    mesh = parallel.device_mesh(spec.device, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size)
+    layout, config = spec.pipeline, spec.model_config
+    stage_config = spec.family.shard(config, ParallelSizes(pipeline=layout.chunks)) if spec.stages > 1 else config
+    pipeline_rank = mesh["pp"].get_local_rank()
+    chunks = [_build_chunk(spec, stage_config, index, mesh) for index in layout.stage_indices(pipeline_rank)]
+    if spec.stages == 1:
+        return chunks[0]
+    split = spec.parallel.sequence_split
+    hidden = torch.empty(spec.micro_batch_size, config.seq_length // split, config.hidden_size, dtype=spec.dtype,
+                         device="meta")
+    return Pipeline(chunks, layout, pipeline_rank=pipeline_rank, hidden=hidden, micro_batches=spec.micro_batches,
+                    group=mesh["pp"].get_group())
+
+
+def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Pipeline stage `stage` of the spec's model (the whole model without pipelining), seeded by
+    its index (alike on its tensor-parallel ranks): the first with the embedding, the last with
+    the loss head; on `mesh`, split over its tp ranks and sharded over its dp ranks."""
+    torch.manual_seed(spec.seed + stage)
+    family, last = spec.family, spec.pipeline.chunks - 1
+    model = family.build(config, dtype=spec.dtype, device=spec.device, pre_process=stage == 0,
+                         post_process=stage == last)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
-    if parallel.world_size() > 1:  # under torchrun: data parallel over every rank
-        parallel.fully_shard_layers(model)
+    if mesh is not None and spec.facts.tensor_model_parallel_size > 1:
+        parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
+    if mesh is not None and spec.data_parallel > 1:
+        parallel.fully_shard_layers(model, mesh["dp"])
     return model
 
 
 def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
     """The weights every run of a spec starts from."""
-    torch.manual_seed(spec.seed)
-    spec.family.reset_parameters(model)
+    stages = model.stage_indices if isinstance(model, Pipeline) else [0]
+    for stage, chunk in zip(stages, model_chunks(model)):
+        torch.manual_seed(spec.seed + stage)
+        spec.family.reset_parameters(chunk)
+
+
+def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
+    """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages."""
+    if not isinstance(model, Pipeline):
+        apply(model, plan)
+        return
+    for stage, chunk in zip(model.stage_indices, model.chunks):
+        apply(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
+
+
+def stage_plan(plan: PlanLike, layout: PipelineLayout, num_layers: int, stage: int) -> PlanLike:
+    """What pipeline stage `stage` runs of a whole model's plan: a config as Megatron applies it
+    to each (virtual) stage's layers, a per-layer plan cut to the stage's layers."""
+    if isinstance(plan, Plan):
+        return plan.cut(layout.layers(num_layers, stage))
+    if isinstance(plan, RecomputeConfig):
+        facts = dataclasses.replace(plan.facts, num_layers=num_layers // layout.chunks, pipeline_model_parallel_size=1,
+                                    virtual_pipeline_model_parallel_size=None)
+        return dataclasses.replace(plan, facts=facts)
+    return plan
+
+
+def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> torch.Tensor:
+    """One step's micro-batches, forward and backward, gradients accumulating; the mean loss
+    (every pipeline rank gets the last stage's)."""
+    if isinstance(model, Pipeline):
+        return model.forward_backward([data.batch() for _ in range(micro_batches)])
+    total = torch.zeros((), device=data.spec.device)
+    for _ in range(micro_batches):
+        loss = forward_loss(model, *data.batch()) / micro_batches
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 class MockData:
@@ -250,8 +363,10 @@ class MockData:
     def __init__(self, spec: RunSpec) -> None:
         config = spec.model_config
         self.spec, self.vocab, self.seq = spec, config.vocab_size, config.seq_length
-        # each data-parallel rank its own sequences
-        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + parallel.rank())
+        # each data-parallel replica its own sequences, the same on all of its pipeline stages
+        replica = parallel.coordinates(parallel.rank(), spec.stages, spec.data_parallel,
+                                       spec.facts.tensor_model_parallel_size).data
+        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + replica)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, self.vocab, (self.spec.micro_batch_size, self.seq + 1),

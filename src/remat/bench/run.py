@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from remat import step
-from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
+from remat.apply import offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
-from remat.calls import after_optimizer_step, forward_loss
+from remat.calls import after_optimizer_step
 from remat.layer_plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.optimizer import main_grad_bytes
-from remat.parallel import max_over_ranks, mean_over_ranks, world_size
+from remat.parallel import max_over_ranks, mean_over_ranks
 from remat.step import MockData
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
@@ -89,11 +89,7 @@ def _iteration(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: tor
     """One iteration: every micro-batch's forward and backward, then the optimizer. Returns the
     loss (on the device, unsynchronized) and the clock marks at start, after backward, at end."""
     start = clock.mark()
-    total = torch.zeros((), device=spec.device)
-    for _ in range(spec.micro_batches):
-        loss = forward_loss(model, *data.batch()) / spec.micro_batches
-        loss.backward()
-        total += loss.detach()
+    total = step.forward_backward(model, data, spec.micro_batches)
     mid = clock.mark()
     if optimizer is not None:
         optimizer.step()
@@ -144,8 +140,10 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
 
 def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
-    ranks = world_size()  # under torchrun: data-parallel ranks, each with its own micro-batches
-    return dict(**spec.model_config.record(), **({"data_parallel": ranks} if ranks > 1 else {}),
+    layout = {"data_parallel": spec.data_parallel, "tensor_parallel": spec.facts.tensor_model_parallel_size,
+              "sequence_parallel": int(spec.parallel.sequence_split > 1), "pipeline_parallel": spec.stages,
+              "virtual_pipeline_parallel": spec.pipeline.virtual}
+    return dict(**spec.model_config.record(), **{key: size for key, size in layout.items() if size > 1},
                 micro_batch_size=spec.micro_batch_size,
                 global_batch_size=spec.global_batch_size or spec.micro_batch_size,
                 max_steps=spec.max_steps, task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile)
@@ -170,7 +168,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     model = model or step.build_model(spec)
     step.reset_parameters(spec, model)  # every run of a sweep starts from the same weights
     model.train()
-    apply(model, plan)
+    step.apply_plan(spec, model, plan)
     record = _base_record(spec, plan, name)
     report = on_step or (lambda *args: None)
     report(record["name"], 0, spec.max_steps, "")
@@ -197,7 +195,8 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     steady = slice(spec.warmup_steps, None)
     step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     sequences = spec.micro_batch_size * spec.micro_batches
-    flops = spec.family.flops(config, config.seq_length, sequences)
+    # the model's FLOPs over the GPUs of one copy of it (a pipeline's stages)
+    flops = spec.family.flops(config, config.seq_length, sequences) / spec.model_parallel
     assert cuda or steps.cpu_peak is not None  # _train counts it where there is no CUDA allocator
     peak = max_over_ranks(torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0)
     result = BenchResult(

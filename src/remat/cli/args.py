@@ -30,7 +30,7 @@ from remat.optimizer import DTYPES, OptimizerPrecision
 from remat.problems import ConfigError, Problem, advise
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, GRANULARITIES, METHODS, MIN_OFFLOADED_TENSOR_SIZE
-from remat.step import single_process_problems
+from remat.step import unrun_problems
 
 
 def add_recompute_flags(p: argparse.ArgumentParser) -> None:
@@ -82,7 +82,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Model and batch flags of Megatron Bridge's performance scripts."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
     add_model_source_flags(g)
-    g.add_argument("-ng", "--num_gpus", type=int, default=1)
+    g.add_argument("-ng", "--num_gpus", type=int, metavar="N",
+                   help="GPUs in all: tp x pp x cp x data parallel (default: one copy of the model, tp x pp x cp)")
     g.add_argument("-sl", "--seq_length", type=int, metavar="N")
     g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
     g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
@@ -216,7 +217,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=compile_default(args.compile, device),
                      gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
-                     precision=optimizer_precision(args),
+                     precision=optimizer_precision(args), facts=flag_facts(args),
                      command=args.command_line, dryrun=getattr(args, "dryrun", False))
 
 
@@ -231,14 +232,17 @@ def meta_model(args: argparse.Namespace, overrides: dict[str, Any] | None = None
 
 
 def flag_facts(args: argparse.Namespace) -> TrainingFacts:
-    """The parallel sizes and CUDA graphs the flags give (without a config file's)."""
-    scope = args.cuda_graph_scope.split(",") if args.cuda_graph_scope else []
+    """The parallel sizes and CUDA graphs the flags give (without a config file's); a command
+    without those flags runs one copy of the model without CUDA graphs."""
+    def flag(name: str) -> Any:
+        return getattr(args, name, None)
+    scope = flag("cuda_graph_scope")
     return TrainingFacts(
-        tensor_model_parallel_size=args.tensor_model_parallel_size or 1,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size or 1,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size or 1, sequence_parallel=bool(args.sequence_parallel),
-        cuda_graph_impl=args.cuda_graph_impl or "none", cuda_graph_scope=scope)
+        tensor_model_parallel_size=flag("tensor_model_parallel_size") or 1,
+        pipeline_model_parallel_size=flag("pipeline_model_parallel_size") or 1,
+        virtual_pipeline_model_parallel_size=flag("virtual_pipeline_model_parallel_size"),
+        context_parallel_size=flag("context_parallel_size") or 1, sequence_parallel=bool(flag("sequence_parallel")),
+        cuda_graph_impl=flag("cuda_graph_impl") or "none", cuda_graph_scope=scope.split(",") if scope else [])
 
 
 def advise_offload(spec: BenchSpec | None, plans: Sequence[tuple[str, PlanLike]]) -> None:
@@ -255,13 +259,13 @@ def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
     found = Problems()
     spec = found.run(bench_spec, args, field="model_recipe_name")
     facts = found.run(model_facts, args, field="model_recipe_name")
-    found.add(single_process_problems(flag_facts(args)))
+    found.add(unrun_problems(flag_facts(args)))
     found.add(golden_flag_problems(args.threshold, args.golden is not None))
     resolved = None
     # without the model's facts (a bad shape) the rules that need none still run
     plan = found.run(resolve_config, args, facts or {})
     if isinstance(plan, RecomputeConfig):
-        found.add(single_process_problems(plan.facts))
+        found.add(unrun_problems(plan.facts))
     if facts is not None and (plan is not None or not found.problems):
         resolved = found.run(apply, meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None

@@ -9,11 +9,12 @@ import torch
 
 from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
 from remat.bench.run import plan_name, run_bench
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
+from remat.bench.spec import BenchSpec
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, flag_facts
 from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
-from remat.parallel import is_main, launched_world, start, stop, torchrun, world_size
+from remat.parallel import is_main, launched_world, start, stop, torchrun
 from remat.problems import count
 from remat.recompute import RecomputeConfig
 
@@ -39,18 +40,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Under torchrun, every rank runs the bench and rank 0 reports; `-ng N` outside torchrun
     starts it with N processes."""
-    if args.num_gpus > 1 and launched_world() == 1 and not args.dryrun:
+    sizes = flag_facts(args)
+    gpus = args.num_gpus or (sizes.tensor_model_parallel_size * sizes.pipeline_model_parallel_size
+                             * sizes.context_parallel_size)
+    if gpus > 1 and launched_world() == 1 and not args.dryrun:
         check_bench(args, output_problems(args))  # every problem before any process starts
-        return torchrun(args.num_gpus, args.argv)
-    if args.num_gpus == 1:  # the default: under torchrun, as many GPUs as it started processes
+        return torchrun(gpus, args.argv)
+    if args.num_gpus is None and launched_world() > 1:  # under torchrun: as many GPUs as it started processes
         args.num_gpus = launched_world()
     start(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not is_main():
         out.quiet = True
     try:
-        return _run(args)
-    finally:
-        stop()
+        status = _run(args)
+    except BaseException:
+        stop(failed=True)
+        raise
+    stop()
+    return status
+
+
+def _layout_words(spec: BenchSpec) -> str:
+    """How the run spreads over GPUs, for the table's title."""
+    words = []
+    tp = spec.facts.tensor_model_parallel_size
+    if tp > 1:
+        words.append(f"tensor parallel over {tp} ranks" + (" with sequence parallel" if spec.facts.sequence_parallel
+                                                            else ""))
+    if spec.stages > 1:
+        virtual = spec.pipeline.virtual
+        words.append(f"{spec.stages} pipeline stages" + (f" x {virtual} virtual (interleaved 1F1B)" if virtual > 1
+                                                        else " (1F1B)"))
+    if spec.data_parallel > 1:
+        words.append(f"data parallel over {spec.data_parallel} ranks (FSDP2)")
+    return "".join(f", {w}" for w in words)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -70,9 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     if not is_main():  # rank 0 reports and writes; its numbers are every rank's (peaks the highest)
         return 0 if result.status == "ok" else 1
     print_warnings(during, printed=caught)
-    ranks = world_size()
-    show(results_table([result], title=f"remat bench: {spec.recipe}"
-                                       + (f", data parallel over {ranks} ranks (FSDP2)" if ranks > 1 else "")))
+    show(results_table([result], title=f"remat bench: {spec.recipe}{_layout_words(spec)}"))
     if result.memory is not None:
         show(memory_table(result))
     outputs = Outputs("bench", result.to_dict())

@@ -65,7 +65,8 @@ def _global_batch(args: argparse.Namespace, facts: TrainingFacts) -> int | None:
     model_parallel = facts.tensor_model_parallel_size * pp * facts.context_parallel_size
     if model_parallel < 1 or pp < 1:  # the rules refuse the sizes
         return None
-    return args.micro_batch_size * max(args.num_gpus // model_parallel, 1) * pp
+    gpus = args.num_gpus or model_parallel
+    return args.micro_batch_size * max(gpus // model_parallel, 1) * pp
 
 
 def check(args: argparse.Namespace) -> tuple[EstimateSpec, list[tuple[str, PlanLike]]]:

@@ -15,7 +15,7 @@ from remat.cli.common import (Outputs, Problems, collected_warnings, out, output
 from remat.cli.tables import results_table
 from remat.estimating import cpu_run_problems
 from remat.layer_plan import PlanLike
-from remat.step import single_process_problems
+from remat.step import unrun_problems
 
 DEFAULT_PLOT = "pareto.png"
 
@@ -38,7 +38,7 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
     plans: list[tuple[str, PlanLike]] = []
     if facts is not None:
         plans = sweep_entries(found, meta_model(args), args.configs, facts,
-                              lambda config: single_process_problems(config.facts))
+                              lambda config: unrun_problems(config.facts))
     found.add(output_problems(args, DEFAULT_PLOT))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised

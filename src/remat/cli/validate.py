@@ -10,7 +10,7 @@ from remat.apply import apply
 from remat.cli.args import add_recompute_flags, resolve_config
 from remat.cli.checks import plan_file_flag_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings
-from remat.estimating import parallel_sizes
+from remat.step import parallel_sizes
 from remat.models import build, family_of, recipe_config
 from remat.recompute import RecomputeConfig
 

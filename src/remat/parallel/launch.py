@@ -7,8 +7,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 def launched_world() -> int:
@@ -26,9 +29,12 @@ def start(device: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
 
 
-def stop() -> None:
+def stop(failed: bool = False) -> None:
+    """Leave the process group: after a barrier, or at once when this rank `failed`, so that it
+    exits and torchrun stops the ranks still waiting for it in a collective."""
     if dist.is_initialized():
-        dist.barrier()
+        if not failed:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -42,6 +48,29 @@ def is_main() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Coordinates(NamedTuple):
+    """A rank's place in the layout: its pipeline stage, data-parallel replica and tensor-parallel rank."""
+
+    pipeline: int
+    data: int
+    tensor: int
+
+
+# Mesh dimensions, outermost first (torchtitan's order): a pipeline's stages are the farthest
+# apart, tensor-parallel ranks the closest (one NVLink domain).
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def coordinates(rank: int, pipeline: int, data: int, tensor: int = 1) -> Coordinates:
+    """Where global rank `rank` sits in a pp x dp x tp layout laid out as `device_mesh` lays it."""
+    return Coordinates(rank // (data * tensor), rank // tensor % data, rank % tensor)
+
+
+def device_mesh(device: str, pipeline: int, data: int, tensor: int = 1) -> DeviceMesh:
+    """The pp x dp x tp mesh over every rank (`mesh["dp"]` is this rank's data-parallel group)."""
+    return init_device_mesh(device.split(":")[0], (pipeline, data, tensor), mesh_dim_names=MESH_DIMS)
 
 
 def max_over_ranks(value: int) -> int:

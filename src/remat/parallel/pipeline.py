@@ -1,0 +1,118 @@
+"""Pipeline parallelism through `torch.distributed.pipelining`: each rank runs its model chunks
+(stages) under torch's 1F1B schedule, or interleaved 1F1B with virtual stages.
+
+A chunk is a model a family builds with a share of the layers: the first stage's with the
+embedding (pre-process), the last stage's with the final norm and loss head (post-process), so
+the last stage's output is already the micro-batch's loss. With `vp` virtual stages, rank r runs
+stages r, r + pp, r + 2 pp, ... as Megatron and torch order them. Recompute acts inside each
+chunk (its Sites) and knows nothing of the schedule; the schedule decides how many micro-batches
+each stage holds at once (pp - r of them under 1F1B on rank r).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from remat.problems import Problem
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Megatron's pipeline sizes: `stages` ranks (pp), each with `virtual` model chunks (vp)."""
+
+    stages: int = 1
+    virtual: int = 1
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks over the whole pipeline: pp x vp."""
+        return self.stages * self.virtual
+
+    def stage_indices(self, pipeline_rank: int) -> list[int]:
+        """The stages (model chunks, first to last) pipeline rank `pipeline_rank` runs."""
+        return [pipeline_rank + k * self.stages for k in range(self.virtual)]
+
+    def layers(self, num_layers: int, stage: int) -> range:
+        """The model's layers stage `stage` holds (an equal share each)."""
+        per_stage = num_layers // self.chunks
+        return range(stage * per_stage, (stage + 1) * per_stage)
+
+    def problems(self, micro_batches: int) -> Iterator[Problem]:
+        """What torch's schedules cannot run with this many micro-batches a step (the split of the
+        layers is the recompute rules' check)."""
+        if self.stages > 1 and micro_batches < self.stages:
+            yield Problem("global_batch_size", f"gives {micro_batches} micro-batch(es) a step; 1F1B over"
+                                               f" {self.stages} stages needs at least {self.stages}: raise -gb")
+        elif self.virtual > 1 and micro_batches % self.stages:
+            yield Problem("global_batch_size", f"gives {micro_batches} micro-batches a step; interleaved 1F1B"
+                                               f" runs them in rounds of pp = {self.stages}: use a multiple")
+
+
+class Pipeline(nn.Module):
+    """This rank's model chunks and the schedule that trains them; `forward_backward` is one
+    step's micro-batches."""
+
+    def __init__(self, chunks: Sequence[nn.Module], layout: PipelineLayout, *, pipeline_rank: int,
+                 hidden: Tensor, micro_batches: int, group: dist.ProcessGroup | None = None) -> None:
+        """`hidden`: a meta tensor shaped as one micro-batch's hidden states between stages (its
+        dtype the model's); `group`: the ranks of this pipeline, first stage to last (default: all)."""
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.layout, self.micro_batches, self.group = layout, micro_batches, group
+        self.stage_indices = indices = layout.stage_indices(pipeline_rank)
+        self.is_first, self.is_last = indices[0] == 0, indices[-1] == layout.chunks - 1
+        device = next(self.chunks.parameters()).device
+        tokens = torch.empty(hidden.shape[:2], dtype=torch.long, device="meta")
+        loss = torch.empty((), dtype=hidden.dtype, device="meta")
+        # hidden states carry gradients back: torch sets up their receives from requires_grad
+        hidden = hidden.detach().requires_grad_()
+        stages = [PipelineStage(chunk, index, layout.chunks, device,
+                                input_args=tokens if index == 0 else hidden,
+                                output_args=loss if index == layout.chunks - 1 else hidden, group=group)
+                  for chunk, index in zip(self.chunks, indices)]
+        self.schedule = _schedule(stages, micro_batches, layout)
+
+    def forward_backward(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """Forward and backward of the micro-batches `batches` (inputs, labels); gradients
+        accumulate in the chunks. Returns the mean loss, on every rank of the pipeline."""
+        inputs = torch.cat([b[0] for b in batches])
+        labels = torch.cat([b[1] for b in batches])
+        losses: list[Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        # the last stage's output is its loss already; torch's schedules still split a target for it
+        self.schedule.step(*args, target=labels if self.is_last else None, labels=labels,
+                           losses=losses if self.is_last else None, **_NO_OUTPUTS)
+        # float64 on every stage: the ranks must agree on the size of what they reduce
+        total = torch.zeros((), dtype=torch.float64, device=labels.device)
+        if self.is_last:
+            total += torch.stack([loss.detach() for loss in losses]).sum()
+        dist.all_reduce(total, group=self.group)  # the last stage's, to every stage
+        return total
+
+
+# the last stage's outputs (scalar losses) are not merged into a batch where torch can skip it
+_NO_OUTPUTS: dict[str, Any] = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
+
+
+def _schedule(stages: list[PipelineStage], micro_batches: int, layout: PipelineLayout) -> Schedule1F1B | ScheduleInterleaved1F1B:
+    """torch's 1F1B (interleaved with virtual stages). The last stage's output is the micro-batch's
+    mean loss; the step's loss is their mean, so each is scaled here and torch scales nothing."""
+    def scaled(output: Tensor, _target: object) -> Tensor:
+        return output / micro_batches
+    options = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B.__init__).parameters else {}
+    if layout.virtual > 1:
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
+    return Schedule1F1B(stages[0], micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
+
+
+def model_chunks(model: nn.Module) -> list[nn.Module]:
+    """The models whose Sites a plan acts on: a pipeline's chunks, or the model itself."""
+    return list(model.chunks) if isinstance(model, Pipeline) else [model]
+
