@@ -9,6 +9,9 @@ micro-batch order on both. With dropout each rank draws its own masks, so recomp
 against the pipeline without recompute, also bit for bit."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +80,16 @@ def test_stages_and_their_layers() -> None:
     assert [p.message for p in PipelineLayout(2, 2).problems(3)] == [
         "gives 3 micro-batches a step; interleaved 1F1B runs them in rounds of pp = 2: use a multiple"]
     assert not list(PipelineLayout(2, 2).problems(4))
+
+
+def test_bench_pp_2_starts_torchrun_and_runs_the_stages(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "llama3_tiny", "--device", "cpu", "-ms", "3",
+                          "--warmup_steps", "1", "--no_history", "--no_progress", "-pp", "2", "-gb", "2", "-rl", "1",
+                          "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "remat bench: llama3_tiny, 2 pipeline stages (1F1B)" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and len(result["losses"]) == 3
+    assert result["shape"]["pipeline_parallel"] == 2 and "data_parallel" not in result["shape"]
