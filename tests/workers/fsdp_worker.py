@@ -3,7 +3,6 @@ one step per plan on this rank's share of a global batch; rank 0 saves the losse
 and the full gradients to the file named by argv[1]."""
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -16,6 +15,8 @@ from remat.models import build
 from remat.parallel import fully_shard_layers
 from remat.recompute import RecomputeConfig
 from remat.verify import run_step
+
+import gloo
 
 LAYERS, PER_RANK, SEQ = 4, 2, 16
 
@@ -72,16 +73,12 @@ def saved_for_backward() -> tuple[tuple[int, int], tuple[int, int]]:
     return (plain.bytes, plain.storages), (sharded.bytes, sharded.storages)
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    results = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
-    results.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
-    results["saved"] = saved_for_backward()  # type: ignore[assignment]
-    if dist.get_rank() == 0:
-        torch.save(results, sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
+def results() -> dict[str, object]:
+    found: dict[str, object] = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
+    found.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
+    found["saved"] = saved_for_backward()
+    return found
 
 
 if __name__ == "__main__":
-    main()
+    gloo.run(results)

@@ -4,7 +4,6 @@ each stage's weights those of one whole model; one step of 4 micro-batches per p
 the mean loss and every stage's gradients, named as in the whole model, to the file argv[1]."""
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -16,6 +15,7 @@ from remat.models import family_of, recipe_config
 from remat.parallel import Pipeline, PipelineLayout, layer_modules
 from remat.step import stage_plan
 
+import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
 
 MICRO_BATCHES = 4
@@ -78,15 +78,6 @@ def step(dropout: float, layout_name: str, plan: object) -> tuple[float, dict[st
     return loss.item(), {k: v for g in gathered for k, v in g.items()}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    results = {f"{layout}:{name}@{dropout}": step(dropout, layout, plan)
-               for layout, plans in PLANS.items() for name, plan in plans.items() for dropout in (0.0, 0.1)}
-    if dist.get_rank() == 0:
-        torch.save(results, sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    gloo.run(lambda: {f"{layout}:{name}@{dropout}": step(dropout, layout, plan) for layout, plans in PLANS.items()
+                      for name, plan in plans.items() for dropout in (0.0, 0.1)})

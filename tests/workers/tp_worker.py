@@ -6,7 +6,6 @@ per plan, each replica its own share of the global batch. Rank 0 saves every res
 named by argv[1]."""
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -25,6 +24,7 @@ from remat.parallel import fully_shard_layers
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
 
+import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
 
 PLANS: dict[str, Any] = {**fsdp_worker.PLANS, "mlp_act": Plan([{"mlp_act": "discard"}] * fsdp_worker.LAYERS, [])}
@@ -152,14 +152,5 @@ def fsdp_over_tensor_parallel() -> dict[str, Any]:
             for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    results = tensor_parallel() if dist.get_world_size() == TP else fsdp_over_tensor_parallel()
-    if dist.get_rank() == 0:
-        torch.save(results, sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    gloo.run(lambda: tensor_parallel() if dist.get_world_size() == TP else fsdp_over_tensor_parallel())
