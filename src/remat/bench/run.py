@@ -25,7 +25,7 @@ from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.optimizer import main_grad_bytes
-from remat.parallel import max_over_ranks, mean_over_ranks
+from remat.parallel import max_over_ranks, mean_over_ranks, of_highest_rank
 from remat.step import MockData
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
@@ -198,7 +198,11 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     # the model's FLOPs over the GPUs of one copy of it (a pipeline's stages)
     flops = spec.family.flops(config, config.seq_length, sequences) / spec.model_parallel
     assert cuda or steps.cpu_peak is not None  # _train counts it where there is no CUDA allocator
-    peak = max_over_ranks(torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0)
+    # the rank with the highest peak, and that rank's breakdown of it
+    local_peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0
+    local = _breakdown(model, optimizer, spec, local_peak)
+    peak, (weights, grads, optim, activations) = of_highest_rank(
+        local_peak, [local.weights, local.grads, local.optimizer, local.activations])
     result = BenchResult(
         status="ok", step_time_s=step_s, fwd_bwd_time_s=fwd_bwd_s,
         tflops_per_gpu=flops / step_s / 1e12, tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
@@ -206,7 +210,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         peak_allocated_bytes=peak,
         peak_reserved_bytes=max_over_ranks(torch.cuda.max_memory_reserved()) if cuda else None,
         peak_host_bytes=None if steps.host_peak is None else max_over_ranks(steps.host_peak),
-        memory=_breakdown(model, optimizer, spec, peak), losses=steps.losses, step_times_s=steps.step[steady],
+        memory=MemoryBreakdown(weights, grads, optim, activations, local.grads_persist), losses=steps.losses, step_times_s=steps.step[steady],
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
     )

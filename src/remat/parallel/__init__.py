@@ -2,9 +2,9 @@
 distributed layer): FSDP2 data parallelism and pipeline parallelism."""
 from remat.parallel.data_parallel import fully_shard_layers, layer_modules
 from remat.parallel.launch import (Coordinates, coordinates, device_mesh, is_main, launched_world, max_over_ranks,
-                                   mean_over_ranks, rank, start, stop, torchrun, world_size)
+                                   mean_over_ranks, of_highest_rank, rank, start, stop, torchrun, world_size)
 from remat.parallel.pipeline import Pipeline, PipelineLayout, model_chunks
 
 __all__ = ["Coordinates", "Pipeline", "PipelineLayout", "coordinates", "device_mesh", "fully_shard_layers", "is_main",
-           "launched_world", "layer_modules", "max_over_ranks", "mean_over_ranks", "model_chunks", "rank", "start",
+           "launched_world", "layer_modules", "max_over_ranks", "mean_over_ranks", "model_chunks", "of_highest_rank", "rank", "start",
            "stop", "torchrun", "world_size"]

@@ -81,6 +81,18 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def of_highest_rank(key: int, values: Sequence[int]) -> tuple[int, list[int]]:
+    """The `key` and `values` of the rank whose `key` is the highest (e.g. its peak memory and
+    that peak's breakdown), so that numbers reported together come from one rank."""
+    if not dist.is_initialized():
+        return key, list(values)
+    row = torch.tensor([key, *values], dtype=torch.int64, device=_collective_device())
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    highest = max(rows, key=lambda r: int(r[0])).tolist()
+    return highest[0], highest[1:]
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """The mean of a scalar over the ranks (gloo has no AVG: a sum, divided)."""
     if not dist.is_initialized():
