@@ -180,6 +180,11 @@ class TrainingFacts:
     attention_backend: str = "auto"
 
     @property
+    def model_parallel_size(self) -> int:
+        """GPUs one copy of the model spans: tp x pp x cp (at least 1)."""
+        return max(self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size, 1)
+
+    @property
     def layers_per_virtual_stage(self) -> int | None:
         """Layers per model chunk: num_layers // (PP * VPP); None if num_layers is unknown or invalid."""
         return layers_per_chunk(

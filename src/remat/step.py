@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from remat import models
 from remat import parallel
@@ -30,7 +31,6 @@ from remat.memory.prediction import Trace
 from remat.models import ModelConfig, ModelFamily, ParallelSizes
 from remat.parallel.pipeline import Pipeline, PipelineLayout, model_chunks
 from remat.parallel.tensor_parallel import parallelize_tensor
-from torch.distributed.device_mesh import DeviceMesh
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of, raise_if_any
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
@@ -153,8 +153,7 @@ class RunSpec:
     @property
     def model_parallel(self) -> int:
         """GPUs one copy of the model spans (tp x pp x cp)."""
-        f = self.facts
-        return max(f.tensor_model_parallel_size * f.pipeline_model_parallel_size * f.context_parallel_size, 1)
+        return self.facts.model_parallel_size
 
     @property
     def context_parallel(self) -> int:

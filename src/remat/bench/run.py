@@ -210,7 +210,8 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         peak_allocated_bytes=peak,
         peak_reserved_bytes=max_over_ranks(torch.cuda.max_memory_reserved()) if cuda else None,
         peak_host_bytes=None if steps.host_peak is None else max_over_ranks(steps.host_peak),
-        memory=MemoryBreakdown(weights, grads, optim, activations, local.grads_persist), losses=steps.losses, step_times_s=steps.step[steady],
+        memory=MemoryBreakdown(weights, grads, optim, activations, local.grads_persist), losses=steps.losses,
+        step_times_s=steps.step[steady],
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
     )

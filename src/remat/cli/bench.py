@@ -40,9 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Under torchrun, every rank runs the bench and rank 0 reports; `-ng N` outside torchrun
     starts it with N processes."""
-    sizes = flag_facts(args)
-    gpus = args.num_gpus or (sizes.tensor_model_parallel_size * sizes.pipeline_model_parallel_size
-                             * sizes.context_parallel_size)
+    gpus = args.num_gpus or flag_facts(args).model_parallel_size
     if gpus > 1 and launched_world() == 1 and not args.dryrun:
         check_bench(args, output_problems(args))  # every problem before any process starts
         return torchrun(gpus, args.argv)

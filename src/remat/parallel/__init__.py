@@ -6,5 +6,5 @@ from remat.parallel.launch import (Coordinates, coordinates, device_mesh, is_mai
 from remat.parallel.pipeline import Pipeline, PipelineLayout, model_chunks
 
 __all__ = ["Coordinates", "Pipeline", "PipelineLayout", "coordinates", "device_mesh", "fully_shard_layers", "is_main",
-           "launched_world", "layer_modules", "max_over_ranks", "mean_over_ranks", "model_chunks", "of_highest_rank", "rank", "start",
-           "stop", "torchrun", "world_size"]
+           "launched_world", "layer_modules", "max_over_ranks", "mean_over_ranks", "model_chunks", "of_highest_rank",
+           "rank", "start", "stop", "torchrun", "world_size"]

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-
 from typing import NamedTuple
 
 import torch

@@ -98,10 +98,12 @@ class Pipeline(nn.Module):
 
 
 # the last stage's outputs (scalar losses) are not merged into a batch where torch can skip it
-_NO_OUTPUTS: dict[str, Any] = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
+_NO_OUTPUTS: dict[str, Any] = (
+    {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {})
 
 
-def _schedule(stages: list[PipelineStage], micro_batches: int, layout: PipelineLayout) -> Schedule1F1B | ScheduleInterleaved1F1B:
+def _schedule(stages: list[PipelineStage], micro_batches: int,
+              layout: PipelineLayout) -> Schedule1F1B | ScheduleInterleaved1F1B:
     """torch's 1F1B (interleaved with virtual stages). The last stage's output is the micro-batch's
     mean loss; the step's loss is their mean, so each is scaled here and torch scales nothing."""
     def scaled(output: Tensor, _target: object) -> Tensor:
@@ -115,4 +117,3 @@ def _schedule(stages: list[PipelineStage], micro_batches: int, layout: PipelineL
 def model_chunks(model: nn.Module) -> list[nn.Module]:
     """The models whose Sites a plan acts on: a pipeline's chunks, or the model itself."""
     return list(model.chunks) if isinstance(model, Pipeline) else [model]
-
