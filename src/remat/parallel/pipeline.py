@@ -70,7 +70,8 @@ class Pipeline(nn.Module):
         self.is_first, self.is_last = indices[0] == 0, indices[-1] == layout.chunks - 1
         device = next(self.chunks.parameters()).device
         tokens = torch.empty(hidden.shape[:2], dtype=torch.long, device="meta")
-        loss = torch.empty((), dtype=hidden.dtype, device="meta")
+        # the loss head reduces in float32 at least (bf16 hidden states, float32 loss)
+        loss = torch.empty((), dtype=torch.promote_types(hidden.dtype, torch.float32), device="meta")
         # hidden states carry gradients back: torch sets up their receives from requires_grad
         hidden = hidden.detach().requires_grad_()
         stages = [PipelineStage(chunk, index, layout.chunks, device,
