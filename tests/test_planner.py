@@ -58,7 +58,10 @@ def problems(draw) -> PlanningProblem:
             choices.append(Choice(start, end, None, draw(st.integers(1, 128)) * (end - start) * MiB,
                                   draw(st.floats(0.01, 0.1)) * (end - start), _own(start, end, draw, -128, 32)))
     base = draw(st.lists(st.integers(100, 700), min_size=2 * layers + 1, max_size=2 * layers + 1))
-    return PlanningProblem(layers, choices, _windows(layers, base))
+    # a pipeline rank: other micro-batches in flight (1F1B; interleaved counts chunks, so halves too)
+    others = draw(st.sampled_from([0.0, 0.0, 1.0, 2.5]))
+    held = draw(st.integers(0, 200)) * MiB if others else 0
+    return PlanningProblem(layers, choices, _windows(layers, base), held_bytes=held, others_in_flight=others)
 
 
 def test_a_choice_changes_its_own_windows_and_the_windows_that_hold_it() -> None:
@@ -83,8 +86,10 @@ def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_m
                                               host_mib: int | None) -> None:
     budget, host = budget_mib * MiB, None if host_mib is None else host_mib * MiB
 
+    in_flight = 1 + problem.others_in_flight  # each micro-batch in flight holds what it offloaded
+
     def host_ok(cover: tuple[Choice, ...]) -> bool:
-        return host is None or sum(c.host_bytes for c in cover) <= host
+        return host is None or in_flight * sum(c.host_bytes for c in cover) <= host
 
     covers = [c for c in _covers(problem) if host_ok(c)]
     feasible = [c for c in covers if problem.peak(c) <= budget]
@@ -97,9 +102,22 @@ def test_solver_finds_the_brute_force_optimum(problem: PlanningProblem, budget_m
     best = min(sum(x.added_time_s for x in c) for c in feasible)
     solution = solve(problem, budget, host)
     assert solution.peak_bytes <= budget
-    assert host is None or solution.host_bytes <= host
+    assert host is None or in_flight * solution.host_bytes <= host
     assert solution.added_time_s == pytest.approx(best, abs=1e-9)
     assert solution.peak_bytes == problem.peak(solution.choices)
+
+
+def test_other_micro_batches_in_flight_hold_every_choices_savings_in_every_window() -> None:
+    windows = _windows(2, [100, 100, 300, 100, 100])  # fwd0 fwd1 head bwd1 bwd0
+    keep, recompute = Choice(0, 1, {}, 0, 0.0), Choice(0, 1, {"mlp": "recompute"}, 10 * MiB, 0.01, {"fwd0": 0})
+    others = [Choice(1, 2, {}, 0, 0.0)]
+    alone = PlanningProblem(2, [keep, recompute, *others], windows)
+    piped = PlanningProblem(2, [keep, recompute, *others], windows, held_bytes=50 * MiB, others_in_flight=2.0)
+    assert alone.peak([keep, *others]) == 300 * MiB and alone.peak([recompute, *others]) == 290 * MiB
+    assert piped.peak([keep, *others]) == 350 * MiB
+    assert piped.peak([recompute, *others]) == 350 * MiB - 3 * 10 * MiB  # its own micro-batch and two more
+    # fwd0, the layer's own window, holds only the other micro-batches' savings
+    assert piped.delta(recompute, windows[0]) == -20 * MiB
 
 
 def test_plan_of_the_solution_matches_its_choices() -> None:

@@ -62,9 +62,19 @@ class PlanningProblem:
     choices: Sequence[Choice]
     windows: Sequence[Window]
     fixed_bytes: int | None = None  # what the micro-batch does not scale (weights, grads, optimizer state), if known
+    # A pipeline stage under 1F1B: every window also holds `held_bytes` (what the other micro-batches
+    # in flight save when every layer keeps everything, and the stage's inputs), of which each
+    # choice frees `others_in_flight` times what it frees in one micro-batch.
+    held_bytes: float = 0.0
+    others_in_flight: float = 0.0
+
+    def delta(self, choice: Choice, window: Window) -> float:
+        """What `choice` adds to the window's peak, the other micro-batches in flight included."""
+        return choice.delta(window) - self.others_in_flight * choice.freed_bytes
 
     def peak_and_window(self, chosen: Sequence[Choice]) -> tuple[int, str]:
-        peaks = [(w.base_bytes + sum(c.delta(w) for c in chosen), w.name) for w in self.windows]
+        peaks = [(round(w.base_bytes + self.held_bytes + sum(self.delta(c, w) for c in chosen)), w.name)
+                 for w in self.windows]
         return max(peaks)
 
     def peak(self, chosen: Sequence[Choice]) -> int:

@@ -78,7 +78,11 @@ def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | 
 
     def optimum(budget: int | None) -> Solution | None:  # budget None: the lowest peak
         if not dynamic:
-            return _milp(problem, budget, host_budget_bytes, minimize_memory=budget is None)
+            found = _milp(problem, budget, host_budget_bytes, minimize_memory=budget is None)
+            if found is not None and budget is not None and found.peak_bytes > budget:  # over by HiGHS' tolerance
+                tighter = budget - (found.peak_bytes - budget) - _MARGIN
+                found = _milp(problem, tighter, host_budget_bytes, minimize_memory=False)
+            return found
         chosen = _cover_dp(problem, budget)
         return None if chosen is None else _solution(problem, chosen)
 
@@ -89,7 +93,8 @@ def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | 
     if lowest is None:
         raise ConfigError([Problem("choices", "the choices do not cover every layer exactly once")])
     window = next(w for w in problem.windows if w.name == lowest.peak_window)
-    raise NoPlanFits(budget_bytes, lowest, window.layer is not None or window.holds > 0, problem.fixed_bytes)
+    activations = window.layer is not None or window.holds > 0 or problem.held_bytes > 0
+    raise NoPlanFits(budget_bytes, lowest, activations, problem.fixed_bytes)
 
 
 def _cost(c: Choice) -> float:
@@ -104,6 +109,8 @@ def _layer_local(problem: PlanningProblem) -> bool:
     """Whether every choice is measured only in windows of its own layers and the next one (what
     the dynamic program assumes), every layer window holds the layers before it, and every other
     window none or all of them."""
+    if problem.held_bytes or problem.others_in_flight:  # every choice reaches every window
+        return False
     by_name = {w.name: w for w in problem.windows}
     return all(w.holds == w.layer if w.layer is not None else w.holds in (0, problem.num_layers)
                for w in problem.windows) and all(
@@ -187,6 +194,7 @@ def _pareto(parts: list) -> tuple[np.ndarray, np.ndarray, list]:
 
 
 _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit below HiGHS' tolerances
+_MARGIN = 16  # bytes: HiGHS accepts a constraint broken by its feasibility tolerance (1e-6 MiB, a byte)
 
 
 def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
@@ -200,11 +208,12 @@ def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
     for j, c in enumerate(choices):
         cover[c.start:c.end, j] = 1
     # every window: base + sum_j delta_j x_j <= P
-    peaks = np.array([[c.delta(w) / _UNIT for c in choices] + [-1.0] for w in windows])
-    base = np.array([w.base_bytes / _UNIT for w in windows])
+    peaks = np.array([[problem.delta(c, w) / _UNIT for c in choices] + [-1.0] for w in windows])
+    base = np.array([(w.base_bytes + problem.held_bytes) / _UNIT for w in windows])
     constraints = [LinearConstraint(cover, 1, 1), LinearConstraint(peaks, -np.inf, -base)]
     if host_budget is not None:
-        host = np.array([c.host_bytes / _UNIT for c in choices] + [0.0])
+        in_flight = 1 + problem.others_in_flight  # each micro-batch in flight holds its own copies on the host
+        host = np.array([in_flight * c.host_bytes / _UNIT for c in choices] + [0.0])
         constraints.append(LinearConstraint(host[None, :], -np.inf, host_budget / _UNIT))
     upper = np.inf if budget is None else budget / _UNIT
     objective = np.r_[np.zeros(n), 1.0] if minimize_memory else np.array([_cost(c) for c in choices] + [0.0])
