@@ -195,9 +195,9 @@ def test_verify_and_validate_report_every_problem_at_once(argv, said, capsys) ->
 
 def test_an_unknown_flag_gets_the_commands_usage(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--memory-budget", "1GiB", "-tp", "2"])
+        main(["plan", "--memory-budget", "1GiB", "-rl", "2"])  # the planner chooses what to recompute
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("usage: remat plan") and "unrecognized arguments: -tp 2" in err
+    assert exit_.value.code == 2 and err.startswith("usage: remat plan") and "unrecognized arguments: -rl 2" in err
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [(14.9203, "14,920 ms"), (0.0123, "12.3 ms"),

@@ -383,7 +383,7 @@ def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
 def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatch) -> None:
     import remat.estimating as estimating
 
-    monkeypatch.setattr(estimating, "_trace_stage", lambda *a, **k: pytest.fail("traced before checking"))
+    monkeypatch.setattr(estimating, "trace_stage", lambda *a, **k: pytest.fail("traced before checking"))
     with pytest.raises(ConfigError, match="the plan has 1 layer but the model has 2"):
         estimate(_spec(), [("short", Plan([{}]))])
     two_sites = Plan([{"core_attn": "offload", "layernorm": "offload"}, {}], min_offloaded_tensor_size=64)

@@ -34,10 +34,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from remat.apply import find_sites, nothing_offloaded_advice
-from remat.layer_plan import Plan, PlanLike, check_plan, pipeline_range_problems
+from remat.layer_plan import Plan, PlanLike, check_plan, plan_pipeline_problems, rank_layers
 from remat.layout import ModelLayout
 from remat.memory.measure import DEFAULT_HOST_GBPS, Stepper, gradients_persist, trace, training_state_kept
 from remat.memory.meter import storage_bytes
+from remat.memory.windows import PlanningProblem
 from remat.memory.prediction import Trace, offload_prediction_problems, resolve, unmeasured_problems
 from remat.models import Target
 from remat.problems import ConfigError, Problem, advise, one_of
@@ -108,6 +109,12 @@ class EstimateSpec(RunSpec):
     # from the above, so later changes to the environment do not move an estimate
     workspace_bytes: int = field(init=False, default=0)
 
+    @classmethod
+    def of_run(cls, spec: RunSpec, **settings: Any) -> "EstimateSpec":
+        """The shapes of a run of `spec`, on its kind of device."""
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec) if f.name != "device"}
+        return cls(**fields, device="cuda" if spec.device.startswith("cuda") else "cpu", **settings)
+
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
         yield from estimate_problems(self.device, self.tflops, self.host_gbps, self.cublas_workspace)
@@ -159,7 +166,7 @@ class StageEstimate:
 class Estimate:
     name: str
     stages: tuple[StageEstimate, ...]
-    step_time_s: float  # 1F1B: (micro-batches + bubble) x the slowest stage's micro-batch time
+    step_time_s: float  # 1F1B: micro-batches x the slowest stage's micro-batch time, plus the fill and drain
 
     @property
     def peak(self) -> int:
@@ -188,26 +195,43 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     thresholds = {p.min_offloaded_tensor_size for p in offloading}
     if problems := list(estimate_threshold_problems(thresholds)):
         raise ConfigError(problems)
-    stage_plans = [[_stage_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
+    stage_plans = [[rank_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
     stage_layout = dataclasses.replace(layout, labels=layout.labels[:layout.num_layers // pp])
     problems = [p for whole in lowered for p in unmeasured_problems(whole, layout, bool(offloading))]
     stages_lowered = [_lowered(stage, stage_layout) for per_stage in stage_plans for stage in per_stage]
     problems += [p for s in stages_lowered for p in offload_prediction_problems(s.layers, s.full_recompute)]
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
-    kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]  # first, middle, last stage
-    first_of_kind = {kind[k]: k for k in reversed(range(pp))}
-    offload = (thresholds.pop(),) if thresholds else ()
-    traced = {c: _trace_stage(spec, k, progress, *offload) for c, k in sorted(first_of_kind.items())}
+    offload = thresholds.pop() if thresholds else None
+    traced = trace_stages(spec, progress, offload)
     out = []
     for (name, _), per_stage, whole in zip(plans, stage_plans, lowered):
-        stages = [traced[kind[k]].predict(k, per_stage[k], spec) for k in range(pp)]
-        slowest = max(s.micro_batch_time_s for s in stages)
-        bubble = (pp - 1) / (spec.facts.virtual_pipeline_model_parallel_size or 1)
-        out.append(Estimate(name, tuple(stages), (spec.micro_batches + bubble) * slowest))
+        result = predict_stages(name, spec, traced, per_stage)
+        out.append(result)
         if whole.offloads():  # as a run under the plan would say after its steps
-            advise(nothing_offloaded_advice(sum(s.host for s in stages), whole.min_offloaded_tensor_size))
+            advise(nothing_offloaded_advice(sum(s.host for s in result.stages), whole.min_offloaded_tensor_size))
     return out
+
+
+def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = None,
+                 offload_threshold: int | None = None, device: str = "meta") -> list[_StageTrace]:
+    """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle, last."""
+    pp = spec.stages
+    kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]
+    first_of_kind = {kind[k]: k for k in reversed(range(pp))}
+    traced = {c: trace_stage(spec, k, progress, offload_threshold, device) for c, k in sorted(first_of_kind.items())}
+    return [traced[kind[k]] for k in range(pp)]
+
+
+def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[_StageTrace],
+                   stage_plans: Sequence[PlanLike]) -> Estimate:
+    """Each rank's memory under its plan, and the step's time: under 1F1B the steady state runs
+    the micro-batches at the pace of the slowest stage, and filling and draining the pipeline
+    passes once through the others (in 1/v steps with v virtual stages)."""
+    stages = [t.predict(k, plan, spec) for k, (t, plan) in enumerate(zip(traced, stage_plans))]
+    times = [s.micro_batch_time_s for s in stages]
+    virtual = spec.facts.virtual_pipeline_model_parallel_size or 1
+    return Estimate(name, tuple(stages), spec.micro_batches * max(times) + (sum(times) - max(times)) / virtual)
 
 
 # ---- one rank's shapes -----------------------------------------------------------------------
@@ -348,6 +372,15 @@ class _StageTrace:
             peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes),
             workspaces=spec.workspace_bytes)
 
+    def problem(self, stage: int, spec: EstimateSpec) -> PlanningProblem:
+        """What the planner solves for this stage: its windows hold, besides one micro-batch's
+        step, its input and the other micro-batches in flight, whose saved bytes every choice
+        lowers too. The peak of any plan is `predict`'s."""
+        flight = in_flight(stage, spec.facts, spec.micro_batches)
+        per_micro_batch = self.trace.baseline_saved_bytes + self.input_bytes - self.output_bytes
+        return dataclasses.replace(self.trace.problem(), others_in_flight=flight - 1,
+                                   held_bytes=self.input_bytes + (flight - 1) * per_micro_batch + spec.workspace_bytes)
+
 
 @dataclass
 class _StageModel:
@@ -360,44 +393,51 @@ class _StageModel:
     hidden: Tensor  # the hidden states the stage receives or sends
 
 
-def _stage_model(spec: EstimateSpec, stage: int) -> _StageModel:
+def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta") -> _StageModel:
+    """One pipeline rank's shard of the model: on "meta" (shapes: the target's kernels by shape),
+    or on the target device itself, with weights and a random batch, to trace for real."""
     family, split = spec.family, spec.parallel.sequence_split
     shard = family.shard(spec.model_config, spec.parallel)
     first, last = stage == 0, stage == spec.stages - 1
-    meta = torch.device("meta")
-    model = family.build(shard, dtype=spec.dtype, device=meta, pre_process=first, post_process=last)
+    on_meta = device == "meta"
+    torch.manual_seed(spec.seed + stage)
+    model = family.build(shard, dtype=spec.dtype, device=device, pre_process=first, post_process=last)
     model.train()
-    family.use_kernels(model, spec.target, compiled=spec.compile, shapes_only=True)
+    if on_meta or spec.compile:
+        family.use_kernels(model, spec.target, compiled=spec.compile, shapes_only=on_meta)
     if split > 1:
         _sequence_parallel(spec, model)
     b, s = spec.micro_batch_size, shard.seq_length
-    labels = torch.zeros(b, s, dtype=torch.long, device=meta)
+    labels = torch.randint(0, shard.vocab_size, (b, s), device=device)
     if first:
-        inputs = torch.zeros(b, s, dtype=torch.long, device=meta)
+        inputs = torch.randint(0, shard.vocab_size, (b, s), device=device)
     else:
-        inputs = torch.zeros(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta, requires_grad=True)
+        inputs = torch.randn(b, s // split, shard.hidden_size, dtype=spec.dtype, device=device, requires_grad=True)
     optimizer: torch.optim.Optimizer | None = None
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
         shards = spec.data_parallel if spec.precision.use_distributed_optimizer else 1
-        optimizer = make(model.parameters(), spec.precision, fused=False, shards=shards,
-                         inner=_AdamWState if spec.target == "cuda" else None)
+        cuda_on_meta = on_meta and spec.target == "cuda"
+        optimizer = make(model.parameters(), spec.precision, fused=device.startswith("cuda"), shards=shards,
+                         inner=_AdamWState if cuda_on_meta else None)
         _begin_state(model, optimizer)
-    hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=meta)
+    hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=device)
     return _StageModel(model, inputs, labels, optimizer, hidden)
 
 
-def _trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None,
-                 offload_threshold: int | None = None) -> _StageTrace:
-    """Trace one stage's shard; with `offload_threshold`, offload too (storages of that many
-    elements or more)."""
-    shard = _stage_model(spec, stage)
+def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None = None,
+                offload_threshold: int | None = None, device: str = "meta") -> _StageTrace:
+    """Trace pipeline rank `stage`'s shard, on the meta device (shapes, counted FLOPs) or on the
+    target device (its own memory and time); with `offload_threshold`, offload too (storages of
+    that many elements or more)."""
+    shard = _stage_model(spec, stage, device)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
         offload: dict[str, Any] = {} if offload_threshold is None else dict(
             offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
+        timing: dict[str, Any] = dict(timing_repeats=1, flops_per_s=spec.tflops * 1e12) if device == "meta" else {}
         measured = trace(shard.model, (shard.inputs, shard.labels), optimizer=shard.optimizer,
-                         micro_batches=spec.micro_batches, timing_repeats=1, flops_per_s=spec.tflops * 1e12,
-                         **offload, progress=lambda what: note(f"stage {stage}: {what}"))
+                         micro_batches=spec.micro_batches, **timing, **offload,
+                         progress=lambda what: note(f"stage {stage}: {what}"))
     hidden_bytes = shard.hidden.untyped_storage().nbytes()
     weights = storage_bytes(shard.model.parameters())
     main_grads = main_grad_bytes(shard.optimizer)
@@ -410,10 +450,9 @@ def step_peak(spec: RunSpec, plan: PlanLike) -> int:
     """The peak allocated bytes of one step of `spec` under `plan` on its device (weights,
     gradients and optimizer state included), from one step on shapes alone: a second or two,
     where `estimate` traces every action. What a run checks before it allocates anything."""
-    shape = EstimateSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec)
-                            if f.name != "device"}, device="cuda" if spec.device.startswith("cuda") else "cpu")
+    shape = EstimateSpec.of_run(spec)
     shard = _stage_model(shape, 0)
-    resolved = resolve(_stage_plan(plan, shape, 0), find_sites(shard.model).layout)
+    resolved = resolve(rank_plan(plan, shape, 0), find_sites(shard.model).layout)
     stepper = Stepper(shard.model, (shard.inputs, shard.labels), shard.optimizer,
                       gradients_persist(shard.optimizer, shape.micro_batches), seed=0,
                       min_offloaded=resolved.min_offloaded_tensor_size)
@@ -454,16 +493,7 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
                                     " lower -sl, -mb or --num_layers, or run on a GPU")
 
 
-def _stage_layers(facts: TrainingFacts, num_layers: int, stage: int) -> list[int]:
-    """The model's layers pipeline rank `stage` runs, in order: Megatron's model chunks stage,
-    stage + pp, stage + 2 pp, ... (one chunk per rank without virtual stages)."""
-    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1
-    per_chunk = dataclasses.replace(facts, num_layers=num_layers).layers_per_virtual_stage
-    assert per_chunk is not None  # EstimateSpec checked the split, estimate() the plan's length
-    return [i for chunk in range(stage, pp * vpp, pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
-
-
-def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
+def rank_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
     """A whole-model plan as one stage sees it: a config lowered onto the stage's chunks of
     layers, a per-layer plan cut to the layers of the stage's chunks. The stage's trace runs its
     chunks back to back: the embedding before rank 0's first chunk, the loss head after the last
@@ -476,7 +506,8 @@ def _stage_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
         # Megatron lowers recompute_num_layers per virtual chunk: keep that many chunks
         return _per_chunk(plan, stage_facts, facts.virtual_pipeline_model_parallel_size or 1)
     if isinstance(plan, Plan) and spec.stages > 1:
-        return plan.cut(_stage_layers(facts, len(plan.layers), stage))
+        return plan.cut(rank_layers(len(plan.layers), facts.pipeline_model_parallel_size,
+                                    facts.virtual_pipeline_model_parallel_size, stage))
     return plan
 
 
@@ -486,7 +517,7 @@ def _plan_problems(plan: Plan, layout: ModelLayout, facts: TrainingFacts) -> lis
         check_plan(plan.layers, plan.full_recompute, layout)
     except ConfigError as err:
         return err.problems
-    return list(pipeline_range_problems(plan.full_recompute, layout.num_layers, facts))
+    return list(plan_pipeline_problems(plan, facts))
 
 
 def _lowered(plan: PlanLike, layout: ModelLayout) -> Plan:

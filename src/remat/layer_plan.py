@@ -21,6 +21,52 @@ from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_SITES
 
 
+@dataclass(frozen=True)
+class PipelineStages:
+    """The pipeline a plan was solved for, stage by stage (`remat plan` with pipeline parallelism):
+    each stage's plan is the whole plan cut to the stage's layers; it holds only for this layout."""
+
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    predicted_peak_bytes: tuple[int, ...]  # each pipeline rank's, as planned
+
+    def rank_layers(self, num_layers: int, rank: int) -> list[int]:
+        return rank_layers(num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size,
+                           rank)
+
+    def to_dict(self, num_layers: int) -> dict[str, Any]:
+        return {"pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+                "stages": [{"layers": self.rank_layers(num_layers, k), "predicted_peak_bytes": peak}
+                           for k, peak in enumerate(self.predicted_peak_bytes)]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PipelineStages":
+        return cls(data["pipeline_model_parallel_size"], data.get("virtual_pipeline_model_parallel_size"),
+                   tuple(stage["predicted_peak_bytes"] for stage in data["stages"]))
+
+    def problems(self, num_layers: int, facts: TrainingFacts) -> Iterator[Problem]:
+        """A plan solved per stage holds for its own layout only."""
+        planned = (self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1)
+        running = (facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1)
+        if planned != running:
+            yield Problem("pipeline", f"this plan was solved stage by stage for {_stages_words(*planned)}, and this"
+                                      f" run has {_stages_words(*running)}; run it with -pp {planned[0]}"
+                                      f"{f' -vp {planned[1]}' if planned[1] > 1 else ''} or plan again for this layout")
+
+
+def _stages_words(pp: int, vp: int) -> str:
+    return f"{count(pp, 'pipeline stage')}" + (f" x {vp} virtual" if vp > 1 else "")
+
+
+def rank_layers(num_layers: int, pp: int, vpp: int | None, rank: int) -> list[int]:
+    """The model's layers pipeline rank `rank` runs, in order: Megatron's model chunks rank,
+    rank + pp, rank + 2 pp, ... (one chunk per rank without virtual stages)."""
+    per_chunk = layers_per_chunk(num_layers, pp, vpp)
+    assert per_chunk is not None  # the pipeline rules checked the split
+    return [i for chunk in range(rank, pp * (vpp or 1), pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
+
+
 @dataclass
 class Plan:
     """`layers[i]` maps a site label to its action in layer i (labels left out are kept);
@@ -28,11 +74,14 @@ class Plan:
 
     `layers[i]["layer"] = "offload"` offloads everything layer i saves (what its recomputed sites
     keep included); on the first layer of a full-recompute range, the input the range keeps.
-    `min_offloaded_tensor_size`: storages with fewer elements stay on the device."""
+    `min_offloaded_tensor_size`: storages with fewer elements stay on the device.
+    `pipeline`: the pipeline layout it was solved for stage by stage, if it was (not part of what
+    the plan does: two plans that act alike are equal)."""
 
     layers: list[dict[str, str]]
     full_recompute: list[tuple[int, int]] = field(default_factory=list)
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
+    pipeline: PipelineStages | None = field(default=None, compare=False)
 
     @classmethod
     def none(cls, num_layers: int) -> "Plan":
@@ -83,6 +132,8 @@ class Plan:
         }
         if self.offloads() or self.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE:
             data["min_offloaded_tensor_size"] = self.min_offloaded_tensor_size
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_dict(len(self.layers))
         return data
 
     @classmethod
@@ -90,8 +141,9 @@ class Plan:
         problems = plan_file_problems(data)
         if problems:
             raise ConfigError(problems)
+        pipeline = PipelineStages.from_dict(data["pipeline"]) if "pipeline" in data else None
         return cls([dict(a) for a in data["layers"]], [(int(s), int(e)) for s, e in data.get("full_recompute", [])],
-                   data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE))
+                   data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE), pipeline)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -103,8 +155,10 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(load_mapping(Path(path)))
 
-    def describe(self) -> str:
-        """One line per run of consecutive layers that do the same thing."""
+    def describe(self, numbers: Sequence[int] | None = None) -> str:
+        """One line per run of consecutive layers that do the same thing; layer i is called
+        `numbers[i]` if given (a pipeline rank's plan, in the model's numbers)."""
+        name = list(numbers) if numbers is not None else list(range(len(self.layers)))
         in_full = {i: (s, e) for s, e in self.full_recompute for i in range(s, e)}
         rows: list[tuple[int, int, str]] = []  # first layer, last layer, what they do
         for i, actions in enumerate(self.layers):
@@ -116,10 +170,10 @@ class Plan:
             else:
                 shown = ", ".join(f"{k}={v}" for k, v in sorted(actions.items()) if v != "keep")
                 what = shown or "keep everything"
-            if rows and rows[-1][2] == what and rows[-1][1] == i - 1:
-                rows[-1] = (rows[-1][0], i, what)
+            if rows and rows[-1][2] == what and rows[-1][1] == name[i] - 1:
+                rows[-1] = (rows[-1][0], name[i], what)
             else:
-                rows.append((i, i, what))
+                rows.append((name[i], name[i], what))
         return "\n".join(f"layer {a}: {w}" if a == b else f"layers {a}-{b}: {w}" for a, b, w in rows)
 
 
@@ -235,7 +289,7 @@ def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]])
 
 
 PLAN_FORMAT = 1  # the `remat_plan:` version a plan file starts with
-_PLAN_KEYS = ("remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size")
+_PLAN_KEYS = ("remat_plan", "layers", "full_recompute", "min_offloaded_tensor_size", "pipeline")
 
 
 def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
@@ -262,10 +316,36 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
     if not _is_index(min_size) or min_size < 0:
         problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
                                 " of elements, 0 or more"))
+    if "pipeline" in data:
+        problems += _pipeline_section_problems(data["pipeline"], len(layers) if isinstance(layers, list) else None)
     unknown = sorted(map(str, set(data) - set(_PLAN_KEYS)))
     if unknown:
         problems.append(Problem(", ".join(unknown), f"unknown plan keys; a plan has {', '.join(_PLAN_KEYS)}"))
     return problems
+
+
+def _pipeline_section_problems(section: Any, num_layers: int | None) -> list[Problem]:
+    """A plan file's `pipeline:` section: the layout, and one stage entry per pipeline rank with
+    the layers that rank runs."""
+    shape = ("expected pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and one entry per"
+             " stage under stages, each with its layers and predicted_peak_bytes (as remat plan writes them)")
+    if not isinstance(section, Mapping):
+        return [Problem("pipeline", shape)]
+    pp: Any = section.get("pipeline_model_parallel_size")
+    vpp: Any = section.get("virtual_pipeline_model_parallel_size")
+    stages: Any = section.get("stages")
+    if not (_is_index(pp) and pp >= 1 and (vpp is None or _is_index(vpp) and vpp >= 1)):
+        return [Problem("pipeline", shape)]
+    if not (isinstance(stages, list) and len(stages) == pp
+            and all(isinstance(st, Mapping) and _is_index(st.get("predicted_peak_bytes")) for st in stages)):
+        return [Problem("pipeline", shape)]
+    if num_layers is None:
+        return []
+    if layers_per_chunk(num_layers, pp, vpp) is None:
+        return [Problem("pipeline", f"{count(num_layers, 'layer')} do not split into {pp} x {vpp or 1} model chunks")]
+    return [Problem(f"pipeline.stages[{k}].layers", f"pipeline rank {k} runs layers {expected}, not {st.get('layers')}")
+            for k, st in enumerate(stages)
+            if st.get("layers") != (expected := rank_layers(num_layers, pp, vpp, k))]
 
 
 def _layer_words(i: int, actions: Mapping[Any, Any]) -> Iterator[Problem]:
@@ -298,6 +378,14 @@ def check_plan(
     problems += _plan_inside_full(layers, ranges)
     if problems:
         raise ConfigError(problems)
+
+
+def plan_pipeline_problems(plan: Plan, facts: TrainingFacts) -> Iterator[Problem]:
+    """A per-layer plan against a run's pipeline: its ranges within model chunks, and the layout
+    it was solved for, if it was solved stage by stage."""
+    yield from pipeline_range_problems(plan.full_recompute, len(plan.layers), facts)
+    if plan.pipeline is not None:
+        yield from plan.pipeline.problems(len(plan.layers), facts)
 
 
 def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,

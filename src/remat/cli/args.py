@@ -24,7 +24,7 @@ from remat.cli.checks import (
 from remat.cli.common import Problems
 from remat.estimating import cpu_run_problems
 from remat.labels import labels_without_model, recompute_labels
-from remat.layer_plan import Plan, PlanLike, load_plan_or_config
+from remat.layer_plan import Plan, PlanLike, load_plan_or_config, plan_pipeline_problems
 from remat.models import FAMILIES, build, recipe_config
 from remat.optimizer import DTYPES, OptimizerPrecision
 from remat.problems import ConfigError, Problem, advise
@@ -53,15 +53,20 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
                    help=f"tensors of fewer elements stay on the GPU (default {MIN_OFFLOADED_TENSOR_SIZE})")
     g = p.add_argument_group("parallelism and CUDA graphs")
+    add_parallel_flags(g)
+    g.add_argument("--cuda_graph_impl", choices=list(CUDA_GRAPH_IMPLS))
+    g.add_argument("--cuda_graph_scope", metavar="A,B", help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}")
+    g.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON with Megatron TransformerConfig keys; flags override it")
+
+
+def add_parallel_flags(g: argparse._ActionsContainer) -> None:
+    """Megatron's model-parallel sizes: tensor (with sequence), pipeline (with virtual stages), context."""
     g.add_argument("-tp", "--tensor_model_parallel_size", type=int, metavar="N")
     g.add_argument("-pp", "--pipeline_model_parallel_size", type=int, metavar="N")
     g.add_argument("-vp", "--virtual_pipeline_model_parallel_size", type=int, metavar="N")
     g.add_argument("-cp", "--context_parallel_size", type=int, metavar="N")
     g.add_argument("--sequence_parallel", action="store_true", default=None)
-    g.add_argument("--cuda_graph_impl", choices=list(CUDA_GRAPH_IMPLS))
-    g.add_argument("--cuda_graph_scope", metavar="A,B", help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}")
-    g.add_argument("--config", metavar="FILE",
-                   help="YAML or JSON with Megatron TransformerConfig keys; flags override it")
 
 
 def add_model_source_flags(g: argparse._ActionsContainer) -> None:
@@ -150,6 +155,11 @@ def select_model(args: argparse.Namespace) -> None:
         args.model_recipe_name = f"module:{factory}"
 
 
+# the keys that say how a run is laid out over GPUs (and captured), not what it recomputes
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size", "sequence_parallel", "cuda_graph_impl", "cuda_graph_scope")
+
+
 def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Map parsed flags to Megatron config keys, as Bridge's perf scripts do."""
     keys: dict[str, Any] = {}
@@ -162,9 +172,7 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
         keys.update(cpu_offloading=True, cpu_offloading_num_layers=args.activation_offload_layers)
     if args.min_offloaded_tensor_size is not None:
         keys.update(min_offloaded_tensor_size=args.min_offloaded_tensor_size)
-    for name in ("recompute_granularity", "recompute_method", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                 "context_parallel_size", "sequence_parallel", "cuda_graph_impl", "cuda_graph_scope"):
+    for name in ("recompute_granularity", "recompute_method", *LAYOUT_KEYS):
         value = getattr(args, name)
         if value is not None:
             keys[name] = value
@@ -182,7 +190,8 @@ def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> Rec
     if args.config:
         loaded = load_plan_or_config(args.config)
         if isinstance(loaded, Plan):
-            problems = list(plan_file_flag_problems(megatron_overrides(args)))
+            actions = {k: v for k, v in megatron_overrides(args).items() if k not in LAYOUT_KEYS}
+            problems = list(plan_file_flag_problems(actions))
             if problems:
                 raise ConfigError(problems)
             return loaded
@@ -266,6 +275,8 @@ def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
     plan = found.run(resolve_config, args, facts or {})
     if isinstance(plan, RecomputeConfig):
         found.add(unrun_problems(plan.facts))
+    if isinstance(plan, Plan):  # a per-layer plan's ranges and solved-for layout against the run's stages
+        found.add(plan_pipeline_problems(plan, flag_facts(args)))
     if facts is not None and (plan is not None or not found.problems):
         resolved = found.run(apply, meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None

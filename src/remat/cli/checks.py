@@ -34,7 +34,7 @@ def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = 
     """A per-layer plan file passed with --config, beside the command's other flags."""
     if other_flags:
         yield Problem("--config", "a per-layer plan file sets every action itself; drop the recompute and "
-                                  "parallel flags")
+                                  "offload flags")
     if not model_given:
         yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
 
@@ -147,6 +147,23 @@ def plan_run_flag_problems(verify: bool, given: Iterable[str]) -> Iterator[Probl
     if not verify:
         for flag in given:
             yield Problem(flag, "sets the run --verify makes, and there is none; pass --verify or drop it")
+
+
+def planning_flag_problems(configs: Sequence[str] | None, recompute_keys: Mapping[str, Any]) -> Iterator[Problem]:
+    """--memory-budget asks the planner to choose: not beside configs or recompute flags given."""
+    if configs:
+        yield Problem("--configs", "--memory-budget plans instead of estimating given configs; drop one of them")
+    for key in recompute_keys:
+        if key.startswith(("recompute_", "cpu_offloading", "fine_grained", "offload_modules", "distribute_saved")):
+            yield Problem(f"--{key}", "--memory-budget chooses what to recompute or offload; drop the flag")
+
+
+def per_stage_verify_problems(verify: bool, model_parallel: int) -> Iterator[Problem]:
+    """--verify benches the plan in this process; a plan per stage runs on tp x pp x cp processes."""
+    if verify and model_parallel > 1:
+        yield Problem("--verify", f"benches the plan in this one process, and this layout needs {model_parallel};"
+                                  " drop --verify and run the written plan with remat bench --config FILE and the"
+                                  " same layout flags")
 
 
 def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:

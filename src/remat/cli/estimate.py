@@ -16,18 +16,21 @@ from remat.cli.args import (
     optimizer_precision,
     add_recompute_flags,
     flag_facts,
+    megatron_overrides,
     meta_model,
     model_facts,
     model_overrides,
     resolve_config,
     sweep_entries,
 )
-from remat.cli.checks import configs_flag_problems
+from remat.cli.checks import configs_flag_problems, planning_flag_problems
+from remat.cli.plan import add_budget_flags, budget_problems, plan_per_stage
 from remat.cli.common import (Outputs, Problems, collected_warnings, path_problems, print_warnings, progress_bar, show,
                               write_json)
 from remat.cli.tables import estimate_table
 from remat.estimating import DEFAULT_TFLOPS, ESTIMATE_TARGETS, EstimateSpec, estimate
 from remat.layer_plan import PlanLike
+from remat.planner import max_group_problems
 from remat.memory.measure import DEFAULT_HOST_GBPS
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import parse_bytes
@@ -54,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: from CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200; about 8 MiB "
                         "on GPUs before Hopper); counted once per GEMM thread")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", metavar="PATH", help="write the estimates as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the estimates (or the plans) as JSON")
+    budget = p.add_argument_group("planning by shape (instead of estimating given configs)")
+    add_budget_flags(budget, required=False, threshold=False)
 
 
 def _global_batch(args: argparse.Namespace, facts: TrainingFacts) -> int | None:
@@ -103,6 +108,8 @@ def check(args: argparse.Namespace) -> tuple[EstimateSpec, list[tuple[str, PlanL
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory_budget is not None:
+        return _plan(args)
     with collected_warnings() as caught:
         spec, plans = check(args)
         with progress_bar(not args.no_progress) as bar:
@@ -114,3 +121,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         outputs.write("--json", args.json, lambda: write_json(data, args.json))
     return outputs.close()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """--memory-budget: a plan per pipeline rank, solved on the shapes' trace."""
+    found = Problems()
+    budget, host_budget = budget_problems(args, found)
+    found.add(planning_flag_problems(args.configs, megatron_overrides(args)))
+    found.add(max_group_problems(args.max_group))
+    found.raise_if_any()
+    args.configs = ["none"]  # the run's layout and shapes, with no config of its own
+    with collected_warnings() as caught:
+        spec, _ = check(args)
+    print_warnings(caught)
+    assert budget is not None  # or a problem was raised
+    return plan_per_stage(spec, args, budget, host_budget)

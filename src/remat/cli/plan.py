@@ -14,21 +14,25 @@ import yaml
 
 from remat.bench.run import run_bench
 from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
-from remat.cli.args import add_run_flags, bench_spec
+from remat.cli.args import add_parallel_flags, add_run_flags, bench_spec
 from remat.cli.checks import (
     offload_device_advice,
     offload_threshold_problems,
+    per_stage_verify_problems,
     plan_output_problems,
     plan_run_flag_problems,
 )
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
                               show, write_json)
-from remat.cli.tables import plan_table, storage_table, trace_table, verify_plan_table
-from remat.estimating import cpu_run_problems
-from remat.planner import PlanResult, host_budget_problems, plan_from_trace, plan_search_problems, weight_bytes
+from remat.cli.tables import estimate_table, plan_table, stage_plans_table, storage_table, trace_table, verify_plan_table
+from remat.estimating import EstimateSpec, cpu_run_problems
+from remat.layer_plan import Plan
+from remat.planner import (PlanResult, host_budget_problems, max_group_problems, plan_from_trace, plan_search_problems,
+                           weight_bytes)
 from remat.problems import advise
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
 from remat.sizes import parse_bytes
+from remat.stage_plans import plan_stages
 from remat.step import build_model, trace_spec
 
 HELP = "choose the fastest recompute plan that fits a memory budget"
@@ -36,23 +40,70 @@ HELP = "choose the fastest recompute plan that fits a memory budget"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
-    p.add_argument("--memory-budget", "--memory_budget", dest="memory_budget", required=True, metavar="SIZE",
-                   help="peak allocated memory to fit, like 60GiB, 80GB or 512MiB (a bare number is GiB)")
+    add_parallel_flags(p.add_argument_group("parallelism (a plan per pipeline rank, each rank's shard traced here)"))
+    add_budget_flags(p, required=True)
+    p.add_argument("--verify", action="store_true",
+                   help="bench the chosen plan and print predicted against measured")
+    p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
+
+
+def add_budget_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, required: bool,
+                     threshold: bool = True) -> None:
+    """What the planner is asked: the budget, what it may do, and where the plan goes
+    (`threshold`: add --min_offloaded_tensor_size, unless the command's recompute flags have it)."""
+    p.add_argument("--memory-budget", "--memory_budget", dest="memory_budget", required=required, metavar="SIZE",
+                   help="peak allocated memory to fit on each GPU, like 60GiB, 80GB or 512MiB (a bare number is "
+                        "GiB); with pipeline stages, each rank gets its own plan")
     p.add_argument("-o", "--output", default="remat_plan.yaml", metavar="FILE",
                    help="where to write the plan (.yaml or .json; default remat_plan.yaml)")
     p.add_argument("--offload", action="store_true",
                    help="consider offloading activations to host memory too (pinned; the trace takes about "
                         "twice as long)")
     p.add_argument("--host-memory-budget", "--host_memory_budget", dest="host_memory_budget", metavar="SIZE",
-                   help="with --offload: the most host memory offload may hold, like 200GiB")
-    p.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
-                   help=f"with --offload: tensors of fewer elements stay on the GPU (default "
-                        f"{MIN_OFFLOADED_TENSOR_SIZE})")
+                   help="with --offload: the most host memory offload may hold (per GPU), like 200GiB")
+    if threshold:
+        p.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
+                       help=f"with --offload: tensors of fewer elements stay on the GPU (default "
+                            f"{MIN_OFFLOADED_TENSOR_SIZE})")
     p.add_argument("--max_group", type=int, default=16, metavar="N",
                    help="longest run of layers recomputed as one unit that the planner considers")
-    p.add_argument("--verify", action="store_true",
-                   help="bench the chosen plan and print predicted against measured")
-    p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
+
+
+def budget_problems(args: argparse.Namespace, found: Problems) -> tuple[int | None, int | None]:
+    """The budgets of a planning command line, and the problems of its planning flags."""
+    budget = found.run(parse_bytes, args.memory_budget)
+    host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
+                   if args.host_memory_budget is not None else None)
+    found.add(host_budget_problems(args.offload, host_budget))
+    found.add(plan_output_problems("--output", args.output))
+    found.add(offload_threshold_problems(args.offload, args.min_offloaded_tensor_size))
+    return budget, host_budget
+
+
+def plan_per_stage(spec: EstimateSpec, args: argparse.Namespace, budget: int, host_budget: int | None,
+                   device: str = "meta") -> int:
+    """Plan each pipeline rank of `spec` under the budget, show the plans beside the fastest
+    uniform Megatron config, and write the plan file (and --json)."""
+    with progress_bar(not args.no_progress) as bar:
+        result = plan_stages(spec, budget, offload=args.offload, host_budget=host_budget, max_group=args.max_group,
+                             min_offloaded_tensor_size=(MIN_OFFLOADED_TENSOR_SIZE if args.min_offloaded_tensor_size
+                                                        is None else args.min_offloaded_tensor_size),
+                             device=device, progress=bar.note("trace" if device != "meta" else "trace on meta"))
+    compared = [result.estimate] + ([result.uniform[1]] if result.uniform else [])
+    show(estimate_table(spec, compared, measured=device != "meta"), keys=2)
+    show(stage_plans_table(result))
+    outputs = Outputs("plan", result.to_dict())
+    outputs.write("--output", args.output, lambda: _save(result.plan, args.output))
+    if not outputs.failed:
+        out.print(f"written to {args.output}; run it with `remat bench --config {args.output}` and the same layout")
+    if args.json:
+        outputs.write("--json", args.json, lambda: write_json(result.to_dict(), args.json))
+    return outputs.close()
+
+
+def _save(plan: Plan, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
 
 
 def _write_plan(result: PlanResult, keys: dict[str, Any] | None, path: str) -> None:
@@ -68,21 +119,22 @@ def _write_plan(result: PlanResult, keys: dict[str, Any] | None, path: str) -> N
 def run(args: argparse.Namespace) -> int:
     found = Problems()
     spec = found.run(bench_spec, args, field="model_recipe_name")
-    budget = found.run(parse_bytes, args.memory_budget)
-    host_budget = (found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
-                   if args.host_memory_budget is not None else None)
-    found.add(host_budget_problems(args.offload, host_budget))
+    budget, host_budget = budget_problems(args, found)
     found.add(path_problems({"--output": args.output, "--json": args.json}))
-    found.add(plan_output_problems("--output", args.output))
-    found.add(offload_threshold_problems(args.offload, args.min_offloaded_tensor_size))
     found.add(plan_run_flag_problems(args.verify, [flag for flag, given in (
         ("--max_steps", args.max_steps != DEFAULT_MAX_STEPS),
         ("--warmup_steps", args.warmup_steps != DEFAULT_WARMUP_STEPS),
         ("--history", args.history is not None)) if given]))
+    if spec is not None:
+        found.add(per_stage_verify_problems(args.verify, spec.model_parallel))
     found.raise_if_any()
     assert spec is not None and budget is not None  # or a problem was raised
     found.add(cpu_run_problems(spec, [("the no-recompute step the trace starts from", None)]))
     found.raise_if_any()
+    if spec.model_parallel > 1:  # one rank's shard per kind of stage, traced here in turn
+        found.add(max_group_problems(args.max_group))
+        found.raise_if_any()
+        return plan_per_stage(EstimateSpec.of_run(spec), args, budget, host_budget, device=spec.device)
     model = build_model(spec)  # the weights are checked against the budget before minutes of tracing
     found.add(plan_search_problems(budget, weight_bytes(model, spec.device.split(":")[0]), args.max_group))
     found.raise_if_any()

@@ -19,7 +19,8 @@ from remat.estimating import Estimate, EstimateSpec
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
 from remat.models import parameter_count
-from remat.planner import PlanResult
+from remat.planner import PlanResult, megatron_keys
+from remat.stage_plans import PipelinePlan
 from remat.sizes import format_bytes
 from remat.verify import VerifyReport
 
@@ -208,7 +209,9 @@ def _expert_parallel(spec: EstimateSpec) -> str:
     return "" if ep is None else f"ep {ep}, etp {etp}, "
 
 
-def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:
+def estimate_table(spec: EstimateSpec, results: Sequence[Estimate], measured: bool = False) -> Table:
+    """Each result's peak per pipeline rank, by component, and its step time (`measured`: the
+    ranks' shards were traced on the device, so the times were measured there)."""
     f = spec.facts
     sp = f.sequence_parallel and f.tensor_model_parallel_size > 1
     title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if sp else ''}, "
@@ -231,11 +234,42 @@ def estimate_table(spec: EstimateSpec, results: Sequence[Estimate]) -> Table:
                           milliseconds(result.step_time_s) if first else "")
     copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
               f"forward and backward where they fit" if host else "")
+    timed = (f"each rank's shard timed on the device, without communication" if measured else
+             f"counted FLOPs at {spec.tflops:g} TFLOP/s")
     table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); workspaces: "
                      f"cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the "
-                     f"peak window's working memory; step: counted FLOPs at {spec.tflops:g} TFLOP/s, "
+                     f"peak window's working memory; step: {timed}, "
                      f"{spec.target} kernels{', compiled regions' if spec.compile else ''}{copies}")
     return table
+
+
+def stage_plans_table(result: PipelinePlan) -> Table:
+    """What each pipeline rank does under its plan, and the uniform config it is compared with."""
+    table = Table(title=f"a plan per pipeline rank under {format_gib(result.budget_bytes)}")
+    for column in ("rank", "layers", "plan", "peak"):
+        table.add_column(column, justify="right" if column in ("rank", "peak") else "left")
+    for stage, estimated in zip(result.stages, result.estimate.stages):
+        table.add_row(str(stage.stage), _ranges(stage.layers), stage.plan.describe(stage.layers),
+                      format_gib(estimated.peak))
+    if result.uniform is None:
+        table.caption = "no Megatron recompute config (one for every stage) fits every rank under this budget"
+    else:
+        config, uniform = result.uniform
+        keys = ", ".join(f"{k}={v}" for k, v in megatron_keys(config).items()) or "no recompute"
+        table.caption = (f"step {milliseconds(result.estimate.step_time_s)}; the fastest Megatron config that fits "
+                         f"every rank ({keys}) takes {milliseconds(uniform.step_time_s)}")
+    return table
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """Layer indices as runs: 0-3, 8-11."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def trace_table(measured: Trace) -> Table:

@@ -6,6 +6,7 @@ RecomputeConfig) and per layer otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,17 +74,9 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     n = layout.num_layers
     if plan == Plan.none(n):
         return RecomputeConfig()
-    present = frozenset().union(*layout.labels)
-    labels = sorted(label for label in recompute_labels() if label in present)  # not offload-only sites
-    # a model with these sites runs what their rules ask for (grouped GEMM experts, MLA)
-    facts = TrainingFacts(num_layers=n, moe_grouped_gemm="moe_act" in labels,
-                          multi_latent_attention="mla_up_proj" in labels)
-    candidates: list[dict[str, Any]]  # RecomputeConfig keyword arguments
-    candidates = [dict(recompute_granularity="selective",
-                       recompute_modules=[x for i, x in enumerate(labels) if mask >> i & 1])
-                  for mask in range(1, 2 ** len(labels))]
-    candidates += [dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
-                   for method in ("uniform", "block") for k in range(1, n + 1)]
+    labels = frozenset().union(*layout.labels)
+    facts = model_facts(labels, TrainingFacts(num_layers=n))
+    candidates = recompute_candidates(labels, n)
     if plan.offloads():  # Megatron offloads the first k layers: k ends at the last offloading layer
         k = 1 + max(i for i, actions in enumerate(plan.layers) if "offload" in actions.values())
         candidates = [dict(keys, cpu_offloading=True, cpu_offloading_num_layers=k,
@@ -96,6 +89,26 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
             if Plan.from_config(config, layout) == plan:
                 return config
     return None
+
+
+def model_facts(labels: frozenset[str], facts: TrainingFacts) -> TrainingFacts:
+    """`facts` for a model with these sites, which runs what their rules ask for (grouped GEMM
+    experts, MLA)."""
+    return dataclasses.replace(facts, moe_grouped_gemm="moe_act" in labels,
+                               multi_latent_attention="mla_up_proj" in labels)
+
+
+def recompute_candidates(labels: frozenset[str], layers: int) -> list[dict[str, Any]]:
+    """The recompute settings (RecomputeConfig keyword arguments) a Megatron user would try on a
+    model with these site labels and `layers` per (virtual) pipeline stage: every set of selective
+    modules, and full recompute, uniform or block, of 1 to all of the layers."""
+    present = sorted(label for label in recompute_labels() if label in labels)  # not offload-only sites
+    candidates: list[dict[str, Any]] = [
+        dict(recompute_granularity="selective", recompute_modules=[x for i, x in enumerate(present) if mask >> i & 1])
+        for mask in range(1, 2 ** len(present))]
+    candidates += [dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
+                   for method in ("uniform", "block") for k in range(1, layers + 1)]
+    return candidates
 
 
 def plan_from_trace(trace_: Trace, budget: int | str, host_budget: int | str | None = None) -> PlanResult:
@@ -150,9 +163,14 @@ def plan_search_problems(budget_bytes: int, weight_bytes: int, max_group: int) -
             f"the weights alone take {format_bytes(weight_bytes)}, more than the {format_bytes(budget_bytes)} "
             "budget: no recompute plan helps; shard them (FSDP2) or spread the model over more GPUs "
             "(tensor or pipeline parallel)"))
+    yield from max_group_problems(max_group)
+
+
+def max_group_problems(max_group: int) -> Iterator[Problem]:
     if max_group < 1:
         yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
 
 
-__all__ = ["NoPlanFits", "PlanResult", "host_budget_problems", "megatron_keys", "plan", "plan_from_trace",
-           "plan_search_problems", "solve", "uniform_config", "weight_bytes"]
+__all__ = ["NoPlanFits", "PlanResult", "host_budget_problems", "max_group_problems", "megatron_keys", "model_facts",
+           "plan", "plan_from_trace", "plan_search_problems", "recompute_candidates", "solve", "uniform_config",
+           "weight_bytes"]
