@@ -1,6 +1,8 @@
 """Issue 27 item 7: what torch.distributed's layouts cost on one GPU. The same remat step (Llama-3-8B
 layers, AdamW, bf16) as a plain model, under FSDP2 with one rank (`fully_shard_layers`), and as a
-one-stage pipeline under torch's 1F1B schedule (`Pipeline`), interleaved and repeated so that
+one-stage pipeline under torch's 1F1B schedule (`Pipeline`); FSDP2 also without resharding after
+forward (one rank: the shard is the whole layer) and reducing gradients on a step's last
+micro-batch only. Interleaved and repeated so that
 drift of the GPU's clock (it runs at its power cap) spreads over all three. Prints one JSON line per
 run and writes them to $OUT/issue27_overhead.json.
 
@@ -37,7 +39,20 @@ def layouts(spec: BenchSpec) -> dict[str, object]:
                              device="meta")
         return Pipeline([build_model(spec)], PipelineLayout(1), pipeline_rank=0, hidden=hidden,
                         micro_batches=spec.micro_batches)
+    def sync_last(model: torch.nn.Module) -> torch.nn.Module:
+        """Reduce gradients on the last micro-batch of a step only (FSDP2's no-sync accumulation:
+        unsharded gradients held across micro-batches, as Megatron's full gradient buffer)."""
+        calls = [0]
+
+        def before(module: torch.nn.Module, args: object) -> None:
+            module.set_requires_gradient_sync(calls[0] % spec.micro_batches == spec.micro_batches - 1)  # type: ignore[operator]
+            calls[0] += 1
+        model.register_forward_pre_hook(before)
+        return model
     return {"plain": lambda: build_model(spec), "fsdp2_1rank": lambda: fully_shard_layers(build_model(spec)),
+            "fsdp2_1rank_no_reshard": lambda: fully_shard_layers(build_model(spec), reshard_after_forward=False),
+            "fsdp2_1rank_no_reshard_sync_last": lambda: sync_last(
+                fully_shard_layers(build_model(spec), reshard_after_forward=False)),
             "pipeline_1stage": pipeline}
 
 
