@@ -72,11 +72,11 @@ def test_bench_runs_under_context_parallelism(cp) -> None:
 
 
 def test_what_context_parallelism_refuses_at_run_time(cp) -> None:
-    said = cp["refusals"]
-    assert said["mesh"][0].startswith("mesh: has 2 dimensions ('dp', 'cp'); pass its context-parallel one")  # type: ignore[index]
-    assert "attention_backend: is 'eager'; torch's context parallelism runs scaled_dot_product_attention" in said["model"][0]  # type: ignore[index]
-    assert "attention_dropout: is 0.1; torch's ring attention draws it per block of keys" in said["model"][0]  # type: ignore[index]
-    assert said["short"] == ["the batch, its labels and the model's position tables have [8, 16] positions;"  # type: ignore[index]
+    said: dict[str, list[str]] = cp["refusals"]  # type: ignore[assignment]
+    assert said["mesh"][0].startswith("mesh: has 2 dimensions ('dp', 'cp'); pass its context-parallel one")
+    assert "attention_backend: is 'eager'; torch's context parallelism runs" in said["model"][0]
+    assert "attention_dropout: is 0.1; torch's ring attention draws it per block of keys" in said["model"][0]
+    assert said["short"] == ["the batch, its labels and the model's position tables have [8, 16] positions;"
                              " context parallelism needs a batch of the model's seq_length"]
 
 

@@ -4,8 +4,9 @@ A family knows its recipes and how to build a model from a config, with or witho
 stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
 a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
-styles each module of a built model takes; and what context parallelism shards beside the batch. The model it builds places `Site`s and knows nothing
-else of recompute. Code outside `remat.models` reaches a family only through this interface.
+styles each module of a built model takes; and what context parallelism shards beside the
+batch. The model it builds places `Site`s and knows nothing else of recompute. Code outside
+`remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ context, which must enclose both forward and backward: the ring's backward commu
 recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
 from backward, on every rank in the same order since every rank runs the same graph.
 
-torch dispatches the ring to its CUDA kernels only (flash, memory-efficient and, from torch 2.7
-on, cuDNN attention). On CPU, remat hands torch's own ring (`_templated_ring_attention` and its
-backward) the CPU flash kernel, so the same ring, load balancing and merge run on gloo; the
-backends are pinned to those the ring handles, so an unhandled one fails instead of running
-SDPA's math on a sequence shard.
+torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
+cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
+(`_templated_ring_attention` and its backward) the CPU flash kernel, so the same ring, load
+balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
+unhandled one fails instead of running SDPA's math on a sequence shard.
 
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
 mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
@@ -104,14 +104,12 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def sharded(model: nn.Module, input_ids: Tensor, labels: Tensor) -> contextlib.AbstractContextManager[Tensor]:
+def sharded(model: nn.Module, input_ids: Tensor, labels: Tensor) -> contextlib.AbstractContextManager[Tensor | float]:
     """Around one micro-batch's forward and backward: under context parallelism, the batch
     sharded to this rank's tokens (see ContextParallel.sharded); otherwise as it is. Yields the
     weight of this rank's loss (1 without context parallelism)."""
     parallel = _PARALLEL.get(model)
-    if parallel is None:
-        return contextlib.nullcontext(torch.ones((), device=input_ids.device))
-    return parallel.sharded(input_ids, labels)
+    return contextlib.nullcontext(1.0) if parallel is None else parallel.sharded(input_ids, labels)
 
 
 @contextlib.contextmanager
