@@ -22,7 +22,7 @@ from conftest import run_under_torchrun
 from remat.parallel import coordinates
 from remat.problems import ConfigError
 from remat.recompute import TrainingFacts
-from remat.step import RunSpec, single_process_problems, unrun_problems
+from remat.step import RunSpec, single_process_problems, trace_spec, unrun_problems
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import cp_worker  # noqa: E402
@@ -112,6 +112,8 @@ def test_context_parallelism_beside_other_layouts_and_families_is_refused() -> N
         RunSpec(recipe="moe_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2))
     assert [p.field for p in single_process_problems(TrainingFacts(context_parallel_size=2))] == [
         "context_parallel_size"]
+    with pytest.raises(ConfigError, match="context_parallel_size: is 2; the trace steps whole sequences"):
+        trace_spec(RunSpec(recipe="llama3_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2)))
 
 
 def test_a_ranks_coordinates_on_the_pp_dp_cp_tp_mesh() -> None:

@@ -424,6 +424,10 @@ def trace_spec(spec: RunSpec, model: nn.Module | None = None, offload: bool = Fa
                progress: Callable[[str], None] | None = None) -> tuple[nn.Module, Trace]:
     """Trace the step a bench of `spec` would run: same model, batch shape, optimizer,
     micro-batches (and, with `offload`, offload actions with that threshold)."""
+    if spec.context_parallel > 1:  # the trace's step runs whole sequences through the model
+        raise ConfigError([Problem("context_parallel_size", f"is {spec.context_parallel}; the trace steps whole"
+                                                            " sequences, not context-parallel shards yet (remat"
+                                                            " estimate predicts them by shape); use 1")])
     model = model or build_model(spec)
     reset_parameters(spec, model)
     model.train()
