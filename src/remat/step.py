@@ -102,6 +102,8 @@ class RunSpec:
         except ConfigError as err:
             yield from err.problems
         yield from self.family.shard_problems(config, self.parallel)
+        if self.context_parallel > 1:
+            yield from self.family.context_parallel_problems(config, self.parallel)
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from _device_name_problems(self.device)
@@ -234,7 +236,8 @@ def micro_batch_tokens_problems(seq_length: int, micro_batch_size: int, context_
 def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
     """What the recompute rules accept but a one-process step (verify) does not run."""
     for name, size in (("tensor_model_parallel_size", facts.tensor_model_parallel_size),
-                       ("pipeline_model_parallel_size", facts.pipeline_model_parallel_size)):
+                       ("pipeline_model_parallel_size", facts.pipeline_model_parallel_size),
+                       ("context_parallel_size", facts.context_parallel_size)):
         if size != 1:
             yield Problem(name, f"is {size}; this runs one process, without model parallelism; use 1 (remat bench"
                                 " runs it under torchrun)")
@@ -246,10 +249,12 @@ def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
 
 def unrun_problems(facts: TrainingFacts) -> Iterator[Problem]:
     """What the recompute rules accept but remat does not run yet (remat estimate predicts it)."""
-    if facts.context_parallel_size != 1:
-        yield Problem("context_parallel_size", f"is {facts.context_parallel_size}; remat runs data, tensor (with"
-                                               " sequence) and pipeline parallelism, not context parallelism yet"
-                                               " (remat estimate predicts it); use 1")
+    cp, tp, pp = facts.context_parallel_size, facts.tensor_model_parallel_size, facts.pipeline_model_parallel_size
+    if cp != 1 and (tp != 1 or pp != 1):
+        yield Problem("context_parallel_size", f"is {cp} with -tp {tp} -pp {pp}; remat runs context parallelism"
+                                               " beside data parallelism only, not with tensor or pipeline"
+                                               " parallelism yet (remat estimate predicts it); use -cp 1, or"
+                                               " -tp 1 and -pp 1")
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
@@ -275,15 +280,16 @@ def available_host_bytes() -> int | None:
 
 def build_model(spec: RunSpec) -> nn.Module:
     """The spec's model on its device, from the spec's seed, with its kernels. Under torchrun, on
-    a pp x dp x tp mesh: this rank's pipeline stages (a `Pipeline`) when pp > 1, each split by
-    tensor parallelism when tp > 1, and sharded with FSDP2 over the data-parallel ranks when
-    there are several."""
+    a pp x dp x cp x tp mesh: this rank's pipeline stages (a `Pipeline`) when pp > 1, each split
+    by tensor parallelism when tp > 1, running its share of each sequence when cp > 1, and
+    sharded with FSDP2 over the data- and context-parallel ranks when there are several."""
     if parallel.world_size() == 1:
         if spec.model_parallel > 1:
             raise ConfigError([Problem("num_gpus", f"tp x pp x cp = {spec.model_parallel} needs as many processes;"
                                                    f" launch with torchrun, or let remat bench start it")])
         return _build_chunk(spec, spec.model_config, 0)
-    mesh = parallel.device_mesh(spec.device, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size)
+    mesh = parallel.device_mesh(spec.device, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
+                                spec.context_parallel)
     layout, config = spec.pipeline, spec.model_config
     stage_config = spec.family.shard(config, ParallelSizes(pipeline=layout.chunks)) if spec.stages > 1 else config
     pipeline_rank = mesh["pp"].get_local_rank()
@@ -300,7 +306,8 @@ def build_model(spec: RunSpec) -> nn.Module:
 def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMesh | None = None) -> nn.Module:
     """Pipeline stage `stage` of the spec's model (the whole model without pipelining), seeded by
     its index (alike on its tensor-parallel ranks): the first with the embedding, the last with
-    the loss head; on `mesh`, split over its tp ranks and sharded over its dp ranks."""
+    the loss head; on `mesh`, split over its tp ranks, its sequences over its cp ranks, and
+    sharded over its dp x cp ranks (each cp rank's gradients are of its own tokens)."""
     torch.manual_seed(spec.seed + stage)
     family, last = spec.family, spec.pipeline.chunks - 1
     model = family.build(config, dtype=spec.dtype, device=spec.device, pre_process=stage == 0,
@@ -309,8 +316,11 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
     if mesh is not None and spec.facts.tensor_model_parallel_size > 1:
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
-    if mesh is not None and spec.data_parallel > 1:
-        parallel.fully_shard_layers(model, mesh["dp"])
+    if mesh is not None and spec.context_parallel > 1:
+        parallel.context_parallel_model(model, mesh["cp"])
+    if mesh is not None and spec.data_parallel * spec.context_parallel > 1:
+        # torchtitan's flattened dp x cp dimension
+        parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"])
     return model
 
 
@@ -350,8 +360,10 @@ def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> 
         return model.forward_backward([data.batch() for _ in range(micro_batches)])
     total = torch.zeros((), device=data.spec.device)
     for _ in range(micro_batches):
-        loss = forward_loss(model, *data.batch()) / micro_batches
-        loss.backward()
+        input_ids, labels = data.batch()
+        with parallel.sharded(model, input_ids, labels) as weight:  # the ring's backward communicates too
+            loss = forward_loss(model, input_ids, labels) * weight / micro_batches
+            loss.backward()
         total += loss.detach()
     return total
 
@@ -362,9 +374,10 @@ class MockData:
     def __init__(self, spec: RunSpec) -> None:
         config = spec.model_config
         self.spec, self.vocab, self.seq = spec, config.vocab_size, config.seq_length
-        # each data-parallel replica its own sequences, the same on all of its pipeline stages
+        # each data-parallel replica its own sequences, the same on all of its pipeline stages and
+        # context-parallel ranks (each shards them)
         replica = parallel.coordinates(parallel.rank(), spec.stages, spec.data_parallel,
-                                       spec.facts.tensor_model_parallel_size).data
+                                       spec.facts.tensor_model_parallel_size, spec.context_parallel).data
         self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + replica)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,6 +424,10 @@ def trace_spec(spec: RunSpec, model: nn.Module | None = None, offload: bool = Fa
                progress: Callable[[str], None] | None = None) -> tuple[nn.Module, Trace]:
     """Trace the step a bench of `spec` would run: same model, batch shape, optimizer,
     micro-batches (and, with `offload`, offload actions with that threshold)."""
+    if spec.context_parallel > 1:  # the trace's step runs whole sequences through the model
+        raise ConfigError([Problem("context_parallel_size", f"is {spec.context_parallel}; the trace steps whole"
+                                                            " sequences, not context-parallel shards yet (remat"
+                                                            " estimate predicts them by shape); use 1")])
     model = model or build_model(spec)
     reset_parameters(spec, model)
     model.train()

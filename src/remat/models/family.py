@@ -3,9 +3,10 @@
 A family knows its recipes and how to build a model from a config, with or without the first
 stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
-a target runs; where sequence parallelism communicates; and which of torch's tensor-parallel
-styles each module of a built model takes. The model it builds places `Site`s and knows nothing
-else of recompute. Code outside `remat.models` reaches a family only through this interface.
+a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
+styles each module of a built model takes; and what context parallelism shards beside the
+batch. The model it builds places `Site`s and knows nothing else of recompute. Code outside
+`remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
@@ -180,3 +181,16 @@ class ModelFamily(ABC):
         what only this rank holds inside `fork`) and return torch's parallel style for each module
         path, as `parallelize_module` takes them. Call when tensor_parallel_problems finds none."""
         raise ConfigError(list(self.tensor_parallel_problems(model, sizes)))
+
+    def context_parallel_problems(self, config: Any, sizes: ParallelSizes) -> Iterator[Problem]:
+        """Why a model of `config` cannot run over `sizes.context` ranks by torch's context
+        parallelism (ring attention in place of scaled_dot_product_attention), beyond what
+        shard_problems finds. A family whose shard_problems accepts context parallelism says here
+        what its models run otherwise."""
+        return iter(())
+
+    def context_parallel_buffers(self, model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+        """The tensors of `model` indexed by sequence position (RoPE tables), each with its sequence
+        dimension: context parallelism shards them with each batch, as torch's context_parallel does."""
+        raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
+                                                            " use 1")])

@@ -50,26 +50,29 @@ def rank() -> int:
 
 
 class Coordinates(NamedTuple):
-    """A rank's place in the layout: its pipeline stage, data-parallel replica and tensor-parallel rank."""
+    """A rank's place in the layout: its pipeline stage, data-parallel replica, tensor-parallel
+    rank and context-parallel rank (its share of each sequence)."""
 
     pipeline: int
     data: int
     tensor: int
+    context: int = 0
 
 
 # Mesh dimensions, outermost first (torchtitan's order): a pipeline's stages are the farthest
 # apart, tensor-parallel ranks the closest (one NVLink domain).
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
-def coordinates(rank: int, pipeline: int, data: int, tensor: int = 1) -> Coordinates:
-    """Where global rank `rank` sits in a pp x dp x tp layout laid out as `device_mesh` lays it."""
-    return Coordinates(rank // (data * tensor), rank // tensor % data, rank % tensor)
+def coordinates(rank: int, pipeline: int, data: int, tensor: int = 1, context: int = 1) -> Coordinates:
+    """Where global rank `rank` sits in a pp x dp x cp x tp layout laid out as `device_mesh` lays it."""
+    return Coordinates(rank // (data * context * tensor), rank // (context * tensor) % data, rank % tensor,
+                       rank // tensor % context)
 
 
-def device_mesh(device: str, pipeline: int, data: int, tensor: int = 1) -> DeviceMesh:
-    """The pp x dp x tp mesh over every rank (`mesh["dp"]` is this rank's data-parallel group)."""
-    return init_device_mesh(device.split(":")[0], (pipeline, data, tensor), mesh_dim_names=MESH_DIMS)
+def device_mesh(device: str, pipeline: int, data: int, tensor: int = 1, context: int = 1) -> DeviceMesh:
+    """The pp x dp x cp x tp mesh over every rank (`mesh["dp"]` is this rank's data-parallel group)."""
+    return init_device_mesh(device.split(":")[0], (pipeline, data, context, tensor), mesh_dim_names=MESH_DIMS)
 
 
 def max_over_ranks(value: int) -> int:

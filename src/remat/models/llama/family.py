@@ -100,6 +100,20 @@ class LlamaFamily(ModelFamily):
                                                f" tensor-parallel ranks; use a sequence length that is a multiple"
                                                f" of {tp * cp}, or turn sequence parallelism off")
 
+    def context_parallel_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        if config.attention_backend != "sdpa":
+            yield Problem("attention_backend", f"is {config.attention_backend!r}; torch's context parallelism runs"
+                                               " scaled_dot_product_attention as ring attention, and the eager"
+                                               " backend computes the scores itself; use sdpa")
+        if config.attention_dropout:
+            yield Problem("attention_dropout", f"is {config.attention_dropout}; torch's ring attention draws it per"
+                                               " block of keys, and its backward replays one block's random state"
+                                               " for all of them; use 0 under context parallelism")
+
+    def context_parallel_buffers(self, model: nn.Module) -> list[tuple[Tensor, int]]:
+        rotary = _model(model).rotary_pos_emb
+        return [(rotary.cos, 0), (rotary.sin, 0)]
+
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> LlamaConfig:
         tp = sizes.tensor
         return dataclasses.replace(

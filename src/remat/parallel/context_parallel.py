@@ -1,0 +1,175 @@
+"""Context parallelism by torch's `context_parallel`: each rank of a context-parallel group holds
+two chunks of every sequence (chunk i and 2cp-1-i, torch's head-tail load balancing for causal
+attention), and torch runs `scaled_dot_product_attention` as ring attention over the group.
+
+torch shards a batch, its labels and the model's position tables (RoPE) in place inside its
+context, which must enclose both forward and backward: the ring's backward communicates, and a
+recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
+from backward, on every rank in the same order since every rank runs the same graph.
+
+torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
+cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
+(`_templated_ring_attention` and its backward) the CPU flash kernel, so the same ring, load
+balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
+unhandled one fails instead of running SDPA's math on a sequence shard.
+
+Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
+mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import context_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from remat import models
+from remat.models import ParallelSizes
+from remat.problems import ConfigError, Problem
+
+try:  # torch >= 2.10 moved the ring into a package
+    from torch.distributed.tensor.experimental._context_parallel import _attention as _ring
+except ImportError:
+    from torch.distributed.tensor.experimental import _attention as _ring  # type: ignore[no-redef]
+
+aten = torch.ops.aten
+IGNORE_INDEX = -100  # labels the loss skips (the SFT prompt)
+SEQ_DIM = 2  # of attention's [batch, heads, sequence, head_dim]
+
+
+class ContextParallel:
+    """A model's context-parallel group and the tensors it shards with each batch."""
+
+    def __init__(self, mesh: DeviceMesh, buffers: list[tuple[Tensor, int]]) -> None:
+        self.mesh = mesh
+        self.buffers = buffers
+
+    @contextlib.contextmanager
+    def sharded(self, input_ids: Tensor, labels: Tensor) -> Iterator[Tensor]:
+        """Shard `input_ids` and `labels` [b, s] in place to this rank's tokens, with the model's
+        position tables, for a forward and backward inside; yields the weight of this rank's loss."""
+        lengths = {input_ids.shape[1], labels.shape[1], *(b.shape[dim] for b, dim in self.buffers)}
+        if len(lengths) > 1:  # one load-balancing permutation serves them all
+            raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
+                             " positions; context parallelism needs a batch of the model's seq_length")
+        tensors = [input_ids, labels, *(b for b, _ in self.buffers)]
+        dims = [1, 1, *(dim for _, dim in self.buffers)]
+        with context_parallel(self.mesh, buffers=tensors, buffer_seq_dims=dims,
+                              no_restore_buffers={input_ids, labels}), _kernels(self.mesh.device_type):
+            yield self._loss_weight(labels)
+
+    def _loss_weight(self, labels: Tensor) -> Tensor:
+        """cp x this rank's labelled tokens / the group's: 1 where every rank holds as many."""
+        mine = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        total = mine.clone()
+        dist.all_reduce(total, group=self.mesh.get_group())
+        return mine * self.mesh.size() / total.clamp(min=1)
+
+
+# the models context_parallel_model prepared, and their groups
+_PARALLEL: weakref.WeakKeyDictionary[nn.Module, ContextParallel] = weakref.WeakKeyDictionary()
+
+
+def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Run `model` over the ranks of `mesh` (one dimension) by context parallelism: each batch
+    `sharded` shards its sequences and the model's position tables. Call on every rank of the
+    group, before FSDP2 (which then reduces gradients over dp x cp). Raises one ConfigError with
+    every problem before changing anything. Returns `model`."""
+    family = models.family_of_model(model)
+    problems = []
+    if not dist.is_initialized():
+        problems.append(Problem("torch.distributed", "no process group: launch with torchrun and call"
+                                                     " torch.distributed.init_process_group() first"))
+    if mesh.ndim != 1:
+        problems.append(Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its"
+                                        " context-parallel one, e.g. mesh['cp']"))
+    if family is None:
+        problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
+                                         " build it with remat.models.build"))
+    else:
+        config, sizes = getattr(model, "config", None), ParallelSizes(context=mesh.size())
+        problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
+    if family is None or problems:
+        raise ConfigError(problems)
+    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel_buffers(model))
+    return model
+
+
+def sharded(model: nn.Module, input_ids: Tensor, labels: Tensor) -> contextlib.AbstractContextManager[Tensor | float]:
+    """Around one micro-batch's forward and backward: under context parallelism, the batch
+    sharded to this rank's tokens (see ContextParallel.sharded); otherwise as it is. Yields the
+    weight of this rank's loss (1 without context parallelism)."""
+    parallel = _PARALLEL.get(model)
+    return contextlib.nullcontext(1.0) if parallel is None else parallel.sharded(input_ids, labels)
+
+
+@contextlib.contextmanager
+def _kernels(device_type: str) -> Iterator[None]:
+    """SDPA pinned to the kernels torch's ring handles on `device_type`; on CPU, its flash kernel
+    handed to torch's ring."""
+    if device_type != "cpu":
+        cudnn = [SDPBackend.CUDNN_ATTENTION] if hasattr(_ring, "_scaled_dot_product_ring_cudnn_attention") else []
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, *cudnn]):
+            yield
+        return
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers  # torch's context swapped in its own: put back on exit
+    dispatcher._custom_op_handlers = {**handlers, **_CPU_HANDLERS}
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            yield
+    finally:
+        dispatcher._custom_op_handlers = handlers
+
+
+def _ring_group(mesh: DeviceMesh, fn: Any) -> Any:
+    """What torch's ring function `fn` takes first: the mesh (torch 2.6) or its process group."""
+    return mesh if next(iter(inspect.signature(fn).parameters)) == "mesh" else mesh.get_group()
+
+
+def _shards(mesh: DeviceMesh, *tensors: Tensor) -> tuple[DTensor, ...]:
+    return tuple(DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False) for t in tensors)
+
+
+def _cpu_flash(query: DTensor, key: DTensor, value: DTensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+               attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[DTensor, ...]:
+    """aten._scaled_dot_product_flash_attention_for_cpu's signature, run by torch's ring."""
+    if attn_mask is not None or dropout_p:
+        raise NotImplementedError("context parallelism runs attention without a mask or dropout")
+    mesh = query.device_mesh
+    ring = _ring._templated_ring_attention
+    out, lse = ring(_ring_group(mesh, ring), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
+                    query.to_local(), key.to_local(), value.to_local(), is_causal=is_causal, dropout_p=0.0,
+                    scale=scale)
+    return _shards(mesh, out, lse)
+
+
+def _cpu_flash_backward(grad_out: DTensor, query: DTensor, key: DTensor, value: DTensor, out: DTensor,
+                        logsumexp: DTensor, dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                        scale: float | None = None) -> tuple[DTensor, ...]:
+    """aten._scaled_dot_product_flash_attention_for_cpu_backward's signature, run by torch's ring."""
+    mesh = query.device_mesh
+    ring = _ring._templated_ring_attention_backward
+    grads = ring(_ring_group(mesh, ring), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                 grad_out=grad_out.to_local(), grad_out_name="grad_out", query=query.to_local(), key=key.to_local(),
+                 value=value.to_local(), out=out.to_local(), logsumexp=logsumexp.to_local(), is_causal=is_causal,
+                 dropout_p=dropout_p, attn_mask=attn_mask, scale=scale)
+    return _shards(mesh, *grads)
+
+
+# DTensor's handlers of the CPU flash ops: (op, args, kwargs) -> outputs
+_CPU_HANDLERS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda _op, args, kwargs: _cpu_flash(*args, **kwargs),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda _op, args, kwargs: _cpu_flash_backward(*args, **kwargs),
+}
