@@ -14,21 +14,30 @@ from remat.layer_plan import PipelineStages, Plan, plan_file_problems, plan_pipe
 from remat.planner import recompute_candidates
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig, TrainingFacts
+from remat import stage_plans
 from remat.stage_plans import plan_stages
 
 MiB = 2**20
 
 
-def _spec(pp: int = 2, layers: int = 4, vpp: int | None = None, micro_batches: int = 4) -> EstimateSpec:
-    return EstimateSpec(recipe="llama3_tiny", overrides={"num_layers": layers, "seq_length": 256},
+def _spec(pp: int = 2, layers: int = 4, vpp: int | None = None, micro_batches: int = 4,
+          seq: int = 256) -> EstimateSpec:
+    return EstimateSpec(recipe="llama3_tiny", overrides={"num_layers": layers, "seq_length": seq},
                         facts=TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp),
                         micro_batch_size=1, global_batch_size=micro_batches, device="cpu", compile=False)
 
 
 @pytest.fixture(scope="module")
-def traced_pp4():
+def traced_pp4_once():
     spec = _spec(pp=4, layers=8)
     return spec, trace_stages(spec)
+
+
+@pytest.fixture
+def traced_pp4(traced_pp4_once, monkeypatch):
+    """Four ranks traced by shape once for the module; plan_stages reuses the traces."""
+    monkeypatch.setattr(stage_plans, "trace_stages", lambda *args, **kwargs: traced_pp4_once[1])
+    return traced_pp4_once
 
 
 def _peaks(spec: EstimateSpec, traced, plans) -> list[int]:
@@ -190,8 +199,8 @@ def test_estimate_plans_only_without_configs_of_its_own(flags, field, capsys) ->
 
 def test_plan_with_pipeline_stages_traces_each_rank_on_the_device(tmp_path, capsys) -> None:
     out = tmp_path / "plan.yaml"
-    args = ["plan", "-mr", "llama3_tiny", "--seq_length", "256", "-pp", "2", "-gb", "4", "--device", "cpu",
-            "--memory-budget", "3.9MiB", "-o", str(out), "--no_progress"]
+    args = ["plan", "-mr", "llama3_tiny", "--seq_length", "64", "--num_layers", "2", "-pp", "2", "-gb", "2",
+            "--device", "cpu", "--memory-budget", "1GiB", "-o", str(out), "--no_progress"]
     assert main(args) == 0
     assert Plan.load(out).pipeline == PipelineStages(2, None, Plan.load(out).pipeline.predicted_peak_bytes)
     assert "timed on the device" in capsys.readouterr().out
