@@ -192,7 +192,10 @@ def swiglu_with_probs(fc1: Tensor, probs: Tensor) -> Tensor:
 def _expert_seed(layer: int, expert: int, weight: int) -> int:
     """The seed of one expert's weight: torch's seed, the layer and the expert's global index, so
     that a rank holding a share of the experts draws them as one process holding all does."""
-    return hash((torch.initial_seed(), layer, expert, weight)) & (2**63 - 1)
+    seed = torch.initial_seed()
+    for part in (layer, expert, weight):  # a fixed mix, the same in every process and Python
+        seed = (seed * 1_000_003 + part) % 2**63
+    return seed
 
 
 class GroupedExperts(nn.Module):
