@@ -47,6 +47,8 @@ MAX_TOKENS_PER_GPU = 1 << 22
 MAX_MICRO_BATCHES = 1 << 16
 # GPUs of one run: ten times the largest jobs trained.
 MAX_GPUS = 1 << 20
+# Megatron's expert-parallel sizes: keys of a config whose model routes experts (remat's MoE).
+EXPERT_SIZES: tuple[str, ...] = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def _default_device() -> str:
@@ -80,8 +82,11 @@ class RunSpec:
     def problems(self) -> Iterator[Problem]:
         """What is wrong with these settings (a subclass adds its own)."""
         config = None
+        expert_sizes = list(self._expert_size_problems())
+        yield from expert_sizes
         try:
-            config = self.model_config
+            if not expert_sizes:  # else the config would also call them unknown overrides
+                config = self.model_config
         except ConfigError as err:
             yield from err.problems
         except ValueError as err:  # an unknown recipe or override
@@ -104,6 +109,25 @@ class RunSpec:
         yield from self.family.shard_problems(config, self.parallel)
         if self.context_parallel > 1:
             yield from self.family.context_parallel_problems(config, self.parallel)
+        ep = expert_parallel_size(config)
+        if ep > 1 and self.num_gpus is not None and self.data_parallel % ep:
+            yield Problem("expert_model_parallel_size", f"({ep}) does not divide the {self.data_parallel} data-parallel"
+                                                        f" rank(s) (-ng {self.num_gpus} / tp x pp x cp"
+                                                        f" {self.model_parallel}); expert-parallel ranks are"
+                                                        " data-parallel ranks that split the experts: use -ng a"
+                                                        f" multiple of {self.model_parallel * ep}")
+
+    def _expert_size_problems(self) -> Iterator[Problem]:
+        """-ep or -etp for a recipe whose model has no routed experts to split."""
+        given = [key for key in EXPERT_SIZES if key in self.overrides]
+        try:
+            base = models.recipe_config(self.recipe) if given else None
+        except (ConfigError, ValueError):  # the recipe's own problem, reported with the config
+            return
+        for key in given:
+            if not hasattr(base, key):
+                yield Problem(key, f"is {self.overrides[key]}, but {self.recipe} has no routed experts that remat"
+                                   " splits; use an MoE recipe (remat recipes lists them) or drop it")
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from _device_name_problems(self.device)
@@ -158,6 +182,11 @@ class RunSpec:
         return self.facts.model_parallel_size
 
     @property
+    def expert_parallel(self) -> int:
+        """Ranks each MoE layer's routed experts split over (Megatron's expert_model_parallel_size)."""
+        return expert_parallel_size(self.model_config)
+
+    @property
     def context_parallel(self) -> int:
         return self.facts.context_parallel_size
 
@@ -185,6 +214,24 @@ def parallel_sizes(facts: TrainingFacts) -> ParallelSizes:
     """The parallel layout of Megatron's settings, as a model family reads it."""
     return ParallelSizes(facts.tensor_model_parallel_size, facts.sequence_parallel,
                          facts.pipeline_model_parallel_size, facts.context_parallel_size)
+
+
+def expert_parallel_size(config: ModelConfig) -> int:
+    """A config's expert_model_parallel_size; 1 for a model without routed experts."""
+    return int(getattr(config, EXPERT_SIZES[0], 1))
+
+
+def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
+    """What a run that splits the experts needs beyond what an estimate of one of its ranks does:
+    a process for each expert-parallel rank, and a model the family can split."""
+    ep = spec.expert_parallel
+    if ep == 1:
+        return
+    if spec.num_gpus is None:
+        yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
+                                  f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
+                                  f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
+    yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
 def _dtype_problems(dtype: str) -> Iterator[Problem]:
@@ -281,8 +328,9 @@ def available_host_bytes() -> int | None:
 def build_model(spec: RunSpec) -> nn.Module:
     """The spec's model on its device, from the spec's seed, with its kernels. Under torchrun, on
     a pp x dp x cp x tp mesh: this rank's pipeline stages (a `Pipeline`) when pp > 1, each split
-    by tensor parallelism when tp > 1, running its share of each sequence when cp > 1, and
-    sharded with FSDP2 over the data- and context-parallel ranks when there are several."""
+    by tensor parallelism when tp > 1, running its share of each sequence when cp > 1, its
+    routed experts split by expert parallelism when ep > 1, and sharded with FSDP2 over the
+    data- and context-parallel ranks when there are several."""
     if parallel.world_size() == 1:
         if spec.model_parallel > 1:
             raise ConfigError([Problem("num_gpus", f"tp x pp x cp = {spec.model_parallel} needs as many processes;"
@@ -306,8 +354,9 @@ def build_model(spec: RunSpec) -> nn.Module:
 def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMesh | None = None) -> nn.Module:
     """Pipeline stage `stage` of the spec's model (the whole model without pipelining), seeded by
     its index (alike on its tensor-parallel ranks): the first with the embedding, the last with
-    the loss head; on `mesh`, split over its tp ranks, its sequences over its cp ranks, and
-    sharded over its dp x cp ranks (each cp rank's gradients are of its own tokens)."""
+    the loss head; on `mesh`, split over its tp ranks, its sequences over its cp ranks, its
+    routed experts over groups of ep of its dp ranks, and sharded over its dp x cp ranks (each
+    cp rank's gradients are of its own tokens)."""
     torch.manual_seed(spec.seed + stage)
     family, last = spec.family, spec.pipeline.chunks - 1
     model = family.build(config, dtype=spec.dtype, device=spec.device, pre_process=stage == 0,
@@ -318,7 +367,9 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
         parallel.context_parallel_model(model, mesh["cp"])
-    if mesh is not None and spec.data_parallel * spec.context_parallel > 1:
+    if mesh is not None and spec.expert_parallel > 1:  # ep is refused beside cp
+        parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel)  # FSDP2 over dp, experts over edp
+    elif mesh is not None and spec.data_parallel * spec.context_parallel > 1:
         # torchtitan's flattened dp x cp dimension
         parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"])
     return model

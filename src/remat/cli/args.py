@@ -27,10 +27,10 @@ from remat.labels import labels_without_model, recompute_labels
 from remat.layer_plan import Plan, PlanLike, load_plan_or_config, plan_pipeline_problems
 from remat.models import FAMILIES, build, recipe_config
 from remat.optimizer import DTYPES, OptimizerPrecision
-from remat.problems import ConfigError, Problem, advise
+from remat.problems import ConfigError, Problem, advise, raise_if_any
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, GRANULARITIES, METHODS, MIN_OFFLOADED_TENSOR_SIZE
-from remat.step import unrun_problems
+from remat.step import expert_parallel_run_problems, unrun_problems
 
 
 def add_recompute_flags(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--moe_layer_freq", metavar="F",
                    help="MoE recipes: every F-th layer is MoE, or one 0/1 per layer as '[0]*1+[1]*3'")
     g.add_argument("-ep", "--expert_model_parallel_size", type=int, metavar="N",
-                   help="MoE recipes: an expert-parallel rank's share of the experts (estimated by shape)")
+                   help="MoE recipes: split each MoE layer's routed experts over N data-parallel ranks (bench: "
+                        "tokens sent to their experts' ranks by all-to-all, -ng a multiple of N; estimate: one "
+                        "rank's share)")
     g.add_argument("-etp", "--expert_tensor_parallel_size", type=int, metavar="N")
     g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
                    help="let autograd add each weight gradient into .grad with its own kernel instead of the "
@@ -220,14 +222,17 @@ def compile_default(flag: bool | None, device: str) -> bool:
 
 
 def bench_spec(args: argparse.Namespace) -> BenchSpec:
+    """The run a bench or sweep command line asks for; ConfigError with every problem."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return BenchSpec(recipe=args.model_recipe_name, overrides=model_overrides(args),
+    spec = BenchSpec(recipe=args.model_recipe_name, overrides=model_overrides(args),
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
                      compute_dtype=args.compute_dtype, device=device, compile=compile_default(args.compile, device),
                      gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
                      precision=optimizer_precision(args), facts=flag_facts(args),
                      command=args.command_line, dryrun=getattr(args, "dryrun", False))
+    raise_if_any(expert_parallel_run_problems(spec))
+    return spec
 
 
 def model_facts(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

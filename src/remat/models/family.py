@@ -4,9 +4,10 @@ A family knows its recipes and how to build a model from a config, with or witho
 stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
 a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
-styles each module of a built model takes; and what context parallelism shards beside the
-batch. The model it builds places `Site`s and knows nothing else of recompute. Code outside
-`remat.models` reaches a family only through this interface.
+styles each module of a built model takes; what context parallelism shards beside the
+batch; and how its routed experts split over an expert-parallel group. The model it builds
+places `Site`s and knows nothing else of recompute. Code outside `remat.models` reaches a
+family only through this interface.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -194,3 +196,16 @@ class ModelFamily(ABC):
         dimension: context parallelism shards them with each batch, as torch's context_parallel does."""
         raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
                                                             " use 1")])
+
+    def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
+        """Why `model` (built by this family) cannot split its routed experts over `size` ranks."""
+        yield Problem("expert_model_parallel_size", f"is {size}; {self.name} models have no routed experts that"
+                                                    " remat splits; use an MoE recipe (remat recipes lists them)")
+
+    def expert_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
+        """Have each rank of `group` hold its share of `model`'s routed experts, and the MoE layers
+        send each token slot to the rank holding its expert and its output back; returns the
+        modules holding the experts' weights, whose gradients are then those of this rank's share
+        of the group's tokens (to be averaged over the ranks holding the same experts, as every
+        other gradient over the data-parallel ranks). Call when expert_parallel_problems finds none."""
+        raise ConfigError(list(self.expert_parallel_problems(model, dist.get_world_size(group))))

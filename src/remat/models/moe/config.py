@@ -146,9 +146,12 @@ class MoEConfig(LlamaConfig):
         return self.num_attention_heads * (self.v_head_dim if self.multi_latent_attention else self.head_dim)
 
     def record(self) -> dict[str, Any]:
+        # the expert-parallel size where it splits the experts, as a result records other parallel sizes
+        ep = self.expert_model_parallel_size
+        split = {"expert_model_parallel_size": ep} if ep > 1 else {}
         return dict(super().record(), num_moe_experts=self.num_moe_experts, moe_router_topk=self.moe_router_topk,
                     moe_ffn_hidden_size=self.expert_ffn, moe_layer_freq=self._pattern,
-                    multi_latent_attention=self.multi_latent_attention)
+                    multi_latent_attention=self.multi_latent_attention, **split)
 
     def megatron_facts(self) -> dict[str, Any]:
         return dict(dense_facts(self), moe_grouped_gemm=self.moe_grouped_gemm,

@@ -5,6 +5,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from remat.labels import Label
 from remat.models.family import ParallelSizes, one_device_problems
@@ -12,13 +14,20 @@ from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
 from remat.models.moe.model import MoEModel
-from remat.problems import Problem
+from remat.models.moe.moe_layer import MoELayer
+from remat.problems import ConfigError, Problem
 
 
 def _moe(config: LlamaConfig) -> MoEConfig:
     if not isinstance(config, MoEConfig):
         raise TypeError(f"the moe family takes an MoEConfig, not {type(config).__name__}")
     return config
+
+
+def _moe_model(model: nn.Module) -> MoEModel:
+    if not isinstance(model, MoEModel):
+        raise TypeError(f"the moe family acts on its own MoEModel, not {type(model).__name__}")
+    return model
 
 
 class MoEFamily(LlamaFamily):
@@ -46,6 +55,29 @@ class MoEFamily(LlamaFamily):
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
         return _moe(config)
+
+    def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
+        config = _moe_model(model).config
+        if config.expert_model_parallel_size != size:
+            yield Problem("expert_model_parallel_size", f"the model was built for {config.expert_model_parallel_size}"
+                                                        f" expert-parallel rank(s), not {size}; build it with"
+                                                        f" expert_model_parallel_size={size}")
+        if config.expert_tensor_parallel_size != 1:
+            yield Problem("expert_tensor_parallel_size", f"is {config.expert_tensor_parallel_size}; each expert runs"
+                                                         " whole on its rank (no expert tensor parallelism yet;"
+                                                         " remat estimate predicts it); use 1")
+
+    def expert_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
+        """Megatron's and torchtitan's split: rank r of the group holds experts [r x local,
+        (r + 1) x local) of each MoE layer, and the layer exchanges token slots with the others
+        by all-to-all; the router, the shared experts and the rest stay whole on every rank."""
+        problems = list(self.expert_parallel_problems(model, dist.get_world_size(group)))
+        if problems:
+            raise ConfigError(problems)
+        layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+        for layer in layers:
+            layer.split_experts(group)
+        return [layer.experts for layer in layers]
 
     def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x active matmul parameters x tokens (routed experts at top-k, the router, shared

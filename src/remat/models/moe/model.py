@@ -19,7 +19,7 @@ class MoEModel(LlamaModel):
         if not c.is_moe_layer(index):
             return TransformerLayer(c, dtype=dtype, device=device, self_attention=attention)
         return TransformerLayer(c, dtype=dtype, device=device, self_attention=attention,
-                                mlp=MoELayer(c, dtype=dtype, device=device), mlp_label="moe")
+                                mlp=MoELayer(c, layer=index, dtype=dtype, device=device), mlp_label="moe")
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """The Llama's regions, and the experts' activation with its routing probabilities."""

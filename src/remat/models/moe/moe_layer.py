@@ -1,16 +1,20 @@
 """Megatron Core's MoE layer: top-k router, dropless token permutation, routed experts as grouped
-GEMMs, optional shared experts. Every op is deterministic, so a recompute replays the same routing
-and the same sums (a scatter-add's atomics would not)."""
+GEMMs (on one rank or split over an expert-parallel group), optional shared experts. Every op is
+deterministic, so a recompute replays the same routing and the same sums (a scatter-add's atomics
+would not)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from remat.models.llama.model import MLP, silu_mul
 from remat.models.moe.config import MoEConfig
+from remat.models.moe.dispatch import AllToAll, expert_offsets, permute, unpermute
 from remat.sites import Site
 
 GroupedMM = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -31,6 +35,19 @@ class _CountTokens(torch.autograd.Function):
         (tokens_per_expert,) = ctx.saved_tensors
         ctx.counts.add_(tokens_per_expert.to(ctx.counts.dtype))
         return grad, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -138,37 +155,6 @@ class TopKRouter(nn.Module):
         counts.zero_()
 
 
-class _Permute(torch.autograd.Function):
-    """Rows of x in expert order: row j of the result is token order[j] // k. Backward sums each
-    token's k gradient rows in a fixed order (index_put's atomics would not be reproducible)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, topk: int) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        ctx.topk = topk
-        return x[order // topk]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse].view(-1, ctx.topk, grad.shape[-1]).sum(1), None, None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    """Back to token order, summing each token's k expert outputs in a fixed order."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, topk: int) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(order)
-        ctx.topk = topk
-        return y[inverse].view(-1, topk, y.shape[-1]).sum(1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        return grad[order // ctx.topk], None, None, None
-
-
 def grouped_mm_loop(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """x [N, in] rows grouped by expert (group g ends at offsets[g]) times weight[g] [in, out]:
     one matmul per expert, for devices and dtypes torch's grouped matmul does not take."""
@@ -203,42 +189,74 @@ def swiglu_with_probs(fc1: Tensor, probs: Tensor) -> Tensor:
     return (silu_mul(fc1) * probs[:, None]).to(fc1.dtype)
 
 
+def _expert_seed(layer: int, expert: int, weight: int) -> int:
+    """The seed of one expert's weight: torch's seed, the layer and the expert's global index, so
+    that a rank holding a share of the experts draws them as one process holding all does."""
+    seed = torch.initial_seed()
+    for part in (layer, expert, weight):  # a fixed mix, the same in every process and Python
+        seed = (seed * 1_000_003 + part) % 2**63
+    return seed
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLU MLPs with all experts' weights in one tensor each: linear_fc1
-    [experts, 2 x ffn, hidden] (gate and up) and linear_fc2 [experts, hidden, ffn]."""
+    [experts, 2 x ffn, hidden] (gate and up) and linear_fc2 [experts, hidden, ffn]. Under expert
+    parallelism it holds a share of them, the first being expert `first_expert`."""
 
-    def __init__(self, config: MoEConfig, *, dtype: torch.dtype | None = None,
+    def __init__(self, config: MoEConfig, *, layer: int = 0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         experts, ffn = config.local_experts, config.expert_ffn // config.expert_tensor_parallel_size
         self.weight1 = nn.Parameter(torch.empty(experts, 2 * ffn, config.hidden_size, dtype=dtype, device=device))
         self.weight2 = nn.Parameter(torch.empty(experts, config.hidden_size, ffn, dtype=dtype, device=device))
+        self.layer, self.first_expert = layer, 0
+        # Under expert parallelism a weight gradient sums the tokens of every rank of the group
+        # (the all-to-all's backward brings them), where every other gradient sums this rank's
+        # own: scaled by 1 / ep, the data-parallel mean over the ranks holding the same experts
+        # is the mean over all of them (Megatron's expert gradient scaling).
+        self.grad_scale = 1.0
         self.grouped = config.moe_grouped_gemm
         self.fc1_site = Site("expert_fc1")
         self.act_site = Site("moe_act")
         self.activation: Callable[[Tensor, Tensor], Tensor] = swiglu_with_probs
 
+    @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight1, mean=0.0, std=std)
-        nn.init.normal_(self.weight2, mean=0.0, std=std)
+        """Each expert's weights ~ N(0, std) from a generator of its own (see _expert_seed)."""
+        for index, weight in enumerate((self.weight1, self.weight2)):
+            if weight.is_meta:
+                continue
+            drawn = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            for offset, rows in enumerate(drawn):
+                seed = _expert_seed(self.layer, self.first_expert + offset, index)
+                rows.normal_(0.0, std, generator=torch.Generator(drawn.device).manual_seed(seed))
+            if isinstance(weight, DTensor):  # FSDP2's shard of it
+                drawn = distribute_tensor(drawn, weight.device_mesh, weight.placements, src_data_rank=None)
+            weight.copy_(drawn)
 
     def forward(self, x: Tensor, probs: Tensor, offsets: Tensor) -> Tensor:
         """x [N, hidden] grouped by expert, probs [N]; returns [N, hidden]."""
         mm = grouped_mm_for(x) if self.grouped else grouped_mm_loop
-        fc1 = self.fc1_site(mm, x, self.weight1.transpose(1, 2), offsets)
-        return mm(self.act_site(self.activation, fc1, probs), self.weight2.transpose(1, 2), offsets)
+        w1, w2 = self.weight1, self.weight2
+        if self.grad_scale != 1.0:
+            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        fc1 = self.fc1_site(mm, x, w1.transpose(1, 2), offsets)
+        return mm(self.act_site(self.activation, fc1, probs), w2.transpose(1, 2), offsets)
 
 
 class MoELayer(nn.Module):
-    """router -> permute tokens to their experts -> grouped experts -> unpermute and sum the k
-    outputs, plus the shared experts' MLP on every token."""
+    """router -> permute tokens to their experts (under expert parallelism, over the ranks that
+    hold them) -> grouped experts -> back, summing the k outputs, plus the shared experts' MLP on
+    every token."""
 
-    def __init__(self, config: MoEConfig, *, dtype: torch.dtype | None = None,
+    def __init__(self, config: MoEConfig, *, layer: int = 0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.topk, self.local_experts = config.moe_router_topk, config.local_experts
+        self.init_std = config.init_method_std
         self.router = TopKRouter(config, dtype=dtype, device=device)
-        self.experts = GroupedExperts(config, dtype=dtype, device=device)
+        self.experts = GroupedExperts(config, layer=layer, dtype=dtype, device=device)
+        self.dispatch: AllToAll | None = None
         shared = config.moe_shared_expert_intermediate_size
         # no shared experts, no site: a 'shared_experts' label on such a model then names what it has
         self.shared_experts: MLP | None = None
@@ -247,21 +265,30 @@ class MoELayer(nn.Module):
             self.shared_experts = MLP(config, ffn_hidden_size=shared, dtype=dtype, device=device)
             self.shared_experts_site = Site("shared_experts")
 
+    def split_experts(self, group: dist.ProcessGroup) -> None:
+        """Hold rank r's share of the experts, [r x local, (r + 1) x local) of `group`'s ranks
+        (their weights drawn as one process draws them), and exchange token slots with the others."""
+        self.experts.first_expert = dist.get_rank(group) * self.local_experts
+        self.experts.grad_scale = 1 / dist.get_world_size(group)
+        self.experts.init_weights(self.init_std)
+        self.dispatch = AllToAll(group)
+
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         probs, experts, tokens_per_expert = self.router(tokens, sequences=b)
-        # An expert-parallel rank's share (estimated by shape): every token slot lands on one of
-        # its local experts, as a balanced all-to-all would deliver them.
-        local = experts.flatten() % self.local_experts
-        order = torch.argsort(local, stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        counts = tokens_per_expert.view(-1, self.local_experts).sum(0)  # global experts onto local ones
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        routed = self.experts(_Permute.apply(tokens, order, inverse, self.topk), probs.flatten()[order], offsets)
-        out = _Unpermute.apply(routed, order, inverse, self.topk).view(b, s, h)
+        slots = experts.flatten()
+        # Without a dispatch, a config that splits the experts estimates one expert-parallel rank's
+        # share by shape: every slot lands on one of its local experts, as a balanced all-to-all would.
+        permuted, order, inverse = permute(tokens, slots if self.dispatch is not None else slots % self.local_experts,
+                                          self.topk)
+        permuted_probs = probs.flatten()[order]
+        if self.dispatch is None:
+            counts = tokens_per_expert.view(-1, self.local_experts).sum(0)  # global experts onto local ones
+            routed = self.experts(permuted, permuted_probs, expert_offsets(counts))
+        else:
+            routed = self.dispatch(self.experts, permuted, permuted_probs, tokens_per_expert)
+        out = unpermute(routed, order, inverse, self.topk).view(b, s, h)
         if self.shared_experts is not None and self.shared_experts_site is not None:
             out = out + self.shared_experts_site(self.shared_experts, x)
         return out
-
-

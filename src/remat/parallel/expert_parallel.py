@@ -1,0 +1,79 @@
+"""Expert parallelism as torchtitan and Megatron run it, on torch.distributed: the routed experts of
+each MoE layer split over `ep` data-parallel ranks, token slots sent to the ranks holding their
+experts and the outputs back by torch's autograd-aware all-to-all (the family's MoE layers do the
+exchange; the family seam says which modules hold the experts).
+
+Layout (Megatron's): expert-parallel ranks are data-parallel ranks. The data-parallel mesh is
+unflattened into (edp, ep), ep inner, so an expert-parallel group is `ep` adjacent ranks, and the
+ranks holding the same experts (edp = dp / ep) are one apart by ep. FSDP2 shards each layer's
+experts over edp and the rest of the model over all dp ranks, each averaging its gradients. An
+expert's gradient sums the tokens of its whole expert-parallel group (the all-to-all's backward
+brings them), so the family scales it by 1 / ep, and the mean over edp is the mean over dp, as
+for every other gradient (torchtitan gets there by FSDP2's gradient divide factor, which torch
+2.13 applies twice on a one-rank mesh in float64).
+
+Recompute: the exchange runs inside the MoE layer, so inside the `moe` Site, as Megatron's `moe`
+recompute checkpoints the whole layer with its dispatch and combine. A replay of `moe` or of a
+full-recompute group runs the all-to-alls again. Every rank runs the same layers under the same
+plan, and autograd reaches the same nodes in the same order on each (the graphs differ only in how
+many rows each op holds), so the ranks of a group replay the same exchanges in the same order.
+`moe_act` and `shared_experts` replay no communication.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from remat import models
+from remat.parallel.data_parallel import fully_shard_layers
+from remat.problems import ConfigError, Problem
+
+EXPERT_MESH_DIMS = ("edp", "ep")
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The data-parallel `mesh` as edp x ep: `["ep"]` this rank's expert-parallel group, `["edp"]`
+    the ranks holding the same experts."""
+    return mesh._unflatten(0, (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
+
+
+def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
+    if not dist.is_initialized():
+        return [Problem("torch.distributed", "no process group: launch with torchrun and call"
+                                             " torch.distributed.init_process_group() first")]
+    if mesh is not None and mesh.ndim != 1:
+        return [Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its"
+                                " data-parallel one, e.g. mesh['dp']")]
+    if mesh is not None and mesh.mesh_dim_names is None:  # torch unflattens named dimensions only
+        return [Problem("mesh", "has no dimension names; make it with init_device_mesh(...,"
+                                " mesh_dim_names=('dp',))")]
+    size = dist.get_world_size() if mesh is None else mesh.size()
+    if ep < 1 or size % ep:
+        return [Problem("expert_model_parallel_size", f"({ep}) must divide the {size} data-parallel ranks: an"
+                                                      " expert-parallel group is that many of them")]
+    return []
+
+
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> nn.Module:
+    """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
+    groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
+    group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does, its experts over the
+    ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
+    Raises one ConfigError with every problem before changing anything. Returns `model`."""
+    family = models.family_of_model(model)
+    problems = _layout_problems(mesh, ep)
+    if family is None:
+        problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
+                                         " build it with remat.models.build"))
+    else:
+        problems += family.expert_parallel_problems(model, ep)
+    if family is None or problems:
+        raise ConfigError(problems)
+    device = next(model.parameters()).device
+    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    split = expert_mesh(mesh, ep)
+    for experts in family.expert_parallel(model, split["ep"].get_group()):
+        fully_shard(experts, mesh=split["edp"])
+    return fully_shard_layers(model, mesh)
