@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -106,6 +106,12 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
 
 def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank_words(rank: int, coordinates: Mapping[str, int] | None = None) -> str:
+    """'rank 1 (pp 0, dp 1, tp 0)': a rank and, when known, its place on the mesh."""
+    place = ", ".join(f"{dim} {index}" for dim, index in (coordinates or {}).items())
+    return f"rank {rank} ({place})" if place else f"rank {rank}"
 
 
 def torchrun(nproc: int, argv: Sequence[str]) -> int:

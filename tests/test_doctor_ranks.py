@@ -1,0 +1,81 @@
+"""remat doctor across ranks: a report names the rank whose numbers it has, and a torchrun log's
+OOM messages are told apart by rank, each diagnosed with its own numbers."""
+from __future__ import annotations
+
+import torch
+
+from remat import doctor, parallel
+from remat.cli import main
+from remat.doctor import AllocatorState
+
+GIB = 1 << 30
+RANK1 = "rank 1 (pp 0, dp 1, tp 0)"
+# a log's rank 1: 70 GiB allocated, 72 reserved, the request 8 GiB of the 5 GiB free: capacity
+LOG_RANK1_MESSAGE = ("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
+                     " 5.00 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 2.00 GiB is"
+                     " reserved by PyTorch but unallocated.")
+# rank 3's: 40 GiB allocated of 64 GiB reserved, the request 20 GiB: fragmentation
+RANK3_MESSAGE = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 3 has a total capacity of 79.11 GiB of which"
+                 " 12.00 GiB is free. Of the allocated memory 40.00 GiB is allocated by PyTorch, and 24.00 GiB is"
+                 " reserved by PyTorch but unallocated.")
+# what torchrun prints when ranks 1 and 3 ran out of memory and rank 0 lost its peers
+LOG = "\n".join([
+    "[rank0]: Traceback (most recent call last):",
+    "[rank0]:   File \"train.py\", line 7, in <module>",
+    "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:57481.",
+    "[rank1]: Traceback (most recent call last):",
+    f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}",
+    f"[rank3]: torch.OutOfMemoryError: {RANK3_MESSAGE}",
+    "E1206 04:10:39.239000 24675 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 24759)",
+])
+
+
+def test_a_torchrun_logs_oom_messages_are_told_apart_by_rank() -> None:
+    messages = doctor.oom_messages(LOG)
+    assert list(messages) == [1, 3]  # rank 0's lost connection is no OOM
+    assert AllocatorState.from_oom_message(messages[1]).allocated == 70 * GIB
+    assert AllocatorState.from_oom_message(messages[3]).allocated == 40 * GIB
+    assert doctor.oom_messages(RANK3_MESSAGE) == {None: RANK3_MESSAGE}  # one process's message
+    no_oom = "[rank0]: RuntimeError: Connection closed by peer"
+    assert doctor.oom_messages(no_oom) == {None: no_oom}
+
+
+def test_cli_diagnoses_each_rank_of_a_torchrun_log_with_its_own_numbers(capsys) -> None:
+    assert main(["doctor", "--oom_message", LOG]) == 0
+    out = capsys.readouterr().out
+    first, third = out.split("remat doctor on rank 3: fragmentation")
+    assert "remat doctor on rank 1: capacity" in first and "70.00 GiB" in first and "40.00 GiB" not in first
+    assert "40.00 GiB" in third and "64.00 GiB" in third and "70.00 GiB" not in third
+    assert "rank 0" not in out
+
+
+def test_cli_names_the_rank_whose_oom_message_lacks_the_numbers(capsys) -> None:
+    log = f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}\n[rank2]: CUDA out of memory. Tried to" \
+          " allocate 2.00 GiB"
+    assert main(["doctor", "--oom_message", log]) == 1
+    err = capsys.readouterr().err
+    assert "oom_message of rank 2: the message does not give the device capacity" in err
+    assert "rank 1" not in err
+
+
+def test_a_report_names_the_rank_whose_numbers_it_has() -> None:
+    state = AllocatorState.from_oom_message(LOG_RANK1_MESSAGE)
+    report = doctor.report_of(state, LOG_RANK1_MESSAGE, rank=1, coordinates={"pp": 0, "dp": 1, "tp": 0})
+    assert str(report).startswith(f"remat doctor on {RANK1}: capacity")
+    assert report.diagnosis.state.allocated == 70 * GIB
+    assert str(doctor.report_of(state)).startswith("remat doctor: capacity")  # one process: no rank
+
+
+def test_watch_under_torchrun_names_this_rank(monkeypatch) -> None:
+    monkeypatch.setattr(parallel, "world_size", lambda: 4)
+    monkeypatch.setattr(parallel, "rank", lambda: 3)
+    with doctor.watch(on_oom=None, reraise=False) as doc:
+        raise torch.OutOfMemoryError(RANK3_MESSAGE)
+    assert doc.report is not None and doc.report.rank == 3 and doc.report.diagnosis.state.allocated == 40 * GIB
+    assert str(doc.report).startswith("remat doctor on rank 3: fragmentation")
+
+
+def test_doctor_runs_one_process_and_points_a_multi_gpu_run_to_bench(capsys) -> None:
+    assert main(["doctor", "-mr", "llama3_tiny", "-ng", "2"]) == 1
+    assert ("doctor: runs the bench in one process, and this run takes 2 GPUs (-ng, -tp x -pp, or torchrun's"
+            " processes); `remat bench` with the same flags runs it on them") in capsys.readouterr().err
