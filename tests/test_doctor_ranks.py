@@ -2,6 +2,7 @@
 OOM messages are told apart by rank, each diagnosed with its own numbers."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from remat import doctor, parallel
@@ -75,7 +76,13 @@ def test_watch_under_torchrun_names_this_rank(monkeypatch) -> None:
     assert str(doc.report).startswith("remat doctor on rank 3: fragmentation")
 
 
-def test_doctor_runs_one_process_and_points_a_multi_gpu_run_to_bench(capsys) -> None:
-    assert main(["doctor", "-mr", "llama3_tiny", "-ng", "2"]) == 1
-    assert ("doctor: runs the bench in one process, and this run takes 2 GPUs (-ng, -tp x -pp, or torchrun's"
-            " processes); `remat bench` with the same flags runs it on them") in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["doctor", "sweep"])
+@pytest.mark.parametrize("by_torchrun", [False, True])
+def test_commands_of_one_process_point_a_run_on_several_gpus_to_bench(command, by_torchrun, capsys,
+                                                                      monkeypatch) -> None:
+    if by_torchrun:  # two processes started, -ng not given
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = [] if by_torchrun else ["-ng", "2"]
+    assert main([command, "-mr", "llama3_tiny", "--device", "cpu", "--no_history", *flags]) == 1
+    assert (f"{command}: runs one process, and this run takes 2 GPUs (-ng, -tp x -pp, or torchrun's processes);"
+            " `remat bench` with the same flags runs one config on them") in capsys.readouterr().err

@@ -10,7 +10,7 @@ import torch
 from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismatch_notes, save_golden, uncompared
 from remat.bench.run import plan_name, run_bench
 from remat.bench.spec import BenchSpec
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, flag_facts
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, gpus_of
 from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import checks_table, memory_table, results_table
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Under torchrun, every rank runs the bench and rank 0 reports; `-ng N` outside torchrun
     starts it with N processes."""
-    gpus = args.num_gpus or flag_facts(args).model_parallel_size
+    gpus = gpus_of(args)
     if gpus > 1 and launched_world() == 1 and not args.dryrun:
         check_bench(args, output_problems(args))  # every problem before any process starts
         return torchrun(gpus, args.argv)

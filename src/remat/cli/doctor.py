@@ -19,8 +19,8 @@ from remat import doctor
 from remat.bench.checks import check_results, load_results
 from remat.bench.plot import timeline_plot
 from remat.bench.run import plan_name, run_bench
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, flag_facts
-from remat.cli.checks import doctor_flag_problems, doctor_run_problems, png_path_problems
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.checks import doctor_flag_problems, doctor_run_problems, one_process_problems, png_path_problems
 from remat.cli.common import Problems, out, path_problems, progress_bar, show
 from remat.cli.tables import doctor_report, findings_table, format_gib
 from remat.memory.timeline import timeline
@@ -72,8 +72,8 @@ def _results(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
 
 def _run(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     """The one mode that needs a GPU: it runs the bench and diagnoses an OOM it hits."""
-    gpus = max(args.num_gpus or flag_facts(args).model_parallel_size, launched_world())
-    spec, plan, _, _ = check_bench(args, [*flag_problems, *doctor_run_problems(torch.cuda.is_available(), gpus)])
+    spec, plan, _, _ = check_bench(args, [*flag_problems, *doctor_run_problems(torch.cuda.is_available()),
+                                          *one_process_problems("doctor", gpus_of(args), launched_world())])
     run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
     model = build_model(spec)
     doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags,
