@@ -483,7 +483,6 @@ class Doctor:
     run_flags: str | None = None  # the recipe and run flags a `remat plan` command should repeat
     model: torch.nn.Module | None = None  # watched: what its sites save is attributed
     optimizer: torch.optim.Optimizer | None = None
-    coordinates: Mapping[str, int] | None = None  # under torchrun: this rank's place on the mesh
     report: Report | None = field(default=None, init=False)
     _attributor: Attributor | None = field(default=None, init=False, repr=False)
 
@@ -497,9 +496,9 @@ class Doctor:
         state = oom_state(error, self.device)
         if state is None:
             raise ValueError("the OOM's message does not give the device capacity, allocated and reserved bytes")
-        self.report = report_of(state, str(error), rank=_this_rank(), coordinates=self.coordinates,
-                                plan_fn=self.plan_fn, micro_batch_size=self.micro_batch_size,
-                                run_flags=self.run_flags, attribution=self.attribute())
+        self.report = report_of(state, str(error), rank=_this_rank(), plan_fn=self.plan_fn,
+                                micro_batch_size=self.micro_batch_size, run_flags=self.run_flags,
+                                attribution=self.attribute())
         if self.on_oom is not None:
             self.on_oom(self.report)
         return self.report
