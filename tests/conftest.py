@@ -84,9 +84,11 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a process a test starts: this tree's remat, one thread, no warnings."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                          os.environ.get("PYTHONPATH", "")]),
+    """The environment of a process a test starts: this tree's remat, one thread, no warnings, and
+    output as a log gets it (no COLUMNS: pytest-xdist's workers get the terminal's)."""
+    env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                   os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
