@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import oom_worker  # noqa: E402
 
 GIB = 1 << 30
-RANK1 = "rank 1 (pp 0, dp 1, tp 0)"
+RANK1 = "rank 1 (pp 0, dp 1, cp 0, tp 0)"
 RANK1_ALLOCATED, RANK1_LIMIT = round(75.80 * GIB), round(79.11 * GIB)
 # a log's rank 1: 70 GiB allocated, 72 reserved, the request 8 GiB of the 5 GiB free: capacity
 LOG_RANK1_MESSAGE = ("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
@@ -85,7 +85,7 @@ def test_an_oom_on_rank_1_is_diagnosed_with_its_numbers_and_ends_the_run(tmp_pat
     assert "rank 0 stopped after another rank failed: RuntimeError" in err
     # the result written and recorded is rank 1's
     oom = json.loads(result.read_text())["oom"]
-    assert (oom["rank"], oom["coordinates"]) == (1, {"pp": 0, "dp": 1, "tp": 0})
+    assert (oom["rank"], oom["coordinates"]) == (1, {"pp": 0, "dp": 1, "cp": 0, "tp": 0})
     assert (oom["allocated_bytes"], oom["allocator"]["allocated"], oom["allocator"]["limit"]) == (
         RANK1_ALLOCATED, RANK1_ALLOCATED, RANK1_LIMIT)
     (recorded,) = recent(path=history)
@@ -126,7 +126,7 @@ def test_cli_names_the_rank_whose_oom_message_lacks_the_numbers(capsys) -> None:
 
 def test_a_report_names_the_rank_whose_numbers_it_has() -> None:
     state = AllocatorState.from_oom_message(LOG_RANK1_MESSAGE)
-    report = doctor.report_of(state, LOG_RANK1_MESSAGE, rank=1, coordinates={"pp": 0, "dp": 1, "tp": 0})
+    report = doctor.report_of(state, LOG_RANK1_MESSAGE, rank=1, coordinates={"pp": 0, "dp": 1, "cp": 0, "tp": 0})
     assert str(report).startswith(f"remat doctor on {RANK1}: capacity")
     assert report.diagnosis.state.allocated == 70 * GIB
     assert str(doctor.report_of(state)).startswith("remat doctor: capacity")  # one process: no rank
@@ -144,7 +144,7 @@ def test_watch_under_torchrun_names_this_rank(monkeypatch) -> None:
 def _failed(**oom: object) -> BenchResult:
     """A run that ran out of memory on rank 2, the second stage of a pipeline."""
     info = dict(allocated_bytes=32 * GIB, reserved_bytes=64 * GIB, message="CUDA error: out of memory", rank=2,
-                coordinates={"pp": 1, "dp": 0, "tp": 0},
+                coordinates={"pp": 1, "dp": 0, "cp": 0, "tp": 0},
                 allocator=AllocatorState(allocated=32 * GIB, reserved=64 * GIB, limit=66 * GIB, request=4 * GIB,
                                          largest_free_block=GIB))
     info.update(oom)
@@ -165,7 +165,7 @@ def test_a_result_keeps_the_failed_ranks_place_and_allocator() -> None:
 def test_results_checks_classify_an_oom_by_the_ranks_recorded_allocator() -> None:
     # the message gives no numbers: only the allocator recorded on rank 2 can classify it
     (finding,) = checks.check_oom_kind([_failed()])
-    assert finding.symptom == "mlp: out of memory on rank 2 (pp 1, dp 0, tp 0)"
+    assert finding.symptom == "mlp: out of memory on rank 2 (pp 1, dp 0, cp 0, tp 0)"
     assert finding.cause == "fragmentation" and finding.fix == doctor.EXPANDABLE_SEGMENTS
     assert checks.check_oom_kind([_failed(allocator=None)]) == []
 
@@ -184,8 +184,8 @@ def test_a_failed_rank_leaves_its_result_to_the_remat_process_that_started_torch
     monkeypatch.delenv(launch.RECORDS)
     bench_command._leave(spec, _failed())
     out, err = capsys.readouterr()
-    assert "rank 2 (pp 1, dp 0, tp 0) ran out of memory: CUDA error: out of memory" in out
-    assert "remat doctor on rank 2 (pp 1, dp 0, tp 0): fragmentation" in out
+    assert "rank 2 (pp 1, dp 0, cp 0, tp 0) ran out of memory: CUDA error: out of memory" in out
+    assert "remat doctor on rank 2 (pp 1, dp 0, cp 0, tp 0): fragmentation" in out
     assert "writes no --json, history or golden" in err
 
 
@@ -205,5 +205,5 @@ def test_commands_of_one_process_point_a_run_on_several_gpus_to_bench(command, b
         monkeypatch.setenv("WORLD_SIZE", "2")
     flags = [] if by_torchrun else ["-ng", "2"]
     assert main([command, "-mr", "llama3_tiny", "--device", "cpu", "--no_history", *flags]) == 1
-    assert (f"{command}: runs one process, and this run takes 2 GPUs (-ng, -tp x -pp, or torchrun's processes);"
+    assert (f"{command}: runs one process, and this run takes 2 GPUs (-ng, tp x pp x cp, or torchrun's processes);"
             " `remat bench` with the same flags runs one config on them") in capsys.readouterr().err

@@ -425,11 +425,11 @@ class Report:
     message: str = ""  # the OOM's first line, when there was one
     attribution: Attribution | None = None  # who held the allocated memory (when the model was watched)
     rank: int | None = None  # under torchrun: the rank whose numbers these are
-    coordinates: Mapping[str, int] | None = None  # its place on the pp x dp x tp mesh, when known
+    coordinates: Mapping[str, int] | None = None  # its place on the pp x dp x cp x tp mesh, when known
 
     @property
     def where(self) -> str:
-        """' on rank 1 (pp 0, dp 1, tp 0)' under torchrun, else nothing."""
+        """' on rank 1 (pp 0, dp 1, cp 0, tp 0)' under torchrun, else nothing."""
         return "" if self.rank is None else f" on {rank_words(self.rank, self.coordinates)}"
 
     def __str__(self) -> str:

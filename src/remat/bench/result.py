@@ -38,7 +38,7 @@ class OomInfo:
     reserved_bytes: int | None
     message: str
     rank: int | None = None  # the rank that ran out of memory (None: one process)
-    coordinates: dict[str, int] | None = None  # its place on the pp x dp x tp mesh
+    coordinates: dict[str, int] | None = None  # its place on the pp x dp x cp x tp mesh
     allocator: AllocatorState | None = None  # its allocator as remat doctor reads it (None: not known)
 
 

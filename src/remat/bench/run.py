@@ -224,11 +224,12 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
 
 
 def _place(spec: BenchSpec) -> tuple[int | None, dict[str, int] | None]:
-    """Under torchrun, this rank and its place on the pp x dp x tp mesh; (None, None) in one process."""
+    """Under torchrun, this rank and its place on the pp x dp x cp x tp mesh; (None, None) in one process."""
     if world_size() == 1:
         return None, None
     here = rank()
-    return here, coordinates(here, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size).named()
+    return here, coordinates(here, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
+                             spec.context_parallel).named()
 
 
 def _host_out_of_memory(error: BaseException) -> bool:

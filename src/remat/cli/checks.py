@@ -112,7 +112,7 @@ def one_process_problems(command: str, gpus: int, started: int) -> Iterator[Prob
     `gpus`, or the processes torchrun `started`) is remat bench's, which diagnoses an OOM on any
     rank with that rank's numbers."""
     if max(gpus, started) > 1:
-        yield Problem(command, f"runs one process, and this run takes {max(gpus, started)} GPUs (-ng, -tp x -pp, or"
+        yield Problem(command, f"runs one process, and this run takes {max(gpus, started)} GPUs (-ng, tp x pp x cp, or"
                                " torchrun's processes); `remat bench` with the same flags runs one config on them and"
                                " diagnoses an OOM on any rank with that rank's numbers")
 

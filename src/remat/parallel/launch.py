@@ -63,8 +63,8 @@ class Coordinates(NamedTuple):
     context: int = 0
 
     def named(self) -> dict[str, int]:
-        """By the mesh's dimension names: {"pp": 0, "dp": 1, "tp": 0}."""
-        return dict(zip(MESH_DIMS, self))
+        """By the mesh's dimension names, in its order (MESH_DIMS): {"pp": 0, "dp": 1, "cp": 0, "tp": 0}."""
+        return {"pp": self.pipeline, "dp": self.data, "cp": self.context, "tp": self.tensor}
 
 
 # Mesh dimensions, outermost first (torchtitan's order): a pipeline's stages are the farthest
@@ -117,7 +117,7 @@ def _collective_device() -> torch.device:
 
 
 def rank_words(rank: int, coordinates: Mapping[str, int] | None = None) -> str:
-    """'rank 1 (pp 0, dp 1, tp 0)': a rank and, when known, its place on the mesh."""
+    """'rank 1 (pp 0, dp 1, cp 0, tp 0)': a rank and, when known, its place on the mesh."""
     place = ", ".join(f"{dim} {index}" for dim, index in (coordinates or {}).items())
     return f"rank {rank} ({place})" if place else f"rank {rank}"
 
