@@ -83,11 +83,18 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(console, "soft_wrap", True)
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a process a test starts: this tree's remat, one thread, no warnings, and
+    output as a log gets it (no COLUMNS: pytest-xdist's workers get the terminal's)."""
+    env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                   os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:
     """Run the script `worker` (its argv[1]: `out`) under torchrun with `nproc` CPU processes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(nproc), str(worker), str(out)], env=env, capture_output=True, text=True, timeout=300)
+                          str(nproc), str(worker), str(out)], env=worker_env(), capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 import torch
 
+from remat import parallel
 from remat.memory.attribution import Attribution, Attributor
+from remat.parallel.launch import rank_words
 from remat.planner import NoPlanFits, PlanResult
 from remat.problems import ConfigError, Problem, read_file
 from remat.sizes import format_bytes
@@ -141,6 +143,23 @@ def capture(device: torch.device | int | str | None = None, request_bytes: int |
                                         int(total * fraction), request_bytes, device=index, device_free=free)
 
 
+def oom_state(error: BaseException, device: torch.device | int | str | None = None) -> AllocatorState | None:
+    """The allocator at an OOM: captured on `device` (by default this process's GPU, a rank's own
+    under torchrun) where CUDA is, else the numbers of the error's message; None when neither has them."""
+    message = str(error)
+    oom = parse_oom_message(message)
+    try:
+        state = capture(device, oom.request)
+    except RuntimeError:
+        try:
+            state = AllocatorState.from_oom_message(message)
+        except ValueError:
+            return None
+    if oom.allowed is not None and oom.allowed < state.limit:  # older torch cannot read the fraction back
+        state = dataclasses.replace(state, limit=oom.allowed)
+    return state
+
+
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """A snapshot written by `torch.cuda.memory._dump_snapshot` (a pickle: load only your own) or as JSON."""
     p = Path(path)
@@ -220,6 +239,20 @@ def parse_oom_message(message: str) -> OomMessage:
     if found["reserved"] is None and found["allocated"] is not None and unallocated is not None:
         found["reserved"] = found["allocated"] + unallocated  # torch >= 2.1 gives the split, not the sum
     return OomMessage(**found)
+
+
+_RANK_LINE = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
+
+
+def oom_messages(text: str) -> dict[int | None, str]:
+    """Each rank's out-of-memory message in a torchrun log, whose ranks' lines start `[rankN]:`, by
+    rank; {None: text} for the message of one process (or a log where no rank's lines say one)."""
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if match := _RANK_LINE.match(line):
+            lines.setdefault(int(match[1]), []).append(match[2])
+    said = {rank: "\n".join(body) for rank, body in sorted(lines.items())}
+    return {rank: message for rank, message in said.items() if "out of memory" in message} or {None: text}
 
 
 # --- classification ----------------------------------------------------------------------------------
@@ -391,9 +424,16 @@ class Report:
     recommendations: list[Recommendation]
     message: str = ""  # the OOM's first line, when there was one
     attribution: Attribution | None = None  # who held the allocated memory (when the model was watched)
+    rank: int | None = None  # under torchrun: the rank whose numbers these are
+    coordinates: Mapping[str, int] | None = None  # its place on the pp x dp x cp x tp mesh, when known
+
+    @property
+    def where(self) -> str:
+        """' on rank 1 (pp 0, dp 1, cp 0, tp 0)' under torchrun, else nothing."""
+        return "" if self.rank is None else f" on {rank_words(self.rank, self.coordinates)}"
 
     def __str__(self) -> str:
-        lines = [f"remat doctor: {self.diagnosis}"]
+        lines = [f"remat doctor{self.where}: {self.diagnosis}"]
         lines += [f"  {i}. {r}" for i, r in enumerate(self.recommendations, 1)]
         if self.attribution is not None:
             lines += [f"  {what}: {format_bytes(nbytes)}" for what, nbytes in attribution_rows(self)]
@@ -409,11 +449,26 @@ def attribution_rows(report: Report) -> list[tuple[str, int]]:
     return [*a.rows(), ("other allocated", s.allocated - a.total), ("allocator slack", s.reserved - s.allocated)]
 
 
+def report_of(state: AllocatorState, message: str = "", *, rank: int | None = None,
+              coordinates: Mapping[str, int] | None = None, plan_fn: PlanFn | None = None,
+              micro_batch_size: int | None = None, run_flags: str | None = None,
+              attribution: Attribution | None = None) -> Report:
+    """Classify one process's allocator numbers and recommend; under torchrun `rank` (and its
+    `coordinates`) names whose numbers they are, which need not be rank 0's."""
+    diagnosis = classify(state)
+    return Report(diagnosis, recommend(diagnosis, plan_fn=plan_fn, micro_batch_size=micro_batch_size,
+                                       run_flags=run_flags), message.split("\n")[0], attribution, rank, coordinates)
+
+
+def _this_rank() -> int | None:
+    return parallel.rank() if parallel.world_size() > 1 else None
+
+
 def diagnose(device: torch.device | int | str | None = None, request_bytes: int | None = None, *,
              plan_fn: PlanFn | None = None, micro_batch_size: int | None = None) -> Report:
-    """Capture the allocator now, classify, recommend."""
-    diagnosis = classify(capture(device, request_bytes))
-    return Report(diagnosis, recommend(diagnosis, plan_fn=plan_fn, micro_batch_size=micro_batch_size))
+    """Capture the allocator now (this rank's, under torchrun), classify, recommend."""
+    return report_of(capture(device, request_bytes), rank=_this_rank(), plan_fn=plan_fn,
+                     micro_batch_size=micro_batch_size)
 
 
 @dataclass
@@ -436,20 +491,14 @@ class Doctor:
         return self._attributor.attribute() if self._attributor is not None else None
 
     def observe(self, error: BaseException) -> Report:
-        """Diagnose an OOM: the allocator's state when CUDA is there, else the message's numbers."""
-        message = str(error)
-        oom = parse_oom_message(message)
-        try:
-            state = capture(self.device, oom.request)
-        except RuntimeError:
-            state = AllocatorState.from_oom_message(message)
-        if oom.allowed is not None and oom.allowed < state.limit:  # older torch cannot read the fraction back
-            state = dataclasses.replace(state, limit=oom.allowed)
-        diagnosis = classify(state)
-        self.report = Report(diagnosis, recommend(diagnosis, plan_fn=self.plan_fn,
-                                                  micro_batch_size=self.micro_batch_size,
-                                                  run_flags=self.run_flags),
-                             message.split("\n")[0], self.attribute())
+        """Diagnose an OOM: the allocator's state when CUDA is there, else the message's numbers
+        (ValueError when it has none); under torchrun, this rank's."""
+        state = oom_state(error, self.device)
+        if state is None:
+            raise ValueError("the OOM's message does not give the device capacity, allocated and reserved bytes")
+        self.report = report_of(state, str(error), rank=_this_rank(), plan_fn=self.plan_fn,
+                                micro_batch_size=self.micro_batch_size, run_flags=self.run_flags,
+                                attribution=self.attribute())
         if self.on_oom is not None:
             self.on_oom(self.report)
         return self.report

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.bench.result import BenchResult, timing_noise
-from remat.doctor import AllocatorState, classify, recommend
+from remat.doctor import AllocatorState, report_of
 from remat.problems import ConfigError, Problem, count, read_file
 from remat.recompute import recorded_config
 from remat.rules import rule_cpu_offload_not_with_pipeline, rule_full_recompute_graph_scope
@@ -173,20 +173,21 @@ def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
 
 
 def check_oom_kind(results: Sequence[BenchResult]) -> list[Finding]:
-    """Rule out fragmentation before recomputing more: each OOM whose recorded message gives the
-    allocator's numbers is classified."""
+    """Rule out fragmentation before recomputing more: each OOM whose allocator was recorded, or
+    whose message gives its numbers, is classified; under torchrun, with the numbers of the rank
+    that ran out."""
     findings = []
     for r in results:
         if r.oom is None:
             continue
         try:
-            diagnosis = classify(AllocatorState.from_oom_message(r.oom.message))
+            state = r.oom.allocator or AllocatorState.from_oom_message(r.oom.message)
         except ValueError:  # a message without the numbers (torch < 2.1 multi-line, or another harness)
             continue
-        advice = recommend(diagnosis)
-        fix = advice[0].setting if advice else "nothing: the request fits now"
-        findings.append(Finding("OOM kind", f"{r.name}: out of memory", f"{diagnosis.kind}",
-                                diagnosis.explanation, fix))
+        report = report_of(state, rank=r.oom.rank, coordinates=r.oom.coordinates)
+        fix = report.recommendations[0].setting if report.recommendations else "nothing: the request fits now"
+        findings.append(Finding("OOM kind", f"{r.name}: out of memory{report.where}", report.diagnosis.kind,
+                                report.diagnosis.explanation, fix))
     return findings
 
 

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from remat.doctor import AllocatorState
 from remat.timing import spread
 
 Status = Literal["ok", "oom"]
@@ -31,11 +32,14 @@ class MemoryBreakdown:
 
 @dataclass
 class OomInfo:
-    """Where an out-of-memory run stopped."""
+    """Where an out-of-memory run stopped, and under torchrun on which rank: its numbers, not rank 0's."""
 
     allocated_bytes: int | None  # None: the host's allocator, which reports neither
     reserved_bytes: int | None
     message: str
+    rank: int | None = None  # the rank that ran out of memory (None: one process)
+    coordinates: dict[str, int] | None = None  # its place on the pp x dp x cp x tp mesh
+    allocator: AllocatorState | None = None  # its allocator as remat doctor reads it (None: not known)
 
 
 @dataclass
@@ -92,7 +96,9 @@ class BenchResult:
             if data.get("memory") is not None:
                 data["memory"] = MemoryBreakdown(**data["memory"])
             if data.get("oom") is not None:
-                data["oom"] = OomInfo(**data["oom"])
+                oom = dict(data["oom"])
+                allocator = oom.pop("allocator", None)
+                data["oom"] = OomInfo(**oom, allocator=None if allocator is None else AllocatorState(**allocator))
         except TypeError as err:
             raise ValueError(f"its memory or oom record is malformed ({err})") from None
         names = {f.name for f in dataclasses.fields(cls)}

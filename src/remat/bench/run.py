@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import step
+from remat import doctor, step
 from remat.apply import offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
@@ -25,7 +25,7 @@ from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
 from remat.optimizer import main_grad_bytes
-from remat.parallel import max_over_ranks, mean_over_ranks, of_highest_rank
+from remat.parallel import coordinates, max_over_ranks, mean_over_ranks, of_highest_rank, rank, world_size
 from remat.step import MockData
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
@@ -179,13 +179,16 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
                                                                         f"loss {loss:.4f}"))
     except torch.cuda.OutOfMemoryError as e:
         # measured while the failed step's tensors are still referenced by the traceback
-        oom = OomInfo(torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), str(e).split("\n")[0])
+        state = doctor.oom_state(e)  # this process's GPU: under torchrun, this rank's
+        allocated, reserved = ((state.allocated, state.reserved) if state is not None
+                               else (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        oom = OomInfo(allocated, reserved, str(e).split("\n")[0], *_place(spec), allocator=state)
         if on_oom is not None:
             on_oom(e)
     except (RuntimeError, MemoryError) as e:  # the CPU allocator's OOM is a plain RuntimeError
         if not _host_out_of_memory(e):
             raise
-        oom = OomInfo(None, None, str(e).split("\n")[0] or type(e).__name__)
+        oom = OomInfo(None, None, str(e).split("\n")[0] or type(e).__name__, *_place(spec))
     if oom is not None:
         step.release_memory(model)  # outside the except block, so the traceback's frames are gone
         report(record["name"], spec.max_steps, spec.max_steps, "OOM")
@@ -218,6 +221,15 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     del optimizer
     step.release_memory(model)
     return result
+
+
+def _place(spec: BenchSpec) -> tuple[int | None, dict[str, int] | None]:
+    """Under torchrun, this rank and its place on the pp x dp x cp x tp mesh; (None, None) in one process."""
+    if world_size() == 1:
+        return None, None
+    here = rank()
+    return here, coordinates(here, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
+                             spec.context_parallel).named()
 
 
 def _host_out_of_memory(error: BaseException) -> bool:

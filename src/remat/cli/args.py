@@ -245,6 +245,11 @@ def meta_model(args: argparse.Namespace, overrides: dict[str, Any] | None = None
     return build(args.model_recipe_name, device="meta", **(model_overrides(args) if overrides is None else overrides))
 
 
+def gpus_of(args: argparse.Namespace) -> int:
+    """The GPUs a run's flags take: -ng, else one copy of the model (tp x pp x cp)."""
+    return args.num_gpus or flag_facts(args).model_parallel_size
+
+
 def flag_facts(args: argparse.Namespace) -> TrainingFacts:
     """The parallel sizes and CUDA graphs the flags give (without a config file's); a command
     without those flags runs one copy of the model without CUDA graphs."""

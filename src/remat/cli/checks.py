@@ -107,6 +107,16 @@ def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timel
     return problems
 
 
+def one_process_problems(command: str, gpus: int, started: int) -> Iterator[Problem]:
+    """remat doctor's run and remat sweep run one process: a run over several GPUs (the flags'
+    `gpus`, or the processes torchrun `started`) is remat bench's, which diagnoses an OOM on any
+    rank with that rank's numbers."""
+    if max(gpus, started) > 1:
+        yield Problem(command, f"runs one process, and this run takes {max(gpus, started)} GPUs (-ng, tp x pp x cp, or"
+                               " torchrun's processes); `remat bench` with the same flags runs one config on them and"
+                               " diagnoses an OOM on any rank with that rank's numbers")
+
+
 def doctor_run_problems(cuda_available: bool) -> Iterator[Problem]:
     """remat doctor -mr runs the bench to catch an OOM, and an OOM is a GPU's."""
     if not cuda_available:

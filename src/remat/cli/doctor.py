@@ -1,9 +1,11 @@
 """--results: checks for common recompute mistakes on `remat bench --json` / `remat sweep --json`
 output (exit 1 on a finding): mlp recompute on a large FFN, layernorm alone, mlp with core_attn,
 full recompute under per-layer CUDA graphs, CPU offload with pipeline parallelism, and the kind of
-each OOM. --snapshot / --oom_message: classify an OOM as fragmentation or capacity and say what to
-change. --timeline: plot one step's memory (CPU or GPU). Otherwise (CUDA only): run the bench with
-the run flags and diagnose an OOM it hits.
+each OOM (under torchrun, with the numbers of the rank that ran out). --snapshot / --oom_message:
+classify an OOM as fragmentation or capacity and say what to change; given a torchrun log, each
+rank's OOM with its own numbers. --timeline: plot one step's memory (CPU or GPU). Otherwise (CUDA
+only): run the bench with the run flags in one process and diagnose an OOM it hits (`remat bench
+-ng N` diagnoses an OOM on any of N ranks).
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from remat import doctor
 from remat.bench.checks import check_results, load_results
 from remat.bench.plot import timeline_plot
 from remat.bench.run import plan_name, run_bench
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench
-from remat.cli.checks import doctor_flag_problems, doctor_run_problems, png_path_problems
+from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.checks import doctor_flag_problems, doctor_run_problems, one_process_problems, png_path_problems
 from remat.cli.common import Problems, out, path_problems, progress_bar, show
 from remat.cli.tables import doctor_report, findings_table, format_gib
 from remat.memory.timeline import timeline
+from remat.parallel import launched_world
 from remat.problems import Problem
 from remat.sizes import parse_bytes
 from remat.step import MockData, build_model, make_optimizer
@@ -69,7 +72,8 @@ def _results(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
 
 def _run(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     """The one mode that needs a GPU: it runs the bench and diagnoses an OOM it hits."""
-    spec, plan, _, _ = check_bench(args, [*flag_problems, *doctor_run_problems(torch.cuda.is_available())])
+    spec, plan, _, _ = check_bench(args, [*flag_problems, *doctor_run_problems(torch.cuda.is_available()),
+                                          *one_process_problems("doctor", gpus_of(args), launched_world())])
     run_flags = shlex.join(a for a in shlex.split(args.command_line)[2:] if a != "--no_progress")
     model = build_model(spec)
     doc = doctor.Doctor(spec.device, on_oom=None, micro_batch_size=spec.micro_batch_size, run_flags=run_flags,
@@ -99,21 +103,26 @@ def _timeline(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
 
 
 def _state(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
+    """A snapshot, or an OOM message: a torchrun log's diagnosed rank by rank, each with its own numbers."""
     found = Problems()
     found.add(flag_problems)
     request = found.run(parse_bytes, args.request, "request", "b") if args.request is not None else None
+    states: dict[int | None, doctor.AllocatorState | None] = {}
     if args.oom_message:
-        state = found.run(doctor.AllocatorState.from_oom_message, args.oom_message, field="oom_message")
-        if state is not None and request is not None:
-            state = dataclasses.replace(state, request=request)
+        for rank, message in doctor.oom_messages(args.oom_message).items():
+            state = found.run(doctor.AllocatorState.from_oom_message, message,
+                              field="oom_message" if rank is None else f"oom_message of rank {rank}")
+            states[rank] = state if state is None or request is None else dataclasses.replace(state, request=request)
     else:
         limit = found.run(parse_bytes, args.limit, "limit", "b") if args.limit is not None else None
         snapshot = found.run(doctor.load_snapshot, args.snapshot, field="snapshot")
         found.raise_if_any()
         assert limit is not None  # doctor_flag_problems refuses a snapshot without --limit
-        state = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)
-        found.add(doctor.snapshot_limit_problems(state.reserved, limit))
+        snapped = doctor.AllocatorState.from_snapshot(snapshot, {}, limit, request)
+        found.add(doctor.snapshot_limit_problems(snapped.reserved, limit))
+        states[None] = snapped
     found.raise_if_any()
-    diagnosis = doctor.classify(state)
-    out.print(doctor_report(doctor.Report(diagnosis, doctor.recommend(diagnosis, micro_batch_size=args.micro_batch_size))))
+    for rank, state in states.items():
+        assert state is not None  # or a problem was raised
+        out.print(doctor_report(doctor.report_of(state, rank=rank, micro_batch_size=args.micro_batch_size)))
     return 0

@@ -1,6 +1,6 @@
-"""Bench many configs on one model in one process. Entries: none, a label list (mlp+core_attn),
-full_uniform_K, full_block_K, a YAML/JSON config or plan file, or `presets` for Megatron's usual
-ones (the default).
+"""Bench many configs on one model in one process, on one GPU (`remat bench -ng N` runs a config on
+N). Entries: none, a label list (mlp+core_attn), full_uniform_K, full_block_K, a YAML/JSON config or
+plan file, or `presets` for Megatron's usual ones (the default).
 """
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import argparse
 from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
-from remat.cli.args import add_run_flags, advise_offload, bench_spec, meta_model, model_facts, sweep_entries
+from remat.cli.args import (add_run_flags, advise_offload, bench_spec, gpus_of, meta_model, model_facts,
+                            sweep_entries)
+from remat.cli.checks import one_process_problems
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import results_table
 from remat.estimating import cpu_run_problems
 from remat.layer_plan import PlanLike
+from remat.parallel import launched_world
 from remat.step import unrun_problems
 
 DEFAULT_PLOT = "pareto.png"
@@ -40,6 +43,7 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
         plans = sweep_entries(found, meta_model(args), args.configs, facts,
                               lambda config: unrun_problems(config.facts))
     found.add(output_problems(args, DEFAULT_PLOT))
+    found.add(one_process_problems("sweep", gpus_of(args), launched_world()))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
     if not spec.dryrun:

@@ -348,7 +348,7 @@ def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec, t
 def doctor_report(report: Report) -> RenderableType:
     """The diagnosis with its evidence, the recommendations, and who held the memory."""
     d = report.diagnosis
-    table = Table(title=f"remat doctor: {d.kind}")
+    table = Table(title=f"remat doctor{report.where}: {d.kind}")
     table.add_column("")
     table.add_column("bytes", justify="right")
     for name, value in d.evidence().items():

@@ -1,12 +1,16 @@
 """Runs launched by torchrun: the world it started, the process group, and the few numbers a
-benchmark agrees on across ranks. `remat bench -ng N` starts torchrun itself."""
+benchmark agrees on across ranks. `remat bench -ng N` starts torchrun itself, and reads what a
+failed rank left for it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
-from typing import NamedTuple
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +62,10 @@ class Coordinates(NamedTuple):
     tensor: int
     context: int = 0
 
+    def named(self) -> dict[str, int]:
+        """By the mesh's dimension names, in its order (MESH_DIMS): {"pp": 0, "dp": 1, "cp": 0, "tp": 0}."""
+        return {"pp": self.pipeline, "dp": self.data, "cp": self.context, "tp": self.tensor}
+
 
 # Mesh dimensions, outermost first (torchtitan's order): a pipeline's stages are the farthest
 # apart, tensor-parallel ranks the closest (one NVLink domain).
@@ -108,7 +116,57 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def torchrun(nproc: int, argv: Sequence[str]) -> int:
-    """Run `remat ARGV` under torchrun on this machine with `nproc` processes; its exit status."""
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={nproc}", "-m", "remat", *argv])
+def rank_words(rank: int, coordinates: Mapping[str, int] | None = None) -> str:
+    """'rank 1 (pp 0, dp 1, cp 0, tp 0)': a rank and, when known, its place on the mesh."""
+    place = ", ".join(f"{dim} {index}" for dim, index in (coordinates or {}).items())
+    return f"rank {rank} ({place})" if place else f"rank {rank}"
+
+
+# The folder where ranks leave records for the remat process that started torchrun. A rank that
+# fails cannot gather anything to rank 0: the others may wait in a collective it will never join,
+# until torchrun stops them.
+RECORDS = "REMAT_RANK_RECORDS"
+# What torchrun runs on each rank: remat's command line (a test runs a script that simulates a GPU).
+RANK_PROGRAM: tuple[str, ...] = ("-m", "remat")
+
+
+def _records() -> Path | None:
+    """The folder of records, when a remat process started torchrun."""
+    folder = os.environ.get(RECORDS)
+    return Path(folder) if folder else None
+
+
+def leave(name: str, record: Any) -> bool:
+    """Leave `record` (JSON) under `name` for the remat process that started torchrun; False when
+    none did (a torchrun started by hand), so that the rank says it itself."""
+    folder = _records()
+    if folder is None:
+        return False
+    target = folder / f"{name}.json"
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_text(json.dumps(record))
+    partial.replace(target)  # whole or absent: torchrun may stop this process at any moment
+    return True
+
+
+def left_by_ranks() -> bool:
+    """Whether a rank left a record for the remat process that started torchrun: a rank whose
+    collective then fails has lost a peer that failed first."""
+    folder = _records()
+    return folder is not None and any(folder.glob("*.json"))
+
+
+class Launch(NamedTuple):
+    status: int  # torchrun's exit status
+    records: dict[str, Any]  # what the ranks left (`leave`), by name
+
+
+def torchrun(nproc: int, argv: Sequence[str]) -> Launch:
+    """Run `remat ARGV` under torchrun on this machine with `nproc` processes: its exit status and
+    the records its ranks left."""
+    with tempfile.TemporaryDirectory(prefix="remat-ranks-") as folder:
+        status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={nproc}", *RANK_PROGRAM, *argv],
+                                 env={**os.environ, RECORDS: folder})
+        left = sorted(Path(folder).glob("*.json"))
+        return Launch(status, {path.stem: json.loads(path.read_text()) for path in left})
