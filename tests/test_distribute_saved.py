@@ -17,8 +17,7 @@ import torch.nn.functional as F
 import remat
 from remat.cli import build_parser, main
 from remat.cli.args import megatron_overrides
-from remat.engine import KeptInputs, Offloader, Region, offloading
-from remat.engine.checkpoint import Restore
+from remat.engine import KeptInputs, Offloader, Region, Restore, offloading
 from remat.estimating import EstimateSpec, estimate
 from remat.layout import ModelLayout, check_config
 from remat.parallel.tensor_parallel import SavedInputShards, distribute_saved_inputs, distribute_saved_inputs_by_shape

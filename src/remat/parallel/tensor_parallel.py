@@ -32,8 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from remat import models
-from remat.engine import KeptInputs, register_stream
-from remat.engine.checkpoint import Restore
+from remat.engine import KeptInputs, Restore, register_stream
 from remat.models import ParallelSizes
 from remat.parallel.data_parallel import layer_modules
 from remat.problems import ConfigError, Problem
