@@ -326,9 +326,10 @@ def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
     """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages. A
     config's distribute_saved_activations splits what its full-recompute ranges keep over the
     tensor-parallel ranks (and a plan without it takes that off)."""
-    staged = (zip(model.chunks, (stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage)
-                                 for stage in model.stage_indices))
-              if isinstance(model, Pipeline) else [(model, plan)])
+    staged: list[tuple[nn.Module, PlanLike]] = [(model, plan)]
+    if isinstance(model, Pipeline):
+        staged = [(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
+                  for stage, chunk in zip(model.stage_indices, model.chunks)]
     for chunk, chunk_plan in staged:
         apply(chunk, chunk_plan)
         distribute_saved_inputs(chunk, distributes_saved_inputs(chunk_plan))

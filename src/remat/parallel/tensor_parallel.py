@@ -36,6 +36,7 @@ from remat.engine import KeptInputs, Restore, register_stream
 from remat.models import ParallelSizes
 from remat.parallel.data_parallel import layer_modules
 from remat.problems import ConfigError, Problem
+from remat.sites import Site
 
 # Megatron's offset of the model-parallel RNG seed from the data seed (model_parallel_cuda_manual_seed).
 RANK_SEED_OFFSET = 2718
@@ -162,16 +163,16 @@ def distribute_saved_inputs(model: nn.Module, on: bool = True) -> nn.Module:
     input, and its replay all-gathers the input over the tensor-parallel group first. Whatever
     plan `apply` installs later keeps it; `on=False` takes it off. Call it after FSDP2 (whose
     gather before a replay it runs first). Returns `model`."""
-    layers = layer_modules(model)
+    sites = [site for _, site in layer_modules(model)]
     stand_in: SavedInputShards | None = None
     if on:
         split = _split.get(model)
-        problems = list(_distribute_problems(split, bool(layers)))
+        problems = list(_distribute_problems(split, bool(sites)))
         if problems:
             raise ConfigError(problems)
         assert split is not None  # or a problem was raised
         stand_in = SavedInputShards(split.mesh.size(), split.mesh.get_local_rank(), split.mesh.get_group())
-    _keep_inputs(model, stand_in)
+    _keep_inputs(sites, stand_in)
     return model
 
 
@@ -180,14 +181,14 @@ def distribute_saved_inputs_by_shape(model: nn.Module, tensor_parallel: int) -> 
     shard of `tensor_parallel` ranks: the ranges keep shards by shape, gathered by shape."""
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("splitting saved inputs by shape needs a model on the meta device")
-    _keep_inputs(model, SavedInputShards(tensor_parallel))
+    _keep_inputs([site for _, site in layer_modules(model)], SavedInputShards(tensor_parallel))
     return model
 
 
-def _keep_inputs(model: nn.Module, stand_in: SavedInputShards | None) -> None:
+def _keep_inputs(sites: list[Site], stand_in: SavedInputShards | None) -> None:
     """Each layer Site's before_replay keeps its inputs through `stand_in` (None: as usual),
     around the before_replay it had (FSDP2's gather)."""
-    for _, site in layer_modules(model):
+    for site in sites:
         before = site.before_replay.before if isinstance(site.before_replay, KeptInputs) else site.before_replay
         site.before_replay = KeptInputs(stand_in, before) if stand_in is not None else before
 
