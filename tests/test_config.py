@@ -783,15 +783,6 @@ def test_check_model_rejects_discard_labels_without_layer_sites() -> None:
     check_config(RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]), layout)
 
 
-def test_check_model_rejects_distributed_saved_activations_until_they_run() -> None:
-    layout = ModelLayout(labels=(frozenset({"mlp"}),) * 2)
-    config = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                             distribute_saved_activations=True,
-                             facts=TrainingFacts(tensor_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="distribute_saved_activations"):
-        check_config(config, layout)
-
-
 GOOD_PLAN_FILE = {"remat_plan": 1, "layers": [{"mlp": "recompute"}, {}], "full_recompute": [[1, 2]],
                   "min_offloaded_tensor_size": 0}
 

@@ -5,7 +5,9 @@ discard and offload plan gives each rank the loss and the gradients of the same 
 recompute, bit for bit, dropout on: the arithmetic is the same, and each replay restores this
 rank's own dropout stream as well as torch's default generators. gradient_accumulation_fusion
 is on (the recipe's default): the fusing linear runs on the DTensor weights. The same holds with
-FSDP2 over two replicas of such a split (four processes).
+FSDP2 over two replicas of such a split (four processes). Without sequence parallelism, full
+recompute's kept inputs split over the ranks (distribute_saved_activations) change no bit either,
+and each rank keeps half of each.
 """
 from __future__ import annotations
 
@@ -68,6 +70,42 @@ def test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_reco
 def test_every_plan_under_fsdp2_over_tensor_parallelism_is_bit_identical_to_it_without_recompute(
         sharded_split, plan, dropout) -> None:
     _assert_bit_identical(sharded_split[f"{plan}@{dropout}"], sharded_split[f"none@{dropout}"])
+
+
+# What a full-recompute range keeps whole: its input, [micro-batch, seq, hidden] in float64.
+LAYER_INPUT = fsdp_worker.PER_RANK * fsdp_worker.SEQ * 64 * 8
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("name", list(tp_worker.FULL))
+def test_split_saved_inputs_are_bit_identical_to_tp_without_recompute_and_with_plain_full_recompute(
+        split, name, dropout) -> None:
+    distributed = split["distributed"]
+    _assert_bit_identical(distributed[f"{name}@True@{dropout}"], split[f"none@sp=False@{dropout}"])
+    _assert_bit_identical(distributed[f"{name}@True@{dropout}"], distributed[f"{name}@False@{dropout}"])
+
+
+@pytest.mark.parametrize("name, ranges", [("uniform_1", 4), ("uniform_2", 2), ("block_1", 1), ("block_2", 2)])
+def test_each_rank_keeps_one_tp_th_of_each_ranges_input(split, name, ranges) -> None:
+    distributed = split["distributed"]
+    assert distributed[f"saved:{name}@False"] - distributed[f"saved:{name}@True"] == ranges * LAYER_INPUT // TP
+
+
+def test_a_plan_without_the_split_takes_it_off(split) -> None:
+    assert split["distributed"]["taken off"] == [None] * fsdp_worker.LAYERS
+
+
+def test_offloading_split_inputs_offloads_each_ranks_shard(split) -> None:
+    distributed = split["distributed"]
+    _assert_bit_identical(distributed["offloaded@True"], split["none@sp=False@0.1"])
+    _assert_bit_identical(distributed["offloaded@False"], split["none@sp=False@0.1"])
+    # the first two ranges' inputs, whole or halved
+    assert (distributed["offloaded bytes@False"], distributed["offloaded bytes@True"]) == (
+        2 * LAYER_INPUT, 2 * LAYER_INPUT // TP)
+
+
+def test_split_inputs_under_fsdp2_gather_the_layer_then_the_input_before_a_replay(sharded_split) -> None:
+    _assert_bit_identical(sharded_split["distributed_uniform_2@sp=False"], sharded_split["none@sp=False"])
 
 
 def _gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:

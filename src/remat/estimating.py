@@ -6,7 +6,9 @@ number comes from the same window model the planner uses. What one GPU of a para
 
 - tensor parallel: the family's shard (heads, query groups, FFN and padded vocabulary divided by
   tp); sequence parallel also runs norms and residuals on seq/tp tokens, with torch's all-gather
-  before attention and MLP and reduce-scatter after them emulated by shape;
+  before attention and MLP and reduce-scatter after them emulated by shape; with
+  distribute_saved_activations, full recompute keeps 1/tp of each range's input (gathered back
+  by shape for its replay);
 - context parallel: seq/cp tokens per rank;
 - pipeline parallel: the stage's layers (with virtual stages, its interleaved model chunks), the
   first stage with the embedding, the last with the final norm and loss head; under 1F1B stage k
@@ -45,7 +47,8 @@ from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import format_bytes
 from remat.optimizer import main_grad_bytes, make
-from remat.step import RunSpec, available_host_bytes, optimizer_state_bytes
+from remat.parallel.tensor_parallel import distribute_saved_inputs_by_shape
+from remat.step import RunSpec, available_host_bytes, distributes_saved_inputs, optimizer_state_bytes
 
 ESTIMATE_TARGETS: tuple[str, ...] = ("cuda", "cpu")
 # Sustained bf16 dense throughput assumed for estimated step times, about what remat's plans reach
@@ -203,10 +206,12 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
     offload = thresholds.pop() if thresholds else None
-    traced = trace_stages(spec, progress, offload)
+    # a plan that splits full recompute's kept inputs over tp ranks runs another model: traced apart
+    traced = {split: trace_stages(spec, progress, offload, split_inputs=split)
+              for split in sorted({distributes_saved_inputs(plan) for _, plan in plans})}
     out = []
-    for (name, _), per_stage, whole in zip(plans, stage_plans, lowered):
-        result = predict_stages(name, spec, traced, per_stage)
+    for (name, plan), per_stage, whole in zip(plans, stage_plans, lowered):
+        result = predict_stages(name, spec, traced[distributes_saved_inputs(plan)], per_stage)
         out.append(result)
         if whole.offloads():  # as a run under the plan would say after its steps
             advise(nothing_offloaded_advice(sum(s.host for s in result.stages), whole.min_offloaded_tensor_size))
@@ -214,12 +219,14 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
 
 
 def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = None,
-                 offload_threshold: int | None = None, device: str = "meta") -> list[_StageTrace]:
+                 offload_threshold: int | None = None, device: str = "meta",
+                 split_inputs: bool = False) -> list[_StageTrace]:
     """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle, last."""
     pp = spec.stages
     kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]
     first_of_kind = {kind[k]: k for k in reversed(range(pp))}
-    traced = {c: trace_stage(spec, k, progress, offload_threshold, device) for c, k in sorted(first_of_kind.items())}
+    traced = {c: trace_stage(spec, k, progress, offload_threshold, device, split_inputs)
+              for c, k in sorted(first_of_kind.items())}
     return [traced[kind[k]] for k in range(pp)]
 
 
@@ -393,9 +400,11 @@ class _StageModel:
     hidden: Tensor  # the hidden states the stage receives or sends
 
 
-def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta") -> _StageModel:
+def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inputs: bool = False) -> _StageModel:
     """One pipeline rank's shard of the model: on "meta" (shapes: the target's kernels by shape),
-    or on the target device itself, with weights and a random batch, to trace for real."""
+    or on the target device itself, with weights and a random batch, to trace for real.
+    `split_inputs` (meta only): full recompute keeps 1/tp of each range's input
+    (distribute_saved_activations)."""
     family, split = spec.family, spec.parallel.sequence_split
     shard = family.shard(spec.model_config, spec.parallel)
     first, last = stage == 0, stage == spec.stages - 1
@@ -407,6 +416,8 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta") -> _Stage
         family.use_kernels(model, spec.target, compiled=spec.compile, shapes_only=on_meta)
     if split > 1:
         _sequence_parallel(spec, model)
+    if split_inputs:
+        distribute_saved_inputs_by_shape(model, spec.facts.tensor_model_parallel_size)
     b, s = spec.micro_batch_size, shard.seq_length
     labels = torch.randint(0, shard.vocab_size, (b, s), device=device)
     if first:
@@ -425,11 +436,11 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta") -> _Stage
 
 
 def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None = None,
-                offload_threshold: int | None = None, device: str = "meta") -> _StageTrace:
+                offload_threshold: int | None = None, device: str = "meta", split_inputs: bool = False) -> _StageTrace:
     """Trace pipeline rank `stage`'s shard, on the meta device (shapes, counted FLOPs) or on the
     target device (its own memory and time); with `offload_threshold`, offload too (storages of
-    that many elements or more)."""
-    shard = _stage_model(spec, stage, device)
+    that many elements or more); `split_inputs`: as `_stage_model`."""
+    shard = _stage_model(spec, stage, device, split_inputs)
     note = progress or (lambda what: None)
     with _TargetKernels(spec.target):
         offload: dict[str, Any] = {} if offload_threshold is None else dict(
@@ -451,7 +462,7 @@ def step_peak(spec: RunSpec, plan: PlanLike) -> int:
     gradients and optimizer state included), from one step on shapes alone: a second or two,
     where `estimate` traces every action. What a run checks before it allocates anything."""
     shape = EstimateSpec.of_run(spec)
-    shard = _stage_model(shape, 0)
+    shard = _stage_model(shape, 0, split_inputs=distributes_saved_inputs(plan))
     resolved = resolve(rank_plan(plan, shape, 0), find_sites(shard.model).layout)
     stepper = Stepper(shard.model, (shard.inputs, shard.labels), shard.optimizer,
                       gradients_persist(shard.optimizer, shape.micro_batches), seed=0,

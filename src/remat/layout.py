@@ -48,13 +48,6 @@ def _model_offload(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]
                                                  " offload whole layers with cpu_offloading")
 
 
-def _model_distribute(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
-    if c.distribute_saved_activations:
-        yield Problem("distribute_saved_activations", "splitting saved inputs over tensor-parallel ranks"
-                                                      " is not available yet (it needs the parallel"
-                                                      " runtime); set it to False")
-
-
 def _model_discard_scope(c: RecomputeConfig, layout: ModelLayout) -> Iterator[Problem]:
     discarding = [label for label in selected(c) if label in discard_labels()]
     if discarding and not layout.has_layer_sites:
@@ -100,7 +93,7 @@ def _model_recompute_num_layers(c: RecomputeConfig, layout: ModelLayout) -> Iter
 
 
 _MODEL_CHECKS: tuple[Callable[[RecomputeConfig, ModelLayout], Iterator[Problem]], ...] = (
-    _model_offload, _model_distribute, _model_discard_scope, _model_selected_labels, _model_layer_sites, _model_layer_count,
+    _model_offload, _model_discard_scope, _model_selected_labels, _model_layer_sites, _model_layer_count,
     _model_recompute_num_layers,
 )
 

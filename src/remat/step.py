@@ -30,7 +30,7 @@ from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
 from remat.models import ModelConfig, ModelFamily, ParallelSizes
 from remat.parallel.pipeline import Pipeline, PipelineLayout, model_chunks
-from remat.parallel.tensor_parallel import parallelize_tensor
+from remat.parallel.tensor_parallel import distribute_saved_inputs, parallelize_tensor
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of, raise_if_any
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
@@ -384,12 +384,21 @@ def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
 
 
 def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
-    """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages."""
-    if not isinstance(model, Pipeline):
-        apply(model, plan)
-        return
-    for stage, chunk in zip(model.stage_indices, model.chunks):
-        apply(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
+    """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages. A
+    config's distribute_saved_activations splits what its full-recompute ranges keep over the
+    tensor-parallel ranks (and a plan without it takes that off)."""
+    staged: list[tuple[nn.Module, PlanLike]] = [(model, plan)]
+    if isinstance(model, Pipeline):
+        staged = [(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
+                  for stage, chunk in zip(model.stage_indices, model.chunks)]
+    for chunk, chunk_plan in staged:
+        apply(chunk, chunk_plan)
+        distribute_saved_inputs(chunk, distributes_saved_inputs(chunk_plan))
+
+
+def distributes_saved_inputs(plan: PlanLike) -> bool:
+    """Whether `plan` splits full recompute's kept inputs over the tensor-parallel ranks."""
+    return isinstance(plan, RecomputeConfig) and plan.distribute_saved_activations
 
 
 def stage_plan(plan: PlanLike, layout: PipelineLayout, num_layers: int, stage: int) -> PlanLike:

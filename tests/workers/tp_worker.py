@@ -2,10 +2,12 @@
 Llama split by tensor parallelism (with and without sequence parallelism), one step per plan on
 the same batch on both ranks; the dropout masks each rank draws; the refusals. With 4: FSDP2 over
 2 data-parallel replicas of tensor parallelism over 2 ranks with sequence parallelism, one step
-per plan, each replica its own share of the global batch. Rank 0 saves every result to the file
-named by argv[1]."""
+per plan, each replica its own share of the global batch. Plans go in as `remat bench` installs
+them (step.apply_plan), so a config's distribute_saved_activations splits what full recompute keeps
+(sequence parallelism off). Rank 0 saves every result to the file named by argv[1]."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -17,12 +19,17 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 import remat
+from remat.apply import offloader_of
 from remat.calls import forward_loss
 from remat.layer_plan import Plan
 from remat.models import build
 from remat.parallel import fully_shard_layers
+from remat.parallel.data_parallel import layer_modules
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
+from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.step import RunSpec, apply_plan
+from remat.verify import run_step
 
 import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
@@ -31,6 +38,16 @@ PLANS: dict[str, Any] = {**fsdp_worker.PLANS, "mlp_act": Plan([{"mlp_act": "disc
 DP_TP_PLANS = ("none", "selective", "full_uniform_2", "offload")  # under FSDP2 over tensor parallelism
 STEP_SEED = 100  # torch's default generators for the step, alike on the tensor-parallel ranks
 TP = 2
+# what apply_plan reads of a run: no pipeline (the model is the worker's own)
+SPEC = RunSpec(overrides={"num_layers": fsdp_worker.LAYERS}, device="cpu", compute_dtype="fp64",
+               facts=TrainingFacts(tensor_model_parallel_size=TP))
+# full recompute (method, k): each with its kept inputs whole, and split over the tp ranks
+FULL = {"uniform_1": ("uniform", 1), "uniform_2": ("uniform", 2), "block_1": ("block", 1), "block_2": ("block", 2)}
+
+
+def full(method: str, k: int, distribute: bool) -> RecomputeConfig:
+    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k,
+                           distribute_saved_activations=distribute, facts=TrainingFacts(tensor_model_parallel_size=TP))
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +72,7 @@ def step(model: torch.nn.Module, plan: object, inputs: tuple[torch.Tensor, torch
     """Each rank's loss (the last micro-batch's) and the full gradients."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        remat.apply(model, plan)  # type: ignore[arg-type]
+        apply_plan(SPEC, model, plan)  # type: ignore[arg-type]
     torch.manual_seed(seed)
     for _ in range(micro_batches):
         loss = forward_loss(model, *inputs)
@@ -124,6 +141,29 @@ def refusals() -> dict[str, str]:
                                                                                   mesh_dim_names=("dp", "tp")))}
 
 
+def distributed() -> dict[str, Any]:
+    """Full recompute with its kept inputs whole and split (sequence parallelism off): the step,
+    and what the forward leaves for backward; then a plan without the split takes it off."""
+    found: dict[str, Any] = {}
+    for name, (method, k) in FULL.items():
+        for distribute in (False, True):
+            for dropout in (0.0, 0.1):
+                found[f"{name}@{distribute}@{dropout}"] = step(split(dropout, False), full(method, k, distribute),
+                                                               batch(), STEP_SEED)
+            model = split(0.0, False)
+            apply_plan(SPEC, model, full(method, k, distribute))
+            found[f"saved:{name}@{distribute}"] = run_step(model, *batch(), seed=STEP_SEED).saved.bytes
+    apply_plan(SPEC, model, full("uniform", 1, False))
+    found["taken off"] = [site.before_replay for _, site in layer_modules(model)]
+    for distribute in (False, True):  # the first two ranges' kept inputs (or shards) offloaded
+        offloaded = dataclasses.replace(full("uniform", 1, distribute), cpu_offloading=True,
+                                        cpu_offloading_num_layers=2, min_offloaded_tensor_size=0)
+        model = split(0.1, False)
+        found[f"offloaded@{distribute}"] = step(model, offloaded, batch(), STEP_SEED)
+        found[f"offloaded bytes@{distribute}"] = offloader_of(model).stats().offloaded_bytes  # type: ignore[union-attr]
+    return found
+
+
 def tensor_parallel() -> dict[str, Any]:
     def tp_step(dropout: float, sp: bool, plan: object, micro_batches: int = 1) -> Result:
         return step(split(dropout, sp), plan, batch(), STEP_SEED, micro_batches)
@@ -133,6 +173,7 @@ def tensor_parallel() -> dict[str, Any]:
     results.update({f"accumulated@sp={sp}": tp_step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
     results.update({f"masks@sp={sp}": masks(sp) for sp in (False, True)})
     results["refusals"] = refusals()
+    results["distributed"] = distributed()
     return results
 
 
@@ -144,12 +185,16 @@ def fsdp_over_tensor_parallel() -> dict[str, Any]:
     rows = slice(dp * fsdp_worker.PER_RANK, (dp + 1) * fsdp_worker.PER_RANK)
     inputs = tuple(t[rows] for t in fsdp_worker.global_batch(replicas))
 
-    def dp_tp_step(dropout: float, plan: object) -> Result:
-        model = parallelize_tensor(fsdp_worker.model(dropout), mesh["tp"], sequence_parallel=True)
+    def dp_tp_step(dropout: float, plan: object, sp: bool = True) -> Result:
+        model = parallelize_tensor(fsdp_worker.model(dropout), mesh["tp"], sequence_parallel=sp)
         return step(fully_shard_layers(model, mesh["dp"]), plan, inputs, STEP_SEED + dp)  # type: ignore[arg-type]
 
-    return {f"{name}@{dropout}": dp_tp_step(dropout, PLANS[name])
-            for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
+    found = {f"{name}@{dropout}": dp_tp_step(dropout, PLANS[name])
+             for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
+    # without sequence parallelism, split inputs: layer 0 replays after FSDP2 resharded it (gathered first)
+    found.update({f"{name}@sp=False": dp_tp_step(0.1, plan, sp=False)
+                  for name, plan in (("none", None), ("distributed_uniform_2", full("uniform", 2, True)))})
+    return found
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="full recompute of N layers per (virtual) stage; implies full granularity "
                         "and, unless --recompute_method says otherwise, the block method")
     g.add_argument("--recompute_method", choices=list(METHODS))
+    g.add_argument("--distribute_saved_activations", action="store_true", default=None,
+                   help="full recompute keeps 1/tp of each range's input on each tensor-parallel rank, "
+                        "all-gathered before its replay (not with --sequence_parallel)")
     g.add_argument("-ol", "--activation_offload_layers", type=int, metavar="N",
                    help="offload what the first N layers save to host memory (cpu_offloading); with "
                         "full recompute, the inputs its groups keep")
@@ -174,7 +177,7 @@ def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
         keys.update(cpu_offloading=True, cpu_offloading_num_layers=args.activation_offload_layers)
     if args.min_offloaded_tensor_size is not None:
         keys.update(min_offloaded_tensor_size=args.min_offloaded_tensor_size)
-    for name in ("recompute_granularity", "recompute_method", *LAYOUT_KEYS):
+    for name in ("recompute_granularity", "recompute_method", "distribute_saved_activations", *LAYOUT_KEYS):
         value = getattr(args, name)
         if value is not None:
             keys[name] = value

@@ -13,6 +13,10 @@ for all of them. Matching is by storage, so views of the output are caught too.
 
 Inside `offloading(...)`, what would be kept on the device (saved tensors, a region's inputs)
 goes to host through an `Offloader` instead (engine/offload.py).
+
+A call's caller may also keep the call's inputs its own way (`KeptInputs` as its `before_replay`):
+a stand-in instead of an input (this rank's shard of a tensor every rank holds), turned back
+into the input when the replay needs it (the shards gathered).
 """
 from __future__ import annotations
 
@@ -82,12 +86,53 @@ class _Link:
     index: int
 
 
+# A stand-in for a tensor input (what to keep instead) and how to turn it back into the input.
+Restore = Callable[[torch.Tensor], torch.Tensor]
+StandIn = Callable[[torch.Tensor], "tuple[torch.Tensor, Restore] | None"]
+
+
+@dataclass(frozen=True)
+class KeptInputs:
+    """A call's `before_replay` that also chooses how the region keeps the call's tensor inputs
+    (those it keeps at all: not a linked earlier call's output, not a discarded output's
+    reference). `stand_in(t)` returns what to keep instead of `t` and how to rebuild `t` from it
+    for the replay, or None to keep `t` as usual; `before` is the plain `before_replay` it wraps
+    (e.g. gathering a sharded layer's parameters), run first."""
+
+    stand_in: StandIn
+    before: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.before is not None:
+            self.before()
+
+
 @dataclass(frozen=True)
 class _Stored:
     """An argument kept for the replay: kept as itself, offloaded, or a discarded output's reference."""
 
     packed: Any
     requires_grad: bool
+
+
+class _StandInKept:
+    """An input kept as the stand-in `KeptInputs` chose (on the device or offloaded, as any
+    input). A replay rebuilds the input from it; on the device, the first replay keeps the input
+    instead, as it would have been kept, so the replay's peak holds the input alone (not the
+    stand-in beside it) and a second backward through a retained graph needs no second rebuild."""
+
+    def __init__(self, packed: Any, restore: Restore, requires_grad: bool) -> None:
+        self.packed: Any = packed
+        self.restore: Restore | None = restore
+        self.requires_grad = requires_grad
+
+    def tensor(self) -> torch.Tensor:
+        if self.restore is None:
+            return unpack_saved(self.packed)
+        rebuilt = self.restore(unpack_saved(self.packed))
+        if isinstance(self.packed, _Kept):
+            self.packed, self.restore = _Kept(rebuilt, rebuilt._version), None
+        return rebuilt
 
 
 @dataclass
@@ -116,11 +161,14 @@ class Region:
              before_replay: Callable[[], None] | None = None) -> Any:
         """Run `fn(*args, **kwargs)` as the next call of this region and return its output.
         `before_replay` runs before the replay calls `fn` again (e.g. gathering the sharded
-        parameters of a layer replayed from a later layer's backward)."""
+        parameters of a layer replayed from a later layer's backward); a `KeptInputs` also
+        chooses how the call's inputs are kept."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        stand_in = before_replay.stand_in if isinstance(before_replay, KeptInputs) else None
         self._calls.append(
-            _Call(fn, tuple(self._keep(a) for a in args),
-                  {k: self._keep(v) for k, v in kwargs.items()}, ReplayState.capture(tensors), before_replay)
+            _Call(fn, tuple(self._keep(a, stand_in) for a in args),
+                  {k: self._keep(v, stand_in) for k, v in kwargs.items()}, ReplayState.capture(tensors),
+                  before_replay)
         )
         with _region_running(), saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*args, **kwargs)
@@ -132,7 +180,7 @@ class Region:
         """The region's forward is over: let go of the outputs kept for linking calls."""
         self._last_outputs, self._last_versions = [], []
 
-    def _keep(self, arg: Any) -> Any:
+    def _keep(self, arg: Any, stand_in: StandIn | None) -> Any:
         if not isinstance(arg, torch.Tensor):
             return arg
         for i, out in enumerate(self._last_outputs):
@@ -142,6 +190,10 @@ class Region:
         ref = scope.reference(arg) if scope is not None else None
         if ref is not None:
             return _Stored(ref, arg.requires_grad)
+        chosen = stand_in(arg) if stand_in is not None else None
+        if chosen is not None:  # a copy is exact whatever `arg` becomes; a view keeps its version
+            kept, restore = chosen
+            return _StandInKept(_keep_tensor(kept), restore, arg.requires_grad)
         if _views_larger_buffer(arg):
             # e.g. v sliced from a fused qkv output: keep v's bytes, not the whole buffer's
             return _Stored(_keep_tensor(arg.detach().clone()), arg.requires_grad)
@@ -217,6 +269,8 @@ class Region:
             return previous[arg.index]
         if isinstance(arg, _Stored):
             return unpack_saved(arg.packed).detach().requires_grad_(arg.requires_grad)
+        if isinstance(arg, _StandInKept):
+            return arg.tensor().detach().requires_grad_(arg.requires_grad)
         return arg
 
 

@@ -12,22 +12,31 @@ dropout on what only this rank holds (attention over its own heads; under sequen
 also the hidden dropout over its own tokens) draws from this rank's own stream, seeded
 seed + 2718 + tensor-parallel rank as Megatron's model-parallel RNG. The stream is registered
 with the engine, so every recompute replays its masks exactly.
+
+Megatron's distribute_saved_activations (`distribute_saved_inputs`): without sequence
+parallelism every rank holds the residual stream whole, so a full-recompute range keeps only this
+rank's 1/tp of its input and all-gathers it over the tensor-parallel group before the replay.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from remat import models
-from remat.engine import register_stream
+from remat.engine import KeptInputs, Restore, register_stream
 from remat.models import ParallelSizes
+from remat.parallel.data_parallel import layer_modules
 from remat.problems import ConfigError, Problem
+from remat.sites import Site
 
 # Megatron's offset of the model-parallel RNG seed from the data seed (model_parallel_cuda_manual_seed).
 RANK_SEED_OFFSET = 2718
@@ -106,4 +115,95 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None, *, sequ
     stream = RankStream(device, torch.initial_seed() + RANK_SEED_OFFSET + mesh.get_local_rank())
     register_stream("tensor_parallel", stream)
     parallelize_module(model, mesh, family.tensor_parallel(model, sizes, stream.fork))
+    _split[model] = _Split(mesh, sequence_parallel)
     return model
+
+
+@dataclass(frozen=True)
+class _Split:
+    mesh: DeviceMesh
+    sequence_parallel: bool
+
+
+# How parallelize_tensor split each model, for distribute_saved_inputs.
+_split: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class SavedInputShards:
+    """A stand-in for what a full-recompute range keeps of its input (`engine.KeptInputs`), as
+    Megatron's split_tensor_into_1d_equal_chunks and gather_split_1d_tensor: this rank's 1/size of
+    the flattened tensor (the last shards padded), gathered by `group` before the replay; with no
+    group, by shape (meta tensors: an estimate of one rank)."""
+
+    size: int
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, Restore] | None:
+        # Only activations (leaves that need no gradient or a pipeline stage's received input stay
+        # alive anyway); DTensors and non-contiguous tensors are kept whole.
+        if type(t) is not torch.Tensor or t.is_leaf or not t.is_contiguous():
+            return None
+        numel, shape = t.numel(), t.shape
+        chunk = -(-numel // self.size)
+        piece = t.detach().reshape(-1)[self.rank * chunk:(self.rank + 1) * chunk]
+        shard = torch.cat([piece, piece.new_zeros(chunk - piece.numel())])  # a copy: the input is freed
+        return shard, lambda kept: self._gather(kept)[:numel].view(shape)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return shard.repeat(self.size)
+        return funcol.wait_tensor(funcol.all_gather_single(shard, 0, self.group))
+
+
+def distribute_saved_inputs(model: nn.Module, on: bool = True) -> nn.Module:
+    """Megatron's distribute_saved_activations on a model `parallelize_tensor` split without
+    sequence parallelism: each full-recompute range of its layers keeps this rank's 1/tp of its
+    input, and its replay all-gathers the input over the tensor-parallel group first. Whatever
+    plan `apply` installs later keeps it; `on=False` takes it off. Call it after FSDP2 (whose
+    gather before a replay it runs first). Returns `model`."""
+    sites = [site for _, site in layer_modules(model)]
+    stand_in: SavedInputShards | None = None
+    if on:
+        split = _split.get(model)
+        problems = list(_distribute_problems(split, bool(sites)))
+        if problems:
+            raise ConfigError(problems)
+        assert split is not None  # or a problem was raised
+        stand_in = SavedInputShards(split.mesh.size(), split.mesh.get_local_rank(), split.mesh.get_group())
+    _keep_inputs(sites, stand_in)
+    return model
+
+
+def distribute_saved_inputs_by_shape(model: nn.Module, tensor_parallel: int) -> nn.Module:
+    """`distribute_saved_inputs` on the meta device, for a model already shaped as one rank's
+    shard of `tensor_parallel` ranks: the ranges keep shards by shape, gathered by shape."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("splitting saved inputs by shape needs a model on the meta device")
+    _keep_inputs([site for _, site in layer_modules(model)], SavedInputShards(tensor_parallel))
+    return model
+
+
+def _keep_inputs(sites: list[Site], stand_in: SavedInputShards | None) -> None:
+    """Each layer Site's before_replay keeps its inputs through `stand_in` (None: as usual),
+    around the before_replay it had (FSDP2's gather)."""
+    for site in sites:
+        before = site.before_replay.before if isinstance(site.before_replay, KeptInputs) else site.before_replay
+        site.before_replay = KeptInputs(stand_in, before) if stand_in is not None else before
+
+
+def _distribute_problems(split: _Split | None, has_layers: bool) -> Iterator[Problem]:
+    field = "distribute_saved_activations"
+    if split is None:
+        yield Problem(field, "splits saved inputs over the tensor-parallel ranks of a model split by"
+                             " parallelize_tensor, and this one is not; split it first, or turn this off")
+    elif split.sequence_parallel:
+        yield Problem(field, "sequence parallelism already splits the saved inputs across ranks; set"
+                             " distribute_saved_activations=False")
+    elif split.mesh.size() == 1:
+        yield Problem(field, "the model is split over one tensor-parallel rank: nothing to split saved"
+                             " inputs over; turn it off")
+    if not has_layers:
+        yield Problem(field, "splits what full recompute keeps, and this model marks no 'layer' Sites to"
+                             " recompute whole; add layer Sites (remat.adapt does for known families)")
