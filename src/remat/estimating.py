@@ -220,7 +220,7 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
 
 def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = None,
                  offload_threshold: int | None = None, device: str = "meta",
-                 split_inputs: bool = False) -> list[_StageTrace]:
+                 split_inputs: bool = False) -> list[StageTrace]:
     """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle, last."""
     pp = spec.stages
     kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]
@@ -230,7 +230,7 @@ def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = No
     return [traced[kind[k]] for k in range(pp)]
 
 
-def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[_StageTrace],
+def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[StageTrace],
                    stage_plans: Sequence[PlanLike]) -> Estimate:
     """Each rank's memory under its plan, and the step's time: under 1F1B the steady state runs
     the micro-batches at the pace of the slowest stage, and filling and draining the pipeline
@@ -359,7 +359,7 @@ def _begin_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 @dataclass(frozen=True)
-class _StageTrace:
+class StageTrace:
     trace: Trace
     weights: int
     optimizer_state: int
@@ -436,7 +436,7 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inp
 
 
 def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None = None,
-                offload_threshold: int | None = None, device: str = "meta", split_inputs: bool = False) -> _StageTrace:
+                offload_threshold: int | None = None, device: str = "meta", split_inputs: bool = False) -> StageTrace:
     """Trace pipeline rank `stage`'s shard, on the meta device (shapes, counted FLOPs) or on the
     target device (its own memory and time); with `offload_threshold`, offload too (storages of
     that many elements or more); `split_inputs`: as `_stage_model`."""
@@ -453,7 +453,7 @@ def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] 
     weights = storage_bytes(shard.model.parameters())
     main_grads = main_grad_bytes(shard.optimizer)
     grads = main_grads or (weights if gradients_persist(shard.optimizer, spec.micro_batches) else 0)
-    return _StageTrace(measured, weights, optimizer_state_bytes(shard.optimizer),
+    return StageTrace(measured, weights, optimizer_state_bytes(shard.optimizer),
                        0 if stage == 0 else hidden_bytes, 0 if stage == spec.stages - 1 else hidden_bytes, grads)
 
 

@@ -2,7 +2,7 @@
 also meet on that model (labels it has sites for, layer counts, layer sites to recompute whole)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from remat.labels import discard_labels, recompute_labels
@@ -117,13 +117,17 @@ def check_config(config: RecomputeConfig, layout: ModelLayout) -> None:
 
 
 
-def _layer_ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'layers 0-2, 5'."""
+def index_runs(layers: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
     runs: list[list[int]] = []
     for i in layers:
         if runs and runs[-1][1] == i - 1:
             runs[-1][1] = i
         else:
             runs.append([i, i])
-    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
-    return f"layer{'s' if len(layers) > 1 else ''} {text}"
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'layers 0-2, 5'."""
+    return f"layer{'s' if len(layers) > 1 else ''} {index_runs(layers)}"

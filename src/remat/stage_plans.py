@@ -4,7 +4,7 @@ Under 1F1B the ranks of a pipeline hold different memory: rank k keeps the activ
 micro-batches in flight, the first also holds the embedding, the last the loss head. A Megatron
 config is one setting for every stage, so the rank with the most in flight decides it for all.
 Here each kind of stage (first, middle, last) is traced on its own shard and layers, and each
-rank's plan is solved with its own micro-batches in flight (`_StageTrace.problem`), so later ranks
+rank's plan is solved with its own micro-batches in flight (`StageTrace.problem`), so later ranks
 recompute less. The ranks' plans side by side are one per-layer plan over the whole model that
 records the layout it was solved for and each rank's predicted peak. The fastest Megatron config
 that fits every rank is found beside it, to show what planning per stage gains.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat.estimating import Estimate, EstimateSpec, _StageTrace, predict_stages, rank_plan, trace_stages
+from remat.estimating import Estimate, EstimateSpec, StageTrace, predict_stages, rank_plan, trace_stages
 from remat.layer_plan import PipelineStages, Plan, rank_layers
 from remat.planner import NoPlanFits, host_budget_problems, megatron_keys, model_facts, recompute_candidates
 from remat.planner.solver import solve
@@ -102,7 +102,7 @@ def _joined(stages: Sequence[StagePlan], planned: Estimate, spec: EstimateSpec) 
     return whole
 
 
-def _fastest_uniform(spec: EstimateSpec, traced: Sequence[_StageTrace],
+def _fastest_uniform(spec: EstimateSpec, traced: Sequence[StageTrace],
                      budget: int) -> tuple[RecomputeConfig, Estimate] | None:
     """The fastest of Megatron's usual configs (`recompute_candidates`) whose peak fits `budget`
     on every rank, each lowered onto each rank's layers as Megatron does; None if none fits."""

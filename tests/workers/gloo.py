@@ -17,3 +17,17 @@ def run(results: Callable[[], dict[str, Any]]) -> None:
         torch.save(found, sys.argv[1])
     dist.barrier()
     dist.destroy_process_group()
+
+
+def refused_unchanged(model: torch.nn.Module, layout: Callable[[torch.nn.Module], Any], what: str) -> str:
+    """The ConfigError `layout(model)` raises, checked to have left every weight and buffer as it was."""
+    from remat.problems import ConfigError
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        layout(model)
+    except ConfigError as err:
+        after = model.state_dict()
+        assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items())
+        return str(err)
+    raise AssertionError(f"{what} took it")

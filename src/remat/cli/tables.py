@@ -16,6 +16,7 @@ from remat.bench.result import BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
 from remat.doctor import Report, attribution_rows
 from remat.estimating import Estimate, EstimateSpec
+from remat.layout import index_runs
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
 from remat.models import parameter_count
@@ -234,7 +235,7 @@ def estimate_table(spec: EstimateSpec, results: Sequence[Estimate], measured: bo
                           milliseconds(result.step_time_s) if first else "")
     copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
               f"forward and backward where they fit" if host else "")
-    timed = (f"each rank's shard timed on the device, without communication" if measured else
+    timed = ("each rank's shard timed on the device, without communication" if measured else
              f"counted FLOPs at {spec.tflops:g} TFLOP/s")
     table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); workspaces: "
                      f"cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the "
@@ -249,7 +250,7 @@ def stage_plans_table(result: PipelinePlan) -> Table:
     for column in ("rank", "layers", "plan", "peak"):
         table.add_column(column, justify="right" if column in ("rank", "peak") else "left")
     for stage, estimated in zip(result.stages, result.estimate.stages):
-        table.add_row(str(stage.stage), _ranges(stage.layers), stage.plan.describe(stage.layers),
+        table.add_row(str(stage.stage), index_runs(stage.layers), stage.plan.describe(stage.layers),
                       format_gib(estimated.peak))
     if result.uniform is None:
         table.caption = "no Megatron recompute config (one for every stage) fits every rank under this budget"
@@ -259,17 +260,6 @@ def stage_plans_table(result: PipelinePlan) -> Table:
         table.caption = (f"step {milliseconds(result.estimate.step_time_s)}; the fastest Megatron config that fits "
                          f"every rank ({keys}) takes {milliseconds(uniform.step_time_s)}")
     return table
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    """Layer indices as runs: 0-3, 8-11."""
-    runs: list[list[int]] = []
-    for i in layers:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def trace_table(measured: Trace) -> Table:

@@ -144,7 +144,9 @@ def _cpu_flash(query: DTensor, key: DTensor, value: DTensor, dropout_p: float = 
                attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[DTensor, ...]:
     """aten._scaled_dot_product_flash_attention_for_cpu's signature, run by torch's ring."""
     if attn_mask is not None or dropout_p:
-        raise NotImplementedError("context parallelism runs attention without a mask or dropout")
+        # the family's context_parallel_problems refuse both before a run; a model called otherwise lands here
+        raise ConfigError([Problem("context_parallel_size", "torch's ring attention runs here without an attention"
+                                                            " mask or dropout; drop them or use -cp 1")])
     mesh = query.device_mesh
     ring = _ring._templated_ring_attention
     out, lse = ring(_ring_group(mesh, ring), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
