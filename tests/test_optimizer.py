@@ -107,12 +107,28 @@ def test_estimate_counts_megatron_s_18_bytes_a_parameter_and_the_distributed_opt
     assert sharded["optimizer_state"] == pytest.approx(3 * parameters, rel=1e-3)
 
 
+def test_estimate_under_torch_fsdp2_shards_weights_gradients_and_moments_in_the_main_dtype(tmp_path, capsys) -> None:
+    parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
+    whole = _estimate(tmp_path, "--main_params_dtype", "fp32", "-ng", "2", "-gb", "4")
+    fsdp = _estimate(tmp_path, "--main_params_dtype", "fp32", "-ng", "2", "-gb", "4", "--use_torch_fsdp2")
+    capsys.readouterr()
+    # every llama3_tiny parameter's dim 0 is even, so each rank holds half of each in fp32: 16 bytes a parameter
+    # over 2 ranks, gradients held across the 2 micro-batches each rank runs
+    assert (fsdp["weights"], fsdp["grads"], fsdp["optimizer_state"]) == (2 * parameters, 2 * parameters,
+                                                                         4 * parameters)
+    assert fsdp["activations"] == whole["activations"]
+    assert fsdp["peak"] < whole["peak"]
+
+
 @pytest.mark.parametrize(("precision", "said"), [
     (OptimizerPrecision(main_grads_dtype="fp32"),
      "main_grads_dtype: needs main parameters to act on; set main_params_dtype (Megatron's bf16 runs use fp32)"),
     (OptimizerPrecision(use_distributed_optimizer=True),
      "use_distributed_optimizer: needs main parameters to act on; set main_params_dtype"),
     (OptimizerPrecision(main_params_dtype="fp64"), "main_params_dtype: 'fp64' is not a dtype remat knows; use one of"),
+    (OptimizerPrecision("fp32", use_distributed_optimizer=True, use_torch_fsdp2=True),
+     "use_distributed_optimizer: FSDP2 shards the main parameters and moments itself, and Megatron refuses the two"
+     " together; drop one"),
 ])
 def test_precision_problems_are_refused_with_what_to_set(precision, said) -> None:
     with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):

@@ -46,7 +46,8 @@ from remat.models import Target
 from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import format_bytes
-from remat.optimizer import main_grad_bytes, make
+from remat.optimizer import OptimizerPrecision, main_grad_bytes, make
+from remat.parallel.data_parallel import gathered_bytes, shard_bytes
 from remat.parallel.tensor_parallel import distribute_saved_inputs_by_shape
 from remat.step import RunSpec, available_host_bytes, distributes_saved_inputs, optimizer_state_bytes
 
@@ -116,7 +117,14 @@ class EstimateSpec(RunSpec):
     def of_run(cls, spec: RunSpec, **settings: Any) -> "EstimateSpec":
         """The shapes of a run of `spec`, on its kind of device."""
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec) if f.name != "device"}
+        # a run's data parallelism is FSDP2's
+        fields["precision"] = dataclasses.replace(spec.precision, use_torch_fsdp2=spec.fully_sharded)
         return cls(**fields, device="cuda" if spec.device.startswith("cuda") else "cpu", **settings)
+
+    @property
+    def fully_sharded(self) -> bool:
+        """FSDP2 only where asked for (--use_torch_fsdp2); Megatron's data parallelism otherwise."""
+        return self.precision.use_torch_fsdp2 and super().fully_sharded
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
@@ -366,6 +374,8 @@ class StageTrace:
     input_bytes: int  # the hidden states a later stage receives and holds until its backward
     output_bytes: int  # the hidden states a stage sends on: freed once sent, as Megatron does
     grads: int  # gradients held through the step: main gradients, or the weights' own across micro-batches
+    # FSDP2: its sharded training state and gathered parameters, less the whole model's state the trace held
+    sharding: int = 0
 
     def predict(self, stage: int, plan: PlanLike, spec: EstimateSpec) -> StageEstimate:
         p = self.trace.predict(plan)
@@ -375,7 +385,8 @@ class StageTrace:
             stage=stage, layers=self.trace.layout.num_layers, in_flight=flight, weights=self.weights,
             grads=self.grads, optimizer_state=self.optimizer_state,
             activations=round(flight * per_micro_batch),
-            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch) + spec.workspace_bytes,
+            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch) + spec.workspace_bytes
+            + self.sharding,
             peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes),
             workspaces=spec.workspace_bytes)
 
@@ -386,7 +397,8 @@ class StageTrace:
         flight = in_flight(stage, spec.facts, spec.micro_batches)
         per_micro_batch = self.trace.baseline_saved_bytes + self.input_bytes - self.output_bytes
         return dataclasses.replace(self.trace.problem(), others_in_flight=flight - 1,
-                                   held_bytes=self.input_bytes + (flight - 1) * per_micro_batch + spec.workspace_bytes)
+                                   held_bytes=self.input_bytes + (flight - 1) * per_micro_batch + spec.workspace_bytes
+                                   + self.sharding)
 
 
 @dataclass
@@ -428,7 +440,9 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inp
     if spec.optimizer:  # on CPU the bench's AdamW loops over the tensors, which runs on meta as it is
         shards = spec.data_parallel if spec.precision.use_distributed_optimizer else 1
         cuda_on_meta = on_meta and spec.target == "cuda"
-        optimizer = make(model.parameters(), spec.precision, fused=device.startswith("cuda"), shards=shards,
+        # under FSDP2, AdamW on its shards: traced on the whole model, then taken by shape (trace_stage)
+        precision = OptimizerPrecision() if spec.fully_sharded else spec.precision
+        optimizer = make(model.parameters(), precision, fused=device.startswith("cuda"), shards=shards,
                          inner=_AdamWState if cuda_on_meta else None)
         _begin_state(model, optimizer)
     hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=device)
@@ -452,9 +466,17 @@ def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] 
     hidden_bytes = shard.hidden.untyped_storage().nbytes()
     weights = storage_bytes(shard.model.parameters())
     main_grads = main_grad_bytes(shard.optimizer)
-    grads = main_grads or (weights if gradients_persist(shard.optimizer, spec.micro_batches) else 0)
-    return StageTrace(measured, weights, optimizer_state_bytes(shard.optimizer),
-                       0 if stage == 0 else hidden_bytes, 0 if stage == spec.stages - 1 else hidden_bytes, grads)
+    persist = gradients_persist(shard.optimizer, spec.micro_batches)
+    grads = main_grads or (weights if persist else 0)
+    optimizer = optimizer_state_bytes(shard.optimizer)
+    sharding = 0
+    if spec.fully_sharded:
+        traced_state = weights + grads + optimizer
+        weights = shard_bytes(shard.model.parameters(), spec.data_parallel * spec.context_parallel, spec.state_dtype)
+        grads, optimizer = (weights if persist else 0), (2 * weights if shard.optimizer is not None else 0)
+        sharding = weights + grads + optimizer + gathered_bytes(shard.model, spec.dtype) - traced_state
+    return StageTrace(measured, weights, optimizer, 0 if stage == 0 else hidden_bytes,
+                      0 if stage == spec.stages - 1 else hidden_bytes, grads, sharding)
 
 
 def step_peak(spec: RunSpec, plan: PlanLike) -> int:

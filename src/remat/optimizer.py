@@ -8,7 +8,9 @@ backward adds into as each parameter's gradient is ready (which then frees it); 
 the model's parameters are copied from the main ones. Per parameter that is Megatron's 18 bytes
 (2 weights, 4 main gradients, 4 main parameters, 4 + 4 moments). `use_distributed_optimizer`
 keeps 1/dp of the main parameters and moments on each data-parallel rank: by shape, for estimates
-(on meta); a run under torchrun shards everything with FSDP2 instead.
+(on meta). `use_torch_fsdp2` (Megatron's --use-torch-fsdp2, what a data-parallel run under
+torchrun does): FSDP2 shards the parameters in the main dtype, their gradients and the moments
+over data parallel, and gathers each layer's in the compute dtype for its forward and backward.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class OptimizerPrecision:
     main_params_dtype: str | None = None
     main_grads_dtype: str | None = None
     use_distributed_optimizer: bool = False
+    use_torch_fsdp2: bool = False
 
     def problems(self) -> Iterator[Problem]:
         for name in ("main_params_dtype", "main_grads_dtype"):
@@ -45,12 +48,16 @@ class OptimizerPrecision:
                 if getattr(self, name):
                     yield Problem(name, "needs main parameters to act on; set main_params_dtype (Megatron's bf16"
                                         " runs use fp32)")
+        if self.use_torch_fsdp2 and self.use_distributed_optimizer:
+            yield Problem("use_distributed_optimizer", "FSDP2 shards the main parameters and moments itself, and"
+                                                       " Megatron refuses the two together; drop one")
 
     def describe(self) -> str:
         if self.main_params_dtype is None:
             return "AdamW on the model's parameters"
         grads = self.main_grads_dtype or self.main_params_dtype
-        shard = ", sharded over data parallel" if self.use_distributed_optimizer else ""
+        shard = (", FSDP2-sharded" if self.use_torch_fsdp2 else
+                 ", sharded over data parallel" if self.use_distributed_optimizer else "")
         return f"AdamW on {self.main_params_dtype} main parameters, {grads} main gradients{shard}"
 
 

@@ -24,7 +24,7 @@ from remat import parallel
 from remat.apply import apply
 from remat.calls import forward_loss
 from remat.layer_plan import Plan, PlanLike
-from remat.optimizer import OptimizerPrecision, make as make_step_optimizer
+from remat.optimizer import DTYPES, OptimizerPrecision, adamw, make as make_step_optimizer
 from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
@@ -203,6 +203,19 @@ class RunSpec:
         return 1 if self.num_gpus is None else max(self.num_gpus // self.model_parallel, 1)
 
     @property
+    def fully_sharded(self) -> bool:
+        """Whether FSDP2 shards the training state over the dp x cp ranks: in every run with data
+        or context parallelism (remat's data parallelism is FSDP2)."""
+        return self.data_parallel * self.context_parallel > 1
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype parameters are kept in: under FSDP2 with main parameters, theirs (FSDP2
+        gathers them in the compute dtype); otherwise the compute dtype."""
+        main = self.precision.main_params_dtype
+        return DTYPES[main] if self.fully_sharded and main is not None else self.dtype
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs a step."""
         if self.global_batch_size is None:
@@ -359,7 +372,7 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     cp rank's gradients are of its own tokens)."""
     torch.manual_seed(spec.seed + stage)
     family, last = spec.family, spec.pipeline.chunks - 1
-    model = family.build(config, dtype=spec.dtype, device=spec.device, pre_process=stage == 0,
+    model = family.build(config, dtype=spec.state_dtype, device=spec.device, pre_process=stage == 0,
                          post_process=stage == last)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
@@ -367,12 +380,26 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
         parallel.context_parallel_model(model, mesh["cp"])
+    compute, reduce = fsdp2_precision(spec)
     if mesh is not None and spec.expert_parallel > 1:  # ep is refused beside cp
-        parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel)  # FSDP2 over dp, experts over edp
-    elif mesh is not None and spec.data_parallel * spec.context_parallel > 1:
+        # FSDP2 over dp, experts over edp
+        parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel, compute_dtype=compute,
+                                     reduce_dtype=reduce)
+    elif mesh is not None and spec.fully_sharded:
         # torchtitan's flattened dp x cp dimension
-        parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"])
+        parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"],
+                                    compute_dtype=compute, reduce_dtype=reduce)
     return model
+
+
+def fsdp2_precision(spec: RunSpec) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """FSDP2's (compute, reduce) dtypes for `spec`: with main parameters, the shards in their
+    dtype are gathered in the compute dtype and gradients reduced in the main gradients' dtype
+    (Megatron's fp32 main weights and gradients); without, everything in the compute dtype."""
+    precision = spec.precision
+    if precision.main_params_dtype is None:
+        return None, None
+    return spec.dtype, DTYPES[precision.main_grads_dtype or precision.main_params_dtype]
 
 
 def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
@@ -453,7 +480,10 @@ def make_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer | N
     """The step's AdamW in the spec's precision, or None for forward+backward runs."""
     if not spec.optimizer:
         return None
-    return make_step_optimizer(model.parameters(), spec.precision, fused=spec.device.startswith("cuda"))
+    fused = spec.device.startswith("cuda")
+    if spec.fully_sharded:  # FSDP2's shards are the main parameters
+        return adamw(model.parameters(), fused)
+    return make_step_optimizer(model.parameters(), spec.precision, fused=fused)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

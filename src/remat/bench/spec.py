@@ -55,9 +55,9 @@ class BenchSpec(RunSpec):
     def _launch_problems(self) -> Iterator[Problem]:
         """Several GPUs: data parallel (FSDP2) over the processes torchrun started, one per GPU."""
         gpus, started = self.num_gpus or self.model_parallel, launched_world()
-        if max(started, gpus) > 1 and self.precision.main_params_dtype is not None:
-            yield Problem("main_params_dtype", "FSDP2 keeps its own parameter shards, so main parameters beside"
-                                               " them are not run yet; drop --main_params_dtype for -ng above 1")
+        if self.fully_sharded and self.precision.use_distributed_optimizer:
+            yield Problem("use_distributed_optimizer", "data parallelism runs FSDP2, which shards the main parameters"
+                                                       " and moments itself; drop it")
         yield from self.pipeline.problems(self.micro_batches)
         if started > 1 and started != gpus:  # outside torchrun, `remat bench -ng N` starts it
             yield Problem("num_gpus", f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"

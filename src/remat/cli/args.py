@@ -124,11 +124,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--use_distributed_optimizer", action="store_true",
                    help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters "
                         "and moments (estimate)")
+    g.add_argument("--use_torch_fsdp2", action="store_true",
+                   help="data parallel by torch's FSDP2, as Megatron's --use-torch-fsdp2: parameters (in the main"
+                        " dtype), gradients and moments sharded over data parallel, each layer gathered in the"
+                        " compute dtype; what remat bench runs with data parallelism (estimate; bench: implied)")
     return g
 
 
 def optimizer_precision(args: argparse.Namespace) -> OptimizerPrecision:
-    return OptimizerPrecision(args.main_params_dtype, args.main_grads_dtype, args.use_distributed_optimizer)
+    return OptimizerPrecision(args.main_params_dtype, args.main_grads_dtype, args.use_distributed_optimizer,
+                              args.use_torch_fsdp2)
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,8 @@ replay (`Site.before_replay`); the layer's own backward then reshards it as usua
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,12 +32,22 @@ def layer_modules(model: nn.Module) -> list[tuple[nn.Module, Site]]:
     return found
 
 
+def mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in `compute_dtype` and gradients reduced in
+    `reduce_dtype` (default float32); none given, everything in the parameters' own dtype."""
+    if compute_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or torch.float32)
+
+
 def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
-                       compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
+                       compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                       reshard_after_forward: bool = True) -> nn.Module:
     """Shard `model` over `mesh` (default: every rank of the default process group) with FSDP2,
     one unit per transformer layer and the root. `compute_dtype` (e.g. bfloat16 over float32
     parameters): the dtype parameters are gathered in for compute, with gradients reduced in
-    float32, as Megatron keeps fp32 main weights and gradients. Returns `model`, sharded in place."""
+    `reduce_dtype` (default float32), as Megatron keeps fp32 main weights and gradients. Returns
+    `model`, sharded in place."""
     layers = layer_modules(model)
     problems = []
     if not layers:
@@ -50,10 +62,27 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
     if mesh is None:
         device = next(model.parameters()).device.type
         mesh = init_device_mesh(device, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy() if compute_dtype is None else MixedPrecisionPolicy(
-        param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = mixed_precision(compute_dtype, reduce_dtype)
     for module, site in layers:
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         site.before_replay = module.unshard  # type: ignore[assignment,operator]
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def shard_bytes(params: Iterable[torch.Tensor], shards: int, dtype: torch.dtype) -> int:
+    """Bytes one rank holds of `params` sharded by FSDP2 over `shards` ranks in `dtype`: each
+    parameter split along dim 0 into equal chunks, the last padded (FSDP2's rule)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(-(-p.shape[0] // shards) * (p.numel() // p.shape[0]) * size if p.dim() else size for p in params)
+
+
+def gathered_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of parameters FSDP2 holds gathered in `dtype` at a step's peak: the root's (it
+    does not reshard them between forward and backward) and one layer's, the one computing."""
+    layers = [module for module, _ in layer_modules(model)]
+    in_layers = {p for layer in layers for p in layer.parameters()}
+    size = torch.empty((), dtype=dtype).element_size()
+    root = sum(p.numel() for p in model.parameters() if p not in in_layers)
+    largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    return (root + largest) * size

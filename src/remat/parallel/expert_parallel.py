@@ -21,13 +21,14 @@ many rows each op holds), so the ranks of a group replay the same exchanges in t
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from remat import models
-from remat.parallel.data_parallel import fully_shard_layers
+from remat.parallel.data_parallel import fully_shard_layers, mixed_precision
 from remat.problems import ConfigError, Problem
 
 EXPERT_MESH_DIMS = ("edp", "ep")
@@ -56,11 +57,12 @@ def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
     return []
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> nn.Module:
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
+                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
-    group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does, its experts over the
-    ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
+    group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does (in its mixed
+    precision), its experts over the ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
     Raises one ConfigError with every problem before changing anything. Returns `model`."""
     family = models.family_of_model(model)
     problems = _layout_problems(mesh, ep)
@@ -74,6 +76,7 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> n
     device = next(model.parameters()).device
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     split = expert_mesh(mesh, ep)
+    policy = mixed_precision(compute_dtype, reduce_dtype)
     for experts in family.expert_parallel(model, split["ep"].get_group()):
-        fully_shard(experts, mesh=split["edp"])
-    return fully_shard_layers(model, mesh)
+        fully_shard(experts, mesh=split["edp"], mp_policy=policy)
+    return fully_shard_layers(model, mesh, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
