@@ -151,9 +151,6 @@ class LlamaFamily(ModelFamily):
     def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         llama = _model(model)
         yield from self.shard_problems(llama.config, sizes)
-        if llama.config.qk_layernorm:
-            yield Problem("qk_layernorm", "norms each rank's own heads with a weight every rank holds, whose"
-                                          " gradient parts no tensor-parallel style sums; turn it off")
         others = sorted({type(part).__name__ for layer in llama.decoder.transformer_layers()
                          for part, dense in ((layer.self_attention, SelfAttention), (layer.mlp, MLP))
                          if type(part) is not dense})
@@ -166,7 +163,9 @@ class LlamaFamily(ModelFamily):
         query groups; each rank's gate and up rows), linear_proj and linear_fc2 by rows, attention
         and the MLP on local tensors. With sequence parallelism the norms run on this rank's tokens,
         the projections gather them and reduce-scatter their sums, the embedding's output is split
-        and the decoder's gathered again for the loss head."""
+        and the decoder's gathered again for the loss head. Qwen3's q and k norms (one weight for
+        all heads) run on this rank's heads as torch's SequenceParallel along the heads dimension:
+        the weight replicated, its gradient parts summed over the ranks."""
         llama, tp = _model(model), sizes.tensor
         tokens = Shard(1) if sizes.sequence_parallel else Replicate()
         names = {module: name for name, module in llama.named_modules()}
@@ -181,6 +180,9 @@ class LlamaFamily(ModelFamily):
                      f"{name}.self_attention.linear_proj": RowwiseParallel(output_layouts=tokens),
                      f"{name}.mlp.linear_fc1": ColwiseParallel(input_layouts=tokens),
                      f"{name}.mlp.linear_fc2": RowwiseParallel(output_layouts=tokens)}
+            if attention.q_layernorm is not None:  # q, k [b, s, heads, d]: this rank's heads
+                plan |= {f"{name}.self_attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                         for norm in ("q_layernorm", "k_layernorm")}
             if sizes.sequence_parallel:
                 layer.dropout = forked(fork, layer.dropout)  # over this rank's tokens
                 plan |= {f"{name}.{norm}": SequenceParallel(use_local_output=True)
