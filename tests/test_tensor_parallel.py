@@ -218,9 +218,9 @@ def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
 def test_parallelize_tensor_refuses_an_moe_model_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
     refusals = split["refusals"]
     assert refusals["moe"].splitlines() == [
-        "tensor_model_parallel_size: is 2; MoE models (an expert-parallel rank: expert_model_parallel_size) run on"
-        " one device for now; use 1",
-        "model: layers with MoELayer have no tensor-parallel plan; only the dense Llama's SelfAttention and MLP split"]
+        "tensor_model_parallel_size: is 2; MoE layers do not split over tensor-parallel ranks yet; use 1, or dense"
+        " layers only (moe_layer_freq)",
+        "model: layers with MoELayer have no tensor-parallel plan; only SelfAttention, MLP, MLASelfAttention split"]
     assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
     assert refusals["seed"] == (
         "seed: torch's default generators were seeded [0, 1] on the tensor-parallel ranks, so dropout on the tensors"

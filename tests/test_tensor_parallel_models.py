@@ -1,12 +1,15 @@
 """Tensor parallelism on the layers beyond the dense Llama's (tests/workers/tp_models_worker.py,
-two processes under torchrun with gloo): Qwen3's q/k norms.
+two processes under torchrun with gloo): Qwen3's q/k norms, DeepSeek-V3's multi-latent
+attention (with and without the queries' low rank).
 
 Each is split over two ranks, with and without sequence parallelism. Without recompute and
 dropout, each rank's loss and every gradient match one process's: not bit for bit, since the
 row-parallel projections sum the ranks' partial products by an all-reduce or reduce-scatter, and
 a weight every rank holds whole (a norm over each rank's own heads or tokens) has its gradient
 summed over the ranks' parts, where one process adds in another order; float64, so within
-rtol 1e-10. Every plan (selective, full) with dropout on is bit-identical to the split run
+rtol 1e-10. MLA's replicated down projections and norms get the whole gradient on every rank,
+bit-identical between ranks (the up projections and the shared rotary key sum their input's
+gradient over the ranks before it reaches them). Every plan (selective, full) with dropout on is bit-identical to the split run
 without recompute: the same arithmetic, each replay restoring this rank's dropout stream.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Run by tests/test_tensor_parallel_models.py under torchrun (gloo, CPU, 2 processes): the tiny
-models whose layers split under tensor parallelism beyond the dense Llama's (Qwen3's q/k norms),
+models whose layers split under tensor parallelism beyond the dense Llama's (Qwen3's q/k norms,
+DeepSeek-V3's multi-latent attention),
 each split over 2 ranks with and without sequence parallelism, one step per plan on the same
 batch on both ranks. Rank 0 saves every result to the file named by argv[1]: each rank's loss, the
 full gradients, and the parameters held whole on every rank whose gradients differ between ranks."""
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from remat import models
 from remat.models import build
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.recompute import RecomputeConfig
+from remat.recompute import RecomputeConfig, TrainingFacts
 
 import gloo
 import tp_worker
@@ -22,6 +24,10 @@ LAYERS, SEQ = 2, 16
 # name -> (recipe, overrides, the Sites a selective plan recomputes)
 MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
     "qk_layernorm": ("llama3_tiny", dict(qk_layernorm=True), ["core_attn", "layernorm", "mlp"]),
+    # DeepSeek-V3's multi-latent attention on dense layers: queries through a low rank, and not
+    "mla": ("deepseek_tiny", dict(moe_layer_freq=f"[0]*{LAYERS}"), ["core_attn", "mla_up_proj", "mlp"]),
+    "mla_q_proj": ("deepseek_tiny", dict(moe_layer_freq=f"[0]*{LAYERS}", q_lora_rank=None),
+                   ["core_attn", "mla_up_proj", "mlp"]),
 }
 DROPOUT = 0.1
 
@@ -35,9 +41,14 @@ def model(name: str, dropout: float) -> torch.nn.Module:
 
 
 def plans(name: str) -> dict[str, RecomputeConfig | None]:
+    recipe, overrides, modules = MODELS[name]
+    config = models.recipe_config(recipe, num_layers=LAYERS, **overrides)
+    facts = TrainingFacts(**{key: value for key, value in config.megatron_facts().items()
+                             if key in TrainingFacts.__dataclass_fields__}, tensor_model_parallel_size=tp_worker.TP)
     return {"none": None,
-            "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=MODELS[name][2]),
-            "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+            "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts),
+            "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                                    facts=facts)}
 
 
 def replicated_but_unlike(model: torch.nn.Module) -> list[str]:

@@ -1,20 +1,25 @@
 """The MoE family (DeepSeek-V3, Qwen3-MoE, Mixtral shapes) behind the model seam."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Placement
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.labels import Label
-from remat.models.family import ParallelSizes, one_device_problems
+from remat.models.family import Fork, ParallelSizes, one_device_problems
 from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
+from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.model import MoEModel
 from remat.models.moe.moe_layer import MoELayer
+from remat.models.moe.tensor_parallel import mla_plan
 from remat.problems import ConfigError, Problem
 
 
@@ -51,10 +56,35 @@ class MoEFamily(LlamaFamily):
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from one_device_problems(sizes, "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        c = _moe(config)
+        yield from one_device_problems(dataclasses.replace(sizes, tensor=1),
+                                       "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        if sizes.tensor > 1:
+            yield from self._tensor_problems(c, sizes)
+
+    def _tensor_problems(self, c: MoEConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        """The Llama's (heads, FFN, tokens over tp) and MoE layers, which do not split yet."""
+        yield from super().shard_problems(c, dataclasses.replace(sizes, pipeline=1, context=1))
+        if any(c.is_moe_layer(i) for i in range(c.num_layers)):
+            yield Problem("tensor_model_parallel_size", f"is {sizes.tensor}; MoE layers do not split over"
+                                                        " tensor-parallel ranks yet; use 1, or dense layers only"
+                                                        " (moe_layer_freq)")
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
-        return _moe(config)
+        c = _moe(config)
+        if sizes.tensor == 1:
+            return c
+        # the Llama's share of heads, query groups, FFN and vocabulary (MLA: the up projections' heads)
+        shard = super().shard(c, ParallelSizes(tensor=sizes.tensor, sequence_parallel=sizes.sequence_parallel))
+        return _moe(shard)
+
+    tensor_parallel_parts = (*LlamaFamily.tensor_parallel_parts, MLASelfAttention)
+
+    def tensor_parallel_part(self, part: nn.Module, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
+        """MLA as Megatron splits it (models/moe/tensor_parallel.py); the Llama's parts as it does."""
+        if isinstance(part, MLASelfAttention):
+            return mla_plan(part, tp, tokens, fork)
+        return super().tensor_parallel_part(part, tp, tokens, fork)
 
     def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
         config = _moe_model(model).config
