@@ -42,7 +42,7 @@ def forked(fork: Fork, fn: Callable[P, R]) -> Callable[P, R]:
 
 
 @torch.no_grad()
-def _gate_up_by_rank(weight: Tensor, tp: int) -> None:
+def gate_up_by_rank(weight: Tensor, tp: int) -> None:
     """linear_fc1's rows [gate; up] reordered [gate_0; up_0; gate_1; up_1; ...], so that a column
     split gives each rank the gate and up rows of its own FFN share, as Megatron stores them."""
     weight.copy_(weight.unflatten(0, (2, tp, -1)).transpose(0, 1).reshape(weight.shape).clone())
@@ -198,7 +198,7 @@ class LlamaFamily(ModelFamily):
         q and k norms (one weight for all heads) as torch's SequenceParallel along the heads: the
         weight replicated, its gradient parts summed over the ranks."""
         if isinstance(part, MLP):
-            _gate_up_by_rank(part.linear_fc1.weight, tp)
+            gate_up_by_rank(part.linear_fc1.weight, tp)
             return {".linear_fc1": ColwiseParallel(input_layouts=tokens),
                     ".linear_fc2": RowwiseParallel(output_layouts=tokens)}
         assert isinstance(part, SelfAttention)  # tensor_parallel_problems
