@@ -212,17 +212,15 @@ def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
         "tensor_model_parallel_size: ffn_hidden_size=81 does not split over 2 tensor-parallel ranks; use a"
         " tensor-parallel size that divides it",
         "sequence_parallel: each rank's 15 tokens do not split over 2 tensor-parallel ranks; use a sequence length"
-        " that is a multiple of 2, or turn sequence parallelism off",
-        "qk_layernorm: norms each rank's own heads with a weight every rank holds, whose gradient parts no"
-        " tensor-parallel style sums; turn it off"]
+        " that is a multiple of 2, or turn sequence parallelism off"]
 
 
-def test_parallelize_tensor_refuses_an_moe_model_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
+def test_parallelize_tensor_refuses_experts_split_otherwise_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
     refusals = split["refusals"]
     assert refusals["moe"].splitlines() == [
-        "tensor_model_parallel_size: is 2; MoE models (an expert-parallel rank: expert_model_parallel_size) run on"
-        " one device for now; use 1",
-        "model: layers with MoELayer have no tensor-parallel plan; only the dense Llama's SelfAttention and MLP split"]
+        "expert_tensor_parallel_size: is 2; under tensor parallelism the experts split over the tensor-parallel"
+        " ranks (Megatron's default); leave it 1",
+        "expert_model_parallel_size: is 2; expert parallelism beside tensor parallelism does not run yet; use 1"]
     assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
     assert refusals["seed"] == (
         "seed: torch's default generators were seeded [0, 1] on the tensor-parallel ranks, so dropout on the tensors"

@@ -121,7 +121,7 @@ def refusals() -> dict[str, str]:
 
     def moe() -> torch.nn.Module:
         torch.manual_seed(0)
-        return build("moe_tiny", qk_layernorm=False)
+        return build("moe_tiny", expert_model_parallel_size=2, expert_tensor_parallel_size=2)
 
     def unseeded() -> torch.nn.Module:
         model = fsdp_worker.model(0.0)

@@ -7,7 +7,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel)
 
@@ -42,7 +42,7 @@ def forked(fork: Fork, fn: Callable[P, R]) -> Callable[P, R]:
 
 
 @torch.no_grad()
-def _gate_up_by_rank(weight: Tensor, tp: int) -> None:
+def gate_up_by_rank(weight: Tensor, tp: int) -> None:
     """linear_fc1's rows [gate; up] reordered [gate_0; up_0; gate_1; up_1; ...], so that a column
     split gives each rank the gate and up rows of its own FFN share, as Megatron stores them."""
     weight.copy_(weight.unflatten(0, (2, tp, -1)).transpose(0, 1).reshape(weight.shape).clone())
@@ -148,45 +148,38 @@ class LlamaFamily(ModelFamily):
             blocks=blocks, split_after=[llama.embedding] if llama.embedding is not None else [],
             gather_after=[llama.decoder] if llama.output_layer is not None else [])
 
+    # the attention and MLP classes whose tensor-parallel plan this family knows (tensor_parallel_part)
+    tensor_parallel_parts: tuple[type[nn.Module], ...] = (SelfAttention, MLP)
+
     def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         llama = _model(model)
         yield from self.shard_problems(llama.config, sizes)
-        if llama.config.qk_layernorm:
-            yield Problem("qk_layernorm", "norms each rank's own heads with a weight every rank holds, whose"
-                                          " gradient parts no tensor-parallel style sums; turn it off")
+        known = self.tensor_parallel_parts
         others = sorted({type(part).__name__ for layer in llama.decoder.transformer_layers()
-                         for part, dense in ((layer.self_attention, SelfAttention), (layer.mlp, MLP))
-                         if type(part) is not dense})
+                         for part in (layer.self_attention, layer.mlp) if not isinstance(part, known)})
         if others:
-            yield Problem("model", f"layers with {', '.join(others)} have no tensor-parallel plan; only the"
-                                   " dense Llama's SelfAttention and MLP split")
+            yield Problem("model", f"layers with {', '.join(others)} have no tensor-parallel plan; only"
+                                   f" {', '.join(part.__name__ for part in known)} split")
 
     def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
-        """Megatron's split, in torchtitan's styles: linear_qkv and linear_fc1 by columns (whole
-        query groups; each rank's gate and up rows), linear_proj and linear_fc2 by rows, attention
-        and the MLP on local tensors. With sequence parallelism the norms run on this rank's tokens,
-        the projections gather them and reduce-scatter their sums, the embedding's output is split
-        and the decoder's gathered again for the loss head."""
-        llama, tp = _model(model), sizes.tensor
+        """Megatron's split, in torchtitan's styles: each layer's attention and MLP by
+        `tensor_parallel_part`. With sequence parallelism the norms run on this rank's tokens,
+        the embedding's output is split and the decoder's gathered again for the loss head."""
+        llama = _model(model)
         tokens = Shard(1) if sizes.sequence_parallel else Replicate()
         names = {module: name for name, module in llama.named_modules()}
         plan: dict[str, ParallelStyle] = {}
         for layer in llama.decoder.transformer_layers():
-            attention, mlp, name = layer.self_attention, layer.mlp, names[layer]
-            assert isinstance(attention, SelfAttention) and isinstance(mlp, MLP)  # tensor_parallel_problems
-            attention.num_heads, attention.num_groups = attention.num_heads // tp, attention.num_groups // tp
-            attention.attention = forked(fork, attention.attention)  # over this rank's heads
-            _gate_up_by_rank(mlp.linear_fc1.weight, tp)
-            plan |= {f"{name}.self_attention.linear_qkv": ColwiseParallel(input_layouts=tokens),
-                     f"{name}.self_attention.linear_proj": RowwiseParallel(output_layouts=tokens),
-                     f"{name}.mlp.linear_fc1": ColwiseParallel(input_layouts=tokens),
-                     f"{name}.mlp.linear_fc2": RowwiseParallel(output_layouts=tokens)}
+            name = names[layer]
+            for part, path in ((layer.self_attention, "self_attention"), (layer.mlp, "mlp")):
+                plan |= {f"{name}.{path}{sub}": style for sub, style in
+                         self.tensor_parallel_part(part, sizes.tensor, tokens, fork).items()}
             if sizes.sequence_parallel:
                 layer.dropout = forked(fork, layer.dropout)  # over this rank's tokens
                 plan |= {f"{name}.{norm}": SequenceParallel(use_local_output=True)
                          for norm in ("input_layernorm", "pre_mlp_layernorm")}
         if sizes.sequence_parallel:
-            points = self.sequence_parallel(llama, tp)
+            points = self.sequence_parallel(llama, sizes.tensor)
             llama.embedding_dropout = forked(fork, llama.embedding_dropout)
             plan |= {names[m]: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
                      for m in points.split_after}
@@ -194,6 +187,28 @@ class LlamaFamily(ModelFamily):
                      for m in points.gather_after}
             if llama.decoder.final_layernorm is not None:
                 plan[names[llama.decoder.final_layernorm]] = SequenceParallel(use_local_output=True)
+        return plan
+
+    def tensor_parallel_part(self, part: nn.Module, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
+        """Prepare a layer's attention or MLP `part` (of `tensor_parallel_parts`) to run as one of
+        `tp` ranks, its input and output the layer's `tokens` (Shard(1) under sequence
+        parallelism); the styles of its modules by path below it ("" the part itself). The dense
+        Llama's: linear_qkv and linear_fc1 by columns (whole query groups; each rank's gate and up
+        rows), linear_proj and linear_fc2 by rows, attention and the MLP on local tensors; Qwen3's
+        q and k norms (one weight for all heads) as torch's SequenceParallel along the heads: the
+        weight replicated, its gradient parts summed over the ranks."""
+        if isinstance(part, MLP):
+            gate_up_by_rank(part.linear_fc1.weight, tp)
+            return {".linear_fc1": ColwiseParallel(input_layouts=tokens),
+                    ".linear_fc2": RowwiseParallel(output_layouts=tokens)}
+        assert isinstance(part, SelfAttention)  # tensor_parallel_problems
+        part.num_heads, part.num_groups = part.num_heads // tp, part.num_groups // tp
+        part.attention = forked(fork, part.attention)  # over this rank's heads
+        plan: dict[str, ParallelStyle] = {".linear_qkv": ColwiseParallel(input_layouts=tokens),
+                                          ".linear_proj": RowwiseParallel(output_layouts=tokens)}
+        if part.q_layernorm is not None:  # q, k [b, s, heads, d]: this rank's heads
+            plan |= {f".{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for norm in ("q_layernorm", "k_layernorm")}
         return plan
 
 

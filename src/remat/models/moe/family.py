@@ -1,20 +1,25 @@
 """The MoE family (DeepSeek-V3, Qwen3-MoE, Mixtral shapes) behind the model seam."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Placement
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.labels import Label
-from remat.models.family import ParallelSizes, one_device_problems
+from remat.models.family import Fork, ParallelSizes, one_device_problems
 from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
+from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.model import MoEModel
 from remat.models.moe.moe_layer import MoELayer
+from remat.models.moe.tensor_parallel import mla_plan, moe_plan
 from remat.problems import ConfigError, Problem
 
 
@@ -51,10 +56,54 @@ class MoEFamily(LlamaFamily):
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from one_device_problems(sizes, "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        c = _moe(config)
+        yield from one_device_problems(dataclasses.replace(sizes, tensor=1),
+                                       "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        if sizes.tensor > 1:
+            yield from self._tensor_problems(c, sizes)
+
+    def _tensor_problems(self, c: MoEConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        """The Llama's (heads, FFN, tokens over tp) and the experts' FFN, which split over tp."""
+        tp = sizes.tensor
+        yield from super().shard_problems(c, dataclasses.replace(sizes, pipeline=1, context=1))
+        for name, size in (("moe_ffn_hidden_size", c.expert_ffn),
+                           ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size or 0)):
+            if size % tp:
+                yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
+                                                            " ranks; use a tensor-parallel size that divides it")
+        if c.expert_tensor_parallel_size != 1:
+            yield Problem("expert_tensor_parallel_size", f"is {c.expert_tensor_parallel_size}; under tensor"
+                                                         " parallelism the experts split over the tensor-parallel"
+                                                         " ranks (Megatron's default); leave it 1")
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
-        return _moe(config)
+        c = _moe(config)
+        if sizes.tensor == 1:
+            return c
+        # the Llama's share of heads, query groups, FFN and vocabulary (MLA: the up projections' heads)
+        tp = sizes.tensor
+        shard = super().shard(c, ParallelSizes(tensor=tp, sequence_parallel=sizes.sequence_parallel))
+        shared = c.moe_shared_expert_intermediate_size
+        # and each expert's FFN, as Megatron's default expert_tensor_parallel_size (tp)
+        return dataclasses.replace(_moe(shard), moe_ffn_hidden_size=c.expert_ffn // tp,
+                                   moe_shared_expert_intermediate_size=shared // tp if shared else shared)
+
+    tensor_parallel_parts = (*LlamaFamily.tensor_parallel_parts, MLASelfAttention, MoELayer)
+
+    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
+        yield from super().tensor_parallel_problems(model, sizes)
+        if (ep := _moe_model(model).config.expert_model_parallel_size) > 1:
+            yield Problem("expert_model_parallel_size", f"is {ep}; expert parallelism beside tensor parallelism"
+                                                        " does not run yet; use 1")
+
+    def tensor_parallel_part(self, part: nn.Module, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
+        """MLA and MoE layers as Megatron splits them (models/moe/tensor_parallel.py); the Llama's
+        parts as it does."""
+        if isinstance(part, MLASelfAttention):
+            return mla_plan(part, tp, tokens, fork)
+        if isinstance(part, MoELayer):
+            return moe_plan(part, tp, tokens)
+        return super().tensor_parallel_part(part, tp, tokens, fork)
 
     def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
         config = _moe_model(model).config
