@@ -45,6 +45,14 @@ def test_validate_lists_every_problem_and_exits_1(capsys) -> None:
     assert "num_layers: 8 layers do not split evenly" in err
 
 
+def test_validate_checks_expert_parallel_sizes_against_the_recipe_as_estimate_does(capsys) -> None:
+    assert _run(capsys, "validate", "-mr", "moe_tiny", "-ep", "2")[0] == 0
+    code, _, err = _run(capsys, "validate", "-mr", "moe_tiny", "-ep", "3")
+    assert code == 1 and "-ep/--expert_model_parallel_size: (3) must divide num_moe_experts (4)" in err
+    code, _, err = _run(capsys, "validate", "-ep", "2")
+    assert code == 1 and "-ep and -etp split a recipe's experts; name it with -mr" in err
+
+
 def test_validate_rejects_both_rl_and_modules(capsys) -> None:
     code, _, err = _run(capsys, "validate", "-rl", "1", "--recompute_modules", "mlp")
     assert code == 1 and "pass one of them" in err

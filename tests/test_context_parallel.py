@@ -19,6 +19,9 @@ import pytest
 import torch
 
 from conftest import run_under_torchrun
+from remat.bench.run import run_shape
+from remat.bench.spec import BenchSpec
+from remat.cli.bench import _layout_words
 from remat.parallel import coordinates
 from remat.problems import ConfigError
 from remat.recompute import TrainingFacts
@@ -121,3 +124,11 @@ def test_a_ranks_coordinates_on_the_pp_dp_cp_tp_mesh() -> None:
     assert coordinates(13, 2, 2, tensor=2, context=2) == (1, 1, 1, 0)
     assert coordinates(13, 2, 2, tensor=2, context=2).context == 0
     assert coordinates(3, 1, 2, context=2) == (0, 1, 0, 1)
+
+
+def test_a_context_parallel_result_records_its_size_and_says_it_in_the_title() -> None:
+    spec = BenchSpec(recipe="llama3_tiny", device="cpu", num_gpus=4, facts=TrainingFacts(context_parallel_size=2))
+    shape = run_shape(spec)
+    assert (shape["context_parallel"], shape["data_parallel"]) == (2, 2)
+    assert _layout_words(spec) == (", context parallel over 2 ranks (ring attention), data parallel over 2 ranks"
+                                   " (FSDP2)")

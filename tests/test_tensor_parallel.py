@@ -218,8 +218,9 @@ def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
 def test_parallelize_tensor_refuses_experts_split_otherwise_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
     refusals = split["refusals"]
     assert refusals["moe"].splitlines() == [
-        "expert_tensor_parallel_size: is 2; under tensor parallelism the experts split over the tensor-parallel"
-        " ranks (Megatron's default); leave it 1",
+        "expert_tensor_parallel_size: is 2; beside tensor parallelism remat splits each expert over the"
+        " tensor-parallel ranks, as Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run"
+        " yet: drop -etp",
         "expert_model_parallel_size: is 2; expert parallelism beside tensor parallelism does not run yet; use 1"]
     assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
     assert refusals["seed"] == (

@@ -25,7 +25,12 @@ import torch
 from conftest import run_under_torchrun
 from remat import models
 from remat.calls import forward_loss
+from remat.cli.tables import _expert_parallel
+from remat.estimating import EstimateSpec
 from remat.models import ParallelSizes
+from remat.problems import ConfigError
+from remat.recompute import TrainingFacts
+from remat.step import RunSpec
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import tp_models_worker as worker  # noqa: E402
@@ -92,3 +97,12 @@ def test_one_ranks_shard_holds_its_heads_and_its_share_of_every_experts_ffn() ->
         " tensor-parallel size that divides it"
         for name, size in (("num_attention_heads", 4), ("num_query_groups", 2), ("ffn_hidden_size", 160),
                            ("moe_shared_expert_intermediate_size", 64))]
+
+
+def test_experts_split_over_tp_as_megatron_s_default_and_an_explicit_etp_1_is_refused() -> None:
+    tp2 = TrainingFacts(tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_size: is 1, experts whole on every tensor-parallel"
+                                          " rank, which does not run yet; beside -tp remat splits each expert"):
+        RunSpec("moe_tiny", {"expert_tensor_parallel_size": 1}, device="cpu", facts=tp2)
+    assert _expert_parallel(EstimateSpec("moe_tiny", device="cpu", facts=tp2)) == "ep 1, etp 2, "
+    assert _expert_parallel(EstimateSpec("moe_tiny", device="cpu")) == "ep 1, etp 1, "

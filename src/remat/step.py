@@ -128,6 +128,11 @@ class RunSpec:
             if not hasattr(base, key):
                 yield Problem(key, f"is {self.overrides[key]}, but {self.recipe} has no routed experts that remat"
                                    " splits; use an MoE recipe (remat recipes lists them) or drop it")
+            elif key == EXPERT_SIZES[1] and self.overrides[key] == 1 and self.facts.tensor_model_parallel_size > 1:
+                # the config's 1 is remat's unset; given beside tp, it asks for experts whole on each tp rank
+                yield Problem(key, "is 1, experts whole on every tensor-parallel rank, which does not run yet;"
+                                   " beside -tp remat splits each expert over the tensor-parallel ranks as"
+                                   " Megatron's default (etp = tp) does: drop -etp")
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from _device_name_problems(self.device)

@@ -142,7 +142,7 @@ def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
     layout = {"data_parallel": spec.data_parallel, "tensor_parallel": spec.facts.tensor_model_parallel_size,
               "sequence_parallel": int(spec.parallel.sequence_split > 1), "pipeline_parallel": spec.stages,
-              "virtual_pipeline_parallel": spec.pipeline.virtual}
+              "virtual_pipeline_parallel": spec.pipeline.virtual, "context_parallel": spec.context_parallel}
     return dict(**spec.model_config.record(), **{key: size for key, size in layout.items() if size > 1},
                 micro_batch_size=spec.micro_batch_size,
                 global_batch_size=spec.global_batch_size or spec.micro_batch_size,

@@ -86,6 +86,17 @@ def add_model_source_flags(g: argparse._ActionsContainer) -> None:
                         " below its first embedding's vocabulary, -sl tokens")
 
 
+def add_expert_flags(g: argparse._ActionsContainer) -> None:
+    """Megatron's expert-parallel sizes, overrides of an MoE recipe's config."""
+    g.add_argument("-ep", "--expert_model_parallel_size", type=int, metavar="N",
+                   help="MoE recipes: split each MoE layer's routed experts over N data-parallel ranks (bench: "
+                        "tokens sent to their experts' ranks by all-to-all, -ng a multiple of N; estimate: one "
+                        "rank's share)")
+    g.add_argument("-etp", "--expert_tensor_parallel_size", type=int, metavar="N",
+                   help="MoE recipes: split each expert's FFN over N ranks (estimate: one rank's share; beside -tp"
+                        " the experts split over the tensor-parallel ranks, Megatron's default)")
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Model and batch flags of Megatron Bridge's performance scripts."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
@@ -100,11 +111,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--num_moe_experts", type=int, metavar="N", help="MoE recipes: routed experts (a slice that fits)")
     g.add_argument("--moe_layer_freq", metavar="F",
                    help="MoE recipes: every F-th layer is MoE, or one 0/1 per layer as '[0]*1+[1]*3'")
-    g.add_argument("-ep", "--expert_model_parallel_size", type=int, metavar="N",
-                   help="MoE recipes: split each MoE layer's routed experts over N data-parallel ranks (bench: "
-                        "tokens sent to their experts' ranks by all-to-all, -ng a multiple of N; estimate: one "
-                        "rank's share)")
-    g.add_argument("-etp", "--expert_tensor_parallel_size", type=int, metavar="N")
+    add_expert_flags(g)
     g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
                    help="let autograd add each weight gradient into .grad with its own kernel instead of the "
                         "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")

@@ -100,6 +100,10 @@ def _layout_words(spec: BenchSpec) -> str:
         virtual = spec.pipeline.virtual
         words.append(f"{spec.stages} pipeline stages" + (f" x {virtual} virtual (interleaved 1F1B)" if virtual > 1
                                                         else " (1F1B)"))
+    if spec.context_parallel > 1:
+        words.append(f"context parallel over {spec.context_parallel} ranks (ring attention)")
+    if spec.expert_parallel > 1:
+        words.append(f"experts over {spec.expert_parallel} ranks")
     if spec.data_parallel > 1:
         words.append(f"data parallel over {spec.data_parallel} ranks (FSDP2)")
     return "".join(f", {w}" for w in words)

@@ -207,7 +207,8 @@ def _expert_parallel(spec: EstimateSpec) -> str:
     """'ep N, etp M, ' for a model with routed experts (its config has Megatron's expert sizes)."""
     config = spec.model_config
     ep, etp = (getattr(config, f"expert_{kind}_parallel_size", None) for kind in ("model", "tensor"))
-    return "" if ep is None else f"ep {ep}, etp {etp}, "
+    tp = spec.facts.tensor_model_parallel_size
+    return "" if ep is None else f"ep {ep}, etp {tp if tp > 1 else etp}, "  # beside tp the experts split over it
 
 
 def estimate_table(spec: EstimateSpec, results: Sequence[Estimate], measured: bool = False) -> Table:

@@ -23,6 +23,11 @@ from remat.models.moe.tensor_parallel import mla_plan, moe_plan
 from remat.problems import ConfigError, Problem
 
 
+# beside tp, each expert's FFN splits over the tp ranks: Megatron's default expert_tensor_parallel_size
+ETP_BESIDE_TP = ("is {}; beside tensor parallelism remat splits each expert over the tensor-parallel ranks, as"
+                 " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp")
+
+
 def _moe(config: LlamaConfig) -> MoEConfig:
     if not isinstance(config, MoEConfig):
         raise TypeError(f"the moe family takes an MoEConfig, not {type(config).__name__}")
@@ -72,9 +77,7 @@ class MoEFamily(LlamaFamily):
                 yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
                                                             " ranks; use a tensor-parallel size that divides it")
         if c.expert_tensor_parallel_size != 1:
-            yield Problem("expert_tensor_parallel_size", f"is {c.expert_tensor_parallel_size}; under tensor"
-                                                         " parallelism the experts split over the tensor-parallel"
-                                                         " ranks (Megatron's default); leave it 1")
+            yield Problem("expert_tensor_parallel_size", ETP_BESIDE_TP.format(c.expert_tensor_parallel_size))
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
         c = _moe(config)
