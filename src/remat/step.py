@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from remat import models
 from remat import parallel
 from remat.apply import apply
-from remat.calls import forward_loss
+from remat.calls import forward_loss, set_loss_scale
 from remat.layer_plan import Plan, PlanLike
 from remat.optimizer import OptimizerPrecision, make as make_step_optimizer
 from remat.memory.measure import trace
@@ -339,9 +339,9 @@ def build_model(spec: RunSpec) -> nn.Module:
     mesh = parallel.device_mesh(spec.device, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
                                 spec.context_parallel)
     layout, config = spec.pipeline, spec.model_config
-    stage_config = spec.family.shard(config, ParallelSizes(pipeline=layout.chunks)) if spec.stages > 1 else config
     pipeline_rank = mesh["pp"].get_local_rank()
-    chunks = [_build_chunk(spec, stage_config, index, mesh) for index in layout.stage_indices(pipeline_rank)]
+    chunks = [_build_chunk(spec, stage_config(spec, index) if spec.stages > 1 else config, index, mesh)
+              for index in layout.stage_indices(pipeline_rank)]
     if spec.stages == 1:
         return chunks[0]
     split = spec.parallel.sequence_split
@@ -349,6 +349,14 @@ def build_model(spec: RunSpec) -> nn.Module:
                          device="meta")
     return Pipeline(chunks, layout, pipeline_rank=pipeline_rank, hidden=hidden, micro_batches=spec.micro_batches,
                     group=mesh["pp"].get_group())
+
+
+def stage_config(spec: RunSpec, stage: int) -> ModelConfig:
+    """Pipeline stage `stage`'s share of the spec's model: its layers, numbered as in the whole
+    model (a layer's kind and seeds follow that number)."""
+    layout, config = spec.pipeline, spec.model_config
+    layers = tuple(layout.layers(config.num_layers, stage))
+    return spec.family.shard(config, ParallelSizes(pipeline=layout.chunks, layers=layers))
 
 
 def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -367,11 +375,15 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
         parallel.context_parallel_model(model, mesh["cp"])
-    if mesh is not None and spec.expert_parallel > 1:  # ep is refused beside cp
+    if mesh is None or spec.data_parallel * spec.context_parallel == 1:
+        return model
+    # torchtitan's flattened dp x cp dimension: the replicas of this rank's model
+    replicas = mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
+    family.data_parallel(model, replicas.get_group())
+    if spec.expert_parallel > 1:  # ep is refused beside cp
         parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel)  # FSDP2 over dp, experts over edp
-    elif mesh is not None and spec.data_parallel * spec.context_parallel > 1:
-        # torchtitan's flattened dp x cp dimension
-        parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"])
+    else:
+        parallel.fully_shard_layers(model, replicas)
     return model
 
 
@@ -419,6 +431,7 @@ def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> 
     if isinstance(model, Pipeline):
         return model.forward_backward([data.batch() for _ in range(micro_batches)])
     total = torch.zeros((), device=data.spec.device)
+    set_loss_scale(model, 1 / micro_batches)
     for _ in range(micro_batches):
         input_ids, labels = data.batch()
         with parallel.sharded(model, input_ids, labels) as weight:  # the ring's backward communicates too

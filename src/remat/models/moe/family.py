@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.labels import Label
-from remat.models.family import ParallelSizes, one_device_problems
+from remat.models.family import ParallelSizes
 from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
@@ -51,10 +51,26 @@ class MoEFamily(LlamaFamily):
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from one_device_problems(sizes, "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        """Pipeline stages split the layers as the Llama's (the recompute rules check the split);
+        the layers keep the whole model's kinds. Tensor and context parallelism are refused."""
+        for field_, size, what in (("tensor_model_parallel_size", sizes.tensor, "tensor parallelism"),
+                                   ("context_parallel_size", sizes.context, "context parallelism")):
+            if size != 1:
+                yield Problem(field_, f"is {size}; MoE models do not run under {what} yet; use 1 (split the"
+                                      " experts with expert_model_parallel_size, the layers with -pp)")
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
-        return _moe(config)
+        return _moe(super().shard(config, sizes))
+
+    def shard_fields(self, config: LlamaConfig, sizes: ParallelSizes) -> dict[str, Any]:
+        """The Llama's, and the kind of each of the share's layers (dense or MoE) as in the whole model."""
+        fields = super().shard_fields(config, sizes)
+        return dict(fields, moe_layer_freq=[int(_moe(config).is_moe_layer(i)) for i in fields["global_layers"]])
+
+    def data_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        """The routers' token counts are summed over `group` before each balancing step, as
+        Megatron does, so every replica moves the expert bias alike."""
+        _moe_model(model).balancing_group = group
 
     def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
         config = _moe_model(model).config
@@ -95,7 +111,7 @@ class MoEFamily(LlamaFamily):
             attention = 2 * h * heads * qk + 2 * h * c.num_query_groups * qk
         moe = h * c.num_moe_experts + c.moe_router_topk * 3 * h * c.expert_ffn + 3 * h * (
             c.moe_shared_expert_intermediate_size or 0)
-        mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in range(c.num_layers))
+        mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in c.layers)
         active = c.num_layers * attention + mlps + h * c.vocab_size
         scores = 6 * c.num_layers * sequences * tokens_per_seq**2 * heads * (qk + v)
         return float(6 * active * sequences * tokens_per_seq + scores)
