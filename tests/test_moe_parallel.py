@@ -58,11 +58,11 @@ def one_process() -> dict[str, dict]:
 def test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit(launched, one_process, recipe, layout,
                                                                      plan) -> None:
     """Same ops per micro-batch, gradients accumulated in micro-batch order, the aux loss's
-    gradient scaled by 1/4 on both: equal bit for bit (the loss to the last bit: the schedule
-    sums the scaled losses in float64)."""
+    gradient scaled by 1/4 on both: gradients equal bit for bit. The loss to float32's precision:
+    one process's forward_backward sums the step's loss in a float32 tensor."""
     piped, whole = launched[f"{recipe}:{layout}:{plan}"], one_process[recipe]
     assert piped["kinds"] == whole["kinds"]  # each stage's layers of the whole model's kind
-    assert piped["loss"] == pytest.approx(whole["loss"], rel=1e-15)
+    assert piped["loss"] == pytest.approx(whole["loss"], rel=1e-7)
     assert piped["grads"].keys() == whole["grads"].keys()
     for name, grad in piped["grads"].items():
         assert torch.equal(grad, whole["grads"][name]), name

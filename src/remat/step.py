@@ -21,9 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from remat import models
 from remat import parallel
-from remat.apply import apply
+from remat.apply import apply, find_sites
 from remat.calls import forward_loss, set_loss_scale
 from remat.layer_plan import Plan, PlanLike
+from remat.layout import check_config
 from remat.optimizer import OptimizerPrecision, make as make_step_optimizer
 from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
@@ -231,6 +232,10 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
+    if spec.stages > 1:
+        yield Problem("expert_model_parallel_size", f"is {ep} with -pp {spec.stages}; remat does not run expert"
+                                                    " parallelism beside pipeline stages yet (remat estimate"
+                                                    " predicts it); use -ep 1 or -pp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -398,13 +403,20 @@ def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
 def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
     """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages. A
     config's distribute_saved_activations splits what its full-recompute ranges keep over the
-    tensor-parallel ranks (and a plan without it takes that off)."""
-    staged: list[tuple[nn.Module, PlanLike]] = [(model, plan)]
-    if isinstance(model, Pipeline):
-        staged = [(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
-                  for stage, chunk in zip(model.stage_indices, model.chunks)]
-    for chunk, chunk_plan in staged:
-        apply(chunk, chunk_plan)
+    tensor-parallel ranks (and a plan without it takes that off). A config is checked on the
+    whole model once and lowered onto each stage's sites: a stage need not have every site it
+    names (an MoE model's dense first stage has no `moe`), as on Megatron's stages."""
+    if not isinstance(model, Pipeline):
+        apply(model, plan)
+        distribute_saved_inputs(model, distributes_saved_inputs(plan))
+        return
+    if isinstance(plan, RecomputeConfig):
+        check_config(plan, find_sites(spec.family.build(spec.model_config, device="meta")).layout)
+    for stage, chunk in zip(model.stage_indices, model.chunks):
+        chunk_plan = stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage)
+        lowered = (Plan.from_config(chunk_plan, find_sites(chunk).layout) if isinstance(chunk_plan, RecomputeConfig)
+                   else chunk_plan)
+        apply(chunk, lowered)
         distribute_saved_inputs(chunk, distributes_saved_inputs(chunk_plan))
 
 
