@@ -149,8 +149,9 @@ def test_moe_runs_under_pipeline_but_not_tensor_or_context_parallelism() -> None
     refused = {p.field: p.message for p in family.shard_problems(config, ParallelSizes(tensor=2, context=2))}
     assert refused.keys() == {"tensor_model_parallel_size", "context_parallel_size"}
     assert "MoE models do not run under tensor parallelism yet" in refused["tensor_model_parallel_size"]
-    shard = family.shard(config, ParallelSizes(pipeline=2, layers=(0, 1)))
-    assert shard.num_layers == 2 and [shard.is_moe_layer(i) for i in (0, 1)] == [False, True]  # type: ignore[attr-defined]
+    shard = family.shard(config, ParallelSizes(pipeline=2, layers=(2, 3)))
+    assert shard.num_layers == 2 and shard.layers == (2, 3)  # type: ignore[attr-defined]
+    assert [shard.is_moe_layer(i) for i in (2, 3)] == [True, True]  # type: ignore[attr-defined]
 
 
 def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys, tmp_path) -> None:
@@ -163,3 +164,9 @@ def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys,
         assert main(["estimate", "-mr", "deepseek_tiny", "--num_layers", "4", "-pp", "2", "-gb", "4", "--target",
                      "cpu", "--json", str(out)]) == 0
     assert "stage" in capsys.readouterr().out
+
+
+def test_expert_parallelism_beside_pipeline_stages_is_refused_for_a_run() -> None:
+    spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2), num_gpus=4,
+                         global_batch_size=4, device="cpu", facts=TrainingFacts(pipeline_model_parallel_size=2))
+    assert [p.field for p in steps.expert_parallel_run_problems(spec)] == ["expert_model_parallel_size"]

@@ -369,7 +369,7 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     its index (alike on its tensor-parallel ranks): the first with the embedding, the last with
     the loss head; on `mesh`, split over its tp ranks, its sequences over its cp ranks, its
     routed experts over groups of ep of its dp ranks, and sharded over its dp x cp ranks (each
-    cp rank's gradients are of its own tokens)."""
+    cp rank's gradients are of its own tokens), which the family is told hold its replicas."""
     torch.manual_seed(spec.seed + stage)
     family, last = spec.family, spec.pipeline.chunks - 1
     model = family.build(config, dtype=spec.dtype, device=spec.device, pre_process=stage == 0,
