@@ -49,7 +49,7 @@ def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None) ->
 
 
 def plan(recipe: str, name: str) -> RecomputeConfig | None:
-    facts = {**family_of(recipe).config(recipe, **OVERRIDES).megatron_facts()}
+    facts = family_of(recipe).config(recipe, **OVERRIDES).megatron_facts()
     if name == "none":
         return None
     if name == "selective":
