@@ -28,3 +28,12 @@ def after_optimizer_step(model: nn.Module) -> None:
     hook = getattr(model, "after_optimizer_step", None)
     if callable(hook):
         hook()
+
+
+def set_loss_scale(model: nn.Module, scale: float) -> None:
+    """Tell the model the factor its loss is scaled by before backward (1 / micro-batches), if it
+    takes it: a model that adds losses of its own inside backward (an MoE model's auxiliary
+    load-balancing loss) scales their gradients alike."""
+    hook = getattr(model, "set_loss_scale", None)
+    if callable(hook):
+        hook(scale)

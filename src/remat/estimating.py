@@ -207,9 +207,11 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     if problems := list(estimate_threshold_problems(thresholds)):
         raise ConfigError(problems)
     stage_plans = [[rank_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
-    stage_layout = dataclasses.replace(layout, labels=layout.labels[:layout.num_layers // pp])
+    rank_layouts = [dataclasses.replace(layout, labels=tuple(layout.labels[i] for i in stage_layers(spec, k)))
+                    for k in range(pp)]
     problems = [p for whole in lowered for p in unmeasured_problems(whole, layout, bool(offloading))]
-    stages_lowered = [_lowered(stage, stage_layout) for per_stage in stage_plans for stage in per_stage]
+    stages_lowered = [_lowered(stage, rank_layout) for per_stage in stage_plans
+                      for stage, rank_layout in zip(per_stage, rank_layouts)]
     problems += [p for s in stages_lowered for p in offload_prediction_problems(s.layers, s.full_recompute)]
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
@@ -229,13 +231,15 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
 def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = None,
                  offload_threshold: int | None = None, device: str = "meta",
                  split_inputs: bool = False) -> list[StageTrace]:
-    """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle, last."""
+    """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle or last,
+    with the same kinds of layers (an MoE model's dense first layers make a middle rank apart)."""
     pp = spec.stages
-    kind = [2 if k == pp - 1 else min(k, 1) for k in range(pp)]
-    first_of_kind = {kind[k]: k for k in reversed(range(pp))}
-    traced = {c: trace_stage(spec, k, progress, offload_threshold, device, split_inputs)
-              for c, k in sorted(first_of_kind.items())}
-    return [traced[kind[k]] for k in range(pp)]
+    labels = find_sites(spec.family.build(spec.model_config, device="meta")).layout.labels
+    kinds = [(k == 0, k == pp - 1, tuple(labels[i] for i in stage_layers(spec, k))) for k in range(pp)]
+    first_of_kind = {kind: k for k, kind in reversed(list(enumerate(kinds)))}
+    traced = {kind: trace_stage(spec, k, progress, offload_threshold, device, split_inputs)
+              for kind, k in sorted(first_of_kind.items(), key=lambda item: item[1])}
+    return [traced[kind] for kind in kinds]
 
 
 def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[StageTrace],
@@ -250,6 +254,12 @@ def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[StageTrace],
 
 
 # ---- one rank's shapes -----------------------------------------------------------------------
+
+def stage_layers(spec: EstimateSpec, stage: int) -> tuple[int, ...]:
+    """The whole model's layers pipeline rank `stage` holds: its virtual stages' back to back."""
+    return tuple(rank_layers(spec.model_config.num_layers, spec.stages,
+                             spec.facts.virtual_pipeline_model_parallel_size, stage))
+
 
 def in_flight(stage: int, facts: TrainingFacts, micro_batches: int) -> float:
     """Micro-batches of this stage's activations alive at its peak under 1F1B: Megatron's warm-up
@@ -418,7 +428,7 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inp
     `split_inputs` (meta only): full recompute keeps 1/tp of each range's input
     (distribute_saved_activations)."""
     family, split = spec.family, spec.parallel.sequence_split
-    shard = family.shard(spec.model_config, spec.parallel)
+    shard = family.shard(spec.model_config, dataclasses.replace(spec.parallel, layers=stage_layers(spec, stage)))
     first, last = stage == 0, stage == spec.stages - 1
     on_meta = device == "meta"
     torch.manual_seed(spec.seed + stage)

@@ -21,9 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from remat import models
 from remat import parallel
-from remat.apply import apply
-from remat.calls import forward_loss
+from remat.apply import apply, find_sites
+from remat.calls import forward_loss, set_loss_scale
 from remat.layer_plan import Plan, PlanLike
+from remat.layout import check_config
 from remat.optimizer import DTYPES, OptimizerPrecision, adamw, make as make_step_optimizer
 from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
@@ -249,6 +250,10 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
+    if spec.stages > 1:
+        yield Problem("expert_model_parallel_size", f"is {ep} with -pp {spec.stages}; remat does not run expert"
+                                                    " parallelism beside pipeline stages yet (remat estimate"
+                                                    " predicts it); use -ep 1 or -pp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -357,9 +362,9 @@ def build_model(spec: RunSpec) -> nn.Module:
     mesh = parallel.device_mesh(spec.device, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
                                 spec.context_parallel)
     layout, config = spec.pipeline, spec.model_config
-    stage_config = spec.family.shard(config, ParallelSizes(pipeline=layout.chunks)) if spec.stages > 1 else config
     pipeline_rank = mesh["pp"].get_local_rank()
-    chunks = [_build_chunk(spec, stage_config, index, mesh) for index in layout.stage_indices(pipeline_rank)]
+    chunks = [_build_chunk(spec, stage_config(spec, index) if spec.stages > 1 else config, index, mesh)
+              for index in layout.stage_indices(pipeline_rank)]
     if spec.stages == 1:
         return chunks[0]
     split = spec.parallel.sequence_split
@@ -369,12 +374,20 @@ def build_model(spec: RunSpec) -> nn.Module:
                     group=mesh["pp"].get_group())
 
 
+def stage_config(spec: RunSpec, stage: int) -> ModelConfig:
+    """Pipeline stage `stage`'s share of the spec's model: its layers, numbered as in the whole
+    model (a layer's kind and seeds follow that number)."""
+    layout, config = spec.pipeline, spec.model_config
+    layers = tuple(layout.layers(config.num_layers, stage))
+    return spec.family.shard(config, ParallelSizes(pipeline=layout.chunks, layers=layers))
+
+
 def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMesh | None = None) -> nn.Module:
     """Pipeline stage `stage` of the spec's model (the whole model without pipelining), seeded by
     its index (alike on its tensor-parallel ranks): the first with the embedding, the last with
     the loss head; on `mesh`, split over its tp ranks, its sequences over its cp ranks, its
     routed experts over groups of ep of its dp ranks, and sharded over its dp x cp ranks (each
-    cp rank's gradients are of its own tokens)."""
+    cp rank's gradients are of its own tokens), which the family is told hold its replicas."""
     torch.manual_seed(spec.seed + stage)
     family, last = spec.family, spec.pipeline.chunks - 1
     model = family.build(config, dtype=spec.state_dtype, device=spec.device, pre_process=stage == 0,
@@ -385,15 +398,17 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
         parallel.context_parallel_model(model, mesh["cp"])
+    if mesh is None or not spec.fully_sharded:
+        return model
+    # torchtitan's flattened dp x cp dimension: the replicas of this rank's model
+    replicas = mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
+    family.data_parallel(model, replicas.get_group())
     compute, reduce = fsdp2_precision(spec)
-    if mesh is not None and spec.expert_parallel > 1:  # ep is refused beside cp
-        # FSDP2 over dp, experts over edp
+    if spec.expert_parallel > 1:  # ep is refused beside cp; FSDP2 over dp, experts over edp
         parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel, compute_dtype=compute,
                                      reduce_dtype=reduce)
-    elif mesh is not None and spec.fully_sharded:
-        # torchtitan's flattened dp x cp dimension
-        parallel.fully_shard_layers(model, mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"],
-                                    compute_dtype=compute, reduce_dtype=reduce)
+    else:
+        parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce)
     return model
 
 
@@ -418,13 +433,20 @@ def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
 def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
     """Install `plan` (the whole model's) on `model`; on a pipeline, on each of its stages. A
     config's distribute_saved_activations splits what its full-recompute ranges keep over the
-    tensor-parallel ranks (and a plan without it takes that off)."""
-    staged: list[tuple[nn.Module, PlanLike]] = [(model, plan)]
-    if isinstance(model, Pipeline):
-        staged = [(chunk, stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage))
-                  for stage, chunk in zip(model.stage_indices, model.chunks)]
-    for chunk, chunk_plan in staged:
-        apply(chunk, chunk_plan)
+    tensor-parallel ranks (and a plan without it takes that off). A config is checked on the
+    whole model once and lowered onto each stage's sites: a stage need not have every site it
+    names (an MoE model's dense first stage has no `moe`), as on Megatron's stages."""
+    if not isinstance(model, Pipeline):
+        apply(model, plan)
+        distribute_saved_inputs(model, distributes_saved_inputs(plan))
+        return
+    if isinstance(plan, RecomputeConfig):
+        check_config(plan, find_sites(spec.family.build(spec.model_config, device="meta")).layout)
+    for stage, chunk in zip(model.stage_indices, model.chunks):
+        chunk_plan = stage_plan(plan, spec.pipeline, spec.model_config.num_layers, stage)
+        lowered = (Plan.from_config(chunk_plan, find_sites(chunk).layout) if isinstance(chunk_plan, RecomputeConfig)
+                   else chunk_plan)
+        apply(chunk, lowered)
         distribute_saved_inputs(chunk, distributes_saved_inputs(chunk_plan))
 
 
@@ -451,6 +473,7 @@ def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> 
     if isinstance(model, Pipeline):
         return model.forward_backward([data.batch() for _ in range(micro_batches)])
     total = torch.zeros((), device=data.spec.device)
+    set_loss_scale(model, 1 / micro_batches)
     for _ in range(micro_batches):
         input_ids, labels = data.batch()
         with parallel.sharded(model, input_ids, labels) as weight:  # the ring's backward communicates too

@@ -5,9 +5,9 @@ stage's embedding and the last stage's loss head (pipeline pre- and post-process
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
 a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
 styles each module of a built model takes; what context parallelism shards beside the
-batch; and how its routed experts split over an expert-parallel group. The model it builds
-places `Site`s and knows nothing else of recompute. Code outside `remat.models` reaches a
-family only through this interface.
+batch; what its models share with their data-parallel replicas; and how its routed experts
+split over an expert-parallel group. The model it builds places `Site`s and knows nothing
+else of recompute. Code outside `remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ class ParallelSizes:
     sequence_parallel: bool = False
     pipeline: int = 1
     context: int = 1
+    # The whole model's layers this rank's model holds, in order (a pipeline stage's, or a rank's
+    # virtual stages back to back); empty: the first num_layers / pipeline.
+    layers: tuple[int, ...] = ()
 
     @property
     def sequence_split(self) -> int:
@@ -196,6 +199,11 @@ class ModelFamily(ABC):
         dimension: context parallelism shards them with each batch, as torch's context_parallel does."""
         raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
                                                             " use 1")])
+
+    def data_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        """`model` is one of `group`'s replicas (data- and context-parallel ranks), each training
+        on tokens of its own: a model that keeps statistics of its tokens across steps (an MoE
+        router's load) sums them over the group. Nothing to do for most models."""
 
     def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
         """Why `model` (built by this family) cannot split its routed experts over `size` ranks."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
+from remat.calls import after_optimizer_step, set_loss_scale
 from remat.problems import Problem
 
 
@@ -85,6 +86,8 @@ class Pipeline(nn.Module):
         accumulate in the chunks. Returns the mean loss, on every rank of the pipeline."""
         inputs = torch.cat([b[0] for b in batches])
         labels = torch.cat([b[1] for b in batches])
+        for chunk in self.chunks:  # the scale `_schedule`'s loss function applies
+            set_loss_scale(chunk, 1 / self.micro_batches)
         losses: list[Tensor] = []
         args = (inputs,) if self.is_first else ()
         # the last stage's output is its loss already; torch's schedules still split a target for it
@@ -96,6 +99,11 @@ class Pipeline(nn.Module):
             total += torch.stack([loss.detach() for loss in losses]).sum()
         dist.all_reduce(total, group=self.group)  # the last stage's, to every stage
         return total
+
+    def after_optimizer_step(self) -> None:
+        """Each chunk's own work after the optimizer's step (an MoE stage's balancing)."""
+        for chunk in self.chunks:
+            after_optimizer_step(chunk)
 
 
 # the last stage's outputs (scalar losses) are not merged into a batch where torch can skip it

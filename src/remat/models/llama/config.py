@@ -63,11 +63,20 @@ class LlamaConfig:
     gradient_accumulation_fusion: bool = True
     # RMSNorm of each query and key head before RoPE (Qwen3)
     qk_layernorm: bool = False
+    # The whole model's index of each of this model's layers, where it holds a share of them (a
+    # pipeline rank's, set by the family's shard): a layer's kind and seeds follow its index in
+    # the whole model. None: layers 0 .. num_layers - 1.
+    global_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems({name: getattr(self, name) for name in self.field_names()})
         if problems:
             raise ConfigError(problems)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The whole model's index of each layer this config builds."""
+        return self.global_layers if self.global_layers is not None else tuple(range(self.num_layers))
 
     @property
     def head_dim(self) -> int:
@@ -109,6 +118,17 @@ def _probability(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
 
 
+def _global_layer_problems(layers: Any, num_layers: Any) -> list[Problem]:
+    if layers is None:
+        return []
+    if (not isinstance(layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in layers) or list(layers) != sorted(set(layers))):
+        return [Problem("global_layers", f"must be a tuple of ascending layer indices, got {layers!r}")]
+    if len(layers) != num_layers:
+        return [Problem("global_layers", f"gives {len(layers)} layers but num_layers is {num_layers}")]
+    return []
+
+
 def shape_problems(shape: Mapping[str, Any]) -> list[Problem]:
     """What is wrong with a Llama shape, each problem naming the field to change."""
     problems = [Problem(name, f"must be a positive integer, got {shape[name]!r}")
@@ -125,6 +145,7 @@ def shape_problems(shape: Mapping[str, Any]) -> list[Problem]:
     kv_channels = shape["kv_channels"]
     if kv_channels is not None and not _positive_int(kv_channels):
         problems.append(Problem("kv_channels", f"must be a positive integer or None, got {kv_channels!r}"))
+    problems += _global_layer_problems(shape["global_layers"], shape["num_layers"])
     if problems:  # the divisibility rules need valid sizes
         return problems
     hidden, heads, groups = shape["hidden_size"], shape["num_attention_heads"], shape["num_query_groups"]

@@ -63,7 +63,8 @@ class LlamaFamily(ModelFamily):
         recipes = self.recipes()
         if recipe not in recipes:
             raise unknown("recipe", recipe, list(recipes))
-        valid = list(self.config_type.field_names())
+        # global_layers numbers a shard's layers: the family's shard sets it
+        valid = [name for name in self.config_type.field_names() if name != "global_layers"]
         for key in overrides:
             if key not in valid:
                 raise unknown("override", key, valid)
@@ -115,9 +116,15 @@ class LlamaFamily(ModelFamily):
         return [(rotary.cos, 0), (rotary.sin, 0)]
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> LlamaConfig:
+        return dataclasses.replace(config, **self.shard_fields(config, sizes))
+
+    def shard_fields(self, config: LlamaConfig, sizes: ParallelSizes) -> dict[str, Any]:
+        """The fields a rank's share replaces: its layers, numbered as in the whole model, and
+        its heads, FFN, vocabulary and tokens (a family with more fields adds its own)."""
         tp = sizes.tensor
-        return dataclasses.replace(
-            config, num_layers=config.num_layers // sizes.pipeline,
+        layers = sizes.layers or tuple(range(config.num_layers // sizes.pipeline))
+        return dict(
+            num_layers=len(layers), global_layers=layers,
             num_attention_heads=config.num_attention_heads // tp, num_query_groups=config.num_query_groups // tp,
             ffn_hidden_size=config.ffn_hidden_size // tp, vocab_size=padded_vocab(config.vocab_size, tp),
             seq_length=config.seq_length // sizes.context, kv_channels=config.head_dim)

@@ -250,7 +250,7 @@ class TransformerBlock(nn.Module):
                  build_layer: Callable[[int], TransformerLayer] | None = None) -> None:
         super().__init__()
         build = build_layer or (lambda _: TransformerLayer(config, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(build(index) for index in range(config.num_layers))
+        self.layers = nn.ModuleList(build(index) for index in config.layers)
         self.final_layernorm = RMSNorm(config, dtype=dtype, device=device) if final_layernorm else None
 
     def transformer_layers(self) -> Iterator[TransformerLayer]:
@@ -304,7 +304,7 @@ class LlamaModel(nn.Module):
         self.init_weights()
 
     def build_layer(self, index: int, dtype: torch.dtype | None, device: torch.device) -> TransformerLayer:
-        """Decoder layer `index` (a family with other layers, MoE or MLA, builds its own)."""
+        """Decoder layer `index` of the whole model (a family with other layers, MoE or MLA, builds its own)."""
         return TransformerLayer(self.config, dtype=dtype, device=device)
 
     @torch.no_grad()

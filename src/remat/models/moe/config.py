@@ -108,6 +108,7 @@ class MoEConfig(LlamaConfig):
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     _pattern: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+    _moe_layers: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problems = shape_problems({name: getattr(self, name) for name in LlamaConfig.field_names()})
@@ -117,6 +118,7 @@ class MoEConfig(LlamaConfig):
         pattern = layer_pattern(self.moe_layer_freq, self.num_layers)
         assert isinstance(pattern, list)
         self._pattern = pattern
+        self._moe_layers = {index for index, moe in zip(self.layers, pattern) if moe}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -131,7 +133,8 @@ class MoEConfig(LlamaConfig):
         return self.num_moe_experts // self.expert_model_parallel_size
 
     def is_moe_layer(self, index: int) -> bool:
-        return bool(self._pattern[index])
+        """Whether layer `index` of the whole model (one of this config's `layers`) is MoE."""
+        return index in self._moe_layers
 
     @property
     def head_dim(self) -> int:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.labels import Label
-from remat.models.family import Fork, ParallelSizes, one_device_problems
+from remat.models.family import Fork, ParallelSizes
 from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
@@ -61,11 +61,15 @@ class MoEFamily(LlamaFamily):
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        c = _moe(config)
-        yield from one_device_problems(dataclasses.replace(sizes, tensor=1),
-                                       "MoE models (an expert-parallel rank: expert_model_parallel_size)")
+        """Pipeline stages split the layers as the Llama's (the recompute rules check the split);
+        the layers keep the whole model's kinds. Tensor parallelism splits the experts too;
+        context parallelism is refused."""
+        if sizes.context != 1:
+            yield Problem("context_parallel_size", f"is {sizes.context}; MoE models do not run under context"
+                                                   " parallelism yet; use 1 (split the experts with"
+                                                   " expert_model_parallel_size, the layers with -pp)")
         if sizes.tensor > 1:
-            yield from self._tensor_problems(c, sizes)
+            yield from self._tensor_problems(_moe(config), sizes)
 
     def _tensor_problems(self, c: MoEConfig, sizes: ParallelSizes) -> Iterator[Problem]:
         """The Llama's (heads, FFN, tokens over tp) and the experts' FFN, which split over tp."""
@@ -80,16 +84,23 @@ class MoEFamily(LlamaFamily):
             yield Problem("expert_tensor_parallel_size", ETP_BESIDE_TP.format(c.expert_tensor_parallel_size))
 
     def shard(self, config: LlamaConfig, sizes: ParallelSizes) -> MoEConfig:
-        c = _moe(config)
-        if sizes.tensor == 1:
-            return c
-        # the Llama's share of heads, query groups, FFN and vocabulary (MLA: the up projections' heads)
-        tp = sizes.tensor
-        shard = super().shard(c, ParallelSizes(tensor=tp, sequence_parallel=sizes.sequence_parallel))
+        return _moe(super().shard(config, sizes))
+
+    def shard_fields(self, config: LlamaConfig, sizes: ParallelSizes) -> dict[str, Any]:
+        """The Llama's (MLA: the up projections' heads), the kind of each of the share's layers
+        (dense or MoE) as in the whole model, and each expert's FFN over tp (Megatron's default
+        expert_tensor_parallel_size)."""
+        c, tp = _moe(config), sizes.tensor
+        fields = super().shard_fields(config, sizes)
         shared = c.moe_shared_expert_intermediate_size
-        # and each expert's FFN, as Megatron's default expert_tensor_parallel_size (tp)
-        return dataclasses.replace(_moe(shard), moe_ffn_hidden_size=c.expert_ffn // tp,
-                                   moe_shared_expert_intermediate_size=shared // tp if shared else shared)
+        return dict(fields, moe_layer_freq=[int(c.is_moe_layer(i)) for i in fields["global_layers"]],
+                    moe_ffn_hidden_size=c.expert_ffn // tp,
+                    moe_shared_expert_intermediate_size=shared // tp if shared else shared)
+
+    def data_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        """The routers' token counts are summed over `group` before each balancing step, as
+        Megatron does, so every replica moves the expert bias alike."""
+        _moe_model(model).balancing_group = group
 
     tensor_parallel_parts = (*LlamaFamily.tensor_parallel_parts, MLASelfAttention, MoELayer)
 
@@ -147,7 +158,7 @@ class MoEFamily(LlamaFamily):
             attention = 2 * h * heads * qk + 2 * h * c.num_query_groups * qk
         moe = h * c.num_moe_experts + c.moe_router_topk * 3 * h * c.expert_ffn + 3 * h * (
             c.moe_shared_expert_intermediate_size or 0)
-        mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in range(c.num_layers))
+        mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in c.layers)
         active = c.num_layers * attention + mlps + h * c.vocab_size
         scores = 6 * c.num_layers * sequences * tokens_per_seq**2 * heads * (qk + v)
         return float(6 * active * sequences * tokens_per_seq + scores)

@@ -52,17 +52,20 @@ class _ScaleGrad(torch.autograd.Function):
 
 class _AuxLoss(torch.autograd.Function):
     """Attach an auxiliary loss to an activation (Megatron's MoEAuxLossAutoScaler): the returned
-    value is unchanged, and backward adds d(aux_loss) to the graph with grad_output 1."""
+    value is unchanged, and backward adds d(aux_loss) to the graph with grad_output `scale`, the
+    factor the step scales the micro-batch's loss by (1 / micro-batches), so that the aux loss
+    weighs as much against the main loss whatever the number of micro-batches."""
 
     @staticmethod
-    def forward(ctx, activation: Tensor, aux_loss: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, activation: Tensor, aux_loss: Tensor, scale: float) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return activation.view_as(activation)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
         (aux_loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux_loss)
+        return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
 class TopKRouter(nn.Module):
@@ -84,6 +87,7 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32, device=device))
         self.register_buffer("local_tokens_per_expert", torch.zeros(experts, dtype=torch.float32, device=device),
                              persistent=False)
+        self.loss_scale = 1.0  # the aux loss's gradient scale: the step's scale of its micro-batch loss
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
@@ -118,7 +122,7 @@ class TopKRouter(nn.Module):
         if self.training and c.moe_router_enable_expert_bias:
             probs = _CountTokens.apply(probs, tokens_per_expert, self.local_tokens_per_expert)
         if self.training and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
-            probs = _AuxLoss.apply(probs, self._aux_loss(scores, experts, sequences))
+            probs = _AuxLoss.apply(probs, self._aux_loss(scores, experts, sequences), self.loss_scale)
         return probs, experts, tokens_per_expert
 
     @staticmethod
@@ -147,7 +151,8 @@ class TopKRouter(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """After an optimizer step (Megatron does it in finalize_model_grads): move each expert's
-        bias towards the mean load by the update rate, and start counting again."""
+        bias towards the mean load by the update rate, and start counting again. The counts are
+        this replica's, or the data-parallel group's where the model summed them (MoEModel)."""
         if not self.config.moe_router_enable_expert_bias:
             return
         counts = self.local_tokens_per_expert

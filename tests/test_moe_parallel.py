@@ -1,0 +1,177 @@
+"""MoE models under pipeline and data parallelism (gloo, CPU): stages built with the whole model's
+layer numbers; a pipeline step bit-identical to one process's (float64, no dropout); the aux
+loss's gradient scaled as the main loss per micro-batch; the expert bias balanced over the
+data-parallel replicas; validation and estimates of MoE stages."""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import remat
+from conftest import run_under_torchrun
+from remat import estimating, step as steps
+from remat.calls import after_optimizer_step
+from remat.cli import main
+from remat.models import build, family_of
+from remat.models.family import ParallelSizes
+from remat.recompute import TrainingFacts
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import moe_worker  # noqa: E402
+
+RECIPES = ("moe_tiny", "deepseek_tiny")
+CASES = [(recipe, layout, name) for (recipe, layout), names in moe_worker.CASES.items() for name in names]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("moe") / "results.pt"
+    run_under_torchrun(Path(moe_worker.__file__), out)
+    return torch.load(out)
+
+
+def _one_process(recipe: str, given: list, micro_batches: int) -> torch.nn.Module:
+    model = moe_worker.whole(recipe)
+    steps.forward_backward(model, moe_worker.Data(given), micro_batches)  # type: ignore[arg-type]
+    return model
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, dict]:
+    found = {}
+    for recipe in RECIPES:
+        model = moe_worker.whole(recipe)
+        loss = steps.forward_backward(model, moe_worker.Data(moe_worker.batches(4)), 4)  # type: ignore[arg-type]
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        after_optimizer_step(model)
+        found[recipe] = {"loss": loss.item(), "grads": grads,
+                         "bias": {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")},
+                         "kinds": {i: type(layer.mlp).__name__ for i, layer in enumerate(model.decoder.layers)}}
+    return found
+
+
+@pytest.mark.parametrize("recipe,layout,plan", CASES)
+def test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit(launched, one_process, recipe, layout,
+                                                                     plan) -> None:
+    """Same ops per micro-batch, gradients accumulated in micro-batch order, the aux loss's
+    gradient scaled by 1/4 on both: gradients equal bit for bit. The loss to float32's precision:
+    one process's forward_backward sums the step's loss in a float32 tensor."""
+    piped, whole = launched[f"{recipe}:{layout}:{plan}"], one_process[recipe]
+    assert piped["kinds"] == whole["kinds"]  # each stage's layers of the whole model's kind
+    assert piped["loss"] == pytest.approx(whole["loss"], rel=1e-7)
+    assert piped["grads"].keys() == whole["grads"].keys()
+    for name, grad in piped["grads"].items():
+        assert torch.equal(grad, whole["grads"][name]), name
+    # each stage balances its own layers' routers on the counts of all 4 micro-batches
+    assert piped["bias"].keys() == whole["bias"].keys()
+    assert all(torch.equal(b, whole["bias"][n]) for n, b in piped["bias"].items())
+    if recipe == "deepseek_tiny":
+        assert len(piped["bias"]) == 3
+
+
+def test_the_expert_bias_stays_the_same_on_every_data_parallel_rank_and_as_one_process(launched) -> None:
+    dp = launched["data_parallel"]
+    per_rank, (rank0, rank1) = dp["per_rank"], dp["biases"]
+    given = moe_worker.batches(2 * per_rank * 2, seed=3)
+    model = moe_worker.whole("deepseek_tiny")
+    for k in range(2):  # one process runs both ranks' micro-batches of each step
+        steps.forward_backward(model, moe_worker.Data(given[4 * k:4 * k + 4]), 4)  # type: ignore[arg-type]
+        after_optimizer_step(model)
+        whole = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+        assert rank0[k].keys() == rank1[k].keys() == whole.keys()
+        for name, bias in whole.items():
+            assert torch.equal(rank0[k][name], rank1[k][name]) and torch.equal(rank0[k][name], bias), (k, name)
+        assert any(b.any() for b in whole.values())
+
+
+def test_stage_shards_build_the_whole_models_layers_by_their_global_numbers() -> None:
+    """Kinds (dense first layer) and expert weights (seeded by the global layer) of each virtual
+    stage equal the whole model's, built from the same seed."""
+    spec = moe_worker.spec("deepseek_tiny", "interleaved")
+    torch.manual_seed(0)
+    whole = spec.family.build(spec.model_config, dtype=torch.float64)
+    for stage in range(spec.pipeline.chunks):
+        config = steps.stage_config(spec, stage)
+        assert config.layers == (stage,) and config.num_layers == 1  # type: ignore[attr-defined]
+        torch.manual_seed(0)
+        chunk = spec.family.build(config, dtype=torch.float64, pre_process=stage == 0, post_process=stage == 3)
+        (layer,), expected = chunk.decoder.layers, whole.decoder.layers[stage]  # type: ignore[union-attr]
+        assert type(layer.mlp) is type(expected.mlp)
+        if stage > 0:
+            assert layer.mlp.experts.layer == stage
+            assert torch.equal(layer.mlp.experts.weight1, expected.mlp.experts.weight1)
+
+
+def test_the_aux_loss_gradient_is_scaled_as_the_main_loss_per_micro_batch() -> None:
+    """seq_aux_loss averages per sequence, so 1 micro-batch of 4 sequences and 4 of 1 give the same
+    aux gradient; the batch-wide aux_loss gives the mean of its micro-batches' own. The aux part is
+    the router gradient with the aux loss less that without (float64: equal to 1e-9 of it)."""
+    given = moe_worker.batches(4)
+    whole_batch = [(torch.cat([b[0] for b in given]), torch.cat([b[1] for b in given]))]
+
+    def aux_part(recipe: str, batches: list, micro_batches: int) -> torch.Tensor:
+        grads = []
+        for coeff in (0.1, 0.0):
+            torch.manual_seed(0)
+            model = build(recipe, dtype=torch.float64, moe_aux_loss_coeff=coeff, **moe_worker.OVERRIDES)
+            steps.forward_backward(model, moe_worker.Data(batches), micro_batches)  # type: ignore[arg-type]
+            grads.append(torch.cat([r.weight.grad.flatten() for r in model.routers()]))  # type: ignore[operator]
+        return grads[0] - grads[1]
+
+    one, four = aux_part("deepseek_tiny", whole_batch, 1), aux_part("deepseek_tiny", given, 4)
+    assert (one - four).abs().max() <= 1e-9 * one.abs().max()
+    mean = sum(aux_part("moe_tiny", [b], 1) for b in given) / 4
+    accumulated = aux_part("moe_tiny", given, 4)
+    assert (mean - accumulated).abs().max() <= 1e-9 * mean.abs().max()
+
+
+def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkeypatch) -> None:
+    """Middle pipeline ranks share a trace where their layers are alike: with 3 dense first layers
+    of 8 over 4 ranks, rank 1 holds a dense and an MoE layer, rank 2 two MoE layers."""
+    monkeypatch.setattr(estimating, "trace_stage", lambda spec, stage, *args: stage)
+    facts = TrainingFacts(pipeline_model_parallel_size=4)
+    moe = estimating.EstimateSpec(recipe="deepseek_tiny", overrides=dict(num_layers=8, moe_layer_freq="[0]*3+[1]*5"),
+                                  global_batch_size=4, facts=facts)
+    assert estimating.trace_stages(moe) == [0, 1, 2, 3]  # type: ignore[arg-type]
+    llama = estimating.EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=8), global_batch_size=4,
+                                    facts=facts)
+    assert estimating.trace_stages(llama) == [0, 1, 1, 3]  # type: ignore[arg-type]
+
+
+def test_moe_runs_under_pipeline_but_not_tensor_or_context_parallelism() -> None:
+    family = family_of("moe_tiny")
+    config = family.config("moe_tiny", num_layers=4)
+    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2)))
+    refused = {p.field: p.message for p in family.shard_problems(config, ParallelSizes(tensor=2, context=2))}
+    assert refused.keys() == {"tensor_model_parallel_size", "context_parallel_size"}
+    assert "MoE models do not run under tensor parallelism yet" in refused["tensor_model_parallel_size"]
+    shard = family.shard(config, ParallelSizes(pipeline=2, layers=(2, 3)))
+    assert shard.num_layers == 2 and shard.layers == (2, 3)  # type: ignore[attr-defined]
+    assert [shard.is_moe_layer(i) for i in (2, 3)] == [True, True]  # type: ignore[attr-defined]
+
+
+def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys, tmp_path) -> None:
+    assert main(["validate", "-mr", "moe_tiny", "--num_layers", "4", "-pp", "2"]) == 0
+    assert main(["validate", "-mr", "moe_tiny", "-pp", "2"]) != 0  # 3 layers over 2 stages
+    assert "do not split evenly into 2" in capsys.readouterr().err
+    out = tmp_path / "estimate.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
+        assert main(["estimate", "-mr", "moe_tiny", "--num_layers", "4", "-pp", "2", "-gb", "4", "-sl", "16",
+                     "--no_progress", "--configs", "none", "moe", "--json", str(out)]) == 0
+    capsys.readouterr()
+    none, moe = json.loads(out.read_text())
+    assert [s["layers"] for s in none["stages"]] == [2, 2]
+    # stage 0 holds the dense layer 0 and MoE layer 1, stage 1 two MoE layers: moe saves on both
+    assert all(m["activations"] < n["activations"] for n, m in zip(none["stages"], moe["stages"]))
+
+
+def test_expert_parallelism_beside_pipeline_stages_is_refused_for_a_run() -> None:
+    spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2), num_gpus=4,
+                         global_batch_size=4, device="cpu", facts=TrainingFacts(pipeline_model_parallel_size=2))
+    assert [p.field for p in steps.expert_parallel_run_problems(spec)] == ["expert_model_parallel_size"]
