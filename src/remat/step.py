@@ -250,10 +250,12 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
-    if spec.stages > 1:
-        yield Problem("expert_model_parallel_size", f"is {ep} with -pp {spec.stages}; remat does not run expert"
-                                                    " parallelism beside pipeline stages yet (remat estimate"
-                                                    " predicts it); use -ep 1 or -pp 1")
+    for flag, size, what in (("-pp", spec.stages, "pipeline stages"),
+                             ("-tp", spec.facts.tensor_model_parallel_size, "tensor parallelism")):
+        if size > 1:
+            yield Problem("expert_model_parallel_size", f"is {ep} with {flag} {size}; remat does not run expert"
+                                                        f" parallelism beside {what} yet (remat estimate predicts"
+                                                        f" it); use -ep 1 or {flag} 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 

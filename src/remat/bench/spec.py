@@ -12,7 +12,7 @@ import torch
 from remat.models import parameter_count
 from remat.parallel import launched_world
 from remat.problems import ConfigError, Problem, count, did_you_mean, one_of
-from remat.step import RunSpec, device_problems
+from remat.step import RunSpec, device_problems, expert_parallel_run_problems
 
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
 # Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
@@ -59,6 +59,10 @@ class BenchSpec(RunSpec):
             yield Problem("use_distributed_optimizer", "data parallelism runs FSDP2, which shards the main parameters"
                                                        " and moments itself; drop it")
         yield from self.pipeline.problems(self.micro_batches)
+        try:
+            yield from expert_parallel_run_problems(self)
+        except (ConfigError, ValueError):  # the config's own problems, reported with it
+            pass
         if started > 1 and started != gpus:  # outside torchrun, `remat bench -ng N` starts it
             yield Problem("num_gpus", f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"
                                       f" launch with torchrun --nproc-per-node {gpus}, or let remat bench -ng"
