@@ -2,7 +2,8 @@
 layers, AdamW, bf16) as a plain model, under FSDP2 with one rank (`fully_shard_layers`), and as a
 one-stage pipeline under torch's 1F1B schedule (`Pipeline`); FSDP2 also without resharding after
 forward (one rank: the shard is the whole layer) and reducing gradients on a step's last
-micro-batch only, or also keeping the layers gathered between a step's micro-batches. With
+micro-batch only, or (`reduce_once_a_step`, remat's distributed optimizer) also keeping the layers
+gathered from a step's first forward to its last backward. With
 --main-params, Megatron's precision: the plain model with fp32 main parameters beside its bf16
 ones (MainParamsAdamW) against FSDP2 over fp32 parameters gathered in bf16 (AdamW on the fp32
 shards), as `remat bench -ng N --main_params_dtype fp32` runs it. Interleaved and repeated so that
@@ -39,36 +40,34 @@ def layouts(spec: BenchSpec, main_params: bool) -> dict[str, object]:
     """Builders of the models of the same spec: plain, one-stage pipeline, FSDP2 variants."""
     config = spec.model_config
 
-    def sharded(reshard_after_forward: bool = True) -> torch.nn.Module:
+    def sharded(reshard_after_forward: bool = True, reduce_once_a_step: bool = False) -> torch.nn.Module:
         model = build_model(spec)
         if main_params:  # fp32 shards gathered in bf16, gradients reduced in fp32
-            return fully_shard_layers(model.float(), compute_dtype=spec.dtype,
-                                      reshard_after_forward=reshard_after_forward)
-        return fully_shard_layers(model, reshard_after_forward=reshard_after_forward)
+            return fully_shard_layers(model.float(), compute_dtype=spec.dtype, reshard_after_forward=reshard_after_forward,
+                                      reduce_once_a_step=reduce_once_a_step)
+        return fully_shard_layers(model, reshard_after_forward=reshard_after_forward,
+                                  reduce_once_a_step=reduce_once_a_step)
 
     def pipeline() -> torch.nn.Module:
         hidden = torch.empty(spec.micro_batch_size, config.seq_length, config.hidden_size, dtype=spec.dtype,
                              device="meta")
         return Pipeline([build_model(spec)], PipelineLayout(1), pipeline_rank=0, hidden=hidden,
                         micro_batches=spec.micro_batches)
-    def sync_last(model: torch.nn.Module, keep_gathered: bool = False) -> torch.nn.Module:
+    def sync_last(model: torch.nn.Module) -> torch.nn.Module:
         """Reduce gradients on the last micro-batch of a step only (FSDP2's no-sync accumulation:
-        unsharded gradients held across micro-batches, as Megatron's full gradient buffer);
-        `keep_gathered`: nor reshard the layers after the others' backward (gathered once a step)."""
+        unsharded gradients held across micro-batches, as Megatron's full gradient buffer)."""
         calls = [0]
 
         def before(module: torch.nn.Module, args: object) -> None:
-            last = calls[0] % spec.micro_batches == spec.micro_batches - 1
-            module.set_requires_gradient_sync(last)  # type: ignore[operator]
-            if keep_gathered:
-                module.set_reshard_after_backward(last)  # type: ignore[operator]
+            module.set_requires_gradient_sync(calls[0] % spec.micro_batches == spec.micro_batches - 1)  # type: ignore[operator]
             calls[0] += 1
         model.register_forward_pre_hook(before)
         return model
     return {"plain": lambda: build_model(spec), "fsdp2_1rank": sharded,
             "fsdp2_1rank_no_reshard": lambda: sharded(reshard_after_forward=False),
             "fsdp2_1rank_no_reshard_sync_last": lambda: sync_last(sharded(reshard_after_forward=False)),
-            "fsdp2_1rank_gathered_once_a_step": lambda: sync_last(sharded(reshard_after_forward=False), True),
+            # what remat bench runs for --use_distributed_optimizer: gathered once a step, reduced once
+            "fsdp2_1rank_reduce_once": lambda: sharded(reduce_once_a_step=True),
             "pipeline_1stage": pipeline}
 
 

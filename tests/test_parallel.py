@@ -65,6 +65,18 @@ def test_bf16_compute_over_fp32_shards_recomputes_bit_identically(sharded) -> No
         assert torch.equal(grad, plain_grads[name]), name
 
 
+def test_reducing_gradients_once_a_step_as_the_distributed_optimizer_does_matches_reducing_each_micro_batch(
+        sharded) -> None:
+    """Layers kept gathered through the step and gradients reduced once sum the micro-batches
+    before the reduce-scatter, FSDP2's default after it: float64 rounding apart. A full-recompute
+    group replaying layers kept gathered gives the very same gradients."""
+    every, once = sharded["reduced"]["every"], sharded["reduced"]["once"]
+    assert every.keys() == once.keys() and len(once) > 0
+    for name, grad in once.items():
+        torch.testing.assert_close(grad, every[name], rtol=1e-12, atol=1e-15, msg=name)
+        assert torch.equal(grad, sharded["reduced"]["once_full_uniform_2"][name]), name
+
+
 def test_fsdp2_without_recompute_matches_one_process_on_the_global_batch(sharded) -> None:
     losses, grads = sharded["none@0.0"]
     model = fsdp_worker.model(0.0)
@@ -132,10 +144,19 @@ def test_bench_ng_2_with_main_params_keeps_fp32_shards_as_its_estimate_under_fsd
     assert predicted.peak == pytest.approx(run["peak_allocated_bytes"], rel=0.03)
 
 
-def test_a_data_parallel_bench_refuses_the_distributed_optimizer_fsdp2_replaces() -> None:
-    with pytest.raises(ConfigError, match="use_distributed_optimizer: data parallelism runs FSDP2, which shards"):
-        BenchSpec(recipe="llama3_tiny", device="cpu", num_gpus=2,
-                  precision=OptimizerPrecision("fp32", use_distributed_optimizer=True))
+def test_bench_ng_2_with_the_distributed_optimizer_holds_megatron_s_bytes_at_most(tmp_path) -> None:
+    """Megatron's distributed optimizer on FSDP2: fp32 shards of the parameters and moments,
+    the layers gathered in bf16 and fp32 gradients accumulated whole through the step: 6 + 12/dp
+    bytes a parameter, as the estimate counts Megatron's. Its peak stays within the estimate
+    (which also counts Megatron's main-gradient hooks' working memory), by at most 15% here."""
+    run = _bench_json(tmp_path, "-ng", "2", "-gb", "4", "--main_params_dtype", "fp32", "--use_distributed_optimizer")
+    parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
+    assert (run["memory"]["weights"], run["memory"]["optimizer"]) == (2 * parameters, 4 * parameters)
+    spec = EstimateSpec(recipe="llama3_tiny", num_gpus=2, global_batch_size=4, device="cpu",
+                        precision=OptimizerPrecision("fp32", use_distributed_optimizer=True))
+    predicted = estimate(spec)[0].stages[0]
+    assert predicted.weights + predicted.grads + predicted.optimizer_state == (6 + 12 // 2) * parameters
+    assert 0.85 * predicted.peak <= run["peak_allocated_bytes"] <= predicted.peak
 
 
 def test_a_bench_spec_must_match_the_processes_torchrun_started(monkeypatch) -> None:

@@ -118,7 +118,9 @@ class EstimateSpec(RunSpec):
         """The shapes of a run of `spec`, on its kind of device."""
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(RunSpec) if f.name != "device"}
         # a run's data parallelism is FSDP2's
-        fields["precision"] = dataclasses.replace(spec.precision, use_torch_fsdp2=spec.fully_sharded)
+        # (under the distributed optimizer, sharded as Megatron's: counted as such)
+        fields["precision"] = dataclasses.replace(
+            spec.precision, use_torch_fsdp2=spec.fully_sharded and not spec.precision.use_distributed_optimizer)
         return cls(**fields, device="cuda" if spec.device.startswith("cuda") else "cpu", **settings)
 
     @property

@@ -8,9 +8,11 @@ backward adds into as each parameter's gradient is ready (which then frees it); 
 the model's parameters are copied from the main ones. Per parameter that is Megatron's 18 bytes
 (2 weights, 4 main gradients, 4 main parameters, 4 + 4 moments). `use_distributed_optimizer`
 keeps 1/dp of the main parameters and moments on each data-parallel rank: by shape, for estimates
-(on meta). `use_torch_fsdp2` (Megatron's --use-torch-fsdp2, what a data-parallel run under
-torchrun does): FSDP2 shards the parameters in the main dtype, their gradients and the moments
-over data parallel, and gathers each layer's in the compute dtype for its forward and backward.
+(on meta); a run under torchrun does it with FSDP2, each layer gathered through the step and
+gradients reduced once (`fully_shard_layers(reduce_once_a_step=True)`). `use_torch_fsdp2`
+(Megatron's --use-torch-fsdp2, what a data-parallel run does otherwise): FSDP2 shards the
+parameters in the main dtype, their gradients and the moments over data parallel, and gathers
+each layer's in the compute dtype for its forward and backward.
 """
 from __future__ import annotations
 

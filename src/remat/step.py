@@ -406,11 +406,14 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     replicas = mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
     family.data_parallel(model, replicas.get_group())
     compute, reduce = fsdp2_precision(spec)
+    # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
+    once = spec.precision.use_distributed_optimizer
     if spec.expert_parallel > 1:  # ep is refused beside cp; FSDP2 over dp, experts over edp
         parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel, compute_dtype=compute,
-                                     reduce_dtype=reduce)
+                                     reduce_dtype=reduce, reduce_once_a_step=once)
     else:
-        parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce)
+        parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce,
+                                    reduce_once_a_step=once)
     return model
 
 
@@ -476,7 +479,8 @@ def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> 
         return model.forward_backward([data.batch() for _ in range(micro_batches)])
     total = torch.zeros((), device=data.spec.device)
     set_loss_scale(model, 1 / micro_batches)
-    for _ in range(micro_batches):
+    for i in range(micro_batches):
+        parallel.accumulate(model, last=i == micro_batches - 1)
         input_ids, labels = data.batch()
         with parallel.sharded(model, input_ids, labels) as weight:  # the ring's backward communicates too
             loss = forward_loss(model, input_ids, labels) * weight / micro_batches

@@ -12,7 +12,7 @@ import remat
 from remat.calls import forward_loss
 from remat.layer_plan import Plan
 from remat.models import build
-from remat.parallel import fully_shard_layers
+from remat.parallel import accumulate, fully_shard_layers
 from remat.recompute import RecomputeConfig
 from remat.verify import run_step
 
@@ -64,6 +64,21 @@ def step(dropout: float, plan: object, mixed: bool = False) -> tuple[list[float]
     return [float(x) for x in losses], grads
 
 
+def accumulated(reduce_once: bool, plan: object = None) -> dict[str, torch.Tensor]:
+    """The full gradients of two micro-batches (this rank's half of the global batch each),
+    reduced every micro-batch (FSDP2's default) or once, in the last one's backward."""
+    m = fully_shard_layers(model(0.0), reduce_once_a_step=reduce_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        remat.apply(m, plan)  # type: ignore[arg-type]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(world))
+    for i in range(2):
+        accumulate(m, last=i == 1)
+        (forward_loss(m, inputs[i:i + 1], labels[i:i + 1]) / 2).backward()
+    return {name: p.grad.full_tensor() for name, p in m.named_parameters()}  # type: ignore[union-attr]
+
+
 def saved_for_backward() -> tuple[tuple[int, int], tuple[int, int]]:
     """What this rank's forward leaves for backward, by one process and under FSDP2."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -77,6 +92,8 @@ def results() -> dict[str, object]:
     found: dict[str, object] = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
     found.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
     found["saved"] = saved_for_backward()
+    found["reduced"] = {"every": accumulated(False), "once": accumulated(True),
+                        "once_full_uniform_2": accumulated(True, PLANS["full_uniform_2"])}
     return found
 
 

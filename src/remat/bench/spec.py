@@ -55,9 +55,6 @@ class BenchSpec(RunSpec):
     def _launch_problems(self) -> Iterator[Problem]:
         """Several GPUs: data parallel (FSDP2) over the processes torchrun started, one per GPU."""
         gpus, started = self.num_gpus or self.model_parallel, launched_world()
-        if self.fully_sharded and self.precision.use_distributed_optimizer:
-            yield Problem("use_distributed_optimizer", "data parallelism runs FSDP2, which shards the main parameters"
-                                                       " and moments itself; drop it")
         yield from self.pipeline.problems(self.micro_batches)
         try:
             yield from expert_parallel_run_problems(self)

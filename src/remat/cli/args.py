@@ -130,11 +130,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "parameters' dtype)")
     g.add_argument("--use_distributed_optimizer", action="store_true",
                    help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters "
-                        "and moments (estimate)")
+                        "and moments (6 + 12/dp bytes a parameter; bench: FSDP2 keeping each layer gathered through a"
+                        " step and reducing gradients once, at its last micro-batch)")
     g.add_argument("--use_torch_fsdp2", action="store_true",
                    help="data parallel by torch's FSDP2, as Megatron's --use-torch-fsdp2: parameters (in the main"
                         " dtype), gradients and moments sharded over data parallel, each layer gathered in the"
-                        " compute dtype; what remat bench runs with data parallelism (estimate; bench: implied)")
+                        " compute dtype; what remat bench runs with data parallelism unless told"
+                        " --use_distributed_optimizer (estimate; bench: implied)")
     return g
 
 

@@ -9,6 +9,7 @@ replay (`Site.before_replay`); the layer's own backward then reshards it as usua
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -42,12 +43,16 @@ def mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: torch.dtype
 
 def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                       reshard_after_forward: bool = True) -> nn.Module:
+                       reshard_after_forward: bool = True, reduce_once_a_step: bool = False) -> nn.Module:
     """Shard `model` over `mesh` (default: every rank of the default process group) with FSDP2,
     one unit per transformer layer and the root. `compute_dtype` (e.g. bfloat16 over float32
     parameters): the dtype parameters are gathered in for compute, with gradients reduced in
-    `reduce_dtype` (default float32), as Megatron keeps fp32 main weights and gradients. Returns
-    `model`, sharded in place."""
+    `reduce_dtype` (default float32), as Megatron keeps fp32 main weights and gradients.
+    `reduce_once_a_step`: Megatron's distributed optimizer on FSDP2 (only the main parameters,
+    their gradients between steps and the moments sharded): each layer stays gathered from its
+    first forward of a step to the step's last backward, and gradients accumulate whole and are
+    reduce-scattered once, in the last micro-batch's backward (tell it which: `accumulate`).
+    Returns `model`, sharded in place."""
     layers = layer_modules(model)
     problems = []
     if not layers:
@@ -63,11 +68,27 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
         device = next(model.parameters()).device.type
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = mixed_precision(compute_dtype, reduce_dtype)
+    reshard = reshard_after_forward and not reduce_once_a_step
     for module, site in layers:
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         site.before_replay = module.unshard  # type: ignore[assignment,operator]
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if reduce_once_a_step:
+        _reduce_once.add(model)
     return model
+
+
+# models sharded with reduce_once_a_step
+_reduce_once: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def accumulate(model: nn.Module, last: bool) -> None:
+    """Before each micro-batch of a step on a model sharded with `reduce_once_a_step`: whether it
+    is the step's last, whose backward reduces the gradients and reshards the layers. (torch's
+    pipeline schedules do this for their stages themselves.) Other models: nothing."""
+    if model in _reduce_once:
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        model.set_reshard_after_backward(last)  # type: ignore[operator]
 
 
 def shard_bytes(params: Iterable[torch.Tensor], shards: int, dtype: torch.dtype) -> int:

@@ -58,11 +58,12 @@ def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
 
 
 def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
-                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                        reduce_once_a_step: bool = False) -> nn.Module:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
     group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does (in its mixed
-    precision), its experts over the ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
+    precision and schedule), its experts over the ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
     Raises one ConfigError with every problem before changing anything. Returns `model`."""
     family = models.family_of_model(model)
     problems = _layout_problems(mesh, ep)
@@ -78,5 +79,6 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
     split = expert_mesh(mesh, ep)
     policy = mixed_precision(compute_dtype, reduce_dtype)
     for experts in family.expert_parallel(model, split["ep"].get_group()):
-        fully_shard(experts, mesh=split["edp"], mp_policy=policy)
-    return fully_shard_layers(model, mesh, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        fully_shard(experts, mesh=split["edp"], mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
+    return fully_shard_layers(model, mesh, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                              reduce_once_a_step=reduce_once_a_step)
