@@ -327,6 +327,7 @@ OFFLOAD_PLANS = [
 ]
 
 
+@pytest.mark.slow
 def test_offload_estimates_agree_exactly_with_the_trace_of_a_cpu_model() -> None:
     overrides = {**SHAPE, "attention_backend": "eager"}
     estimates = _quiet(estimate, _spec(overrides=overrides), PLANS[:1] + OFFLOAD_PLANS)

@@ -309,7 +309,7 @@ def _trace(model: torch.nn.Module) -> remat.Trace:
 
 
 # DeepSeek-V3 (7 labels) traces for minutes on CI's two cores; its sites are checked on CUDA
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_trace_predicts_the_bytes_saved_tensors_hooks_find(family) -> None:
     """Storages the forward saved for backward, still alive when it returns (a router's dropped
     branch saves and frees), besides weights and the batch; plus the loss."""
@@ -328,7 +328,7 @@ def test_the_trace_predicts_the_bytes_saved_tensors_hooks_find(family) -> None:
     assert trace.predict(None).saved_bytes == counted
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_trace_predicts_what_each_plan_leaves_allocated(family) -> None:
     from test_trace import _held_by_ops
     model = remat.adapt(build(family))
@@ -361,7 +361,7 @@ def test_mlp_recompute_frees_exactly_the_mlp_intermediates() -> None:
     assert report.freed_bytes == LAYERS * 4 * BATCH * SEQ * model.config.intermediate_size * 8
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> None:
     from remat.estimating import EstimateSpec, estimate
     overrides, mb = {"num_layers": 2, "seq_length": 32}, 2

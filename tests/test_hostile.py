@@ -196,8 +196,8 @@ def test_plan_verify_on_cpu_says_its_step_time_is_noise(capsys, tmp_path) -> Non
 # --- 5. reading the output ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [
-    ["estimate", "-mr", "llama3_70b", "-tp", "8", "-pp", "4", "-ng", "32", "--sequence_parallel", "--no_progress",
-     "--configs", "none", "mlp", "full_block_10"],
+    pytest.param(["estimate", "-mr", "llama3_70b", "-tp", "8", "-pp", "4", "-ng", "32", "--sequence_parallel",
+                  "--no_progress", "--configs", "none", "mlp", "full_block_10"], marks=pytest.mark.slow),
     ["bench", *TINY_RUN, "--no_history"],
     ["sweep", *TINY_RUN, "--no_history", "--configs", "none", "core_attn+layernorm", "--plot", "p.png"],
     ["recipes"],

@@ -503,6 +503,7 @@ def test_estimate_runs_an_moe_slice_and_predicts_the_moe_act_saving(capsys, tmp_
     assert activations["none"] - activations["moe_act"] == 2 * 3 * (16 * 2) * 48 * 2
 
 
+@pytest.mark.slow
 def test_the_planner_writes_an_moe_plan_as_megatron_keys_without_its_offload_only_sites() -> None:
     model = _model("moe_tiny", dropout=0.0)
     traced = remat.trace(model, _batch(), timing_repeats=1)
@@ -513,6 +514,7 @@ def test_the_planner_writes_an_moe_plan_as_megatron_keys_without_its_offload_onl
         assert config is not None and config.recompute_modules == modules
 
 
+@pytest.mark.slow
 def test_estimate_with_expert_parallel_holds_one_rank_s_share_of_the_experts(capsys, tmp_path) -> None:
     weights, said = {}, {}
     for ep in (1, 2):

@@ -117,6 +117,7 @@ def _bench_json(tmp_path: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_bench_ng_2_starts_torchrun_and_each_rank_holds_half_the_weights_and_optimizer_state(tmp_path) -> None:
     full = ["--recompute_granularity", "full", "--recompute_method", "uniform", "-rl", "2"]
     one, two = _bench_json(tmp_path, *full), _bench_json(tmp_path, "-ng", "2", *full)

@@ -204,6 +204,7 @@ def test_cli_plan_under_a_budget_no_recompute_fits_says_so(tmp_path, capsys) -> 
     assert load_plan_or_config(out) == remat.RecomputeConfig()
 
 
+@pytest.mark.slow
 def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsys) -> None:
     out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
     # with -sl 128 no recompute plan goes below 1.85 MiB; offload reaches 1.77

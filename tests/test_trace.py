@@ -23,7 +23,7 @@ OPTIONS = {"core_attn": ["keep", "recompute"], "layernorm": ["keep", "recompute"
            "mlp": ["keep", "recompute"], "mlp_act": ["keep", "discard"]}
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=[pytest.param("sdpa", marks=pytest.mark.slow), "eager"])
 def traced(request):
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
