@@ -344,6 +344,7 @@ def test_offload_estimates_agree_exactly_with_the_trace_of_a_cpu_model() -> None
         assert (stage.host > 0) == (plan is not None)
 
 
+@pytest.mark.slow
 def test_offload_copies_slower_than_compute_add_step_time() -> None:
     plan = [("offload", Plan([{"layer": "offload"}, {}], min_offloaded_tensor_size=64))]
     fast, slow = (_quiet(estimate, _spec(host_gbps=gbps), [("none", None), *plan]) for gbps in (1e6, 1e-3))

@@ -156,6 +156,7 @@ def test_moe_runs_under_pipeline_and_tensor_parallelism_but_not_context_parallel
     assert shard.expert_ffn * 2 == config.expert_ffn  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys, tmp_path) -> None:
     assert main(["validate", "-mr", "moe_tiny", "--num_layers", "4", "-pp", "2"]) == 0
     assert main(["validate", "-mr", "moe_tiny", "-pp", "2"]) != 0  # 3 layers over 2 stages

@@ -90,14 +90,14 @@ def plans(draw) -> Plan:
     return Plan(layers, groups)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
 def test_predicted_saved_bytes_equal_the_counted_ones_for_random_plans(traced, plan) -> None:
     model, batch, trace = traced
     assert trace.predict(plan).saved_bytes == _measured(model, batch, plan)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
 def test_predicted_peak_equals_the_measured_peak_for_random_plans(traced, measured_peak, plan) -> None:
     model, batch, trace = traced
