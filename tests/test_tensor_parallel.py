@@ -215,6 +215,11 @@ def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
         " that is a multiple of 2, or turn sequence parallelism off"]
 
 
+def test_megatron_s_main_gradients_of_split_parameters_count_this_rank_s_share(split) -> None:
+    counted, local_fp32 = split["main grads"]
+    assert counted == local_fp32
+
+
 def test_parallelize_tensor_refuses_experts_split_otherwise_a_two_dimensional_mesh_and_unlike_seeds(split) -> None:
     refusals = split["refusals"]
     assert refusals["moe"].splitlines() == [

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.memory.meter import local_tensor
 from remat.problems import Problem, one_of
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,8 +101,9 @@ class MainParamsAdamW(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
             main, grad = self.state[p]["main_param"], self.state[p]["main_grad"]
-            # a view where dtype and size match; a rank's share (by shape) cast otherwise
-            main.grad = grad.reshape(-1)[:main.numel()].to(main.dtype).view_as(main)
+            # itself where dtype matches (a DTensor stays sharded); a rank's share (by shape) otherwise
+            main.grad = (grad.to(main.dtype) if main.shape == grad.shape
+                         else grad.reshape(-1)[:main.numel()].to(main.dtype).view_as(main))
         self._inner.step()
         for p in params:
             state = self.state[p]
@@ -131,7 +133,8 @@ def main_grad_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the main gradients a MainParamsAdamW holds (0 for any other optimizer)."""
     if not isinstance(optimizer, MainParamsAdamW):
         return 0
-    return sum(s["main_grad"].numel() * s["main_grad"].element_size() for s in optimizer.state.values())
+    grads = [local_tensor(s["main_grad"]) for s in optimizer.state.values()]  # a DTensor's shard on this rank
+    return sum(g.numel() * g.element_size() for g in grads)
 
 
 def make(params: Iterable[nn.Parameter], precision: OptimizerPrecision, *, fused: bool, shards: int = 1,

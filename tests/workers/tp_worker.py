@@ -23,6 +23,7 @@ from remat.apply import offloader_of
 from remat.calls import forward_loss
 from remat.layer_plan import Plan
 from remat.models import build
+from remat.optimizer import MainParamsAdamW, OptimizerPrecision, main_grad_bytes
 from remat.parallel import fully_shard_layers
 from remat.parallel.data_parallel import layer_modules
 from remat.parallel.tensor_parallel import parallelize_tensor
@@ -165,6 +166,10 @@ def tensor_parallel() -> dict[str, Any]:
     results.update({f"accumulated@sp={sp}": tp_step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
     results.update({f"masks@sp={sp}": masks(sp) for sp in (False, True)})
     results["refusals"] = refusals()
+    model = split(0.0, False)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    results["main grads"] = (main_grad_bytes(MainParamsAdamW(model.parameters(), OptimizerPrecision("fp32"))),
+                             4 * local)
     results["distributed"] = distributed()
     return results
 
