@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import moe_worker
-from moe_worker import CASES, pipelined, spec, state, whole
+from moe_worker import CASES, MICRO_BATCHES, pipelined, spec, state, whole
 
 import gloo
 
@@ -26,5 +25,5 @@ def results() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    assert moe_worker.MICRO_BATCHES == 4  # 2 a replica: 1F1B over 2 stages needs 2
+    assert MICRO_BATCHES == 4  # 2 a replica: 1F1B over 2 stages needs 2
     gloo.run(results)
