@@ -1,7 +1,9 @@
 """MoE models under pipeline and data parallelism (gloo, CPU): stages built with the whole model's
 layer numbers; a pipeline step bit-identical to one process's (float64, no dropout); the aux
 loss's gradient scaled as the main loss per micro-batch; the expert bias balanced over the
-data-parallel replicas; validation and estimates of MoE stages."""
+data-parallel replicas; each stage's experts split over the expert-parallel ranks of its own
+data-parallel group (pp 2 x dp 2, ep 2), every plan equal to one process's step; validation and
+estimates of MoE stages."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,7 @@ from remat.models.family import ParallelSizes
 from remat.recompute import TrainingFacts
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import ep_pp_worker  # noqa: E402
 import moe_worker  # noqa: E402
 
 RECIPES = ("moe_tiny", "deepseek_tiny")
@@ -39,6 +42,13 @@ def _one_process(recipe: str, given: list, micro_batches: int) -> torch.nn.Modul
     model = moe_worker.whole(recipe)
     steps.forward_backward(model, moe_worker.Data(given), micro_batches)  # type: ignore[arg-type]
     return model
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ep_pp") / "results.pt"
+    run_under_torchrun(Path(ep_pp_worker.__file__), out, ep_pp_worker.GPUS)
+    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +183,41 @@ def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys,
     assert all(m["activations"] < n["activations"] for n, m in zip(none["stages"], moe["stages"]))
 
 
-def test_expert_parallelism_beside_pipeline_stages_is_refused_for_a_run() -> None:
-    spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2), num_gpus=4,
-                         global_batch_size=4, device="cpu", facts=TrainingFacts(pipeline_model_parallel_size=2))
-    assert [p.field for p in steps.expert_parallel_run_problems(spec)] == ["expert_model_parallel_size"]
+@pytest.mark.parametrize("recipe,layout,plan", CASES)
+def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expert_parallel, one_process, recipe,
+                                                                             layout, plan) -> None:
+    """pp 2 x dp 2, each stage's experts over its 2 data-parallel ranks. Every plan is the same
+    run as no recompute, bit for bit (the replays of `moe` exchange again, in the same order on
+    both ranks of a group). Against one process on the same 4 micro-batches, to float64 rounding:
+    FSDP2 sums the two replicas' gradients and halves them where one process adds the 4
+    micro-batches in turn, and an expert's GEMMs take the rows of both ranks of its group at once
+    (other associations of the same sums). The expert bias moves on counts, exact."""
+    piped, plain, whole = (expert_parallel[f"{recipe}:{layout}:{plan}"], expert_parallel[f"{recipe}:{layout}:none"],
+                           one_process[recipe])
+    assert piped["kinds"] == whole["kinds"]
+    assert piped["loss"] == pytest.approx(whole["loss"], rel=1e-7)  # one process sums it in float32
+    assert piped["grads"].keys() == whole["grads"].keys() and any(".experts." in name for name in piped["grads"])
+    for name, grad in piped["grads"].items():
+        assert torch.equal(grad, plain["grads"][name]), name
+        expected = whole["grads"][name]
+        assert (grad - expected).abs().max() <= 1e-13 * expected.abs().max(), name
+    assert piped["bias"].keys() == whole["bias"].keys()
+    assert all(torch.equal(b, whole["bias"][n]) for n, b in piped["bias"].items())
+    # an MoE layer of pipeline rank p: global rank 2 p + d (dp rank d) holds its d-th half of the
+    # experts, exchanging with the other dp rank of the same stage
+    config, pipe = moe_worker.spec(recipe).model_config, moe_worker.spec(recipe, layout).pipeline
+    held, half = {layer: layer // (4 // pipe.chunks) % pipe.stages for layer in range(4)}, config.num_moe_experts // 2
+    assert piped["experts"] == {(layer, 2 * held[layer] + d): (half * d, [2 * held[layer], 2 * held[layer] + 1])
+                                for layer, kind in whole["kinds"].items() if kind == "MoELayer" for d in (0, 1)}
+
+
+def test_expert_parallelism_runs_beside_pipeline_stages_but_not_tensor_parallelism() -> None:
+    def run_problems(pp: int, tp: int) -> list[str]:
+        spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2),
+                             num_gpus=4 * tp, global_batch_size=4, device="cpu",
+                             facts=TrainingFacts(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp))
+        return [p.message for p in steps.expert_parallel_run_problems(spec)]
+
+    assert run_problems(pp=2, tp=1) == []
+    assert run_problems(pp=2, tp=2) == ["is 2 with -tp 2; remat does not run expert parallelism beside tensor"
+                                        " parallelism yet (remat estimate predicts it); use -ep 1 or -tp 1"]

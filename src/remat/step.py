@@ -250,12 +250,10 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
-    for flag, size, what in (("-pp", spec.stages, "pipeline stages"),
-                             ("-tp", spec.facts.tensor_model_parallel_size, "tensor parallelism")):
-        if size > 1:
-            yield Problem("expert_model_parallel_size", f"is {ep} with {flag} {size}; remat does not run expert"
-                                                        f" parallelism beside {what} yet (remat estimate predicts"
-                                                        f" it); use -ep 1 or {flag} 1")
+    if (tp := spec.facts.tensor_model_parallel_size) > 1:
+        yield Problem("expert_model_parallel_size", f"is {ep} with -tp {tp}; remat does not run expert parallelism"
+                                                    " beside tensor parallelism yet (remat estimate predicts it);"
+                                                    " use -ep 1 or -tp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -354,8 +352,9 @@ def build_model(spec: RunSpec) -> nn.Module:
     """The spec's model on its device, from the spec's seed, with its kernels. Under torchrun, on
     a pp x dp x cp x tp mesh: this rank's pipeline stages (a `Pipeline`) when pp > 1, each split
     by tensor parallelism when tp > 1, running its share of each sequence when cp > 1, its
-    routed experts split by expert parallelism when ep > 1, and sharded with FSDP2 over the
-    data- and context-parallel ranks when there are several."""
+    routed experts split by expert parallelism when ep > 1 (over the dp ranks of its own
+    pipeline rank), and sharded with FSDP2 over the data- and context-parallel ranks when there
+    are several."""
     if parallel.world_size() == 1:
         if spec.model_parallel > 1:
             raise ConfigError([Problem("num_gpus", f"tp x pp x cp = {spec.model_parallel} needs as many processes;"

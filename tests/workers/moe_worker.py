@@ -18,12 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import remat
 from remat import step as steps
 from remat.calls import after_optimizer_step
 from remat.models import family_of
-from remat.parallel import Pipeline, model_chunks
+from remat.parallel import Pipeline, coordinates, mean_over_ranks, model_chunks
 from remat.recompute import RecomputeConfig, TrainingFacts
 
 import gloo
@@ -41,9 +42,10 @@ CASES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None) -> steps.RunSpec:
+def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None, ep: int = 1) -> steps.RunSpec:
     pp, vp = LAYOUTS[layout] if layout else (1, None)
-    return steps.RunSpec(recipe=recipe, overrides=OVERRIDES, global_batch_size=MICRO_BATCHES, num_gpus=num_gpus,
+    overrides = {**OVERRIDES, "expert_model_parallel_size": ep} if ep > 1 else OVERRIDES
+    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=MICRO_BATCHES, num_gpus=num_gpus,
                          compute_dtype="fp64", device="cpu", optimizer=False,
                          facts=TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp))
 
@@ -99,34 +101,69 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def pipelined(recipe: str, layout: str, name: str, source: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    s = spec(recipe, layout)
+def _experts_of(chunk: nn.Module, name: str) -> nn.Module | None:
+    """The MoE layer whose routed experts' weight `name` is, or None for any other tensor."""
+    return chunk.get_submodule(name.rsplit(".", 2)[0]) if ".experts.weight" in name else None
+
+
+@torch.no_grad()
+def load(chunk: nn.Module, source: Mapping[str, torch.Tensor]) -> None:
+    """The whole model's tensors into a stage: under expert parallelism a rank's experts only,
+    under FSDP2 its shard."""
+    own = state(chunk)
+    for local, global_ in global_names(chunk):
+        whole, target = source[global_], own[local]
+        if (moe := _experts_of(chunk, local)) is not None:
+            first = moe.experts.first_expert
+            whole = whole[first:first + target.shape[0]]
+        if isinstance(target, DTensor):
+            whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        target.copy_(whole)
+
+
+def whole_grad(chunk: nn.Module, name: str, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole: gathered from FSDP2's shards, an expert weight's from its expert-parallel
+    group in expert order."""
+    grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    moe = _experts_of(chunk, name)
+    if moe is None or moe.dispatch is None:
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(moe.dispatch.group))]
+    dist.all_gather(parts, grad.contiguous(), group=moe.dispatch.group)
+    return torch.cat(parts)
+
+
+def pipelined(s: steps.RunSpec, name: str, source: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """One step of the spec's pipeline, weights from `source`, on the data-parallel replica's share
+    of the global batch of MICRO_BATCHES; the mean loss over the replicas."""
     model = steps.build_model(s)
     assert isinstance(model, Pipeline)
-    with torch.no_grad():
-        for chunk in model.chunks:
-            own = state(chunk)
-            for local, global_ in global_names(chunk):
-                own[local].copy_(source[global_])
+    for chunk in model.chunks:
+        load(chunk, source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
-        steps.apply_plan(s, model, plan(recipe, name))
-    loss = steps.forward_backward(model, Data(batches(MICRO_BATCHES)), MICRO_BATCHES)  # type: ignore[arg-type]
+        steps.apply_plan(s, model, plan(s.recipe, name))
+    replica = coordinates(dist.get_rank(), s.stages, s.data_parallel).data
+    mine = batches(MICRO_BATCHES)[replica * s.micro_batches:(replica + 1) * s.micro_batches]
+    loss = steps.forward_backward(model, Data(mine), s.micro_batches)  # type: ignore[arg-type]
     after_optimizer_step(model)
-    found = {"kinds": {}, "grads": {}, "bias": {}}
+    found: dict[str, dict[Any, Any]] = {"kinds": {}, "grads": {}, "bias": {}, "experts": {}}
     for chunk in model_chunks(model):
         own = state(chunk)
         for local, global_ in global_names(chunk):
             if local.endswith("expert_bias"):
                 found["bias"][global_] = own[local].clone()
-            elif own[local].grad is not None:
-                found["grads"][global_] = own[local].grad
+            elif (grad := own[local].grad) is not None:
+                found["grads"][global_] = whole_grad(chunk, local, grad)
         for index, layer in zip(chunk.config.layers, chunk.decoder.layers):  # type: ignore[union-attr]
             found["kinds"][index] = type(layer.mlp).__name__
+            if getattr(layer.mlp, "dispatch", None) is not None:  # which experts, split over which ranks
+                found["experts"][index, dist.get_rank()] = (layer.mlp.experts.first_expert,
+                                                            dist.get_process_group_ranks(layer.mlp.dispatch.group))
     gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, found)
     merged = {key: {k: v for g in gathered for k, v in g[key].items()} for key in found}
-    return {"loss": loss.item(), **merged}
+    return {"loss": mean_over_ranks(loss).item(), **merged}
 
 
 def data_parallel() -> dict[str, Any]:
@@ -157,7 +194,8 @@ def results() -> dict[str, Any]:
         source = {name: t.detach().clone() for name, t in state(whole(recipe)).items()}
         for (r, layout), names in CASES.items():
             if r == recipe:
-                found.update({f"{recipe}:{layout}:{name}": pipelined(recipe, layout, name, source) for name in names})
+                found.update({f"{recipe}:{layout}:{name}": pipelined(spec(recipe, layout), name, source)
+                              for name in names})
     found["data_parallel"] = data_parallel()
     return found
 

@@ -18,6 +18,13 @@ full-recompute group runs the all-to-alls again. Every rank runs the same layers
 plan, and autograd reaches the same nodes in the same order on each (the graphs differ only in how
 many rows each op holds), so the ranks of a group replay the same exchanges in the same order.
 `moe_act` and `shared_experts` replay no communication.
+
+Beside pipeline parallelism (Megatron's layout): each stage splits its experts over the dp ranks
+of its own pipeline rank (`mesh["dp"]` of the pp x dp mesh), so the ranks of an expert-parallel
+group hold the same stages. torch's 1F1B and interleaved schedules order a rank's forwards and
+backwards by its pipeline rank and the micro-batch count alone, so the ranks of a group run the
+same micro-batches of the same stages in the same order, each exchange (and replay) matched one
+for one; the pipeline's sends and receives stay within one data-parallel replica.
 """
 from __future__ import annotations
 
@@ -63,7 +70,9 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
     group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does (in its mixed
-    precision and schedule), its experts over the ranks holding the same ones. Call on every rank, after seeding torch alike on all of them.
+    precision and schedule), its experts over the ranks holding the same ones. A pipeline stage
+    passes its pipeline rank's data-parallel mesh. Call on every rank, after seeding torch alike
+    on all of them.
     Raises one ConfigError with every problem before changing anything. Returns `model`."""
     family = models.family_of_model(model)
     problems = _layout_problems(mesh, ep)
