@@ -13,6 +13,11 @@ cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own 
 balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
 unhandled one fails instead of running SDPA's math on a sequence shard.
 
+Beside tensor parallelism attention holds this rank's heads as plain tensors, so the ring runs
+over them unchanged. Hidden dropout draws as Megatron's, whose seeds have no cp term: the default
+generators alike on every cp rank, and under sequence parallelism a tp rank's own stream alike on
+its cp peers (each over its own tokens).
+
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
 mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
 """
