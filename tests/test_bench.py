@@ -101,8 +101,8 @@ REJECTED = [
     pytest.param(["-tp", "3"], ["tensor_model_parallel_size: num_attention_heads=4 does not split over 3"], id="tp"),
     pytest.param(["-pp", "2"], ["global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages needs at least"
                                 " 2: raise -gb"], id="pp"),
-    pytest.param(["-cp", "2", "-tp", "2"], ["context_parallel_size: is 2 with -tp 2 -pp 1; remat runs context"
-                                            " parallelism beside data parallelism only"], id="cp"),
+    pytest.param(["-cp", "2", "-pp", "2", "-gb", "2"], ["context_parallel_size: is 2 with -pp 2; remat runs context"
+                                                        " parallelism beside data and tensor parallelism"], id="cp"),
     pytest.param(["-vp", "2"], ["virtual_pipeline_model_parallel_size"], id="vp"),
     pytest.param(["--num_layers", "4", "-pp", "2", "-vp", "2", "-gb", "6"],
                  ["interleaved 1F1B runs them in rounds of pp = 2: use a multiple"], id="pp-vp"),

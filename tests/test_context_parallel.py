@@ -1,5 +1,7 @@
 """Context parallelism (torch's ring attention, remat.parallel.context_parallel) on CPU: two
-processes under torchrun with gloo, one launch for every case (tests/workers/cp_worker.py).
+processes under torchrun with gloo, one launch for every case (tests/workers/cp_worker.py), and
+four for context parallelism beside tensor parallelism (cp 2 x tp 2, sequence parallelism off and
+on), one launch.
 
 torch dispatches its ring to CUDA's attention kernels only; on CPU remat hands torch's own ring
 the CPU flash kernel, so what runs here is torch's ring, head-tail load balancing and merge, with
@@ -21,6 +23,7 @@ import torch
 from conftest import run_under_torchrun
 from remat.bench.run import run_shape
 from remat.bench.spec import BenchSpec
+from remat.cli import main
 from remat.cli.bench import _layout_words
 from remat.parallel import coordinates
 from remat.problems import ConfigError
@@ -29,15 +32,27 @@ from remat.step import RunSpec, single_process_problems, trace_spec, unrun_probl
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import cp_worker  # noqa: E402
+import fsdp_worker  # noqa: E402
+import tp_worker  # noqa: E402
 
 PLANS = [name for name in cp_worker.PLANS if name != "none"]
+SPLIT = [False, True]  # sequence parallelism off, on
+
+
+def _run(tmp_path_factory, nproc: int) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("cp") / "results.pt"
+    run_under_torchrun(Path(cp_worker.__file__), out, nproc)
+    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory) -> dict[str, object]:
-    out = tmp_path_factory.mktemp("cp") / "results.pt"
-    run_under_torchrun(Path(cp_worker.__file__), out)
-    return torch.load(out)
+    return _run(tmp_path_factory, cp_worker.CP)
+
+
+@pytest.fixture(scope="module")
+def cp_tp(tmp_path_factory) -> dict[str, object]:
+    return _run(tmp_path_factory, cp_worker.CP * cp_worker.TP)
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -63,6 +78,61 @@ def test_context_parallel_step_matches_one_process(cp, task) -> None:
     assert loss == pytest.approx(one_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, one_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("sp", SPLIT)
+@pytest.mark.parametrize("plan", [name for name in cp_worker.CP_TP_PLANS if name != "none"])
+def test_every_plan_beside_tensor_parallelism_is_bit_identical_to_none(cp_tp, plan, sp) -> None:
+    loss, grads = cp_tp[f"{plan}@sp={sp}@0.1"]  # type: ignore[misc]
+    plain_loss, plain_grads = cp_tp[f"none@sp={sp}@0.1"]  # type: ignore[misc]
+    assert loss == plain_loss and loss != cp_tp[f"none@sp={sp}@0.0"][0]  # type: ignore[index]
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+@pytest.fixture(scope="module")
+def one_process_fp64() -> tuple[float, dict[str, torch.Tensor]]:
+    return cp_worker.step(cp_worker.spec(context_parallel=1, compute_dtype="fp64"), None)
+
+
+@pytest.mark.parametrize("sp", SPLIT)
+def test_context_parallelism_beside_tensor_parallelism_matches_one_process(cp_tp, one_process_fp64, sp) -> None:
+    """In float64, to float32 rounding of attention: torch's ring merges its blocks' outputs and
+    accumulates their gradients in float32 (its convert_to_f32 option, which a float64 run meets
+    as a downcast); seen: 1.6e-8 absolute on gradients up to 0.17. The step's loss is summed in
+    float32."""
+    loss, grads = cp_tp[f"none@sp={sp}@0.0"]  # type: ignore[misc]
+    one_loss, one_grads = one_process_fp64
+    assert grads.keys() == one_grads.keys()
+    assert loss == pytest.approx(one_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tp_worker.gate_then_up(name, grad), one_grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=name)
+
+
+def test_hidden_dropout_masks_beside_tensor_parallelism_are_megatrons(cp_tp) -> None:
+    """Megatron seeds a tensor-parallel rank's stream seed + 2718 + its tp rank, whatever its cp
+    rank, and the default generators alike: without sequence parallelism every rank draws the
+    same hidden masks; with it, each tp rank its own, the same on its cp peers' tokens."""
+    def same(ranks: list[list[torch.Tensor]], a: int, b: int) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(ranks[a], ranks[b], strict=True))
+
+    plain, split = cp_tp["masks@sp=False"], cp_tp["masks@sp=True"]  # ranks: cp-major, tp-minor
+    assert all(len(rank) == 2 * fsdp_worker.LAYERS + 1 for rank in (*plain, *split))  # type: ignore[union-attr]
+    assert all(same(plain, 0, r) for r in (1, 2, 3))  # type: ignore[arg-type]
+    assert same(split, 0, 2) and same(split, 1, 3) and not same(split, 0, 1)  # type: ignore[arg-type]
+
+
+def test_context_parallelism_refuses_too_few_tokens_to_split_over_the_sequence_parallel_ranks(cp_tp) -> None:
+    assert cp_tp["sequence split"] == ["sequence_parallel: each rank's 10 tokens do not split over 4 tensor-parallel"
+                                       " ranks; use a sequence length that is a multiple of 8, or turn sequence"
+                                       " parallelism off"]
+
+
+def test_bench_runs_beside_tensor_parallelism(cp_tp) -> None:
+    status, losses = cp_tp["bench"]  # type: ignore[misc]
+    assert status == "ok" and len(losses) == 2
 
 
 def test_each_rank_holds_a_head_and_a_tail_chunk_of_the_sequence(cp) -> None:
@@ -105,18 +175,29 @@ def test_every_context_parallel_problem_is_named_before_any_process_starts() -> 
         " block's random state for all of them; use 0 under context parallelism"]
 
 
-def test_context_parallelism_beside_other_layouts_and_families_is_refused() -> None:
-    said = [str(p) for p in unrun_problems(TrainingFacts(context_parallel_size=2, pipeline_model_parallel_size=2))]
-    assert said == ["context_parallel_size: is 2 with -tp 1 -pp 2; remat runs context parallelism beside data"
-                    " parallelism only, not with tensor or pipeline parallelism yet (remat estimate predicts it);"
-                    " use -cp 1, or -tp 1 and -pp 1"]
-    assert not list(unrun_problems(TrainingFacts(context_parallel_size=2)))
+def test_context_parallelism_beside_pipelining_and_other_families_is_refused() -> None:
+    said = [str(p) for p in unrun_problems(TrainingFacts(context_parallel_size=2, pipeline_model_parallel_size=2,
+                                                         tensor_model_parallel_size=2))]
+    assert said == ["context_parallel_size: is 2 with -pp 2; remat runs context parallelism beside data and tensor"
+                    " parallelism, not with pipeline parallelism yet (remat estimate predicts it); use -cp 1 or -pp 1"]
+    assert not list(unrun_problems(TrainingFacts(context_parallel_size=2, tensor_model_parallel_size=2,
+                                                 sequence_parallel=True)))
     with pytest.raises(ConfigError, match="context_parallel_size: is 2; MoE models"):
         RunSpec(recipe="moe_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2))
     assert [p.field for p in single_process_problems(TrainingFacts(context_parallel_size=2))] == [
         "context_parallel_size"]
     with pytest.raises(ConfigError, match="context_parallel_size: is 2; the trace steps whole sequences"):
         trace_spec(RunSpec(recipe="llama3_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2)))
+
+
+def test_validate_takes_context_beside_tensor_parallelism_and_bench_refuses_pipelining(capsys) -> None:
+    # estimate's shards of cp beside tp (and sp): tests/test_estimate.py
+    tiny = ["-mr", "llama3_tiny", "--num_layers", "2", "-rl", "1"]
+    assert main(["validate", *tiny, "-tp", "2", "-cp", "2", "--sequence_parallel"]) == 0
+    capsys.readouterr()
+    assert main(["bench", *tiny, "-cp", "2", "-pp", "2", "-ng", "4", "--device", "cpu", "--no_progress"]) == 1
+    assert "-cp/--context_parallel_size: is 2 with -pp 2; remat runs context parallelism beside data and tensor" \
+           " parallelism, not with pipeline parallelism yet" in " ".join(capsys.readouterr().err.split())
 
 
 def test_a_ranks_coordinates_on_the_pp_dp_cp_tp_mesh() -> None:

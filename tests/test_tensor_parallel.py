@@ -108,14 +108,6 @@ def test_split_inputs_under_fsdp2_gather_the_layer_then_the_input_before_a_repla
     _assert_bit_identical(sharded_split["distributed_uniform_2@sp=False"], sharded_split["none@sp=False"])
 
 
-def _gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
-    """Under tensor parallelism linear_fc1's rows are each rank's gate then up rows; one
-    process has all gate rows, then all up rows."""
-    if not name.endswith("linear_fc1.weight"):
-        return grad
-    return grad.unflatten(0, (TP, 2, -1)).transpose(0, 1).reshape(grad.shape)
-
-
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("sp", SPLIT)
 def test_tensor_parallelism_without_recompute_matches_one_process(split, sp, micro_batches) -> None:
@@ -131,7 +123,8 @@ def test_tensor_parallelism_without_recompute_matches_one_process(split, sp, mic
     assert losses[0] == losses[1]  # the loss head is whole on each rank, on every token
     assert losses[0] == pytest.approx(loss.item(), rel=1e-13)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
+        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13,
+                                   msg=name)
 
 
 def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_the_global_batch(
@@ -146,7 +139,8 @@ def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_
     assert all(losses[i] == per_replica[i // TP] for i in range(len(losses)))
     assert sum(per_replica) / REPLICAS == pytest.approx(loss.item(), rel=1e-13)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
+        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13,
+                                   msg=name)
 
 
 def _masks(split: dict, sp: bool, dim: int) -> list[list[torch.Tensor]]:

@@ -319,12 +319,11 @@ def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
 
 def unrun_problems(facts: TrainingFacts) -> Iterator[Problem]:
     """What the recompute rules accept but remat does not run yet (remat estimate predicts it)."""
-    cp, tp, pp = facts.context_parallel_size, facts.tensor_model_parallel_size, facts.pipeline_model_parallel_size
-    if cp != 1 and (tp != 1 or pp != 1):
-        yield Problem("context_parallel_size", f"is {cp} with -tp {tp} -pp {pp}; remat runs context parallelism"
-                                               " beside data parallelism only, not with tensor or pipeline"
-                                               " parallelism yet (remat estimate predicts it); use -cp 1, or"
-                                               " -tp 1 and -pp 1")
+    cp, pp = facts.context_parallel_size, facts.pipeline_model_parallel_size
+    if cp != 1 and pp != 1:
+        yield Problem("context_parallel_size", f"is {cp} with -pp {pp}; remat runs context parallelism beside data"
+                                               " and tensor parallelism, not with pipeline parallelism yet (remat"
+                                               " estimate predicts it); use -cp 1 or -pp 1")
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")

@@ -1,9 +1,11 @@
-"""Run by tests/test_context_parallel.py under torchrun (gloo, CPU, 2 processes): remat's tiny Llama
-built by `build_model` with -cp 2 (torch's ring attention over the two ranks, FSDP2 over the
+"""Run by tests/test_context_parallel.py under torchrun (gloo, CPU). With 2 processes: remat's tiny
+Llama built by `build_model` with -cp 2 (torch's ring attention over the two ranks, FSDP2 over the
 flattened dp x cp mesh), one step of 2 micro-batches on the step's mock data: every plan with
 hidden dropout, and no recompute without dropout (pretrain, and SFT whose masked prompt leaves the
-ranks unequal shares of labelled tokens). Rank 0 saves the mean loss and the full gradients of
-each, each rank's share of a sequence, a bench run and the refusals to the file argv[1]."""
+ranks unequal shares of labelled tokens). With 4: -cp 2 beside -tp 2, sequence parallelism off and
+on, in float64: the plans with hidden dropout and none without, each rank's hidden dropout masks,
+a refusal and a bench run. Rank 0 saves the mean loss and the full gradients of each, each rank's share of a
+sequence, a bench run and the refusals to the file argv[1]."""
 from __future__ import annotations
 
 import warnings
@@ -17,27 +19,44 @@ import remat
 from remat import parallel
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
+from remat.calls import forward_loss
 from remat.layer_plan import Plan
+from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.step import MockData, RunSpec, apply_plan, build_model, forward_backward
 
 import gloo
 import fsdp_worker  # the plans of the FSDP2 tests
+import tp_worker  # its dropout recorder
 
-CP, SEQ, MICRO_BATCHES = 2, 16, 2
+CP, TP, SEQ, MICRO_BATCHES = 2, 2, 16, 2
 PLANS: dict[str, RecomputeConfig | Plan | None] = {
     **fsdp_worker.PLANS,
     "core_attn": RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn"]),
 }
+# beside tensor parallelism: Megatron's selective recompute of attention and the MLP, and full
+# recompute of two-layer ranges (each replay runs the ring of both layers again)
+CP_TP_PLANS: dict[str, RecomputeConfig | None] = {
+    "none": None,
+    "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "full": fsdp_worker.full("uniform", 2),
+}
 
 
-def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = CP, **more: Any) -> RunSpec:
-    """fp32 (torch's ring merges its blocks in fp32), 4 layers, attention through SDPA."""
+def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = CP, tensor_parallel: int = 1,
+         sequence_parallel: bool = False, compute_dtype: str = "fp32", **more: Any) -> RunSpec:
+    """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32)."""
+    facts = TrainingFacts(context_parallel_size=context_parallel, tensor_model_parallel_size=tensor_parallel,
+                          sequence_parallel=sequence_parallel)
     return RunSpec(recipe="llama3_tiny", overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
-                                                        hidden_dropout=dropout), compute_dtype="fp32", device="cpu",
-                   task=task, optimizer=False, global_batch_size=MICRO_BATCHES, num_gpus=context_parallel,
-                   facts=TrainingFacts(context_parallel_size=context_parallel), **more)
+                                                        hidden_dropout=dropout), compute_dtype=compute_dtype,
+                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES,
+                   num_gpus=context_parallel * tensor_parallel, facts=facts, **more)
+
+
+def cp_tp_spec(sp: bool, dropout: float = 0.0) -> RunSpec:
+    return spec(dropout, tensor_parallel=TP, sequence_parallel=sp, compute_dtype="fp64")
 
 
 def step(run: RunSpec, plan: object) -> tuple[float, dict[str, torch.Tensor]]:
@@ -82,11 +101,24 @@ def refusals() -> dict[str, list[str]]:
             "short": refusal(lambda: parallel.sharded(short, ids, ids.clone()).__enter__())}
 
 
-def bench() -> tuple[str, list[float]]:
-    """remat bench's run on this torchrun's two ranks (what `remat bench -cp 2` runs)."""
+def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
+    """Every rank's hidden dropout masks (embedding's and layers') in one forward."""
+    run = cp_tp_spec(sp, dropout=0.1)
+    model, (input_ids, labels) = build_model(run), MockData(run).batch()
+    torch.manual_seed(run.seed)
+    with parallel.sharded(model, input_ids, labels), tp_worker.DropoutMasks() as recorded:
+        forward_loss(model, input_ids, labels)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [dropped for dropped, _ in recorded.masks])
+    return every
+
+
+def bench(tensor_parallel: int = 1) -> tuple[str, list[float]]:
+    """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2] -ng N` runs)."""
+    facts = TrainingFacts(context_parallel_size=CP, tensor_model_parallel_size=tensor_parallel)
     result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), compute_dtype="fp32",
-                                 device="cpu", max_steps=2, warmup_steps=1, num_gpus=CP,
-                                 facts=TrainingFacts(context_parallel_size=CP)),
+                                 device="cpu", max_steps=2, warmup_steps=1, num_gpus=CP * tensor_parallel,
+                                 facts=facts),
                        RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1))
     return result.status, result.losses or []
@@ -101,5 +133,25 @@ def results() -> dict[str, object]:
     return found
 
 
+def sequence_split_refusal() -> list[str]:
+    """context_parallel_model on a model split over 4 ranks with sequence parallelism, each cp
+    rank's 10 of 20 tokens too few to split over them."""
+    torch.manual_seed(0)
+    model = remat.models.build("llama3_tiny", num_query_groups=4, seq_length=20)
+    parallelize_tensor(model, init_device_mesh("cpu", (dist.get_world_size(),)), sequence_parallel=True)
+    cp_mesh = init_device_mesh("cpu", (CP, dist.get_world_size() // CP), mesh_dim_names=("cp", "other"))["cp"]
+    return refusal(lambda: parallel.context_parallel_model(model, cp_mesh))
+
+
+def cp_tp_results() -> dict[str, object]:
+    found: dict[str, object] = {f"{name}@sp={sp}@0.1": step(cp_tp_spec(sp, 0.1), plan)
+                                for sp in (False, True) for name, plan in CP_TP_PLANS.items()}
+    found |= {f"none@sp={sp}@0.0": step(cp_tp_spec(sp), None) for sp in (False, True)}
+    found |= {f"masks@sp={sp}": hidden_masks(sp) for sp in (False, True)}
+    found["sequence split"] = sequence_split_refusal()
+    found["bench"] = bench(TP)
+    return found
+
+
 if __name__ == "__main__":
-    gloo.run(results)
+    gloo.run(lambda: results() if dist.get_world_size() == CP else cp_tp_results())

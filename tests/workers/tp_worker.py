@@ -50,6 +50,14 @@ def full(method: str, k: int, distribute: bool) -> RecomputeConfig:
                            distribute_saved_activations=distribute, facts=TrainingFacts(tensor_model_parallel_size=TP))
 
 
+def gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """Under tensor parallelism linear_fc1's rows are each rank's gate then up rows; one
+    process has all gate rows, then all up rows."""
+    if not name.endswith("linear_fc1.weight"):
+        return grad
+    return grad.unflatten(0, (TP, 2, -1)).transpose(0, 1).reshape(grad.shape)
+
+
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return fsdp_worker.global_batch(1)  # every tensor-parallel rank takes the same sequences
 

@@ -13,12 +13,18 @@ cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own 
 balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
 unhandled one fails instead of running SDPA's math on a sequence shard.
 
+Beside tensor parallelism attention holds this rank's heads as plain tensors, so the ring runs
+over them unchanged. Hidden dropout draws as Megatron's, whose seeds have no cp term: the default
+generators alike on every cp rank, and under sequence parallelism a tp rank's own stream alike on
+its cp peers (each over its own tokens).
+
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
 mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import weakref
 from collections.abc import Iterator
@@ -33,7 +39,7 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat import models
-from remat.models import ParallelSizes
+from remat.parallel.tensor_parallel import split_sizes
 from remat.problems import ConfigError, Problem
 
 try:  # torch >= 2.10 moved the ring into a package
@@ -82,8 +88,9 @@ _PARALLEL: weakref.WeakKeyDictionary[nn.Module, ContextParallel] = weakref.WeakK
 def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Run `model` over the ranks of `mesh` (one dimension) by context parallelism: each batch
     `sharded` shards its sequences and the model's position tables. Call on every rank of the
-    group, before FSDP2 (which then reduces gradients over dp x cp). Raises one ConfigError with
-    every problem before changing anything. Returns `model`."""
+    group, after `parallelize_tensor` where that splits it too (torch's ring then runs over each
+    rank's own heads) and before FSDP2 (which then reduces gradients over dp x cp). Raises one
+    ConfigError with every problem before changing anything. Returns `model`."""
     family = models.family_of_model(model)
     problems = []
     if not dist.is_initialized():
@@ -96,7 +103,8 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
                                          " build it with remat.models.build"))
     else:
-        config, sizes = getattr(model, "config", None), ParallelSizes(context=mesh.size())
+        # beside sequence parallelism each rank's seq / cp tokens split again over its tp ranks
+        config, sizes = getattr(model, "config", None), dataclasses.replace(split_sizes(model), context=mesh.size())
         problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
     if family is None or problems:
         raise ConfigError(problems)

@@ -125,8 +125,15 @@ class _Split:
     sequence_parallel: bool
 
 
-# How parallelize_tensor split each model, for distribute_saved_inputs.
+# How parallelize_tensor split each model, for distribute_saved_inputs and context parallelism.
 _split: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
+
+
+def split_sizes(model: nn.Module) -> ParallelSizes:
+    """How `parallelize_tensor` split `model`: its tensor-parallel size and sequence parallelism
+    (a model it did not split: one rank, none)."""
+    split = _split.get(model)
+    return ParallelSizes() if split is None else ParallelSizes(split.mesh.size(), split.sequence_parallel)
 
 
 @dataclass(frozen=True)
