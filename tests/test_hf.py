@@ -290,7 +290,7 @@ def test_the_command_line_names_hf_mistakes(capsys) -> None:
     from remat.cli import main
     assert main(["bench", "--hf_config", "llama", "--no_history", "--device", "cpu"]) == 1
     assert "hf_config: names a Hugging Face config; add -m hf" in capsys.readouterr().err
-    assert main(["estimate", "-m", "hf", "--hf_config", "llama", "-tp", "2"]) == 1
+    assert main(["estimate", "-m", "hf", "--hf_config", "llama", "-pp", "2"]) == 1
     assert "is 2; Hugging Face models run on one device for now; use 1" in capsys.readouterr().err
 
 

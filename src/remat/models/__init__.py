@@ -57,9 +57,11 @@ def family_of(recipe: str) -> ModelFamily:
 
 
 def family_of_model(model: nn.Module) -> ModelFamily | None:
-    """The family whose model class `model` is (the closest one, for a subclass), or None."""
+    """The family whose model class `model` is (the closest one, for a subclass), else the family
+    that handles it (Hugging Face models), or None."""
     by_type = {family.model_type: family for family in FAMILIES.values() if family.model_type is not None}
-    return next((by_type[cls] for cls in type(model).__mro__ if cls in by_type), None)
+    return next((by_type[cls] for cls in type(model).__mro__ if cls in by_type),
+                next((family for family in FAMILIES.values() if family.handles(model)), None))
 
 
 def recipe_config(recipe: str, **overrides: Any) -> Any:

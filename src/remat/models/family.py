@@ -133,6 +133,10 @@ class ModelFamily(ABC):
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         """Recipe name -> config fields."""
 
+    def handles(self, model: nn.Module) -> bool:
+        """Whether `model` is one of this family's though of no `model_type` (models of many classes)."""
+        return False
+
     def owns(self, recipe: str) -> bool:
         """Whether `recipe` names one of this family's models."""
         return recipe in self.recipes()

@@ -9,6 +9,7 @@ the module's Site when it has one and straight through otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
@@ -17,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.models.family import Adapter
+from remat.models.family import Adapter, Fork
 from remat.models.hf.loss_head import swap_loss_head
 from remat.problems import ConfigError, Problem, warn
 
@@ -35,7 +36,7 @@ def _is_transformers(obj: type) -> bool:
     return any(cls.__module__.startswith("transformers.") for cls in obj.__mro__)
 
 
-def _hf_model(model: nn.Module) -> nn.Module:
+def hf_model(model: nn.Module) -> nn.Module:
     """The transformers model itself, inside a PEFT wrapper (LoRA) or not."""
     get_base_model = getattr(model, "get_base_model", None)
     base = get_base_model() if callable(get_base_model) else None
@@ -45,6 +46,12 @@ def _hf_model(model: nn.Module) -> nn.Module:
 def _layer_paths(model: nn.Module) -> list[str]:
     from transformers.modeling_layers import GradientCheckpointingLayer
     return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's attention module."""
+    layers = [model.get_submodule(path) for path in _layer_paths(model)]
+    return [layer.get_submodule(name) for layer in layers if (name := _first_child(layer, _ATTENTION)) is not None]
 
 
 def _first_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -115,13 +122,15 @@ class _Router:
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         site = self.adapter.attention_sites.get(module)
         fn = self.function(module)
-        if site is None:
-            return fn(module, *args, **kwargs)
-        if "flash" not in self.key:
-            # only flash kernels read position_ids (packed sequences); a recomputed call would keep
-            # the tensor, shared by every layer, alive as its input
-            kwargs.pop("position_ids", None)
-        return site(fn, module, *args, **kwargs)
+        fork = self.adapter.forks.get(module)
+        with fork() if fork is not None else contextlib.nullcontext():
+            if site is None:
+                return fn(module, *args, **kwargs)
+            if "flash" not in self.key:
+                # only flash kernels read position_ids (packed sequences); a recomputed call would keep
+                # the tensor, shared by every layer, alive as its input
+                kwargs.pop("position_ids", None)
+            return site(fn, module, *args, **kwargs)
 
 
 class HfAdapter(Adapter):
@@ -130,9 +139,11 @@ class HfAdapter(Adapter):
     def __init__(self) -> None:
         self.attention_sites: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
         self.routers: dict[str, _Router] = {}
+        # attention modules whose function draws its randoms from a tensor-parallel rank's stream
+        self.forks: weakref.WeakKeyDictionary[nn.Module, Fork] = weakref.WeakKeyDictionary()
 
     def handles(self, model: nn.Module) -> bool:
-        return _is_transformers(type(_hf_model(model)))
+        return _is_transformers(type(hf_model(model)))
 
     def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
         layers = _layer_paths(model)
@@ -157,6 +168,11 @@ class HfAdapter(Adapter):
                 self._unroute_attention()
         return undo
 
+    def fork_attention(self, module: nn.Module, fork: Fork) -> None:
+        """`module`'s attention function runs inside `fork` (dropout over a rank's own heads); the
+        routers stand wherever a core_attn Site was placed."""
+        self.forks[module] = fork
+
     def _route_attention(self) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         if self.routers:
@@ -174,7 +190,7 @@ class HfAdapter(Adapter):
         self.routers.clear()
 
     def loss_head(self, model: nn.Module) -> Callable[[], None]:
-        return swap_loss_head(_hf_model(model))
+        return swap_loss_head(hf_model(model))
 
     def prepare(self, model: nn.Module) -> Callable[[], None]:
         """HF's own gradient checkpointing off (remat's `full` recompute does what it does), and

@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.models.family import (ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
+from remat.models.family import (Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
                                  one_device_problems)
+from remat.models.hf import tensor_parallel
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER
 from remat.placement import compile_sites, place_sites
@@ -162,11 +164,22 @@ class HfFamily(ModelFamily):
         init: Any = model._init_weights
         model.apply(init)
 
+    def handles(self, model: nn.Module) -> bool:
+        return ADAPTER.handles(model)
+
     def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from one_device_problems(sizes, "Hugging Face models")
+        # tensor parallelism by the model's own plan; pipeline and context parallelism refused
+        yield from one_device_problems(dataclasses.replace(sizes, tensor=1), "Hugging Face models")
+        yield from tensor_parallel.config_problems(config.hf, sizes)
 
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
-        return config
+        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor))
+
+    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
+        yield from tensor_parallel.model_problems(model, sizes)
+
+    def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
+        return tensor_parallel.styles(model, fork)
 
     def flops(self, config: HfModelConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x (matmul parameters, routed experts at top-k of all) x tokens, plus attention's two
@@ -192,8 +205,8 @@ class HfFamily(ModelFamily):
             compile_sites(model)
 
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
-        raise ConfigError([Problem("sequence_parallel", "Hugging Face models run on one device for now;"
-                                                        " drop --sequence_parallel")])
+        raise ConfigError([Problem("sequence_parallel", "Hugging Face models split by tensor parallelism without"
+                                                        " sequence parallelism for now; drop --sequence_parallel")])
 
 
 FAMILY = HfFamily()

@@ -1,0 +1,114 @@
+"""Tensor parallelism for Hugging Face causal LMs by their own plans (`base_model_tp_plan`), on
+CPU: two processes under torchrun with gloo (tests/workers/hf_tp_worker.py), and the refusals
+without a launch.
+
+Split over two ranks, a tiny HF Llama (attention and MLP split) and Mixtral (attention split, the
+experts whole) give the loss and every gradient of one process in float64 to 1e-12: the
+row-parallel projections sum each rank's partial products, which reorders the additions of one
+process's matmul (rounding, not a different computation). Every recompute plan is bit-identical
+to the split run without recompute, attention dropout on or off: each rank's dropout over its own
+heads draws from its own stream, which every replay restores.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import run_under_torchrun  # noqa: E402
+from remat import models  # noqa: E402
+from remat.models import ParallelSizes  # noqa: E402
+from remat.models.hf.configs import hf_config  # noqa: E402
+from remat.models.hf.family import FAMILY  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import hf_tp_worker  # noqa: E402
+
+TOLERANCE = 1e-12  # float64, additions reordered by the row-parallel sums
+TP2 = ParallelSizes(tensor=2)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("hf_tp") / "results.pt"
+    run_under_torchrun(Path(hf_tp_worker.__file__), out, 2)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("family", list(hf_tp_worker.FAMILIES))
+def test_a_split_hf_model_gives_the_loss_and_gradients_of_one_process(split, family) -> None:
+    loss, grads = split[f"{family}@none@0.0"]
+    one_loss, one_grads = split[f"{family}@one process"]
+    assert loss == pytest.approx(one_loss, abs=TOLERANCE)
+    assert grads.keys() == one_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TOLERANCE, msg=name)
+    assert split[f"{family}@local q_proj"] == (32, 64)  # 2 of 4 heads of 16 on each rank
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("plan", ["selective", "full"])
+@pytest.mark.parametrize("family", list(hf_tp_worker.FAMILIES))
+def test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute(split, family, plan,
+                                                                                  dropout) -> None:
+    loss, grads = split[f"{family}@{plan}@{dropout}"]
+    plain_loss, plain_grads = split[f"{family}@none@{dropout}"]
+    assert loss == plain_loss
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+@pytest.mark.parametrize("family", list(hf_tp_worker.FAMILIES))
+def test_attention_dropout_draws_from_the_rank_stream_and_ranks_agree(split, family) -> None:
+    assert split[f"{family}@rank stream"] == [False, True]  # dropout off, on
+    every = split["every rank's losses"]
+    assert every[0] == every[1]
+
+
+def _problems(family: str, sizes: ParallelSizes = TP2, **overrides) -> str:
+    config = FAMILY.config(f"hf:{family}", **overrides)
+    return "\n".join(f"{p.field}: {p.message}" for p in FAMILY.shard_problems(config, sizes))
+
+
+def test_plans_remat_does_not_map_and_models_without_one_are_refused() -> None:
+    assert "q_norm: replicated_with_grad_allreduce" in _problems("qwen3")
+    assert "qkv_proj: colwise_gather_output" in _problems("phi3")
+    assert "ships no tensor-parallel plan (base_model_tp_plan)" in _problems("gpt2")
+    assert _problems("llama") == _problems("mixtral") == ""
+
+
+def test_shapes_that_do_not_split_are_refused_each_by_its_field() -> None:
+    found = _problems("llama", ParallelSizes(tensor=3))
+    for field in ("num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=128"):
+        assert field in found
+    # Mixtral's plan splits attention only: its experts' intermediate size is no concern
+    assert "intermediate_size" not in _problems("mixtral", ParallelSizes(tensor=2), ffn_hidden_size=127)
+
+
+def test_sequence_pipeline_and_context_parallelism_stay_refused() -> None:
+    assert "sequence_parallel: Hugging Face models split by tensor parallelism without sequence" in _problems(
+        "llama", ParallelSizes(tensor=2, sequence_parallel=True))
+    found = _problems("llama", ParallelSizes(pipeline=2, context=2))
+    assert "pipeline_model_parallel_size: is 2" in found and "context_parallel_size: is 2" in found
+
+
+def test_attention_dropout_without_a_core_attn_site_is_refused() -> None:
+    import transformers
+    config = hf_config("llama", num_layers=1, attention_dropout=0.1)
+    plain = transformers.AutoModelForCausalLM.from_config(config)  # no Sites: nothing forks its dropout
+    assert models.family_of_model(plain) is FAMILY
+    found = [p.field for p in FAMILY.tensor_parallel_problems(plain, TP2)]
+    assert found == ["attention_dropout"]
+
+
+def test_a_rank_shard_splits_heads_and_the_planned_ffn() -> None:
+    llama = FAMILY.shard(FAMILY.config("hf:llama"), TP2).hf
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.intermediate_size, llama.head_dim) == (
+        2, 1, 64, 16)
+    mixtral = FAMILY.shard(FAMILY.config("hf:mixtral"), TP2).hf
+    assert (mixtral.num_attention_heads, mixtral.intermediate_size) == (2, 128)
