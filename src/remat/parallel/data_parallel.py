@@ -94,7 +94,7 @@ def accumulate(model: nn.Module, last: bool) -> None:
 def shard_bytes(params: Iterable[torch.Tensor], shards: int, dtype: torch.dtype) -> int:
     """Bytes one rank holds of `params` sharded by FSDP2 over `shards` ranks in `dtype`: each
     parameter split along dim 0 into equal chunks, the last padded (FSDP2's rule)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return sum(-(-p.shape[0] // shards) * (p.numel() // p.shape[0]) * size if p.dim() else size for p in params)
 
 
@@ -103,7 +103,7 @@ def gathered_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     does not reshard them between forward and backward) and one layer's, the one computing."""
     layers = [module for module, _ in layer_modules(model)]
     in_layers = {p for layer in layers for p in layer.parameters()}
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     root = sum(p.numel() for p in model.parameters() if p not in in_layers)
     largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     return (root + largest) * size
