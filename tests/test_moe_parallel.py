@@ -2,10 +2,12 @@
 layer numbers; a pipeline step bit-identical to one process's (float64, no dropout); the aux
 loss's gradient scaled as the main loss per micro-batch; the expert bias balanced over the
 data-parallel replicas; each stage's experts split over the expert-parallel ranks of its own
-data-parallel group (pp 2 x dp 2, ep 2), every plan equal to one process's step; validation and
-estimates of MoE stages."""
+data-parallel group (pp 2 x dp 2, ep 2), every plan equal to one process's step; experts split
+over expert- and tensor-parallel ranks at once (dp 2 x tp 2, ep 2); validation and estimates of
+MoE stages."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import warnings
@@ -211,13 +213,49 @@ def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expe
                                 for layer, kind in whole["kinds"].items() if kind == "MoELayer" for d in (0, 1)}
 
 
-def test_expert_parallelism_runs_beside_pipeline_stages_but_not_tensor_parallelism() -> None:
+def test_expert_parallelism_runs_beside_pipeline_stages_and_tensor_parallelism() -> None:
     def run_problems(pp: int, tp: int) -> list[str]:
         spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2),
                              num_gpus=4 * tp, global_batch_size=4, device="cpu",
                              facts=TrainingFacts(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp))
         return [p.message for p in steps.expert_parallel_run_problems(spec)]
 
-    assert run_problems(pp=2, tp=1) == []
-    assert run_problems(pp=2, tp=2) == ["is 2 with -tp 2; remat does not run expert parallelism beside tensor"
-                                        " parallelism yet (remat estimate predicts it); use -ep 1 or -tp 1"]
+    assert run_problems(pp=2, tp=1) == run_problems(pp=1, tp=2) == run_problems(pp=2, tp=2) == []
+
+
+@pytest.fixture(scope="module")
+def one_process_two_micro_batches() -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+    """One process's step on the 2 micro-batches that dp 2 x tp 2 trains on, from build_model's
+    weights (no expert bias yet)."""
+    found = {}
+    for recipe in RECIPES:
+        s = ep_pp_worker.tensor_parallel_spec(recipe, False, 0.0)
+        torch.manual_seed(s.seed)
+        model = s.family.build(dataclasses.replace(s.model_config, expert_model_parallel_size=1), dtype=s.dtype)
+        loss = steps.forward_backward(model, moe_worker.Data(moe_worker.batches(2)), 2)  # type: ignore[arg-type]
+        found[recipe] = (loss.item(), {name: p.grad for name, p in model.named_parameters()})
+    return found
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_experts_split_over_expert_and_tensor_parallel_ranks_train_as_one_process(
+        expert_parallel, one_process_two_micro_batches, recipe, sp) -> None:
+    """dp 2 x tp 2, experts over ep 2 and each expert's FFN over tp 2 (Megatron's default etp =
+    tp), with and without sequence parallelism, from build_model's own weights. Against one
+    process, float64 within rtol 1e-10: the row-parallel sums and the experts' partial outputs
+    are summed over the tp ranks, FSDP2 halves the sum of two replicas' gradients, an expert's
+    GEMMs take both ranks' rows at once; one process adds in another order. Every plan with
+    dropout on is bit-identical to the split run without recompute (each replay exchanges the
+    token slots again and restores this rank's dropout stream)."""
+    loss, grads = one_process_two_micro_batches[recipe]
+    split = expert_parallel[f"tp:{recipe}:sp={sp}:none@0.0"]
+    assert split["loss"] == pytest.approx(loss, rel=1e-7)  # one process sums it in float32
+    assert split["grads"].keys() == grads.keys() and any(".experts." in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split["grads"][name], grad, rtol=1e-10, atol=1e-13, msg=name)
+    plain = expert_parallel[f"tp:{recipe}:sp={sp}:none@{ep_pp_worker.DROPOUT}"]
+    for plan in ep_pp_worker.TP_PLANS[1:]:
+        run = expert_parallel[f"tp:{recipe}:sp={sp}:{plan}@{ep_pp_worker.DROPOUT}"]
+        assert run["loss"] == plain["loss"]
+        assert all(torch.equal(g, plain["grads"][name]) for name, g in run["grads"].items()), plan

@@ -219,8 +219,7 @@ def test_parallelize_tensor_refuses_experts_split_otherwise_a_two_dimensional_me
     assert refusals["moe"].splitlines() == [
         "expert_tensor_parallel_size: is 2; beside tensor parallelism remat splits each expert over the"
         " tensor-parallel ranks, as Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run"
-        " yet: drop -etp",
-        "expert_model_parallel_size: is 2; expert parallelism beside tensor parallelism does not run yet; use 1"]
+        " yet: drop -etp"]
     assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
     assert refusals["seed"] == (
         "seed: torch's default generators were seeded [0, 1] on the tensor-parallel ranks, so dropout on the tensors"

@@ -46,15 +46,6 @@ def split(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
-def _by_rank(name: str, grad: torch.Tensor) -> torch.Tensor:
-    """A split gradient in one process's row order: linear_fc1's rows (each expert's, of
-    experts.weight1) are each rank's gate then up rows under tensor parallelism."""
-    dim = 0 if name.endswith("linear_fc1.weight") else 1 if name.endswith("experts.weight1") else None
-    if dim is None:
-        return grad
-    return grad.unflatten(dim, (tp_worker.TP, 2, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
-
-
 @pytest.mark.parametrize("sp", SPLIT)
 @pytest.mark.parametrize("name", list(worker.MODELS))
 def test_split_without_recompute_matches_one_process(split, name, sp) -> None:
@@ -65,7 +56,7 @@ def test_split_without_recompute_matches_one_process(split, name, sp) -> None:
     assert losses[0] == losses[1] == pytest.approx(loss.item(), rel=1e-13)
     assert grads.keys() == dict(model.named_parameters()).keys()
     for param, p in model.named_parameters():
-        torch.testing.assert_close(_by_rank(param, grads[param]), p.grad, rtol=1e-10, atol=1e-13, msg=param)
+        torch.testing.assert_close(worker.one_process_order(param, grads[param]), p.grad, rtol=1e-10, atol=1e-13, msg=param)
 
 
 @pytest.mark.parametrize("sp", SPLIT)

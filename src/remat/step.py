@@ -250,10 +250,6 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
-    if (tp := spec.facts.tensor_model_parallel_size) > 1:
-        yield Problem("expert_model_parallel_size", f"is {ep} with -tp {tp}; remat does not run expert parallelism"
-                                                    " beside tensor parallelism yet (remat estimate predicts it);"
-                                                    " use -ep 1 or -tp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -394,6 +390,9 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
                          post_process=stage == last)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
+    # each rank draws its experts whole, before tensor parallelism splits their FFN
+    experts = parallel.split_experts(model, mesh["dp"], spec.expert_parallel) if (
+        mesh is not None and spec.expert_parallel > 1) else None
     if mesh is not None and spec.facts.tensor_model_parallel_size > 1:
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
@@ -406,9 +405,8 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     compute, reduce = fsdp2_precision(spec)
     # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
     once = spec.precision.use_distributed_optimizer
-    if spec.expert_parallel > 1:  # ep is refused beside cp; FSDP2 over dp, experts over edp
-        parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel, compute_dtype=compute,
-                                     reduce_dtype=reduce, reduce_once_a_step=once)
+    if experts is not None:  # ep is refused beside cp; FSDP2 over dp, experts over edp
+        parallel.shard_experts(model, experts, compute_dtype=compute, reduce_dtype=reduce, reduce_once_a_step=once)
     else:
         parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce,
                                     reduce_once_a_step=once)

@@ -66,6 +66,15 @@ def gathered(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return torch.cat(every, dim)
 
 
+def one_process_order(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """A split gradient gathered whole, in one process's row order: linear_fc1's rows (each
+    expert's, of experts.weight1) are each rank's gate then up rows under tensor parallelism."""
+    dim = 0 if name.endswith("linear_fc1.weight") else 1 if name.endswith("experts.weight1") else None
+    if dim is None:
+        return grad
+    return grad.unflatten(dim, (tp_worker.TP, 2, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
 def step(split: torch.nn.Module, plan: object, shapes: dict[str, torch.Size]) -> tp_worker.Result:
     """tp_worker's step, with the gradients of the weights sliced from `shapes` gathered whole."""
     losses, grads = tp_worker.step(split, plan, tp_worker.batch(), tp_worker.STEP_SEED)

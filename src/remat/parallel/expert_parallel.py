@@ -25,14 +25,25 @@ group hold the same stages. torch's 1F1B and interleaved schedules order a rank'
 backwards by its pipeline rank and the micro-batch count alone, so the ranks of a group run the
 same micro-batches of the same stages in the same order, each exchange (and replay) matched one
 for one; the pipeline's sends and receives stay within one data-parallel replica.
+
+Beside tensor parallelism (Megatron's default expert tensor-parallel size, etp = tp): an
+expert-parallel group's ranks share their tensor-parallel rank, and every tensor-parallel rank
+routes all of its replica's tokens (gathered first under sequence parallelism), so each exchanges
+the same slots within its own group, runs its share of each expert's FFN on them, and the MoE
+layer sums the tp ranks' partial outputs after the exchange back. The experts are split first,
+each rank drawing its experts whole as one process does, and their FFN then split over tp
+(`split_experts`, `parallelize_tensor`, `shard_experts`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from remat import models
 from remat.parallel.data_parallel import fully_shard_layers, mixed_precision
@@ -64,18 +75,30 @@ def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
     return []
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
-                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                        reduce_once_a_step: bool = False) -> nn.Module:
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Experts split by `split_experts`: the data-parallel mesh, it as edp x ep, and the modules
+    holding this rank's experts."""
+
+    data_parallel: DeviceMesh
+    mesh: DeviceMesh
+    experts: list[nn.Module]
+
+
+def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> ExpertSplit:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
-    group), and shard it by FSDP2 over `mesh` as `fully_shard_layers` does (in its mixed
-    precision and schedule), its experts over the ranks holding the same ones. A pipeline stage
-    passes its pipeline rank's data-parallel mesh. Call on every rank, after seeding torch alike
-    on all of them.
-    Raises one ConfigError with every problem before changing anything. Returns `model`."""
+    group): each rank draws its experts whole, as one process draws them. Under tensor parallelism
+    call it before `parallelize_tensor` (which then splits each expert's FFN over the
+    tensor-parallel ranks) and `shard_experts` after; `parallelize_experts` does both without.
+    Call on every rank, after seeding torch alike on all of them.
+    Raises one ConfigError with every problem before changing anything."""
     family = models.family_of_model(model)
     problems = _layout_problems(mesh, ep)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        problems.append(Problem("model", "is already split by tensor parallelism or sharded by FSDP2; split its"
+                                         " experts first (split_experts before parallelize_tensor, shard_experts"
+                                         " after)"))
     if family is None:
         problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
                                          " build it with remat.models.build"))
@@ -86,8 +109,28 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
     device = next(model.parameters()).device
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     split = expert_mesh(mesh, ep)
+    return ExpertSplit(mesh, split, family.expert_parallel(model, split["ep"].get_group()))
+
+
+def shard_experts(model: nn.Module, split: ExpertSplit, *,
+                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                  reduce_once_a_step: bool = False) -> nn.Module:
+    """Shard `model`, whose experts `split` split, by FSDP2 over its data-parallel mesh
+    as `fully_shard_layers` does (in its mixed precision and schedule), its experts over the ranks
+    holding the same ones. Returns `model`."""
     policy = mixed_precision(compute_dtype, reduce_dtype)
-    for experts in family.expert_parallel(model, split["ep"].get_group()):
-        fully_shard(experts, mesh=split["edp"], mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
-    return fully_shard_layers(model, mesh, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+    for experts in split.experts:
+        fully_shard(experts, mesh=split.mesh["edp"], mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
+    return fully_shard_layers(model, split.data_parallel, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                               reduce_once_a_step=reduce_once_a_step)
+
+
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
+                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                        reduce_once_a_step: bool = False) -> nn.Module:
+    """`split_experts` then `shard_experts`, for a model without tensor parallelism: its routed
+    experts split over groups of `ep` ranks of the data-parallel `mesh` (a pipeline stage passes
+    its pipeline rank's), the model sharded by FSDP2 over `mesh`, the experts over the ranks
+    holding the same ones. Returns `model`."""
+    return shard_experts(model, split_experts(model, mesh, ep), compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                         reduce_once_a_step=reduce_once_a_step)

@@ -104,12 +104,6 @@ class MoEFamily(LlamaFamily):
 
     tensor_parallel_parts = (*LlamaFamily.tensor_parallel_parts, MLASelfAttention, MoELayer)
 
-    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from super().tensor_parallel_problems(model, sizes)
-        if (ep := _moe_model(model).config.expert_model_parallel_size) > 1:
-            yield Problem("expert_model_parallel_size", f"is {ep}; expert parallelism beside tensor parallelism"
-                                                        " does not run yet; use 1")
-
     def tensor_parallel_part(self, part: nn.Module, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
         """MLA and MoE layers as Megatron splits them (models/moe/tensor_parallel.py); the Llama's
         parts as it does."""
