@@ -18,6 +18,7 @@ import torch
 from conftest import run_under_torchrun
 from remat.calls import forward_loss
 from remat.cli import main
+from remat.estimating import EstimateSpec, fsdp2_held_bytes
 from remat.problems import ConfigError
 from remat.step import RunSpec, expert_parallel_run_problems
 
@@ -90,6 +91,15 @@ def _problems(**settings) -> dict[str, str]:
     with pytest.raises(ConfigError) as err:
         RunSpec(device="cpu", **settings)
     return {p.field: p.message for p in err.value.problems}
+
+
+def test_the_estimate_holds_fsdp2_s_expert_shards_to_the_byte(split) -> None:
+    """FSDP2 shards the experts over the ranks holding the same ones (here 1: 2 ranks, ep 2) and
+    the rest over both; the estimate's weights are rank 0's shards (FSDP2 pads the last rank's)."""
+    spec = EstimateSpec.of_run(ep_worker.spec(EP))
+    shard = spec.family.shard(spec.model_config, spec.parallel)  # one expert-parallel rank's experts
+    assert fsdp2_held_bytes(spec, spec.family.build(shard, dtype=spec.state_dtype, device="meta")) == (
+        split["held_bytes"][0])
 
 
 def test_run_settings_refuse_an_expert_parallel_size_the_layout_cannot_hold() -> None:

@@ -484,11 +484,21 @@ def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] 
     sharding = 0
     if spec.fully_sharded:
         traced_state = weights + grads + optimizer
-        weights = shard_bytes(shard.model.parameters(), spec.data_parallel * spec.context_parallel, spec.state_dtype)
+        weights = fsdp2_held_bytes(spec, shard.model)
         grads, optimizer = (weights if persist else 0), (2 * weights if shard.optimizer is not None else 0)
         sharding = weights + grads + optimizer + gathered_bytes(shard.model, spec.dtype) - traced_state
     return StageTrace(measured, weights, optimizer, 0 if stage == 0 else hidden_bytes,
                       0 if stage == spec.stages - 1 else hidden_bytes, grads, sharding)
+
+
+def fsdp2_held_bytes(spec: EstimateSpec, model: nn.Module) -> int:
+    """Bytes of `model` (one rank's share) FSDP2 leaves this rank: its routed experts sharded over
+    the ranks holding the same experts (dp x cp / ep), everything else over dp x cp."""
+    replicas = spec.data_parallel * spec.context_parallel
+    experts = {p for module in spec.family.routed_experts(model) for p in module.parameters()}
+    rest = [p for p in model.parameters() if p not in experts]
+    return (shard_bytes(rest, replicas, spec.state_dtype)
+            + shard_bytes(experts, replicas // spec.expert_parallel, spec.state_dtype))
 
 
 def step_peak(spec: RunSpec, plan: PlanLike) -> int:

@@ -42,12 +42,15 @@ def model(ep: int = 1, **overrides: Any) -> torch.nn.Module:
     return build(RECIPE, dtype=torch.float64, expert_model_parallel_size=ep, **SHAPE, **overrides)
 
 
+def spec(ranks: int) -> RunSpec:
+    return RunSpec(RECIPE, {**SHAPE, "expert_model_parallel_size": EP}, num_gpus=ranks, compute_dtype="fp64",
+                   device="cpu", seed=SEED)
+
+
 def split_model() -> torch.nn.Module:
     """The model as remat bench -ep 2 builds it: its experts split over the expert-parallel group
     of this rank, FSDP2 over the data-parallel ranks."""
-    spec = RunSpec(RECIPE, {**SHAPE, "expert_model_parallel_size": EP}, num_gpus=dist.get_world_size(),
-                   compute_dtype="fp64", device="cpu", seed=SEED)
-    return build_model(spec)
+    return build_model(spec(dist.get_world_size()))
 
 
 def share(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +154,17 @@ def refusals() -> dict[str, str]:
             "unnamed": refusal(lambda: model(EP), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))}
 
 
+def held_bytes() -> list[int]:
+    """Each rank's bytes of FSDP2's shards of the split model's parameters."""
+    local = sum(p.to_local().untyped_storage().nbytes() for p in split_model().parameters())
+    every: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    return every
+
+
 def results() -> dict[str, Any]:
     found: dict[str, Any] = {name: step(plan) for name, plan in PLANS.items()}
+    found["held_bytes"] = held_bytes()
     found["refusals"] = refusals()
     return found
 

@@ -214,6 +214,11 @@ class ModelFamily(ABC):
         yield Problem("expert_model_parallel_size", f"is {size}; {self.name} models have no routed experts that"
                                                     " remat splits; use an MoE recipe (remat recipes lists them)")
 
+    def routed_experts(self, model: nn.Module) -> list[nn.Module]:
+        """The modules holding `model`'s routed experts' weights (none for most models): FSDP2
+        shards them over the ranks holding the same experts, not over every data-parallel rank."""
+        return []
+
     def expert_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
         """Have each rank of `group` hold its share of `model`'s routed experts, and the MoE layers
         send each token slot to the rank holding its expert and its output back; returns the

@@ -131,10 +131,13 @@ class MoEFamily(LlamaFamily):
         problems = list(self.expert_parallel_problems(model, dist.get_world_size(group)))
         if problems:
             raise ConfigError(problems)
-        layers = [module for module in model.modules() if isinstance(module, MoELayer)]
-        for layer in layers:
-            layer.split_experts(group)
-        return [layer.experts for layer in layers]
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.split_experts(group)
+        return self.routed_experts(model)
+
+    def routed_experts(self, model: nn.Module) -> list[nn.Module]:
+        return [module.experts for module in model.modules() if isinstance(module, MoELayer)]
 
     def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x active matmul parameters x tokens (routed experts at top-k, the router, shared
