@@ -222,3 +222,9 @@ def test_a_bad_model_shape_does_not_hide_the_run_and_config_problems(capsys) -> 
     assert code == 1 and "invalid config (3 problems)" in err
     assert "num_layers: must be a positive integer" in err and "micro_batch_size: is 0" in err
     assert "recompute_modules: unknown label 'foo'" in err
+
+
+def test_recipe_names_print_as_written_not_as_emoji(capsys) -> None:
+    from remat.cli.common import out
+    out.print("estimated peak memory per GPU, hf:llama: tp 2")  # rich would draw :llama: as an emoji
+    assert "hf:llama: tp 2" in capsys.readouterr().out

@@ -20,10 +20,12 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import run_under_torchrun  # noqa: E402
+import remat  # noqa: E402
 from remat import models  # noqa: E402
 from remat.models import ParallelSizes  # noqa: E402
 from remat.models.hf.configs import hf_config  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
+from remat.problems import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_tp_worker  # noqa: E402
@@ -39,24 +41,30 @@ def split(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("family", list(hf_tp_worker.FAMILIES))
-def test_a_split_hf_model_gives_the_loss_and_gradients_of_one_process(split, family) -> None:
-    loss, grads = split[f"{family}@none@0.0"]
+SPLITS = [(family, sp) for family in hf_tp_worker.FAMILIES
+          for sp in ((False, True) if family in hf_tp_worker.SEQUENCE_PARALLEL else (False,))]
+
+
+@pytest.mark.parametrize("family,sp", SPLITS)
+def test_a_split_hf_model_gives_the_loss_and_gradients_of_one_process(split, family, sp) -> None:
+    loss, grads = split[f"{family}@sp={sp}@none@0.0"]
     one_loss, one_grads = split[f"{family}@one process"]
     assert loss == pytest.approx(one_loss, abs=TOLERANCE)
     assert grads.keys() == one_grads.keys() and len(grads) > 0
     for name, grad in grads.items():
         torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TOLERANCE, msg=name)
     assert split[f"{family}@local q_proj"] == (32, 64)  # 2 of 4 heads of 16 on each rank
+    if sp:
+        assert split[f"{family}@tokens a norm sees"] == [hf_tp_worker.BATCH, hf_tp_worker.SEQ // 2, 64]
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("plan", ["selective", "full"])
-@pytest.mark.parametrize("family", list(hf_tp_worker.FAMILIES))
-def test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute(split, family, plan,
+@pytest.mark.parametrize("family,sp", SPLITS)
+def test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute(split, family, sp, plan,
                                                                                   dropout) -> None:
-    loss, grads = split[f"{family}@{plan}@{dropout}"]
-    plain_loss, plain_grads = split[f"{family}@none@{dropout}"]
+    loss, grads = split[f"{family}@sp={sp}@{plan}@{dropout}"]
+    plain_loss, plain_grads = split[f"{family}@sp={sp}@none@{dropout}"]
     assert loss == plain_loss
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
@@ -90,9 +98,27 @@ def test_shapes_that_do_not_split_are_refused_each_by_its_field() -> None:
     assert "intermediate_size" not in _problems("mixtral", ParallelSizes(tensor=2), ffn_hidden_size=127)
 
 
-def test_sequence_pipeline_and_context_parallelism_stay_refused() -> None:
-    assert "sequence_parallel: Hugging Face models split by tensor parallelism without sequence" in _problems(
-        "llama", ParallelSizes(tensor=2, sequence_parallel=True))
+def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_sequences() -> None:
+    import transformers
+    sp = ParallelSizes(tensor=2, sequence_parallel=True)
+    assert _problems("llama", sp) == ""
+    assert _problems("llama", sp, seq_length=15) == (
+        "sequence_parallel: seq_length=15 does not split over 2 tensor-parallel ranks; use a multiple of the"
+        " tensor-parallel size, or drop --sequence_parallel")
+    mixtral = hf_tp_worker.model("mixtral", 0.0)
+    assert [p.message for p in FAMILY.tensor_parallel_problems(mixtral, sp)] == [
+        "the layers' MixtralSparseMoeBlock hold weights the tensor-parallel plan does not split, which would run on"
+        " this rank's tokens only; drop --sequence_parallel"]
+    with pytest.raises(ConfigError, match="MixtralSparseMoeBlock"):  # the estimate's points refuse it alike
+        FAMILY.sequence_parallel(mixtral, 2)
+    llama = transformers.AutoModelForCausalLM.from_config(hf_config("llama", num_layers=1))
+    llama.model.layers[0].add_module("hidden_dropout", torch.nn.Dropout(0.1))
+    assert [p.message for p in FAMILY.tensor_parallel_problems(remat.adapt(llama), sp)] == [
+        "the layers' dropout (hidden_dropout) outside attention would draw the same masks on every rank's tokens;"
+        " set it to 0 or drop --sequence_parallel"]
+
+
+def test_pipeline_and_context_parallelism_stay_refused() -> None:
     found = _problems("llama", ParallelSizes(pipeline=2, context=2))
     assert "pipeline_model_parallel_size: is 2" in found and "context_parallel_size: is 2" in found
 
@@ -112,3 +138,19 @@ def test_a_rank_shard_splits_heads_and_the_planned_ffn() -> None:
         2, 1, 64, 16)
     mixtral = FAMILY.shard(FAMILY.config("hf:mixtral"), TP2).hf
     assert (mixtral.num_attention_heads, mixtral.intermediate_size) == (2, 128)
+
+
+def test_the_estimate_splits_the_tokens_between_blocks_under_sequence_parallelism() -> None:
+    """By shape, one rank of tp 2: with sequence parallelism the norms' inputs and the residual
+    stream between the planned blocks are this rank's half of the tokens, so each layer saves less."""
+    from remat.estimating import EstimateSpec, estimate
+    from remat.recompute import TrainingFacts
+
+    def saved(sp: bool) -> int:
+        spec = EstimateSpec(recipe="hf:llama", overrides={"num_layers": 2, "seq_length": 32}, optimizer=False,
+                            compute_dtype="fp32", device="cpu",
+                            facts=TrainingFacts(tensor_model_parallel_size=2, sequence_parallel=sp))
+        (result,) = estimate(spec, [("none", None)])
+        return result.stages[0].activations
+
+    assert saved(True) < saved(False)

@@ -43,6 +43,7 @@ from remat.memory.meter import storage_bytes
 from remat.memory.windows import PlanningProblem
 from remat.memory.prediction import Trace, offload_prediction_problems, resolve, unmeasured_problems
 from remat.models import Target
+from remat.models.family import on_tokens_argument, on_tokens_output
 from remat.problems import ConfigError, Problem, advise, one_of
 from remat.recompute import RecomputeConfig, TrainingFacts
 from remat.sizes import format_bytes
@@ -304,19 +305,23 @@ def _sequence_parallel(spec: EstimateSpec, model: nn.Module) -> None:
     tp = spec.facts.tensor_model_parallel_size
     points = spec.family.sequence_parallel(model, tp)
 
-    def gather(module: nn.Module, args: tuple) -> tuple:
-        return (_SeqGather.apply(args[0], tp), *args[1:])
+    def gather(x: Tensor) -> Tensor:
+        return _SeqGather.apply(x, tp)
 
-    def scatter(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        return _SeqScatter.apply(out, tp)
+    def scatter(x: Tensor) -> Tensor:
+        return _SeqScatter.apply(x, tp)
 
     for block in points.blocks:
-        block.register_forward_pre_hook(gather)
-        block.register_forward_hook(scatter)
+        on_tokens_argument(block, gather)
+        on_tokens_output(block, scatter)
     for module in points.split_after:
-        module.register_forward_hook(scatter)
+        on_tokens_output(module, scatter)
     for module in points.gather_after:
-        module.register_forward_hook(lambda m, args, out: _SeqGather.apply(out, tp))
+        on_tokens_output(module, gather)
+    for module in points.split_before:
+        on_tokens_argument(module, scatter)
+    for module in points.gather_before:
+        on_tokens_argument(module, gather)
 
 
 class _TargetKernels(TorchFunctionMode):

@@ -24,6 +24,7 @@ LAYERS, BATCH, SEQ = 2, 2, 16
 STEP_SEED = 100
 # the MLP or MoE block: the Llama's MLP splits by its plan, Mixtral's experts stay whole
 FAMILIES = {"llama": "mlp", "mixtral": "moe"}
+SEQUENCE_PARALLEL = ("llama",)  # Mixtral's experts, whole on every rank, refuse it
 
 
 def plans(block: str) -> dict[str, RecomputeConfig | None]:
@@ -64,17 +65,30 @@ def draws_from_rank_stream(family: str, dropout: float) -> bool:
     return not torch.equal(before, stream.get_state())
 
 
+def tokens_a_norm_sees(family: str) -> list[int]:
+    """The shape of a layer norm's input under sequence parallelism (this rank's tokens)."""
+    net = parallelize_tensor(model(family, 0.0), sequence_parallel=True)
+    seen: list[int] = []
+    net.model.layers[1].post_attention_layernorm.register_forward_pre_hook(
+        lambda _, args: seen.extend(args[0].to_local().shape))
+    net(torch.zeros(BATCH, SEQ, dtype=torch.long))
+    return seen
+
+
 def results() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for family, block in FAMILIES.items():
-        for dropout in (0.0, 0.1):
-            for name, plan in plans(block).items():
-                found[f"{family}@{name}@{dropout}"] = step(parallelize_tensor(model(family, dropout),
-                                                                               sequence_parallel=False), plan)
+        for sp in (False, True) if family in SEQUENCE_PARALLEL else (False,):
+            for dropout in (0.0, 0.1):
+                for name, plan in plans(block).items():
+                    found[f"{family}@sp={sp}@{name}@{dropout}"] = step(
+                        parallelize_tensor(model(family, dropout), sequence_parallel=sp), plan)
         found[f"{family}@one process"] = step(model(family, 0.0), None)
         split = parallelize_tensor(model(family, 0.0), sequence_parallel=False)
         found[f"{family}@rank stream"] = [draws_from_rank_stream(family, dropout) for dropout in (0.0, 0.1)]
         found[f"{family}@local q_proj"] = tuple(split.model.layers[0].self_attn.q_proj.weight.to_local().shape)
+        if family in SEQUENCE_PARALLEL:
+            found[f"{family}@tokens a norm sees"] = tokens_a_norm_sees(family)
     losses: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(losses, {k: v[0] for k, v in found.items() if isinstance(v, tuple) and len(v) == 2
                                     and isinstance(v[0], float)})

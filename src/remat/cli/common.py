@@ -32,7 +32,7 @@ from remat.cli.tables import fit_width
 from remat.problems import ConfigError, Problem, RematWarning
 
 def _console(stderr: bool) -> Console:
-    console = Console(stderr=stderr, highlight=False)
+    console = Console(stderr=stderr, highlight=False, emoji=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width, console.soft_wrap = 160, True  # logs and pipes: lines and table columns whole
     return console

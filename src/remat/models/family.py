@@ -96,14 +96,42 @@ class ParallelSizes:
 class SequenceParallelPoints:
     """Where a sequence-parallel model communicates, as torch's parallel styles place it.
 
-    blocks: run on the whole sequence (their input all-gathered, their output reduce-scattered).
+    blocks: run on the whole sequence (their tokens all-gathered, their output reduce-scattered).
     split_after: their output is split to this rank's tokens (the embedding).
     gather_after: their output is gathered again (the stack before a vocabulary-parallel loss head).
+    split_before, gather_before: the same of their input (a first layer, whose model takes the
+    positions from the embedding's whole output; a final norm).
+    A module's tokens are its first tensor argument, positional or keyword (`tokens_argument`).
     """
 
     blocks: list[nn.Module] = field(default_factory=list)
     split_after: list[nn.Module] = field(default_factory=list)
     gather_after: list[nn.Module] = field(default_factory=list)
+    split_before: list[nn.Module] = field(default_factory=list)
+    gather_before: list[nn.Module] = field(default_factory=list)
+
+
+TokensHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def on_tokens_argument(module: nn.Module, change: TokensHook) -> None:
+    """Before each call of `module`, its tokens (its first tensor argument, positional or keyword:
+    transformers' layers take hidden states either way) replaced by `change(tokens)`."""
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                return (*args[:i], change(arg), *args[i + 1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: change(kwargs[key])}
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def on_tokens_output(module: nn.Module, change: TokensHook) -> None:
+    """After each call of `module`, its output tokens (the output, or its first element:
+    transformers' attention returns its weights beside) replaced by `change(tokens)`."""
+    def hook(_: nn.Module, args: tuple, out: Any) -> Any:
+        return (change(out[0]), *out[1:]) if isinstance(out, tuple) else change(out)
+    module.register_forward_hook(hook)
 
 
 def unknown(kind: str, name: str, valid: list[str]) -> ValueError:

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from remat.models.family import (Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
                                  one_device_problems)
 from remat.models.hf import tensor_parallel
+from remat.models.hf.tensor_parallel import sequence_points
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER
 from remat.placement import compile_sites, place_sites
@@ -171,6 +172,10 @@ class HfFamily(ModelFamily):
         # tensor parallelism by the model's own plan; pipeline and context parallelism refused
         yield from one_device_problems(dataclasses.replace(sizes, tensor=1), "Hugging Face models")
         yield from tensor_parallel.config_problems(config.hf, sizes)
+        if sizes.sequence_split > 1 and config.seq_length % sizes.tensor:
+            yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {sizes.tensor}"
+                                               " tensor-parallel ranks; use a multiple of the tensor-parallel size,"
+                                               " or drop --sequence_parallel")
 
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
         return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor))
@@ -179,7 +184,7 @@ class HfFamily(ModelFamily):
         yield from tensor_parallel.model_problems(model, sizes)
 
     def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
-        return tensor_parallel.styles(model, fork)
+        return tensor_parallel.styles(model, fork, sizes.sequence_parallel)
 
     def flops(self, config: HfModelConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x (matmul parameters, routed experts at top-k of all) x tokens, plus attention's two
@@ -205,8 +210,7 @@ class HfFamily(ModelFamily):
             compile_sites(model)
 
     def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
-        raise ConfigError([Problem("sequence_parallel", "Hugging Face models split by tensor parallelism without"
-                                                        " sequence parallelism for now; drop --sequence_parallel")])
+        return sequence_points(model)
 
 
 FAMILY = HfFamily()
