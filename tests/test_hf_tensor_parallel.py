@@ -90,11 +90,10 @@ def test_shapes_that_do_not_split_are_refused_each_by_its_field() -> None:
     assert "intermediate_size" not in _problems("mixtral", ParallelSizes(tensor=2), ffn_hidden_size=127)
 
 
-def test_sequence_pipeline_and_context_parallelism_stay_refused() -> None:
+def test_sequence_and_context_parallelism_stay_refused() -> None:  # pipelines: tests/test_hf_pipeline.py
     assert "sequence_parallel: Hugging Face models split by tensor parallelism without sequence" in _problems(
         "llama", ParallelSizes(tensor=2, sequence_parallel=True))
-    found = _problems("llama", ParallelSizes(pipeline=2, context=2))
-    assert "pipeline_model_parallel_size: is 2" in found and "context_parallel_size: is 2" in found
+    assert "context_parallel_size: is 2" in _problems("llama", ParallelSizes(context=2))
 
 
 def test_attention_dropout_without_a_core_attn_site_is_refused() -> None:

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.models.family import (Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
-                                 one_device_problems)
+from remat.models.family import Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
 from remat.models.hf import pipeline, tensor_parallel
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER, hf_model
@@ -165,9 +164,12 @@ class HfFamily(ModelFamily):
         if pre_process and post_process and config.layers is None:
             return place_sites(_build(config, dtype, device), None, ADAPTER)
         # the whole model on meta, cut to the stage's share, then allocated and initialized
+        lm = _build(config, dtype, "meta")
+        problems = list(pipeline.problems(lm))
+        if problems:
+            raise ConfigError(problems)
         layers = range(config.hf.num_hidden_layers) if config.layers is None else config.layers
-        stage = pipeline.HfStage(_build(config, dtype, "meta"), layers, pre_process=pre_process,
-                                 post_process=post_process)
+        stage = pipeline.HfStage(lm, layers, pre_process=pre_process, post_process=post_process)
         target = torch.empty(0, device=device).device
         if target.type != "meta":
             stage.to_empty(device=target)
@@ -182,9 +184,10 @@ class HfFamily(ModelFamily):
         return ADAPTER.handles(model)
 
     def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        # tensor parallelism by the model's own plan, pipeline stages cut from the model; context
-        # parallelism refused
-        yield from one_device_problems(dataclasses.replace(sizes, tensor=1, pipeline=1), "Hugging Face models")
+        # tensor parallelism by the model's own plan, pipeline stages cut from the model
+        if sizes.context != 1:
+            yield Problem("context_parallel_size", f"is {sizes.context}; Hugging Face models run without context"
+                                                   " parallelism for now; use 1")
         yield from tensor_parallel.config_problems(config.hf, sizes)
         if sizes.pipeline > 1:
             yield from _pipeline_problems(config.hf.to_json_string(), config)
