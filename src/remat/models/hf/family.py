@@ -193,8 +193,10 @@ class HfFamily(ModelFamily):
             yield from _pipeline_problems(config.hf.to_json_string(), config)
 
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
-        layers = sizes.layers or (tuple(range(config.num_layers // sizes.pipeline)) if sizes.pipeline > 1 else None)
-        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor), layers=layers)
+        layers = sizes.layers or tuple(range(config.num_layers // sizes.pipeline))
+        every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
+        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor),
+                                   layers=None if every else layers)
 
     def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         yield from tensor_parallel.model_problems(model, sizes)
