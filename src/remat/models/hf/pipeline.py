@@ -33,6 +33,8 @@ class StageLayers(nn.ModuleList):
         for index, layer in layers.items():
             self.add_module(str(index), layer)
 
+    __repr__ = nn.Module.__repr__  # each layer under its own number (ModuleList's counts positions)
+
     def __getitem__(self, index: Any) -> Any:
         found = list(self._modules.values())[index]
         return nn.ModuleList(found) if isinstance(index, slice) else found
