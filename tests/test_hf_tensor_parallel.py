@@ -118,9 +118,10 @@ def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_seq
         " set it to 0 or drop --sequence_parallel"]
 
 
-def test_pipeline_and_context_parallelism_stay_refused() -> None:
-    found = _problems("llama", ParallelSizes(pipeline=2, context=2))
-    assert "pipeline_model_parallel_size: is 2" in found and "context_parallel_size: is 2" in found
+def test_context_parallelism_and_sequence_parallelism_beside_stages_stay_refused() -> None:
+    assert "context_parallel_size: is 2" in _problems("llama", ParallelSizes(context=2))
+    assert "drop --sequence_parallel beside -pp" in _problems(
+        "llama", ParallelSizes(tensor=2, sequence_parallel=True, pipeline=2))
 
 
 def test_attention_dropout_without_a_core_attn_site_is_refused() -> None:

@@ -14,12 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.models.family import (Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
-                                 one_device_problems)
-from remat.models.hf import tensor_parallel
+from remat.models.family import Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
+from remat.models.hf import pipeline, tensor_parallel
 from remat.models.hf.tensor_parallel import sequence_points
 from remat.models.hf.configs import TINY, hf_config, transformers_module
-from remat.models.hf.adapter import ADAPTER
+from remat.models.hf.adapter import ADAPTER, hf_model
 from remat.placement import compile_sites, place_sites
 from remat.problems import ConfigError, Problem
 
@@ -34,10 +33,12 @@ class HfModelConfig:
     source: str  # the family name or config.json it came from
     hf: Any
     seq_length: int
+    # the whole model's layers a pipeline stage's model holds, in order; None: every layer
+    layers: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf.num_hidden_layers)
+        return int(self.hf.num_hidden_layers) if self.layers is None else len(self.layers)
 
     @property
     def hidden_size(self) -> int:
@@ -119,6 +120,11 @@ def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
     return dense, routed
 
 
+@functools.lru_cache(maxsize=16)
+def _pipeline_problems(key: str, config: HfModelConfig) -> tuple[Problem, ...]:
+    return tuple(pipeline.problems(_build(config, None, "meta")))
+
+
 def _packed_sequences_on_meta() -> None:
     """transformers looks for packed sequences by reading position_ids' values, which a meta tensor
     has none of: on meta there are none (a mock batch packs none), elsewhere it looks as before."""
@@ -156,29 +162,50 @@ class HfFamily(ModelFamily):
     def build(self, config: HfModelConfig, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None, pre_process: bool = True,
               post_process: bool = True) -> nn.Module:
-        if not (pre_process and post_process):
-            raise ConfigError([Problem("pipeline_model_parallel_size", "Hugging Face models run as one pipeline"
-                                                                       " stage for now; use -pp 1")])
-        return place_sites(_build(config, dtype, device), None, ADAPTER)
+        if pre_process and post_process and config.layers is None:
+            return place_sites(_build(config, dtype, device), None, ADAPTER)
+        # the whole model on meta, cut to the stage's share, then allocated and initialized
+        lm = _build(config, dtype, "meta")
+        problems = list(pipeline.problems(lm))
+        if problems:
+            raise ConfigError(problems)
+        layers = range(config.hf.num_hidden_layers) if config.layers is None else config.layers
+        stage = pipeline.HfStage(lm, layers, pre_process=pre_process, post_process=post_process)
+        target = torch.empty(0, device=device).device
+        if target.type != "meta":
+            stage.to_empty(device=target)
+            self.reset_parameters(stage)
+        return place_sites(stage, None, ADAPTER)
 
     def reset_parameters(self, model: nn.Module) -> None:
-        init: Any = model._init_weights
+        init: Any = hf_model(model)._init_weights
         model.apply(init)
 
     def handles(self, model: nn.Module) -> bool:
         return ADAPTER.handles(model)
 
     def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        # tensor parallelism by the model's own plan; pipeline and context parallelism refused
-        yield from one_device_problems(dataclasses.replace(sizes, tensor=1), "Hugging Face models")
+        # tensor parallelism by the model's own plan, pipeline stages cut from the model
+        if sizes.context != 1:
+            yield Problem("context_parallel_size", f"is {sizes.context}; Hugging Face models run without context"
+                                                   " parallelism for now; use 1")
         yield from tensor_parallel.config_problems(config.hf, sizes)
         if sizes.sequence_split > 1 and config.seq_length % sizes.tensor:
             yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {sizes.tensor}"
                                                " tensor-parallel ranks; use a multiple of the tensor-parallel size,"
                                                " or drop --sequence_parallel")
+        if sizes.pipeline > 1:
+            yield from _pipeline_problems(config.hf.to_json_string(), config)
+        if sizes.sequence_split > 1 and sizes.pipeline > 1:
+            yield Problem("sequence_parallel", "Hugging Face stages hand each other whole hidden states (the next"
+                                               " stage takes positions from them); drop --sequence_parallel beside"
+                                               " -pp")
 
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
-        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor))
+        layers = sizes.layers or tuple(range(config.num_layers // sizes.pipeline))
+        every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
+        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor),
+                                   layers=None if every else layers)
 
     def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         yield from tensor_parallel.model_problems(model, sizes)
@@ -205,7 +232,8 @@ class HfFamily(ModelFamily):
             _packed_sequences_on_meta()
         if not compiled:
             return
-        place_sites(model, None, ADAPTER, loss_head=True)
+        # a stage before the last has no loss head
+        place_sites(model, None, ADAPTER, loss_head=not isinstance(model, pipeline.HfStage) or model.post_process)
         if not shapes_only:
             compile_sites(model)
 

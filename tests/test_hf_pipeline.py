@@ -1,0 +1,167 @@
+"""Pipeline parallelism for Hugging Face causal LMs: stages cut from the transformers model by the hf
+family, on CPU under torchrun with gloo (tests/workers/hf_pp_worker.py), and the refusals without a
+launch.
+
+A tiny HF Llama and Mixtral (float64, 4 layers) under 1F1B over 2 stages and interleaved 1F1B over
+2 x 2 virtual stages give the loss and every gradient of the whole model's step on one process bit
+for bit: each stage runs the base model's own forward on its layers (position ids, causal mask and
+rotary tables computed again, alike), so every micro-batch runs the same ops in the same order.
+HF's loss head reduces in float32 on both. With attention dropout each rank draws its own masks,
+so every recompute plan is held against the pipeline without recompute, also bit for bit.
+Beside tensor parallelism (pp 2 x tp 2, four processes, slow) the loss and gradients agree with
+one process to 1e-12 (the row-parallel projections sum each rank's partial products, which
+reorders one process's additions), and every plan is bit-identical to none.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import run_under_torchrun, worker_env  # noqa: E402
+from remat.calls import forward_loss  # noqa: E402
+from remat.cli import main  # noqa: E402
+from remat.models import ParallelSizes  # noqa: E402
+from remat.models.hf.family import FAMILY  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import hf_pp_worker  # noqa: E402
+
+TP_TOLERANCE = 1e-12  # float64, additions reordered by the row-parallel sums
+FAMILIES = list(hf_pp_worker.hf_tp_worker.FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("hf_pp") / "results.pt"
+    run_under_torchrun(Path(hf_pp_worker.__file__), out, 2)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def piped_tp(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("hf_pp_tp") / "results.pt"
+    run_under_torchrun(Path(hf_pp_worker.__file__), out, 4)
+    return torch.load(out)
+
+
+def _equal(found: tuple[float, dict], expected: tuple[float, dict]) -> None:
+    (loss, grads), (expected_loss, expected_grads) = found, expected
+    assert grads.keys() == expected_grads.keys() and len(grads) > 0
+    assert loss == pytest.approx(expected_loss, rel=1e-15)  # the schedule sums the scaled losses in its order
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected_grads[name]), name
+
+
+@pytest.mark.parametrize("layout", list(hf_pp_worker.LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_step_of_an_hf_model_is_its_step_on_one_process_bit_for_bit(piped, family, layout) -> None:
+    _equal(piped[f"{family}@{layout}@none@0.0"], piped[f"{family}@one process"])
+
+
+@pytest.mark.parametrize("plan", ["selective", "full"])
+@pytest.mark.parametrize("layout", list(hf_pp_worker.LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none(piped, family, layout, plan) -> None:
+    found, plain = piped[f"{family}@{layout}@{plan}@0.1"], piped[f"{family}@{layout}@none@0.1"]
+    assert found[0] == plain[0]
+    _equal(found, plain)
+    assert plain[0] != piped[f"{family}@{layout}@none@0.0"][0]  # dropout drew: not two plain runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_stages_split_by_tensor_parallelism_match_one_process(piped_tp, family) -> None:
+    loss, grads = piped_tp[f"{family}@1f1b x tp 2@none@0.0"]
+    one_loss, one_grads = piped_tp[f"{family}@one process"]
+    assert loss == pytest.approx(one_loss, abs=TP_TOLERANCE)
+    assert grads.keys() == one_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TP_TOLERANCE, msg=name)
+    for plan in ("selective", "full"):
+        found, plain = piped_tp[f"{family}@1f1b x tp 2@{plan}@0.1"], piped_tp[f"{family}@1f1b x tp 2@none@0.1"]
+        assert found[0] == plain[0]
+        _equal(found, plain)
+
+
+@pytest.mark.parametrize("family, overrides, layers", [
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1, sliding_window=4), [(0,), (1, 2, 3)]),
+    ("deepseek_v3", {}, [(0, 1), (2, 3)]),  # a dense first layer, MoE after
+])
+def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) -> None:
+    """Qwen2 picks each layer's mask (sliding or full) by its position in the base model's layers,
+    DeepSeek-V3 a layer's kind by its number: stages chained on one process are the whole model."""
+    config = FAMILY.config(f"hf:{family}", num_layers=4, seq_length=16, **overrides)
+    torch.manual_seed(0)
+    whole = FAMILY.build(config, dtype=torch.float64).train()
+    source = dict(whole.named_parameters())
+    stages = []
+    for index, share in enumerate(layers):
+        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
+        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
+                             post_process=index == len(layers) - 1).train()
+        assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                p.copy_(source[name])
+        stages.append(stage)
+    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(source)
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    forward_loss(whole, ids, ids).backward()
+    x = ids
+    for stage in stages:
+        x = forward_loss(stage, x, ids)
+    x.backward()
+    assert x.item() == forward_loss(whole, ids, ids).item()
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert torch.equal(p.grad, source[name].grad), name
+
+
+def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:
+    out = tmp_path / "estimate.json"
+    assert main(["estimate", "-mr", "hf:llama", "-pp", "2", "-ng", "2", "-gb", "4", "--configs", "none",
+                 "--target", "cpu", "--no_progress", "--json", str(out)]) == 0
+    (found,) = json.loads(out.read_text())
+    assert [(s["stage"], s["layers"], s["in_flight"]) for s in found["stages"]] == [(0, 1, 2), (1, 1, 1)]
+
+
+@pytest.mark.slow
+def test_bench_runs_hf_stages_under_torchrun(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "hf:llama", "--device", "cpu", "-ms", "2",
+                          "--warmup_steps", "1", "--no_history", "--no_progress", "-pp", "2", "-gb", "2", "-rl", "1",
+                          "-ng", "2", "--json", str(out)], env=worker_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "remat bench: hf:llama, 2 pipeline stages (1F1B)" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and result["shape"]["pipeline_parallel"] == 2
+
+
+def _problems(family: str, sizes: ParallelSizes = ParallelSizes(pipeline=2), **overrides) -> str:
+    config = FAMILY.config(f"hf:{family}", **overrides)
+    return "\n".join(f"{p.field}: {p.message}" for p in FAMILY.shard_problems(config, sizes))
+
+
+def test_llama_and_mixtral_split_into_stages() -> None:
+    assert _problems("llama") == _problems("mixtral") == _problems("llama", ParallelSizes(pipeline=2, tensor=2)) == ""
+
+
+def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
+    assert ("pipeline_model_parallel_size: is above 1; GPT2LMHeadModel has no model.embed_tokens, model.layers,"
+            " model.norm, model.rotary_emb") in _problems("gpt2")
+    assert "tie_word_embeddings: is True; Gemma2ForCausalLM's embedding (first stage)" in _problems("gemma2")
+    assert _problems("gemma2", tie_word_embeddings=False) == ""
+    assert "output_router_logits: is True" in _problems("mixtral", output_router_logits=True)
+
+
+def test_context_parallelism_stays_refused_beside_stages() -> None:
+    found = _problems("llama", ParallelSizes(pipeline=2, context=2))
+    assert found == "context_parallel_size: is 2; Hugging Face models run without context parallelism for now; use 1"

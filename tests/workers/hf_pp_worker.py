@@ -1,0 +1,106 @@
+"""Run by tests/test_hf_pipeline.py under torchrun (gloo, CPU, 2 processes): tiny Hugging Face Llama
+and Mixtral causal LMs (float64, 4 layers) cut into pipeline stages by the hf family, each stage
+holding the whole model's weights for its layers (copied by name), under torch's 1F1B and
+interleaved 1F1B (2 virtual stages); one step of 4 micro-batches without recompute (attention
+dropout off, to hold against the whole model's step on one process, which rank 0 also runs, and
+on) and one per recompute plan with dropout on (to hold against no recompute). Rank 0 saves every
+result to the file argv[1]. Under 4 processes the same runs 1F1B on a pp 2 x tp 2 mesh, each stage
+split by the model's own tensor-parallel plan."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import remat
+from remat.calls import forward_loss
+from remat.models import ParallelSizes
+from remat.models.hf.family import FAMILY
+from remat.parallel import Pipeline, PipelineLayout
+from remat.parallel.tensor_parallel import parallelize_tensor
+from remat.step import stage_plan
+
+import gloo
+import hf_tp_worker  # the plans of the tensor-parallel tests
+
+LAYERS, SEQ, MICRO_BATCHES = 4, 16, 4
+LAYOUTS = {"1f1b": PipelineLayout(2), "interleaved": PipelineLayout(2, 2)}
+
+
+def config(family: str, dropout: float) -> Any:
+    return FAMILY.config(f"hf:{family}", num_layers=LAYERS, seq_length=SEQ, attention_dropout=dropout)
+
+
+def whole(family: str, dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    return FAMILY.build(config(family, dropout), dtype=torch.float64).train()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.randint(0, config("llama", 0.0).vocab_size, (MICRO_BATCHES, 1, SEQ),
+                        generator=torch.Generator().manual_seed(1))
+    return [(i, i) for i in ids]  # HF's causal-LM loss shifts the labels itself
+
+
+def one_process(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    model = whole(family, 0.0)
+    total = 0.0
+    for inputs, labels in batches():
+        loss = forward_loss(model, inputs, labels) / MICRO_BATCHES
+        loss.backward()
+        total += loss.item()
+    return total, {name: p.grad for name, p in model.named_parameters()}
+
+
+def step(family: str, layout: PipelineLayout, plan: Any, dropout: float) -> tuple[float, dict[str, torch.Tensor]]:
+    tp = dist.get_world_size() // layout.stages
+    mesh = init_device_mesh("cpu", (layout.stages, tp), mesh_dim_names=("pp", "tp"))
+    rank, source = mesh["pp"].get_local_rank(), dict(whole(family, dropout).named_parameters())
+    stages = []
+    for index in layout.stage_indices(rank):
+        shard = FAMILY.shard(config(family, dropout), ParallelSizes(pipeline=layout.chunks,
+                                                                    layers=tuple(layout.layers(LAYERS, index))))
+        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
+                             post_process=index == layout.chunks - 1).train()
+        with torch.no_grad():  # a stage's parameters carry the whole model's names
+            for name, p in stage.named_parameters():
+                p.copy_(source[name])
+        if tp > 1:  # every rank seeded alike (whole's seed): each tp rank's own stream from it
+            parallelize_tensor(stage, mesh["tp"], sequence_parallel=False)
+        if plan is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", remat.RematWarning)
+                remat.apply(stage, stage_plan(plan, layout, LAYERS, index))
+        stages.append(stage)
+    hidden = torch.empty(1, SEQ, stages[0].model.config.hidden_size, dtype=torch.float64, device="meta")
+    pipeline = Pipeline(stages, layout, pipeline_rank=rank, hidden=hidden, micro_batches=MICRO_BATCHES,
+                        group=mesh["pp"].get_group())
+    torch.manual_seed(100 + rank)
+    loss = pipeline.forward_backward(batches())
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+             for stage in stages for name, p in stage.named_parameters()}
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, grads)
+    return loss.item(), {k: v for g in gathered for k, v in g.items()}
+
+
+def results() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    layouts = LAYOUTS if dist.get_world_size() == 2 else {"1f1b x tp 2": LAYOUTS["1f1b"]}
+    for family, block in hf_tp_worker.FAMILIES.items():
+        for layout_name, layout in layouts.items():
+            for name, plan in hf_tp_worker.plans(block).items():
+                for dropout in (0.0, 0.1) if plan is None else (0.1,):
+                    found[f"{family}@{layout_name}@{name}@{dropout}"] = step(family, layout, plan, dropout)
+        if dist.get_rank() == 0:
+            found[f"{family}@one process"] = one_process(family)
+    return found
+
+
+if __name__ == "__main__":
+    gloo.run(results)
