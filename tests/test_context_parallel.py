@@ -28,7 +28,7 @@ from remat.cli.bench import _layout_words
 from remat.parallel import coordinates
 from remat.problems import ConfigError
 from remat.recompute import TrainingFacts
-from remat.step import RunSpec, single_process_problems, trace_spec, unrun_problems
+from remat.step import RunSpec, expert_parallel_run_problems, single_process_problems, trace_spec, unrun_problems
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import cp_worker  # noqa: E402
@@ -57,11 +57,7 @@ def cp_tp(tmp_path_factory) -> dict[str, object]:
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_every_plan_under_context_parallelism_is_bit_identical_to_none(cp, plan) -> None:
-    loss, grads = cp[f"{plan}@0.1"]  # type: ignore[misc]
-    plain_loss, plain_grads = cp["none@0.1"]  # type: ignore[misc]
-    assert loss == plain_loss
-    for name, grad in grads.items():
-        assert torch.equal(grad, plain_grads[name]), name
+    assert_same_step(cp[f"{plan}@0.1"], cp["none@0.1"])  # type: ignore[arg-type]
 
 
 def test_dropout_changes_the_step(cp) -> None:  # the comparison above is not of two plain runs
@@ -72,27 +68,57 @@ def test_dropout_changes_the_step(cp) -> None:  # the comparison above is not of
 def test_context_parallel_step_matches_one_process(cp, task) -> None:
     """SFT masks the prompt, the first quarter: rank 0's head chunk is all prompt, so the ranks'
     losses are means over 4 and 8 tokens, weighted back to the sequence's mean."""
-    loss, grads = cp[f"{task}:none"]  # type: ignore[misc]
-    one_loss, one_grads = cp_worker.step(cp_worker.spec(task=task, context_parallel=1), None)
+    loss, grads, _ = cp[f"{task}:none"]  # type: ignore[misc]
+    one_loss, one_grads, _ = cp_worker.step(cp_worker.spec(task=task, context_parallel=1), None)
     assert grads.keys() == one_grads.keys()
     assert loss == pytest.approx(one_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, one_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("recipe", cp_worker.MOE)
+def test_an_moe_step_under_context_parallelism_matches_one_process(cp, recipe) -> None:
+    """moe_tiny and deepseek_tiny (MLA, expert bias, per-sequence aux loss) over cp 2 in float64:
+    each rank routes its share of every sequence, its aux loss on the group's load (all-reduced)
+    and its own scores, weighted so that FSDP2's mean over the ranks is one process's gradient;
+    the expert bias balances on the token counts summed over the group. Gradients to float32
+    rounding, as above (torch's ring merges in float32; seen: 2e-9 absolute); the biases equal,
+    since every token is routed alike and the counts are integers."""
+    loss, grads, biases = cp[f"{recipe}:none"]  # type: ignore[misc]
+    one_loss, one_grads, one_biases = cp_worker.step(cp_worker.moe_spec(recipe, context_parallel=1), None)
+    assert loss == pytest.approx(one_loss, rel=1e-6)
+    assert grads.keys() == one_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, one_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert biases.keys() == one_biases.keys() and len(one_biases) == 3
+    for name, bias in biases.items():
+        assert torch.equal(bias, one_biases[name]), name
+
+
+@pytest.mark.parametrize("recipe", cp_worker.MOE)
+@pytest.mark.parametrize("plan", cp_worker.MOE_PLANS[1:])
+def test_every_moe_plan_under_context_parallelism_is_bit_identical_to_none(cp, recipe, plan) -> None:
+    assert_same_step(cp[f"{recipe}:{plan}"], cp[f"{recipe}:none"])  # type: ignore[arg-type]
+
+
+def assert_same_step(found: cp_worker.Step, plain: cp_worker.Step) -> None:
+    """Loss, gradients and expert biases bit for bit."""
+    assert found[0] == plain[0]
+    for got, expected in zip(found[1:], plain[1:]):
+        assert got.keys() == expected.keys()
+        for name, tensor in got.items():
+            assert torch.equal(tensor, expected[name]), name
+
+
 @pytest.mark.parametrize("sp", SPLIT)
 @pytest.mark.parametrize("plan", [name for name in cp_worker.CP_TP_PLANS if name != "none"])
 def test_every_plan_beside_tensor_parallelism_is_bit_identical_to_none(cp_tp, plan, sp) -> None:
-    loss, grads = cp_tp[f"{plan}@sp={sp}@0.1"]  # type: ignore[misc]
-    plain_loss, plain_grads = cp_tp[f"none@sp={sp}@0.1"]  # type: ignore[misc]
-    assert loss == plain_loss and loss != cp_tp[f"none@sp={sp}@0.0"][0]  # type: ignore[index]
-    assert grads.keys() == plain_grads.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, plain_grads[name]), name
+    assert_same_step(cp_tp[f"{plan}@sp={sp}@0.1"], cp_tp[f"none@sp={sp}@0.1"])  # type: ignore[arg-type]
+    assert cp_tp[f"none@sp={sp}@0.1"][0] != cp_tp[f"none@sp={sp}@0.0"][0]  # type: ignore[index]
 
 
 @pytest.fixture(scope="module")
-def one_process_fp64() -> tuple[float, dict[str, torch.Tensor]]:
+def one_process_fp64() -> cp_worker.Step:
     return cp_worker.step(cp_worker.spec(context_parallel=1, compute_dtype="fp64"), None)
 
 
@@ -102,8 +128,8 @@ def test_context_parallelism_beside_tensor_parallelism_matches_one_process(cp_tp
     accumulates their gradients in float32 (its convert_to_f32 option, which a float64 run meets
     as a downcast); seen: 1.6e-8 absolute on gradients up to 0.17. The step's loss is summed in
     float32."""
-    loss, grads = cp_tp[f"none@sp={sp}@0.0"]  # type: ignore[misc]
-    one_loss, one_grads = one_process_fp64
+    loss, grads, _ = cp_tp[f"none@sp={sp}@0.0"]  # type: ignore[misc]
+    one_loss, one_grads, _ = one_process_fp64
     assert grads.keys() == one_grads.keys()
     assert loss == pytest.approx(one_loss, rel=1e-6)
     for name, grad in grads.items():
@@ -182,8 +208,14 @@ def test_context_parallelism_beside_pipelining_and_other_families_is_refused() -
                     " parallelism, not with pipeline parallelism yet (remat estimate predicts it); use -cp 1 or -pp 1"]
     assert not list(unrun_problems(TrainingFacts(context_parallel_size=2, tensor_model_parallel_size=2,
                                                  sequence_parallel=True)))
-    with pytest.raises(ConfigError, match="context_parallel_size: is 2; MoE models"):
-        RunSpec(recipe="moe_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2))
+    with pytest.raises(ConfigError, match="context_parallel_size: is 2 with -tp 2; MoE models run context"):
+        RunSpec(recipe="moe_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2,
+                                                                     tensor_model_parallel_size=2))
+    moe_ep = RunSpec(recipe="moe_tiny", overrides=dict(expert_model_parallel_size=2), device="cpu", num_gpus=4,
+                     facts=TrainingFacts(context_parallel_size=2))
+    assert [str(p) for p in expert_parallel_run_problems(moe_ep)] == [
+        "expert_model_parallel_size: is 2 with -cp 2; remat does not run expert parallelism beside context"
+        " parallelism yet (remat estimate predicts it); use -ep 1 or -cp 1"]
     assert [p.field for p in single_process_problems(TrainingFacts(context_parallel_size=2))] == [
         "context_parallel_size"]
     with pytest.raises(ConfigError, match="context_parallel_size: is 2; the trace steps whole sequences"):

@@ -254,6 +254,10 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("expert_model_parallel_size", f"is {ep} with -tp {tp}; remat does not run expert parallelism"
                                                     " beside tensor parallelism yet (remat estimate predicts it);"
                                                     " use -ep 1 or -tp 1")
+    if (cp := spec.context_parallel) > 1:  # FSDP2 would average the experts' gradients over dp alone
+        yield Problem("expert_model_parallel_size", f"is {ep} with -cp {cp}; remat does not run expert parallelism"
+                                                    " beside context parallelism yet (remat estimate predicts it);"
+                                                    " use -ep 1 or -cp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -406,7 +410,7 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     compute, reduce = fsdp2_precision(spec)
     # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
     once = spec.precision.use_distributed_optimizer
-    if spec.expert_parallel > 1:  # ep is refused beside cp; FSDP2 over dp, experts over edp
+    if spec.expert_parallel > 1:  # refused beside cp (expert_parallel_run_problems); FSDP2 over dp, experts over edp
         parallel.parallelize_experts(model, mesh["dp"], spec.expert_parallel, compute_dtype=compute,
                                      reduce_dtype=reduce, reduce_once_a_step=once)
     else:

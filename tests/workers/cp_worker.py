@@ -19,7 +19,7 @@ import remat
 from remat import parallel
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
-from remat.calls import forward_loss
+from remat.calls import after_optimizer_step, forward_loss
 from remat.layer_plan import Plan
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
@@ -28,9 +28,11 @@ from remat.step import MockData, RunSpec, apply_plan, build_model, forward_backw
 
 import gloo
 import fsdp_worker  # the plans of the FSDP2 tests
+import moe_worker  # MoE recompute modules, names in the whole model
 import tp_worker  # its dropout recorder
 
 CP, TP, SEQ, MICRO_BATCHES = 2, 2, 16, 2
+MOE, MOE_PLANS = ("moe_tiny", "deepseek_tiny"), ("none", "selective", "full_uniform_1")
 PLANS: dict[str, RecomputeConfig | Plan | None] = {
     **fsdp_worker.PLANS,
     "core_attn": RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -45,29 +47,59 @@ CP_TP_PLANS: dict[str, RecomputeConfig | None] = {
 
 
 def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = CP, tensor_parallel: int = 1,
-         sequence_parallel: bool = False, compute_dtype: str = "fp32", **more: Any) -> RunSpec:
+         sequence_parallel: bool = False, compute_dtype: str = "fp32", recipe: str = "llama3_tiny",
+         **more: Any) -> RunSpec:
     """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32)."""
     facts = TrainingFacts(context_parallel_size=context_parallel, tensor_model_parallel_size=tensor_parallel,
                           sequence_parallel=sequence_parallel)
-    return RunSpec(recipe="llama3_tiny", overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
-                                                        hidden_dropout=dropout), compute_dtype=compute_dtype,
+    return RunSpec(recipe=recipe, overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
+                                                 hidden_dropout=dropout), compute_dtype=compute_dtype,
                    device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES,
                    num_gpus=context_parallel * tensor_parallel, facts=facts, **more)
+
+
+def moe_spec(recipe: str, context_parallel: int = CP) -> RunSpec:
+    """An MoE recipe in float64 (its routing then agrees with one process's despite the ring's sums)."""
+    return spec(recipe=recipe, context_parallel=context_parallel, compute_dtype="fp64")
 
 
 def cp_tp_spec(sp: bool, dropout: float = 0.0) -> RunSpec:
     return spec(dropout, tensor_parallel=TP, sequence_parallel=sp, compute_dtype="fp64")
 
 
-def step(run: RunSpec, plan: object) -> tuple[float, dict[str, torch.Tensor]]:
-    """One step of `run` under `plan`: the loss averaged over the ranks, and the full gradients."""
+# the loss averaged over the ranks; the full gradients and an MoE's expert biases after the
+# balancing step, named as in the whole model (a tuple: torch.load's weights_only takes it)
+Step = tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def step(run: RunSpec, plan: object) -> Step:
+    """One step of `run` under `plan` and the balancing step after it, an MoE router's expert bias
+    drawn at random first (routing then depends on it, as in the MoE pipeline tests)."""
     model = build_model(run)  # weights from the seed, before FSDP2 shards them
+    for chunk in parallel.model_chunks(model):
+        for layer, name in moe_worker.global_names(chunk):
+            if name.endswith("expert_bias"):
+                bias = chunk.get_buffer(layer)
+                g = torch.Generator().manual_seed(int(name.split(".")[2]))  # decoder.layers.N...
+                bias.copy_(0.5 * torch.randn(bias.shape, generator=g, dtype=bias.dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         apply_plan(run, model, plan)  # type: ignore[arg-type]
     loss = parallel.mean_over_ranks(forward_backward(model, MockData(run), run.micro_batches))
-    grads = {name: getattr(p.grad, "full_tensor", lambda: p.grad)() for name, p in model.named_parameters()}
-    return loss.item(), grads
+    after_optimizer_step(model)
+    found: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "bias": {}}
+    for chunk in parallel.model_chunks(model):
+        own = moe_worker.state(chunk)
+        for local, name in moe_worker.global_names(chunk):
+            if name.endswith("expert_bias"):
+                found["bias"][name] = own[local].clone()
+            elif (grad := own[local].grad) is not None:
+                found["grads"][name] = getattr(grad, "full_tensor", lambda: grad)()
+    if isinstance(model, parallel.Pipeline):  # each pipeline rank holds its stages' tensors
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found)
+        found = {key: {k: v for ranks in every for k, v in ranks[key].items()} for key in found}
+    return loss.item(), found["grads"], found["bias"]
 
 
 def shares() -> list[list[int]]:
@@ -127,6 +159,10 @@ def bench(tensor_parallel: int = 1) -> tuple[str, list[float]]:
 def results() -> dict[str, object]:
     found: dict[str, object] = {f"{name}@0.1": step(spec(0.1), plan) for name, plan in PLANS.items()}
     found |= {f"{task}:none": step(spec(task=task), None) for task in ("pretrain", "sft")}
+    # Megatron's selective recompute of attention and the MoE layer (MLA's up projections too),
+    # and full recompute of single layers: each replays the ring and the router's reduction
+    found |= {f"{recipe}:{name}": step(moe_spec(recipe), moe_worker.plan(recipe, name))
+              for recipe in MOE for name in MOE_PLANS}
     found["shares"] = shares()
     found["refusals"] = refusals()
     found["bench"] = bench()

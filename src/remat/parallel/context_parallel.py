@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -108,7 +110,7 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
     if family is None or problems:
         raise ConfigError(problems)
-    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel_buffers(model))
+    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel(model, mesh.get_group()))
     return model
 
 
@@ -131,12 +133,28 @@ def _kernels(device_type: str) -> Iterator[None]:
         return
     dispatcher = DTensor._op_dispatcher
     handlers = dispatcher._custom_op_handlers  # torch's context swapped in its own: put back on exit
+    ring_sdpa = F.scaled_dot_product_attention  # torch's context patched it: likewise
     dispatcher._custom_op_handlers = {**handlers, **_CPU_HANDLERS}
+    F.scaled_dot_product_attention = _values_padded(ring_sdpa)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             yield
     finally:
         dispatcher._custom_op_handlers = handlers
+        F.scaled_dot_product_attention = ring_sdpa
+
+
+def _values_padded(sdpa: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`sdpa` taking values with fewer channels than the queries (MLA's): the CPU flash kernel
+    takes one head dimension for all three, so the values are padded with zeros, whose outputs
+    (zeros, and their gradients) are cut off again."""
+    @functools.wraps(sdpa)
+    def run(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        width = value.shape[-1]
+        if width >= query.shape[-1]:
+            return sdpa(query, key, value, *args, **kwargs)
+        return sdpa(query, key, F.pad(value, (0, query.shape[-1] - width)), *args, **kwargs)[..., :width]
+    return run
 
 
 def _ring_group(mesh: DeviceMesh, fn: Any) -> Any:
