@@ -2,10 +2,12 @@
 Llama built by `build_model` with -cp 2 (torch's ring attention over the two ranks, FSDP2 over the
 flattened dp x cp mesh), one step of 2 micro-batches on the step's mock data: every plan with
 hidden dropout, and no recompute without dropout (pretrain, and SFT whose masked prompt leaves the
-ranks unequal shares of labelled tokens). With 4: -cp 2 beside -tp 2, sequence parallelism off and
-on, in float64: the plans with hidden dropout and none without, each rank's hidden dropout masks,
-a refusal and a bench run. Rank 0 saves the mean loss and the full gradients of each, each rank's share of a
-sequence, a bench run and the refusals to the file argv[1]."""
+ranks unequal shares of labelled tokens); the MoE recipes (moe_tiny; deepseek_tiny with MLA) in
+float64 under each plan, then the balancing step. With 4: -cp 2 beside -tp 2, sequence
+parallelism off and on, in float64: the plans with hidden dropout and none without, each rank's
+hidden dropout masks, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). Rank 0
+saves the mean loss, the full gradients and expert biases of each, each rank's share of a
+sequence, the bench runs and the refusals to the file argv[1]."""
 from __future__ import annotations
 
 import warnings
@@ -31,7 +33,7 @@ import fsdp_worker  # the plans of the FSDP2 tests
 import moe_worker  # MoE recompute modules, names in the whole model
 import tp_worker  # its dropout recorder
 
-CP, TP, SEQ, MICRO_BATCHES = 2, 2, 16, 2
+CP, TP, PP, SEQ, MICRO_BATCHES = 2, 2, 2, 16, 2
 MOE, MOE_PLANS = ("moe_tiny", "deepseek_tiny"), ("none", "selective", "full_uniform_1")
 PLANS: dict[str, RecomputeConfig | Plan | None] = {
     **fsdp_worker.PLANS,
@@ -48,19 +50,21 @@ CP_TP_PLANS: dict[str, RecomputeConfig | None] = {
 
 def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = CP, tensor_parallel: int = 1,
          sequence_parallel: bool = False, compute_dtype: str = "fp32", recipe: str = "llama3_tiny",
-         **more: Any) -> RunSpec:
-    """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32)."""
+         pipeline: tuple[int, int | None] = (1, None), **more: Any) -> RunSpec:
+    """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32);
+    `pipeline`: pp and vp."""
     facts = TrainingFacts(context_parallel_size=context_parallel, tensor_model_parallel_size=tensor_parallel,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, pipeline_model_parallel_size=pipeline[0],
+                          virtual_pipeline_model_parallel_size=pipeline[1])
     return RunSpec(recipe=recipe, overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
                                                  hidden_dropout=dropout), compute_dtype=compute_dtype,
                    device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES,
-                   num_gpus=context_parallel * tensor_parallel, facts=facts, **more)
+                   num_gpus=context_parallel * tensor_parallel * pipeline[0], facts=facts, **more)
 
 
-def moe_spec(recipe: str, context_parallel: int = CP) -> RunSpec:
+def moe_spec(recipe: str, context_parallel: int = CP, pipeline: tuple[int, int | None] = (1, None)) -> RunSpec:
     """An MoE recipe in float64 (its routing then agrees with one process's despite the ring's sums)."""
-    return spec(recipe=recipe, context_parallel=context_parallel, compute_dtype="fp64")
+    return spec(recipe=recipe, context_parallel=context_parallel, compute_dtype="fp64", pipeline=pipeline)
 
 
 def cp_tp_spec(sp: bool, dropout: float = 0.0) -> RunSpec:
@@ -76,6 +80,11 @@ def step(run: RunSpec, plan: object) -> Step:
     """One step of `run` under `plan` and the balancing step after it, an MoE router's expert bias
     drawn at random first (routing then depends on it, as in the MoE pipeline tests)."""
     model = build_model(run)  # weights from the seed, before FSDP2 shards them
+    if isinstance(model, parallel.Pipeline):  # each stage drew from a seed of its own: one process's instead
+        torch.manual_seed(run.seed)
+        whole = moe_worker.state(run.family.build(run.model_config, dtype=run.state_dtype))
+        for chunk in model.chunks:
+            moe_worker.load(chunk, whole)
     for chunk in parallel.model_chunks(model):
         for layer, name in moe_worker.global_names(chunk):
             if name.endswith("expert_bias"):
@@ -95,7 +104,7 @@ def step(run: RunSpec, plan: object) -> Step:
                 found["bias"][name] = own[local].clone()
             elif (grad := own[local].grad) is not None:
                 found["grads"][name] = getattr(grad, "full_tensor", lambda: grad)()
-    if isinstance(model, parallel.Pipeline):  # each pipeline rank holds its stages' tensors
+    if isinstance(model, parallel.Pipeline):  # each pipeline rank holds its stages'
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, found)
         found = {key: {k: v for ranks in every for k, v in ranks[key].items()} for key in found}
@@ -107,7 +116,7 @@ def shares() -> list[list[int]]:
     run = spec()
     model = build_model(run)
     positions = torch.arange(SEQ)[None]
-    with parallel.sharded(model, positions, positions.clone()):
+    with parallel.sharded(model, [(positions, positions.clone())]):
         mine = positions[0].tolist()
     found: list[list[int]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(found, mine)
@@ -130,7 +139,7 @@ def refusals() -> dict[str, list[str]]:
     ids = torch.zeros(1, SEQ // 2, dtype=torch.long)
     return {"mesh": refusal(lambda: parallel.context_parallel_model(fsdp_worker.model(0.0), two_d)),
             "model": refusal(lambda: parallel.context_parallel_model(eager, cp_mesh)),
-            "short": refusal(lambda: parallel.sharded(short, ids, ids.clone()).__enter__())}
+            "short": refusal(lambda: parallel.sharded(short, [(ids, ids.clone())]).__enter__())}
 
 
 def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
@@ -138,19 +147,21 @@ def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
     run = cp_tp_spec(sp, dropout=0.1)
     model, (input_ids, labels) = build_model(run), MockData(run).batch()
     torch.manual_seed(run.seed)
-    with parallel.sharded(model, input_ids, labels), tp_worker.DropoutMasks() as recorded:
+    with parallel.sharded(model, [(input_ids, labels)]), tp_worker.DropoutMasks() as recorded:
         forward_loss(model, input_ids, labels)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, [dropped for dropped, _ in recorded.masks])
     return every
 
 
-def bench(tensor_parallel: int = 1) -> tuple[str, list[float]]:
-    """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2] -ng N` runs)."""
-    facts = TrainingFacts(context_parallel_size=CP, tensor_model_parallel_size=tensor_parallel)
+def bench(tensor_parallel: int = 1, pipeline: int = 1) -> tuple[str, list[float]]:
+    """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2 | -pp 2] -ng N`
+    runs; 2 micro-batches, as 1F1B over 2 stages needs)."""
+    facts = TrainingFacts(context_parallel_size=CP, tensor_model_parallel_size=tensor_parallel,
+                          pipeline_model_parallel_size=pipeline)
     result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), compute_dtype="fp32",
-                                 device="cpu", max_steps=2, warmup_steps=1, num_gpus=CP * tensor_parallel,
-                                 facts=facts),
+                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
+                                 num_gpus=CP * tensor_parallel * pipeline, facts=facts),
                        RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1))
     return result.status, result.losses or []
@@ -186,6 +197,22 @@ def cp_tp_results() -> dict[str, object]:
     found |= {f"masks@sp={sp}": hidden_masks(sp) for sp in (False, True)}
     found["sequence split"] = sequence_split_refusal()
     found["bench"] = bench(TP)
+    return found | cp_pp_results()
+
+
+def cp_pp_results() -> dict[str, object]:
+    """-cp 2 beside -pp 2 (1F1B; interleaved with 2 virtual stages), float64: every plan with
+    hidden dropout, and without dropout pretrain and SFT (unequal shares of labelled tokens); the
+    MoE recipes without recompute and with full recompute of single layers."""
+    def pp_spec(vp: int | None = None, **kwargs: Any) -> RunSpec:
+        return spec(compute_dtype="fp64", pipeline=(PP, vp), **kwargs)
+    found: dict[str, object] = {f"pp:{name}@0.1": step(pp_spec(dropout=0.1), plan)
+                                for name, plan in CP_TP_PLANS.items()}
+    found |= {f"pp:{task}": step(pp_spec(task=task), None) for task in ("pretrain", "sft")}
+    found["pp:interleaved"] = step(pp_spec(vp=2, task="sft"), None)
+    found |= {f"pp:{recipe}:{name}": step(moe_spec(recipe, pipeline=(PP, None)), moe_worker.plan(recipe, name))
+              for recipe in MOE for name in ("none", "full_uniform_1")}
+    found["pp:bench"] = bench(pipeline=PP)
     return found
 
 

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat import models
+from remat.parallel.pipeline import model_chunks
 from remat.parallel.tensor_parallel import split_sizes
 from remat.problems import ConfigError, Problem
 
@@ -62,18 +63,19 @@ class ContextParallel:
         self.buffers = buffers
 
     @contextlib.contextmanager
-    def sharded(self, input_ids: Tensor, labels: Tensor) -> Iterator[Tensor]:
-        """Shard `input_ids` and `labels` [b, s] in place to this rank's tokens, with the model's
-        position tables, for a forward and backward inside; yields the weight of this rank's loss."""
-        lengths = {input_ids.shape[1], labels.shape[1], *(b.shape[dim] for b, dim in self.buffers)}
+    def sharded(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Iterator[list[Tensor]]:
+        """Shard each micro-batch's `input_ids` and `labels` [b, s] in place to this rank's tokens,
+        with the model's position tables, for the forwards and backwards inside (a pipeline's
+        schedule runs them interleaved); yields the weight of each one's loss on this rank."""
+        tensors = [t for batch in batches for t in batch]
+        lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in self.buffers)}
         if len(lengths) > 1:  # one load-balancing permutation serves them all
             raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
                              " positions; context parallelism needs a batch of the model's seq_length")
-        tensors = [input_ids, labels, *(b for b, _ in self.buffers)]
-        dims = [1, 1, *(dim for _, dim in self.buffers)]
-        with context_parallel(self.mesh, buffers=tensors, buffer_seq_dims=dims,
-                              no_restore_buffers={input_ids, labels}), _kernels(self.mesh.device_type):
-            yield self._loss_weight(labels)
+        dims = [1] * len(tensors) + [dim for _, dim in self.buffers]
+        with context_parallel(self.mesh, buffers=[*tensors, *(b for b, _ in self.buffers)], buffer_seq_dims=dims,
+                              no_restore_buffers=set(tensors)), _kernels(self.mesh.device_type):
+            yield [self._loss_weight(labels) for _, labels in batches]
 
     def _loss_weight(self, labels: Tensor) -> Tensor:
         """cp x this rank's labelled tokens / the group's: 1 where every rank holds as many."""
@@ -114,12 +116,16 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def sharded(model: nn.Module, input_ids: Tensor, labels: Tensor) -> contextlib.AbstractContextManager[Tensor | float]:
-    """Around one micro-batch's forward and backward: under context parallelism, the batch
-    sharded to this rank's tokens (see ContextParallel.sharded); otherwise as it is. Yields the
-    weight of this rank's loss (1 without context parallelism)."""
-    parallel = _PARALLEL.get(model)
-    return contextlib.nullcontext(1.0) if parallel is None else parallel.sharded(input_ids, labels)
+def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> contextlib.AbstractContextManager[
+        Sequence[Tensor | float]]:
+    """Around micro-batches' forward and backward (one, or a pipeline's step of them): under
+    context parallelism, each (input_ids, labels) sharded to this rank's tokens with the position
+    tables of the model, or of every chunk of a `Pipeline` (see ContextParallel.sharded);
+    otherwise as they are. Yields the weight of each one's loss (1 without context parallelism)."""
+    found = [_PARALLEL[chunk] for chunk in model_chunks(model) if chunk in _PARALLEL]
+    if not found:
+        return contextlib.nullcontext([1.0] * len(batches))
+    return ContextParallel(found[0].mesh, [b for parallel in found for b in parallel.buffers]).sharded(batches)
 
 
 @contextlib.contextmanager
