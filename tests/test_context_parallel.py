@@ -153,6 +153,15 @@ def test_an_moe_step_beside_pipeline_parallelism_matches_one_process(four, recip
     assert_same_step(four[f"pp:{recipe}:full_uniform_1"], four[f"pp:{recipe}:none"])  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
+def test_context_beside_pipeline_and_tensor_parallelism_matches_one_process(tmp_path_factory) -> None:
+    """pp 2 x cp 2 x tp 2: 8 processes, about 25 s on 2 cores."""
+    found = _run(tmp_path_factory, cp_worker.PP * cp_worker.CP * cp_worker.TP)
+    for sp in SPLIT:
+        assert_matches_one_process(found[f"sp={sp}"], one_process(task="sft"), tensor_parallel=True)  # type: ignore[arg-type]
+    assert_same_step(found["full"], found["sp=True"])  # type: ignore[arg-type]
+
+
 def test_bench_runs_beside_pipeline_parallelism(four) -> None:
     status, losses = four["pp:bench"]  # type: ignore[misc]
     assert status == "ok" and len(losses) == 2

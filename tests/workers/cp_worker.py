@@ -5,9 +5,10 @@ hidden dropout, and no recompute without dropout (pretrain, and SFT whose masked
 ranks unequal shares of labelled tokens); the MoE recipes (moe_tiny; deepseek_tiny with MLA) in
 float64 under each plan, then the balancing step. With 4: -cp 2 beside -tp 2, sequence
 parallelism off and on, in float64: the plans with hidden dropout and none without, each rank's
-hidden dropout masks, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). Rank 0
-saves the mean loss, the full gradients and expert biases of each, each rank's share of a
-sequence, the bench runs and the refusals to the file argv[1]."""
+hidden dropout masks, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). With 8
+(a slow test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full gradients and expert
+biases of each, each rank's share of a sequence, the bench runs and the refusals to the file
+argv[1]."""
 from __future__ import annotations
 
 import warnings
@@ -23,6 +24,7 @@ from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
 from remat.calls import after_optimizer_step, forward_loss
 from remat.layer_plan import Plan
+from remat.models.llama.family import gate_up_by_rank
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.problems import ConfigError
 from remat.recompute import RecomputeConfig, TrainingFacts
@@ -83,6 +85,9 @@ def step(run: RunSpec, plan: object) -> Step:
     if isinstance(model, parallel.Pipeline):  # each stage drew from a seed of its own: one process's instead
         torch.manual_seed(run.seed)
         whole = moe_worker.state(run.family.build(run.model_config, dtype=run.state_dtype))
+        if (tp := run.facts.tensor_model_parallel_size) > 1:  # as tensor parallelism stores them
+            for name in [name for name in whole if name.endswith("mlp.linear_fc1.weight")]:
+                gate_up_by_rank(whole[name], tp)
         for chunk in model.chunks:
             moe_worker.load(chunk, whole)
     for chunk in parallel.model_chunks(model):
@@ -216,5 +221,12 @@ def cp_pp_results() -> dict[str, object]:
     return found
 
 
+def cp_pp_tp_results() -> dict[str, object]:
+    """pp 2 x cp 2 x tp 2, SFT in float64: sequence parallelism off and on, and full recompute."""
+    def run(sp: bool) -> RunSpec:
+        return spec(task="sft", tensor_parallel=TP, sequence_parallel=sp, compute_dtype="fp64", pipeline=(PP, None))
+    return {f"sp={sp}": step(run(sp), None) for sp in (False, True)} | {"full": step(run(True), CP_TP_PLANS["full"])}
+
+
 if __name__ == "__main__":
-    gloo.run(lambda: results() if dist.get_world_size() == CP else cp_tp_results())
+    gloo.run(lambda: {CP: results, CP * TP: cp_tp_results, PP * CP * TP: cp_pp_tp_results}[dist.get_world_size()]())

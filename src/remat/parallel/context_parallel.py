@@ -5,13 +5,17 @@ attention), and torch runs `scaled_dot_product_attention` as ring attention over
 torch shards a batch, its labels and the model's position tables (RoPE) in place inside its
 context, which must enclose both forward and backward: the ring's backward communicates, and a
 recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
-from backward, on every rank in the same order since every rank runs the same graph.
+from backward, on every rank in the same order since every rank runs the same graph. Beside
+pipeline parallelism one context encloses a schedule's whole step, whose micro-batches run
+interleaved: all of them and every chunk's tables sharded at once, and each stage sends its shard
+of the hidden states to the same cp rank of the next (a pipeline group has one cp coordinate).
 
 torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
 cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
 (`_templated_ring_attention` and its backward) the CPU flash kernel, so the same ring, load
 balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
-unhandled one fails instead of running SDPA's math on a sequence shard.
+unhandled one fails instead of running SDPA's math on a sequence shard. That kernel takes one head
+dimension for queries, keys and values, so MLA's narrower values are padded for it.
 
 Beside tensor parallelism attention holds this rank's heads as plain tensors, so the ring runs
 over them unchanged. Hidden dropout draws as Megatron's, whose seeds have no cp term: the default
@@ -19,7 +23,8 @@ generators alike on every cp rank, and under sequence parallelism a tp rank's ow
 its cp peers (each over its own tokens).
 
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
-mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
+mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient. An MoE
+router's auxiliary loss takes the group's load alike (its family's `context_parallel`).
 """
 from __future__ import annotations
 
