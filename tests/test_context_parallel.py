@@ -120,13 +120,31 @@ def assert_matches_one_process(found: cp_worker.Step, one: cp_worker.Step, tenso
     accumulates their gradients in float32 (its convert_to_f32 option, which a float64 run meets
     as a downcast); seen: 4e-8 absolute on gradients up to 0.17. One process sums the step's loss
     in float32. An MoE router's expert bias equal: every token routes alike and its counts are
-    integers. Under tensor parallelism linear_fc1's rows are in the ranks' order."""
+    integers. Under tensor parallelism linear_fc1's rows (and each routed expert's) are in the
+    ranks' order."""
     assert found[0] == pytest.approx(one[0], rel=1e-6)
     assert found[1].keys() == one[1].keys() and found[2].keys() == one[2].keys()
     for name, grad in found[1].items():
-        grad = tp_worker.gate_then_up(name, grad) if tensor_parallel else grad
+        grad = gate_then_up(name, grad) if tensor_parallel else grad
         torch.testing.assert_close(grad, one[1][name], rtol=1e-5, atol=1e-7, msg=name)
     assert all(torch.equal(bias, one[2][name]) for name, bias in found[2].items())
+
+
+def gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """tp_worker's, and an MoE layer's routed experts' weight1 [experts, 2 x ffn, hidden] alike."""
+    if name.endswith("experts.weight1"):
+        return tp_worker.gate_then_up("linear_fc1.weight", grad.transpose(0, 1)).transpose(0, 1)
+    return tp_worker.gate_then_up(name, grad)
+
+
+@pytest.mark.parametrize("recipe,plan,sp", cp_worker.MOE_TP)
+def test_an_moe_step_beside_tensor_parallelism_matches_one_process(four, recipe, plan, sp) -> None:
+    assert_matches_one_process(four[f"{recipe}:{plan}@sp={sp}"], one_process(recipe),  # type: ignore[arg-type]
+                               tensor_parallel=True)
+
+
+def test_selective_moe_recompute_beside_tensor_parallelism_is_bit_identical_to_none(four) -> None:
+    assert_same_step(four["deepseek_tiny:selective@sp=True"], four["deepseek_tiny:none@sp=True"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("sp", SPLIT)
@@ -158,7 +176,8 @@ def test_context_beside_pipeline_and_tensor_parallelism_matches_one_process(tmp_
     """pp 2 x cp 2 x tp 2: 8 processes, about 25 s on 2 cores."""
     found = _run(tmp_path_factory, cp_worker.PP * cp_worker.CP * cp_worker.TP)
     for sp in SPLIT:
-        assert_matches_one_process(found[f"sp={sp}"], one_process(task="sft"), tensor_parallel=True)  # type: ignore[arg-type]
+        assert_matches_one_process(found[f"sp={sp}"], one_process(task="sft"),  # type: ignore[arg-type]
+                                   tensor_parallel=True)
     assert_same_step(found["full"], found["sp=True"])  # type: ignore[arg-type]
 
 
@@ -234,9 +253,6 @@ def test_every_context_parallel_problem_is_named_before_any_process_starts() -> 
 def test_what_stays_refused_beside_context_parallelism() -> None:
     assert not list(unrun_problems(TrainingFacts(context_parallel_size=2, pipeline_model_parallel_size=2,
                                                  tensor_model_parallel_size=2, sequence_parallel=True)))
-    with pytest.raises(ConfigError, match="context_parallel_size: is 2 with -tp 2; MoE models run context"):
-        RunSpec(recipe="moe_tiny", device="cpu", facts=TrainingFacts(context_parallel_size=2,
-                                                                     tensor_model_parallel_size=2))
     moe_ep = RunSpec(recipe="moe_tiny", overrides=dict(expert_model_parallel_size=2), device="cpu", num_gpus=4,
                      facts=TrainingFacts(context_parallel_size=2))
     assert [str(p) for p in expert_parallel_run_problems(moe_ep)] == [

@@ -153,14 +153,10 @@ def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkey
     assert estimating.trace_stages(llama) == [0, 1, 1, 3]  # type: ignore[arg-type]
 
 
-def test_moe_runs_under_pipeline_tensor_and_context_parallelism_but_not_context_beside_tensor() -> None:
+def test_moe_runs_under_pipeline_tensor_and_context_parallelism() -> None:
     family = family_of("moe_tiny")
     config = family.config("moe_tiny", num_layers=4)
-    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, tensor=2)))
-    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, context=2)))
-    refused = [str(p) for p in family.shard_problems(config, ParallelSizes(tensor=2, context=2))]
-    assert refused == ["context_parallel_size: is 2 with -tp 2; MoE models run context parallelism beside data and"
-                       " pipeline parallelism, not beside tensor parallelism yet; use -cp 1 or -tp 1"]
+    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, tensor=2, context=2)))
     assert [p.field for p in family.shard_problems(config, ParallelSizes(context=3))] == ["context_parallel_size"]
     shard = family.shard(config, ParallelSizes(pipeline=2, tensor=2, layers=(2, 3)))
     assert shard.num_layers == 2 and shard.layers == (2, 3)  # type: ignore[attr-defined]

@@ -5,7 +5,8 @@ hidden dropout, and no recompute without dropout (pretrain, and SFT whose masked
 ranks unequal shares of labelled tokens); the MoE recipes (moe_tiny; deepseek_tiny with MLA) in
 float64 under each plan, then the balancing step. With 4: -cp 2 beside -tp 2, sequence
 parallelism off and on, in float64: the plans with hidden dropout and none without, each rank's
-hidden dropout masks, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). With 8
+hidden dropout masks, the MoE recipes, a refusal and a bench run; and -cp 2 beside -pp 2
+(cp_pp_results). With 8
 (a slow test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full gradients and expert
 biases of each, each rank's share of a sequence, the bench runs and the refusals to the file
 argv[1]."""
@@ -37,6 +38,7 @@ import tp_worker  # its dropout recorder
 
 CP, TP, PP, SEQ, MICRO_BATCHES = 2, 2, 2, 16, 2
 MOE, MOE_PLANS = ("moe_tiny", "deepseek_tiny"), ("none", "selective", "full_uniform_1")
+MOE_TP = (("moe_tiny", "none", False), ("deepseek_tiny", "none", True), ("deepseek_tiny", "selective", True))
 PLANS: dict[str, RecomputeConfig | Plan | None] = {
     **fsdp_worker.PLANS,
     "core_attn": RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -102,18 +104,31 @@ def step(run: RunSpec, plan: object) -> Step:
     loss = parallel.mean_over_ranks(forward_backward(model, MockData(run), run.micro_batches))
     after_optimizer_step(model)
     found: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "bias": {}}
+    shapes = {name: p.shape for name, p in run.family.build(run.model_config, device="meta").named_parameters()}
     for chunk in parallel.model_chunks(model):
         own = moe_worker.state(chunk)
         for local, name in moe_worker.global_names(chunk):
             if name.endswith("expert_bias"):
                 found["bias"][name] = own[local].clone()
             elif (grad := own[local].grad) is not None:
-                found["grads"][name] = getattr(grad, "full_tensor", lambda: grad)()
+                found["grads"][name] = whole_grad(run, getattr(grad, "full_tensor", lambda: grad)(), shapes[name])
     if isinstance(model, parallel.Pipeline):  # each pipeline rank holds its stages'
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, found)
         found = {key: {k: v for ranks in every for k, v in ranks[key].items()} for key in found}
     return loss.item(), found["grads"], found["bias"]
+
+
+def whole_grad(run: RunSpec, grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A gradient whole: an MoE expert weight's from this rank's slice of each expert's FFN, the
+    slices of its tensor-parallel group (adjacent ranks) joined along the dimension they split."""
+    if grad.shape == shape:
+        return grad
+    tp = run.facts.tensor_model_parallel_size
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, grad)
+    first = dist.get_rank() // tp * tp
+    return torch.cat(every[first:first + tp], next(d for d, (a, b) in enumerate(zip(grad.shape, shape)) if a != b))
 
 
 def shares() -> list[list[int]]:
@@ -200,6 +215,11 @@ def cp_tp_results() -> dict[str, object]:
                                 for sp in (False, True) for name, plan in CP_TP_PLANS.items()}
     found |= {f"none@sp={sp}@0.0": step(cp_tp_spec(sp), None) for sp in (False, True)}
     found |= {f"masks@sp={sp}": hidden_masks(sp) for sp in (False, True)}
+    # the MoE recipes split as by tensor parallelism alone (router replicated on the tp group's
+    # tokens, experts' FFN by rank), selective recompute replaying the ring and the MoE's collectives
+    found |= {f"{recipe}:{name}@sp={sp}": step(spec(recipe=recipe, tensor_parallel=TP, sequence_parallel=sp,
+                                                    compute_dtype="fp64"), moe_worker.plan(recipe, name))
+              for recipe, name, sp in MOE_TP}
     found["sequence split"] = sequence_split_refusal()
     found["bench"] = bench(TP)
     return found | cp_pp_results()

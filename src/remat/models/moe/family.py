@@ -63,10 +63,6 @@ class MoEFamily(LlamaFamily):
         """The Llama's (heads, FFN and sequence over tp and cp; pipeline stages split the layers as
         the Llama's, each keeping the whole model's kinds) and the experts' FFN, which split over tp."""
         yield from super().shard_problems(config, sizes)
-        if sizes.tensor > 1 and sizes.context > 1:
-            yield Problem("context_parallel_size", f"is {sizes.context} with -tp {sizes.tensor}; MoE models run"
-                                                   " context parallelism beside data and pipeline parallelism, not"
-                                                   " beside tensor parallelism yet; use -cp 1 or -tp 1")
         if sizes.tensor > 1:
             yield from self._tensor_problems(_moe(config), sizes)
 

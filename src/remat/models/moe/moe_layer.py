@@ -143,7 +143,8 @@ class TopKRouter(nn.Module):
         micro-batch or per sequence (seq_aux_loss, DeepSeek-V3) and averaged.
 
         Under context parallelism a rank holds an equal share of each sequence: the load is the
-        mean of the group's (as Megatron reduces it over tp x cp), the scores this rank's own. The
+        mean of the cp group's (Megatron reduces over tp x cp, but under tensor parallelism this
+        router sees every token of its tp group already), the scores this rank's own. The
         group's mean of its ranks' losses is then one process's loss, and FSDP2's mean over them
         of their gradients its gradient (each rank's scores get cp x their share)."""
         c = self.config
