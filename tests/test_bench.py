@@ -101,8 +101,8 @@ REJECTED = [
     pytest.param(["-tp", "3"], ["tensor_model_parallel_size: num_attention_heads=4 does not split over 3"], id="tp"),
     pytest.param(["-pp", "2"], ["global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages needs at least"
                                 " 2: raise -gb"], id="pp"),
-    pytest.param(["-cp", "2", "-pp", "2", "-gb", "2"], ["context_parallel_size: is 2 with -pp 2; remat runs context"
-                                                        " parallelism beside data and tensor parallelism"], id="cp"),
+    pytest.param(["-cp", "3"], ["context_parallel_size: seq_length=16 (-sl 16) does not split into 6 chunks"],
+                 id="cp"),
     pytest.param(["-vp", "2"], ["virtual_pipeline_model_parallel_size"], id="vp"),
     pytest.param(["--num_layers", "4", "-pp", "2", "-vp", "2", "-gb", "6"],
                  ["interleaved 1F1B runs them in rounds of pp = 2: use a multiple"], id="pp-vp"),
@@ -173,7 +173,7 @@ def test_bench_lists_every_settings_problem(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "--num_layers", "4", "-tp", "3", "-pp", "2", "-cp", "2",
+    code, _, err = cli(capsys, "bench", *TINY, "--num_layers", "4", "-tp", "3", "-pp", "2", "-cp", "3",
                        "-vp", "2", "-gb", "6")
     assert code == 1
     for field in ("-tp/--tensor_model_parallel_size", "-cp/--context_parallel_size", "-gb/--global_batch_size"):

@@ -155,13 +155,11 @@ def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkey
     assert estimating.trace_stages(llama) == [0, 1, 1, 3]  # type: ignore[arg-type]
 
 
-def test_moe_runs_under_pipeline_and_tensor_parallelism_but_not_context_parallelism() -> None:
+def test_moe_runs_under_pipeline_tensor_and_context_parallelism() -> None:
     family = family_of("moe_tiny")
     config = family.config("moe_tiny", num_layers=4)
-    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, tensor=2)))
-    refused = {p.field: p.message for p in family.shard_problems(config, ParallelSizes(tensor=2, context=2))}
-    assert refused.keys() == {"context_parallel_size"}
-    assert "MoE models do not run under context parallelism yet" in refused["context_parallel_size"]
+    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, tensor=2, context=2)))
+    assert [p.field for p in family.shard_problems(config, ParallelSizes(context=3))] == ["context_parallel_size"]
     shard = family.shard(config, ParallelSizes(pipeline=2, tensor=2, layers=(2, 3)))
     assert shard.num_layers == 2 and shard.layers == (2, 3)  # type: ignore[attr-defined]
     assert [shard.is_moe_layer(i) for i in (2, 3)] == [True, True]  # type: ignore[attr-defined]

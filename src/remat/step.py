@@ -250,6 +250,10 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
+    if (cp := spec.context_parallel) > 1:  # FSDP2 would average the experts' gradients over dp alone
+        yield Problem("expert_model_parallel_size", f"is {ep} with -cp {cp}; remat does not run expert parallelism"
+                                                    " beside context parallelism yet (remat estimate predicts it);"
+                                                    " use -ep 1 or -cp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -315,11 +319,6 @@ def single_process_problems(facts: TrainingFacts) -> Iterator[Problem]:
 
 def unrun_problems(facts: TrainingFacts) -> Iterator[Problem]:
     """What the recompute rules accept but remat does not run yet (remat estimate predicts it)."""
-    cp, pp = facts.context_parallel_size, facts.pipeline_model_parallel_size
-    if cp != 1 and pp != 1:
-        yield Problem("context_parallel_size", f"is {cp} with -pp {pp}; remat runs context parallelism beside data"
-                                               " and tensor parallelism, not with pipeline parallelism yet (remat"
-                                               " estimate predicts it); use -cp 1 or -pp 1")
     if facts.cuda_graph_impl != "none" or facts.cuda_graph_scope:
         yield Problem("cuda_graph_impl", "this runs without CUDA graphs; drop --cuda_graph_impl and"
                                          " --cuda_graph_scope")
@@ -363,7 +362,8 @@ def build_model(spec: RunSpec) -> nn.Module:
               for index in layout.stage_indices(pipeline_rank)]
     if spec.stages == 1:
         return chunks[0]
-    split = spec.parallel.sequence_split
+    # the hidden states a stage sends its next: this rank's tokens, to the same cp and tp rank of it
+    split = spec.parallel.sequence_split * spec.context_parallel
     hidden = torch.empty(spec.micro_batch_size, config.seq_length // split, config.hidden_size, dtype=spec.dtype,
                          device="meta")
     return Pipeline(chunks, layout, pipeline_rank=pipeline_rank, hidden=hidden, micro_batches=spec.micro_batches,
@@ -405,7 +405,7 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
     compute, reduce = fsdp2_precision(spec)
     # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
     once = spec.precision.use_distributed_optimizer
-    if experts is not None:  # ep is refused beside cp; FSDP2 over dp, experts over edp
+    if experts is not None:  # refused beside cp (expert_parallel_run_problems); FSDP2 over dp, experts over edp
         parallel.shard_experts(model, experts, compute_dtype=compute, reduce_dtype=reduce, reduce_once_a_step=once)
     else:
         parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce,
@@ -472,13 +472,16 @@ def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> 
     """One step's micro-batches, forward and backward, gradients accumulating; the mean loss
     (every pipeline rank gets the last stage's)."""
     if isinstance(model, Pipeline):
-        return model.forward_backward([data.batch() for _ in range(micro_batches)])
+        batches = [data.batch() for _ in range(micro_batches)]
+        # the schedule runs them interleaved: all sharded at once, for the whole step
+        with parallel.sharded(model, batches) as weights:
+            return model.forward_backward(batches, weights)
     total = torch.zeros((), device=data.spec.device)
     set_loss_scale(model, 1 / micro_batches)
     for i in range(micro_batches):
         parallel.accumulate(model, last=i == micro_batches - 1)
         input_ids, labels = data.batch()
-        with parallel.sharded(model, input_ids, labels) as weight:  # the ring's backward communicates too
+        with parallel.sharded(model, [(input_ids, labels)]) as (weight,):  # the ring's backward communicates too
             loss = forward_loss(model, input_ids, labels) * weight / micro_batches
             loss.backward()
         total += loss.detach()

@@ -226,9 +226,12 @@ class ModelFamily(ABC):
         what its models run otherwise."""
         return iter(())
 
-    def context_parallel_buffers(self, model: nn.Module) -> list[tuple[torch.Tensor, int]]:
-        """The tensors of `model` indexed by sequence position (RoPE tables), each with its sequence
-        dimension: context parallelism shards them with each batch, as torch's context_parallel does."""
+    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
+        """Have `model` run as one of `group`'s context-parallel ranks, each holding a share of every
+        sequence (what it computes over whole sequences, an MoE router's load, summed over the
+        group), and return its tensors indexed by sequence position (RoPE tables), each with its
+        sequence dimension: context parallelism shards them with each batch, as torch's
+        context_parallel does. Call when context_parallel_problems finds none."""
         raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
                                                             " use 1")])
 

@@ -5,13 +5,17 @@ attention), and torch runs `scaled_dot_product_attention` as ring attention over
 torch shards a batch, its labels and the model's position tables (RoPE) in place inside its
 context, which must enclose both forward and backward: the ring's backward communicates, and a
 recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
-from backward, on every rank in the same order since every rank runs the same graph.
+from backward, on every rank in the same order since every rank runs the same graph. Beside
+pipeline parallelism one context encloses a schedule's whole step, whose micro-batches run
+interleaved: all of them and every chunk's tables sharded at once, and each stage sends its shard
+of the hidden states to the same cp rank of the next (a pipeline group has one cp coordinate).
 
 torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
 cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
 (`_templated_ring_attention` and its backward) the CPU flash kernel, so the same ring, load
 balancing and merge run on gloo; the backends are pinned to those the ring handles, so an
-unhandled one fails instead of running SDPA's math on a sequence shard.
+unhandled one fails instead of running SDPA's math on a sequence shard. That kernel takes one head
+dimension for queries, keys and values, so MLA's narrower values are padded for it.
 
 Beside tensor parallelism attention holds this rank's heads as plain tensors, so the ring runs
 over them unchanged. Hidden dropout draws as Megatron's, whose seeds have no cp term: the default
@@ -19,19 +23,22 @@ generators alike on every cp rank, and under sequence parallelism a tp rank's ow
 its cp peers (each over its own tokens).
 
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
-mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient.
+mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient. An MoE
+router's auxiliary loss takes the group's load alike (its family's `context_parallel`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -39,6 +46,7 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat import models
+from remat.parallel.pipeline import model_chunks
 from remat.parallel.tensor_parallel import split_sizes
 from remat.problems import ConfigError, Problem
 
@@ -60,18 +68,19 @@ class ContextParallel:
         self.buffers = buffers
 
     @contextlib.contextmanager
-    def sharded(self, input_ids: Tensor, labels: Tensor) -> Iterator[Tensor]:
-        """Shard `input_ids` and `labels` [b, s] in place to this rank's tokens, with the model's
-        position tables, for a forward and backward inside; yields the weight of this rank's loss."""
-        lengths = {input_ids.shape[1], labels.shape[1], *(b.shape[dim] for b, dim in self.buffers)}
+    def sharded(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Iterator[list[Tensor]]:
+        """Shard each micro-batch's `input_ids` and `labels` [b, s] in place to this rank's tokens,
+        with the model's position tables, for the forwards and backwards inside (a pipeline's
+        schedule runs them interleaved); yields the weight of each one's loss on this rank."""
+        tensors = [t for batch in batches for t in batch]
+        lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in self.buffers)}
         if len(lengths) > 1:  # one load-balancing permutation serves them all
             raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
                              " positions; context parallelism needs a batch of the model's seq_length")
-        tensors = [input_ids, labels, *(b for b, _ in self.buffers)]
-        dims = [1, 1, *(dim for _, dim in self.buffers)]
-        with context_parallel(self.mesh, buffers=tensors, buffer_seq_dims=dims,
-                              no_restore_buffers={input_ids, labels}), _kernels(self.mesh.device_type):
-            yield self._loss_weight(labels)
+        dims = [1] * len(tensors) + [dim for _, dim in self.buffers]
+        with context_parallel(self.mesh, buffers=[*tensors, *(b for b, _ in self.buffers)], buffer_seq_dims=dims,
+                              no_restore_buffers=set(tensors)), _kernels(self.mesh.device_type):
+            yield [self._loss_weight(labels) for _, labels in batches]
 
     def _loss_weight(self, labels: Tensor) -> Tensor:
         """cp x this rank's labelled tokens / the group's: 1 where every rank holds as many."""
@@ -108,16 +117,20 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
     if family is None or problems:
         raise ConfigError(problems)
-    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel_buffers(model))
+    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel(model, mesh.get_group()))
     return model
 
 
-def sharded(model: nn.Module, input_ids: Tensor, labels: Tensor) -> contextlib.AbstractContextManager[Tensor | float]:
-    """Around one micro-batch's forward and backward: under context parallelism, the batch
-    sharded to this rank's tokens (see ContextParallel.sharded); otherwise as it is. Yields the
-    weight of this rank's loss (1 without context parallelism)."""
-    parallel = _PARALLEL.get(model)
-    return contextlib.nullcontext(1.0) if parallel is None else parallel.sharded(input_ids, labels)
+def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> contextlib.AbstractContextManager[
+        Sequence[Tensor | float]]:
+    """Around micro-batches' forward and backward (one, or a pipeline's step of them): under
+    context parallelism, each (input_ids, labels) sharded to this rank's tokens with the position
+    tables of the model, or of every chunk of a `Pipeline` (see ContextParallel.sharded);
+    otherwise as they are. Yields the weight of each one's loss (1 without context parallelism)."""
+    found = [_PARALLEL[chunk] for chunk in model_chunks(model) if chunk in _PARALLEL]
+    if not found:
+        return contextlib.nullcontext([1.0] * len(batches))
+    return ContextParallel(found[0].mesh, [b for parallel in found for b in parallel.buffers]).sharded(batches)
 
 
 @contextlib.contextmanager
@@ -131,12 +144,28 @@ def _kernels(device_type: str) -> Iterator[None]:
         return
     dispatcher = DTensor._op_dispatcher
     handlers = dispatcher._custom_op_handlers  # torch's context swapped in its own: put back on exit
+    ring_sdpa = F.scaled_dot_product_attention  # torch's context patched it: likewise
     dispatcher._custom_op_handlers = {**handlers, **_CPU_HANDLERS}
+    F.scaled_dot_product_attention = _values_padded(ring_sdpa)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             yield
     finally:
         dispatcher._custom_op_handlers = handlers
+        F.scaled_dot_product_attention = ring_sdpa
+
+
+def _values_padded(sdpa: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`sdpa` taking values with fewer channels than the queries (MLA's): the CPU flash kernel
+    takes one head dimension for all three, so the values are padded with zeros, whose outputs
+    (zeros, and their gradients) are cut off again."""
+    @functools.wraps(sdpa)
+    def run(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        width = value.shape[-1]
+        if width >= query.shape[-1]:
+            return sdpa(query, key, value, *args, **kwargs)
+        return sdpa(query, key, F.pad(value, (0, query.shape[-1] - width)), *args, **kwargs)[..., :width]
+    return run
 
 
 def _ring_group(mesh: DeviceMesh, fn: Any) -> Any:

@@ -81,17 +81,20 @@ class Pipeline(nn.Module):
                   for chunk, index in zip(self.chunks, indices)]
         self.schedule = _schedule(stages, micro_batches, layout)
 
-    def forward_backward(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
-        """Forward and backward of the micro-batches `batches` (inputs, labels); gradients
-        accumulate in the chunks. Returns the mean loss, on every rank of the pipeline."""
+    def forward_backward(self, batches: Sequence[tuple[Tensor, Tensor]],
+                         weights: Sequence[Tensor | float] | None = None) -> Tensor:
+        """Forward and backward of the micro-batches `batches` (inputs, labels), each loss times
+        its weight (under context parallelism, the rank's share of its labelled tokens; default 1);
+        gradients accumulate in the chunks. Returns the mean loss, on every rank of the pipeline."""
         inputs = torch.cat([b[0] for b in batches])
         labels = torch.cat([b[1] for b in batches])
         for chunk in self.chunks:  # the scale `_schedule`'s loss function applies
             set_loss_scale(chunk, 1 / self.micro_batches)
         losses: list[Tensor] = []
         args = (inputs,) if self.is_first else ()
-        # the last stage's output is its loss already; torch's schedules still split a target for it
-        self.schedule.step(*args, target=labels if self.is_last else None, labels=labels,
+        # the last stage's output is its loss already: torch splits the weights as its targets
+        target = torch.tensor([float(w) for w in weights or [1.0] * len(batches)], device=labels.device)
+        self.schedule.step(*args, target=target if self.is_last else None, labels=labels,
                            losses=losses if self.is_last else None, **_NO_OUTPUTS)
         # float64 on every stage: the ranks must agree on the size of what they reduce
         total = torch.zeros((), dtype=torch.float64, device=labels.device)
@@ -114,9 +117,10 @@ _NO_OUTPUTS: dict[str, Any] = (
 def _schedule(stages: list[PipelineStage], micro_batches: int,
               layout: PipelineLayout) -> Schedule1F1B | ScheduleInterleaved1F1B:
     """torch's 1F1B (interleaved with virtual stages). The last stage's output is the micro-batch's
-    mean loss; the step's loss is their mean, so each is scaled here and torch scales nothing."""
-    def scaled(output: Tensor, _target: object) -> Tensor:
-        return output / micro_batches
+    mean loss, its target the loss's weight [1]; the step's loss is their mean, so each is scaled
+    here and torch scales nothing."""
+    def scaled(output: Tensor, weight: Tensor) -> Tensor:
+        return output * weight[0] / micro_batches
     options = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B.__init__).parameters else {}
     if layout.virtual > 1:
         return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]

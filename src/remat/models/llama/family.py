@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
@@ -111,7 +112,7 @@ class LlamaFamily(ModelFamily):
                                                " block of keys, and its backward replays one block's random state"
                                                " for all of them; use 0 under context parallelism")
 
-    def context_parallel_buffers(self, model: nn.Module) -> list[tuple[Tensor, int]]:
+    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[Tensor, int]]:
         rotary = _model(model).rotary_pos_emb
         return [(rotary.cos, 0), (rotary.sin, 0)]
 

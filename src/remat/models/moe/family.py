@@ -1,7 +1,6 @@
 """The MoE family (DeepSeek-V3, Qwen3-MoE, Mixtral shapes) behind the model seam."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -61,20 +60,14 @@ class MoEFamily(LlamaFamily):
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def shard_problems(self, config: LlamaConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        """Pipeline stages split the layers as the Llama's (the recompute rules check the split);
-        the layers keep the whole model's kinds. Tensor parallelism splits the experts too;
-        context parallelism is refused."""
-        if sizes.context != 1:
-            yield Problem("context_parallel_size", f"is {sizes.context}; MoE models do not run under context"
-                                                   " parallelism yet; use 1 (split the experts with"
-                                                   " expert_model_parallel_size, the layers with -pp)")
+        """The Llama's (heads, FFN and sequence over tp and cp; pipeline stages split the layers as
+        the Llama's, each keeping the whole model's kinds) and the experts' FFN, which split over tp."""
+        yield from super().shard_problems(config, sizes)
         if sizes.tensor > 1:
             yield from self._tensor_problems(_moe(config), sizes)
 
     def _tensor_problems(self, c: MoEConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        """The Llama's (heads, FFN, tokens over tp) and the experts' FFN, which split over tp."""
         tp = sizes.tensor
-        yield from super().shard_problems(c, dataclasses.replace(sizes, pipeline=1, context=1))
         for name, size in (("moe_ffn_hidden_size", c.expert_ffn),
                            ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size or 0)):
             if size % tp:
@@ -101,6 +94,14 @@ class MoEFamily(LlamaFamily):
         """The routers' token counts are summed over `group` before each balancing step, as
         Megatron does, so every replica moves the expert bias alike."""
         _moe_model(model).balancing_group = group
+
+    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
+        """The Llama's RoPE tables (MLA's rotated parts read them too); each router's load-balancing
+        loss over the group's tokens (TopKRouter.context_group). The expert bias's token counts are
+        summed over dp x cp already (`data_parallel`)."""
+        for router in _moe_model(model).routers():
+            router.context_group = group
+        return super().context_parallel(model, group)
 
     tensor_parallel_parts = (*LlamaFamily.tensor_parallel_parts, MLASelfAttention, MoELayer)
 

@@ -88,6 +88,8 @@ class TopKRouter(nn.Module):
         self.register_buffer("local_tokens_per_expert", torch.zeros(experts, dtype=torch.float32, device=device),
                              persistent=False)
         self.loss_scale = 1.0  # the aux loss's gradient scale: the step's scale of its micro-batch loss
+        # under context parallelism, the ranks holding the other shares of this rank's sequences
+        self.context_group: dist.ProcessGroup | None = None
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
@@ -138,13 +140,22 @@ class TopKRouter(nn.Module):
 
     def _aux_loss(self, scores: Tensor, experts: Tensor, sequences: int) -> Tensor:
         """Switch-style balancing: coeff * E * sum_i(load fraction_i * mean score_i), over the
-        micro-batch or per sequence (seq_aux_loss, DeepSeek-V3) and averaged."""
+        micro-batch or per sequence (seq_aux_loss, DeepSeek-V3) and averaged.
+
+        Under context parallelism a rank holds an equal share of each sequence: the load is the
+        mean of the cp group's (Megatron reduces over tp x cp, but under tensor parallelism this
+        router sees every token of its tp group already), the scores this rank's own. The
+        group's mean of its ranks' losses is then one process's loss, and FSDP2's mean over them
+        of their gradients its gradient (each rank's scores get cp x their share)."""
         c = self.config
         if c.moe_router_score_function == "sigmoid":
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
         sequences = sequences if c.moe_router_load_balancing_type == "seq_aux_loss" else 1
         routed = torch.zeros_like(scores).scatter_(1, experts, 1.0)
         load = routed.view(sequences, -1, c.num_moe_experts).mean(1) / c.moe_router_topk
+        if self.context_group is not None:  # no gradient flows through the load
+            dist.all_reduce(load, group=self.context_group)
+            load /= dist.get_world_size(self.context_group)
         importance = scores.view(sequences, -1, c.num_moe_experts).mean(1)
         return c.moe_aux_loss_coeff * c.num_moe_experts * (load * importance).sum(-1).mean()
 
