@@ -11,6 +11,11 @@ so every recompute plan is held against the pipeline without recompute, also bit
 Beside tensor parallelism (pp 2 x tp 2, four processes, slow) the loss and gradients agree with
 one process to 1e-12 (the row-parallel projections sum each rank's partial products, which
 reorders one process's additions), and every plan is bit-identical to none.
+
+A Llama with tied embeddings holds the weight on both ends (the first stage's embedding, the last
+stage's output layer), their gradients summed after the step: every gradient is one process's bit
+for bit, the tied one the sum of the embedding's and the output layer's gradients of the untied
+model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
 """
 from __future__ import annotations
 
@@ -34,7 +39,10 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_pp_worker  # noqa: E402
 
 TP_TOLERANCE = 1e-12  # float64, additions reordered by the row-parallel sums
-FAMILIES = list(hf_pp_worker.hf_tp_worker.FAMILIES)
+# float64: the tied weight's gradient summed over two stages, one process's in autograd's order
+TIED_TOLERANCE = 1e-15
+FAMILIES = list(hf_pp_worker.FAMILIES)
+TIED = hf_pp_worker.TIED
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +71,18 @@ def _equal(found: tuple[float, dict], expected: tuple[float, dict]) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_pipeline_step_of_an_hf_model_is_its_step_on_one_process_bit_for_bit(piped, family, layout) -> None:
     _equal(piped[f"{family}@{layout}@none@0.0"], piped[f"{family}@one process"])
+
+
+@pytest.mark.parametrize("layout", list(hf_pp_worker.LAYOUTS))
+def test_a_tied_embedding_on_two_stages_has_the_one_process_gradient(piped, layout) -> None:
+    loss, grads = piped[f"{TIED}@{layout}@none@0.0"]
+    one_loss, one_grads = piped[f"{TIED}@one process, tied"]
+    assert loss == pytest.approx(one_loss, rel=1e-15) and grads.keys() == one_grads.keys()
+    for name, grad in grads.items():
+        if name in hf_pp_worker.TIED_NAMES:
+            torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TIED_TOLERANCE, msg=name)
+        else:
+            assert torch.equal(grad, one_grads[name]), name
 
 
 @pytest.mark.parametrize("plan", ["selective", "full"])
@@ -157,8 +177,7 @@ def test_llama_and_mixtral_split_into_stages() -> None:
 def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
     assert ("pipeline_model_parallel_size: is above 1; GPT2LMHeadModel has no model.embed_tokens, model.layers,"
             " model.norm, model.rotary_emb") in _problems("gpt2")
-    assert "tie_word_embeddings: is True; Gemma2ForCausalLM's embedding (first stage)" in _problems("gemma2")
-    assert _problems("gemma2", tie_word_embeddings=False) == ""
+    assert _problems("gemma2") == _problems("llama", tie_word_embeddings=True) == ""  # a copy on each end
     assert "output_router_logits: is True" in _problems("mixtral", output_router_logits=True)
 
 
