@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -34,6 +35,8 @@ from remat.calls import forward_loss  # noqa: E402
 from remat.cli import main  # noqa: E402
 from remat.models import ParallelSizes  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
+from remat.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
+from remat.parallel.tied import TiedEnds  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_pp_worker  # noqa: E402
@@ -53,8 +56,8 @@ def piped(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def piped_tp(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_pp_tp") / "results.pt"
+def piped_four(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("hf_pp_four") / "results.pt"
     run_under_torchrun(Path(hf_pp_worker.__file__), out, 4)
     return torch.load(out)
 
@@ -97,17 +100,54 @@ def test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none(piped, fa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_stages_split_by_tensor_parallelism_match_one_process(piped_tp, family) -> None:
-    loss, grads = piped_tp[f"{family}@1f1b x tp 2@none@0.0"]
-    one_loss, one_grads = piped_tp[f"{family}@one process"]
+def test_hf_stages_split_by_tensor_parallelism_match_one_process(piped_four, family) -> None:
+    loss, grads = piped_four[f"{family}@1f1b x tp 2@none@0.0"]
+    one_loss, one_grads = piped_four[f"{family}@one process"]
     assert loss == pytest.approx(one_loss, abs=TP_TOLERANCE)
     assert grads.keys() == one_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TP_TOLERANCE, msg=name)
     for plan in ("selective", "full"):
-        found, plain = piped_tp[f"{family}@1f1b x tp 2@{plan}@0.1"], piped_tp[f"{family}@1f1b x tp 2@none@0.1"]
+        found, plain = piped_four[f"{family}@1f1b x tp 2@{plan}@0.1"], piped_four[f"{family}@1f1b x tp 2@none@0.1"]
         assert found[0] == plain[0]
         _equal(found, plain)
+
+
+def _stages(config, layers: list[tuple[int, ...]], skip: str | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """The whole model of `config` and its stages holding `layers`, with its weights (by every name
+    a weight has, but `skip`)."""
+    torch.manual_seed(0)
+    whole = FAMILY.build(config, dtype=torch.float64).train()
+    source = hf_pp_worker.weights(whole)
+    stages = []
+    for index, share in enumerate(layers):
+        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
+        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
+                             post_process=index == len(layers) - 1).train()
+        assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                if name != skip:
+                    p.copy_(source[name])
+        stages.append(stage)
+    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(source)
+    return whole, stages
+
+
+def _step(chained: list[nn.Module], vocab_size: int) -> float:
+    """The loss of `chained` (stages, or the whole model) on one batch, backwarded."""
+    ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = ids
+    for stage in chained:
+        x = forward_loss(stage, x, ids)
+    x.backward()
+    return x.item()
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_on_stages_sharded_by_fsdp2_is_one_processs(piped_four) -> None:
+    """pp 2 x dp 2: each end's gradient is an FSDP2 shard, summed with the other end's shard."""
+    _equal(piped_four[f"{TIED}@1f1b x dp 2@none@0.0"], piped_four[f"{TIED}@one process"])
 
 
 @pytest.mark.parametrize("family, overrides, layers", [
@@ -118,30 +158,45 @@ def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) ->
     """Qwen2 picks each layer's mask (sliding or full) by its position in the base model's layers,
     DeepSeek-V3 a layer's kind by its number: stages chained on one process are the whole model."""
     config = FAMILY.config(f"hf:{family}", num_layers=4, seq_length=16, **overrides)
-    torch.manual_seed(0)
-    whole = FAMILY.build(config, dtype=torch.float64).train()
+    whole, stages = _stages(config, layers)
+    assert _step(stages, config.vocab_size) == _step([whole], config.vocab_size)
     source = dict(whole.named_parameters())
-    stages = []
-    for index, share in enumerate(layers):
-        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
-        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
-                             post_process=index == len(layers) - 1).train()
-        assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
-        with torch.no_grad():
-            for name, p in stage.named_parameters():
-                p.copy_(source[name])
-        stages.append(stage)
-    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(source)
-    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    forward_loss(whole, ids, ids).backward()
-    x = ids
-    for stage in stages:
-        x = forward_loss(stage, x, ids)
-    x.backward()
-    assert x.item() == forward_loss(whole, ids, ids).item()
     for stage in stages:
         for name, p in stage.named_parameters():
             assert torch.equal(p.grad, source[name].grad), name
+
+
+def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself() -> None:
+    """A pipeline rank running both the first and the last stage (virtual stages of one rank):
+    the last copy starts as the first and their gradients are summed, with no communication."""
+    config = FAMILY.config("hf:llama", num_layers=4, seq_length=16, tie_word_embeddings=True)
+    whole, stages = _stages(config, [(0, 1), (2, 3)], skip="lm_head.weight")
+    ends = TiedEnds(stages, first=True, last=True, group=None)
+    ends.copy_first()
+    assert _step(stages, config.vocab_size) == _step([whole], config.vocab_size)
+    ends.sum_gradients()
+    source = hf_pp_worker.weights(whole)
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if name in hf_pp_worker.TIED_NAMES:
+                torch.testing.assert_close(p.grad, source[name].grad, rtol=0, atol=TIED_TOLERANCE, msg=name)
+            else:
+                assert torch.equal(p.grad, source[name].grad), name
+    embedding, output = (dict(s.named_parameters())[n] for s, n in zip(stages, hf_pp_worker.TIED_NAMES))
+    assert torch.equal(embedding, output) and torch.equal(embedding.grad, output.grad)
+
+
+def test_main_gradients_of_a_tied_embedding_are_refused_by_what_to_change() -> None:
+    """Megatron's main gradients take the gradient out of .grad in each backward: the pipeline's
+    ends would sum nothing."""
+    config = FAMILY.config("hf:llama", num_layers=2, seq_length=16, tie_word_embeddings=True)
+    _, stages = _stages(config, [(0,), (1,)])
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = MainParamsAdamW(params, OptimizerPrecision(main_params_dtype="fp32"))
+    _step(stages, config.vocab_size)
+    assert optimizer.state
+    with pytest.raises(RuntimeError, match="run under FSDP2 .* or without --main_params_dtype"):
+        TiedEnds(stages, first=True, last=True, group=None).sum_gradients()
 
 
 def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:

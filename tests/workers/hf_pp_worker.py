@@ -10,7 +10,9 @@ split by the model's own tensor-parallel plan.
 The Llama with tied embeddings (TIED) holds its embedding on both ends of the pipeline: a stage
 loads the whole model's weight under either name. Beside the tied model's own step on one process,
 rank 0 runs the same model untied (its output layer a copy of the embedding), whose two gradients
-summed are the pipeline's arithmetic for the tied weight."""
+summed are the pipeline's arithmetic for the tied weight. The last stage's copy is drawn anew
+before the pipeline starts it as the first's. Under 4 processes the tied model also runs 1F1B on
+pp 2 x dp 2, each stage sharded by FSDP2."""
 from __future__ import annotations
 
 import warnings
@@ -26,7 +28,7 @@ import remat
 from remat.calls import forward_loss
 from remat.models import ParallelSizes
 from remat.models.hf.family import FAMILY
-from remat.parallel import Pipeline, PipelineLayout
+from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.step import stage_plan
 
@@ -85,9 +87,13 @@ def one_process(family: str, untied: bool = False) -> tuple[float, dict[str, tor
     return total, grads
 
 
-def step(family: str, layout: PipelineLayout, plan: Any, dropout: float) -> tuple[float, dict[str, torch.Tensor]]:
-    tp = dist.get_world_size() // layout.stages
-    mesh = init_device_mesh("cpu", (layout.stages, tp), mesh_dim_names=("pp", "tp"))
+def step(family: str, layout: PipelineLayout, plan: Any, dropout: float,
+         sharded: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    """`sharded`: the ranks beside each stage's are its FSDP2 data-parallel ranks (each on the same
+    batches, so their mean gradient is one rank's), else its tensor-parallel ranks."""
+    tp = 1 if sharded else dist.get_world_size() // layout.stages
+    mesh = init_device_mesh("cpu", (layout.stages, dist.get_world_size() // layout.stages),
+                            mesh_dim_names=("pp", "dp" if sharded else "tp"))
     rank, source = mesh["pp"].get_local_rank(), weights(whole(family, dropout))
     stages = []
     for index in layout.stage_indices(rank):
@@ -98,6 +104,10 @@ def step(family: str, layout: PipelineLayout, plan: Any, dropout: float) -> tupl
         with torch.no_grad():  # a stage's parameters carry the whole model's names
             for name, p in stage.named_parameters():
                 p.copy_(source[name])
+            if family == TIED and index == layout.chunks - 1:  # the pipeline sets it to the first stage's
+                stage.lm_head.weight.normal_()
+        if sharded:
+            fully_shard_layers(stage, mesh["dp"])
         if tp > 1:  # every rank seeded alike (whole's seed): each tp rank's own stream from it
             parallelize_tensor(stage, mesh["tp"], sequence_parallel=False)
         if plan is not None:
@@ -120,6 +130,8 @@ def step(family: str, layout: PipelineLayout, plan: Any, dropout: float) -> tupl
 def results() -> dict[str, Any]:
     found: dict[str, Any] = {}
     layouts = LAYOUTS if dist.get_world_size() == 2 else {"1f1b x tp 2": LAYOUTS["1f1b"]}
+    if dist.get_world_size() == 4:
+        found[f"{TIED}@1f1b x dp 2@none@0.0"] = step(TIED, LAYOUTS["1f1b"], None, 0.0, sharded=True)
     for family, block in FAMILIES.items():
         for layout_name, layout in layouts.items():
             for name, plan in hf_tp_worker.plans(block).items():

@@ -67,7 +67,7 @@ class TiedEnds:
         """After a step's backward: each copy's gradient is the sum of both (a + b on one end,
         b + a on the other: the same sum)."""
         first, last = self._ends()
-        mine = [_local(_gradient(p)) for p in first + last]
+        mine = [_local(_summed(p)) for p in first + last]
         if first and last:
             for a, b in zip(mine[:len(first)], mine[len(first):]):
                 b.add_(a)
@@ -85,9 +85,10 @@ class TiedEnds:
             g.add_(other)
 
 
-def _gradient(p: nn.Parameter) -> Tensor:
-    if p.grad is None:  # Megatron's main gradients take it out of .grad as each backward adds it
-        raise RuntimeError("a weight tied across pipeline stages has no .grad after the step's backward (main"
-                           " gradients without data parallelism take it); tied embeddings under pipeline"
-                           " parallelism run with the optimizer on the model's gradients or under FSDP2 (-ng)")
+def _summed(p: nn.Parameter) -> Tensor:
+    if p.grad is None:  # both ends alike: neither waits for the other
+        raise RuntimeError("a weight tied across pipeline stages has no .grad after the step's backward; Megatron's"
+                           " main gradients (--main_params_dtype without data parallelism) take it out of .grad"
+                           " and are not summed across stages yet: run under FSDP2 (-ng above tp x pp) or without"
+                           " --main_params_dtype")
     return p.grad
