@@ -166,10 +166,11 @@ def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) ->
             assert torch.equal(p.grad, source[name].grad), name
 
 
-def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself() -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma scales its embedding: the first stage's
+def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself(family) -> None:
     """A pipeline rank running both the first and the last stage (virtual stages of one rank):
     the last copy starts as the first and their gradients are summed, with no communication."""
-    config = FAMILY.config("hf:llama", num_layers=4, seq_length=16, tie_word_embeddings=True)
+    config = FAMILY.config(f"hf:{family}", num_layers=4, seq_length=16, tie_word_embeddings=True)
     whole, stages = _stages(config, [(0, 1), (2, 3)], skip="lm_head.weight")
     ends = TiedEnds(stages, first=True, last=True, group=None)
     ends.copy_first()

@@ -7,7 +7,8 @@ copies alike.
 A chunk names what it shares with the other end by its `tied_parameters()` method, in the same
 order on both ends; a chunk without one ties nothing. Megatron all-reduces over a group of the
 first and last pipeline ranks; here the two ends exchange over the pipeline's own group (one send
-and one receive each: the bytes of a two-rank all-reduce, and no further communicator)."""
+and one receive each: the bytes of a two-rank all-reduce, and no further communicator), receiving
+into a buffer the size of the gradient for the exchange."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -49,10 +50,12 @@ class TiedEnds:
         if first and last:  # one rank runs both ends (one stage of virtual chunks)
             for a, b in zip(first, last):
                 _local(b).copy_(_local(a))
-        for p in first if not last else []:
-            dist.send(_local(p), group=self.group, group_dst=dist.get_world_size(self.group) - 1)
-        for p in last if not first else []:
-            dist.recv(_local(p), group=self.group, group_src=0)
+        elif first:
+            for p in first:
+                dist.send(_local(p), group=self.group, group_dst=dist.get_world_size(self.group) - 1)
+        else:
+            for p in last:
+                dist.recv(_local(p), group=self.group, group_src=0)
 
     @torch.no_grad()
     def start_step(self) -> None:
@@ -86,7 +89,7 @@ class TiedEnds:
 
 
 def _summed(p: nn.Parameter) -> Tensor:
-    if p.grad is None:  # both ends alike: neither waits for the other
+    if p.grad is None:  # alike on both ends: neither waits for the other's exchange
         raise RuntimeError("a weight tied across pipeline stages has no .grad after the step's backward; Megatron's"
                            " main gradients (--main_params_dtype without data parallelism) take it out of .grad"
                            " and are not summed across stages yet: run under FSDP2 (-ng above tp x pp) or without"
