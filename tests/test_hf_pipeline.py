@@ -16,6 +16,9 @@ A Llama with tied embeddings holds the weight on both ends (the first stage's em
 stage's output layer), their gradients summed after the step: every gradient is one process's bit
 for bit, the tied one the sum of the embedding's and the output layer's gradients of the untied
 model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
+Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too. A
+rank holding both ends (virtual stages of one rank) sums them itself; Megatron's main gradients,
+which take the gradient out of .grad, are refused.
 """
 from __future__ import annotations
 
@@ -145,7 +148,7 @@ def _step(chained: list[nn.Module], vocab_size: int) -> float:
 
 
 @pytest.mark.slow
-def test_a_tied_embedding_on_stages_sharded_by_fsdp2_is_one_processs(piped_four) -> None:
+def test_a_tied_embedding_on_stages_sharded_by_fsdp2_matches_one_process(piped_four) -> None:
     """pp 2 x dp 2: each end's gradient is an FSDP2 shard, summed with the other end's shard."""
     _equal(piped_four[f"{TIED}@1f1b x dp 2@none@0.0"], piped_four[f"{TIED}@one process"])
 
@@ -166,7 +169,7 @@ def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) ->
             assert torch.equal(p.grad, source[name].grad), name
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma scales its embedding: the first stage's
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma's embedding scales its lookups, not its weight
 def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself(family) -> None:
     """A pipeline rank running both the first and the last stage (virtual stages of one rank):
     the last copy starts as the first and their gradients are summed, with no communication."""
