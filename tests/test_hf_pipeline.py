@@ -11,6 +11,14 @@ so every recompute plan is held against the pipeline without recompute, also bit
 Beside tensor parallelism (pp 2 x tp 2, four processes, slow) the loss and gradients agree with
 one process to 1e-12 (the row-parallel projections sum each rank's partial products, which
 reorders one process's additions), and every plan is bit-identical to none.
+
+A Llama with tied embeddings holds the weight on both ends (the first stage's embedding, the last
+stage's output layer), their gradients summed after the step: every gradient is one process's bit
+for bit, the tied one the sum of the embedding's and the output layer's gradients of the untied
+model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
+Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too. A
+rank holding both ends (virtual stages of one rank) sums them itself; Megatron's main gradients,
+which take the gradient out of .grad, are refused.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -29,12 +38,17 @@ from remat.calls import forward_loss  # noqa: E402
 from remat.cli import main  # noqa: E402
 from remat.models import ParallelSizes  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
+from remat.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
+from remat.parallel.tied import TiedEnds  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_pp_worker  # noqa: E402
 
 TP_TOLERANCE = 1e-12  # float64, additions reordered by the row-parallel sums
-FAMILIES = list(hf_pp_worker.hf_tp_worker.FAMILIES)
+# float64: the tied weight's gradient summed over two stages, one process's in autograd's order
+TIED_TOLERANCE = 1e-15
+FAMILIES = list(hf_pp_worker.FAMILIES)
+TIED = hf_pp_worker.TIED
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +59,8 @@ def piped(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def piped_tp(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_pp_tp") / "results.pt"
+def piped_four(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("hf_pp_four") / "results.pt"
     run_under_torchrun(Path(hf_pp_worker.__file__), out, 4)
     return torch.load(out)
 
@@ -65,6 +79,18 @@ def test_a_pipeline_step_of_an_hf_model_is_its_step_on_one_process_bit_for_bit(p
     _equal(piped[f"{family}@{layout}@none@0.0"], piped[f"{family}@one process"])
 
 
+@pytest.mark.parametrize("layout", list(hf_pp_worker.LAYOUTS))
+def test_a_tied_embedding_on_two_stages_has_the_one_process_gradient(piped, layout) -> None:
+    loss, grads = piped[f"{TIED}@{layout}@none@0.0"]
+    one_loss, one_grads = piped[f"{TIED}@one process, tied"]
+    assert loss == pytest.approx(one_loss, rel=1e-15) and grads.keys() == one_grads.keys()
+    for name, grad in grads.items():
+        if name in hf_pp_worker.TIED_NAMES:
+            torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TIED_TOLERANCE, msg=name)
+        else:
+            assert torch.equal(grad, one_grads[name]), name
+
+
 @pytest.mark.parametrize("plan", ["selective", "full"])
 @pytest.mark.parametrize("layout", list(hf_pp_worker.LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,17 +103,54 @@ def test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none(piped, fa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_stages_split_by_tensor_parallelism_match_one_process(piped_tp, family) -> None:
-    loss, grads = piped_tp[f"{family}@1f1b x tp 2@none@0.0"]
-    one_loss, one_grads = piped_tp[f"{family}@one process"]
+def test_hf_stages_split_by_tensor_parallelism_match_one_process(piped_four, family) -> None:
+    loss, grads = piped_four[f"{family}@1f1b x tp 2@none@0.0"]
+    one_loss, one_grads = piped_four[f"{family}@one process"]
     assert loss == pytest.approx(one_loss, abs=TP_TOLERANCE)
     assert grads.keys() == one_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=TP_TOLERANCE, msg=name)
     for plan in ("selective", "full"):
-        found, plain = piped_tp[f"{family}@1f1b x tp 2@{plan}@0.1"], piped_tp[f"{family}@1f1b x tp 2@none@0.1"]
+        found, plain = piped_four[f"{family}@1f1b x tp 2@{plan}@0.1"], piped_four[f"{family}@1f1b x tp 2@none@0.1"]
         assert found[0] == plain[0]
         _equal(found, plain)
+
+
+def _stages(config, layers: list[tuple[int, ...]], skip: str | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """The whole model of `config` and its stages holding `layers`, with its weights (by every name
+    a weight has, but `skip`)."""
+    torch.manual_seed(0)
+    whole = FAMILY.build(config, dtype=torch.float64).train()
+    source = hf_pp_worker.weights(whole)
+    stages = []
+    for index, share in enumerate(layers):
+        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
+        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
+                             post_process=index == len(layers) - 1).train()
+        assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                if name != skip:
+                    p.copy_(source[name])
+        stages.append(stage)
+    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(source)
+    return whole, stages
+
+
+def _step(chained: list[nn.Module], vocab_size: int) -> float:
+    """The loss of `chained` (stages, or the whole model) on one batch, backwarded."""
+    ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = ids
+    for stage in chained:
+        x = forward_loss(stage, x, ids)
+    x.backward()
+    return x.item()
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_on_stages_sharded_by_fsdp2_matches_one_process(piped_four) -> None:
+    """pp 2 x dp 2: each end's gradient is an FSDP2 shard, summed with the other end's shard."""
+    _equal(piped_four[f"{TIED}@1f1b x dp 2@none@0.0"], piped_four[f"{TIED}@one process"])
 
 
 @pytest.mark.parametrize("family, overrides, layers", [
@@ -98,30 +161,46 @@ def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) ->
     """Qwen2 picks each layer's mask (sliding or full) by its position in the base model's layers,
     DeepSeek-V3 a layer's kind by its number: stages chained on one process are the whole model."""
     config = FAMILY.config(f"hf:{family}", num_layers=4, seq_length=16, **overrides)
-    torch.manual_seed(0)
-    whole = FAMILY.build(config, dtype=torch.float64).train()
+    whole, stages = _stages(config, layers)
+    assert _step(stages, config.vocab_size) == _step([whole], config.vocab_size)
     source = dict(whole.named_parameters())
-    stages = []
-    for index, share in enumerate(layers):
-        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
-        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
-                             post_process=index == len(layers) - 1).train()
-        assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
-        with torch.no_grad():
-            for name, p in stage.named_parameters():
-                p.copy_(source[name])
-        stages.append(stage)
-    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(source)
-    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    forward_loss(whole, ids, ids).backward()
-    x = ids
-    for stage in stages:
-        x = forward_loss(stage, x, ids)
-    x.backward()
-    assert x.item() == forward_loss(whole, ids, ids).item()
     for stage in stages:
         for name, p in stage.named_parameters():
             assert torch.equal(p.grad, source[name].grad), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma's embedding scales its lookups, not its weight
+def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself(family) -> None:
+    """A pipeline rank running both the first and the last stage (virtual stages of one rank):
+    the last copy starts as the first and their gradients are summed, with no communication."""
+    config = FAMILY.config(f"hf:{family}", num_layers=4, seq_length=16, tie_word_embeddings=True)
+    whole, stages = _stages(config, [(0, 1), (2, 3)], skip="lm_head.weight")
+    ends = TiedEnds(stages, first=True, last=True, group=None)
+    ends.copy_first()
+    assert _step(stages, config.vocab_size) == _step([whole], config.vocab_size)
+    ends.sum_gradients()
+    source = hf_pp_worker.weights(whole)
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if name in hf_pp_worker.TIED_NAMES:
+                torch.testing.assert_close(p.grad, source[name].grad, rtol=0, atol=TIED_TOLERANCE, msg=name)
+            else:
+                assert torch.equal(p.grad, source[name].grad), name
+    embedding, output = (dict(s.named_parameters())[n] for s, n in zip(stages, hf_pp_worker.TIED_NAMES))
+    assert torch.equal(embedding, output) and torch.equal(embedding.grad, output.grad)
+
+
+def test_main_gradients_of_a_tied_embedding_are_refused_by_what_to_change() -> None:
+    """Megatron's main gradients take the gradient out of .grad in each backward: the pipeline's
+    ends would sum nothing."""
+    config = FAMILY.config("hf:llama", num_layers=2, seq_length=16, tie_word_embeddings=True)
+    _, stages = _stages(config, [(0,), (1,)])
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = MainParamsAdamW(params, OptimizerPrecision(main_params_dtype="fp32"))
+    _step(stages, config.vocab_size)
+    assert optimizer.state
+    with pytest.raises(RuntimeError, match="run under FSDP2 .* or without --main_params_dtype"):
+        TiedEnds(stages, first=True, last=True, group=None).sum_gradients()
 
 
 def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:
@@ -157,8 +236,7 @@ def test_llama_and_mixtral_split_into_stages() -> None:
 def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
     assert ("pipeline_model_parallel_size: is above 1; GPT2LMHeadModel has no model.embed_tokens, model.layers,"
             " model.norm, model.rotary_emb") in _problems("gpt2")
-    assert "tie_word_embeddings: is True; Gemma2ForCausalLM's embedding (first stage)" in _problems("gemma2")
-    assert _problems("gemma2", tie_word_embeddings=False) == ""
+    assert _problems("gemma2") == _problems("llama", tie_word_embeddings=True) == ""  # a copy on each end
     assert "output_router_logits: is True" in _problems("mixtral", output_router_logits=True)
 
 

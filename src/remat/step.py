@@ -429,6 +429,8 @@ def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
     for stage, chunk in zip(stages, model_chunks(model)):
         torch.manual_seed(spec.seed + stage)
         spec.family.reset_parameters(chunk)
+    if isinstance(model, Pipeline):
+        model.tie_weights()  # a tied embedding's copy on the last stage starts as the first's
 
 
 def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:

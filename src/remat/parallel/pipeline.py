@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from remat.calls import after_optimizer_step, set_loss_scale
+from remat.parallel.tied import TiedEnds
 from remat.problems import Problem
 
 
@@ -80,6 +81,13 @@ class Pipeline(nn.Module):
                                 output_args=loss if index == layout.chunks - 1 else hidden, group=group)
                   for chunk, index in zip(self.chunks, indices)]
         self.schedule = _schedule(stages, micro_batches, layout)
+        self.tied = TiedEnds(chunks, first=self.is_first, last=self.is_last, group=group)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The last stage's copies of weights tied to the first stage's (a tied embedding) set to
+        them; again whenever the weights are initialized or loaded anew."""
+        self.tied.copy_first()
 
     def forward_backward(self, batches: Sequence[tuple[Tensor, Tensor]],
                          weights: Sequence[Tensor | float] | None = None) -> Tensor:
@@ -91,11 +99,13 @@ class Pipeline(nn.Module):
         for chunk in self.chunks:  # the scale `_schedule`'s loss function applies
             set_loss_scale(chunk, 1 / self.micro_batches)
         losses: list[Tensor] = []
+        self.tied.start_step()
         args = (inputs,) if self.is_first else ()
         # the last stage's output is its loss already: torch splits the weights as its targets
         target = torch.tensor([float(w) for w in weights or [1.0] * len(batches)], device=labels.device)
         self.schedule.step(*args, target=target if self.is_last else None, labels=labels,
                            losses=losses if self.is_last else None, **_NO_OUTPUTS)
+        self.tied.sum_gradients()
         # float64 on every stage: the ranks must agree on the size of what they reduce
         total = torch.zeros((), dtype=torch.float64, device=labels.device)
         if self.is_last:

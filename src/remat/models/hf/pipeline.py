@@ -8,6 +8,10 @@ previous stage's hidden states as `inputs_embeds`), so position ids, the causal 
 rotary tables are computed on each stage as the whole model computes them. The layers keep their
 whole-model numbers (`layer_idx`, which fixes a layer's kind: MoE or dense, sliding or full
 attention) and their parameter names, so a stage loads the whole model's weights by name.
+
+A tied embedding (`tie_word_embeddings`) is held twice, as Megatron's stages hold it: by the first
+stage's embedding and, under its own name `lm_head.weight`, by the last stage's output layer; the
+pipeline starts the last copy as the first and sums their gradients (`tied_parameters`).
 """
 from __future__ import annotations
 
@@ -51,6 +55,9 @@ class HfStage(nn.Module):
     def __init__(self, lm: Any, layers: Iterable[int], *, pre_process: bool, post_process: bool) -> None:
         super().__init__()
         base: Any = lm.model
+        # one weight in the whole model, a copy on each end of the pipeline (one parameter where
+        # a stage holds both ends)
+        self.tied = lm.lm_head.weight is base.embed_tokens.weight and pre_process != post_process
         base.layers = StageLayers({i: base.layers[i] for i in layers})
         # the base model's forward picks each layer's mask by its position in `layers`
         # (Qwen2's and Gemma's `config.layer_types[i]`): its own config lists this stage's
@@ -70,6 +77,13 @@ class HfStage(nn.Module):
     def get_base_model(self) -> nn.Module:
         lm: nn.Module = self.lm
         return lm
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """What this stage shares with the stage at the other end of the pipeline: a tied
+        embedding's copy (the first stage's embedding weight, the last stage's output layer's)."""
+        if not self.tied:
+            return []
+        return [self.model.embed_tokens.weight if self.pre_process else self.lm_head.weight]
 
     def train(self, mode: bool = True) -> HfStage:
         self.lm.training = mode  # the causal LM's own flag; its modules are this stage's children
@@ -96,10 +110,6 @@ def problems(lm: nn.Module) -> Iterator[Problem]:
                              " pipeline stages split (Llama's layout); use 1")
         return
     config = lm.config
-    if getattr(config, "tie_word_embeddings", False):
-        yield Problem("tie_word_embeddings", f"is True; {name}'s embedding (first stage) and output layer (last"
-                                             " stage) would share one weight, whose gradients remat does not sum"
-                                             " across stages; set it False under pipeline parallelism")
     if getattr(config, "output_router_logits", False):
         yield Problem("output_router_logits", f"is True; {name}'s auxiliary loss reads every layer's router logits,"
                                               " which other stages hold; set it False under pipeline parallelism")
