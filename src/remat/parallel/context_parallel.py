@@ -3,12 +3,15 @@ two chunks of every sequence (chunk i and 2cp-1-i, torch's head-tail load balanc
 attention), and torch runs `scaled_dot_product_attention` as ring attention over the group.
 
 torch shards a batch, its labels and the model's position tables (RoPE) in place inside its
-context, which must enclose both forward and backward: the ring's backward communicates, and a
-recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
-from backward, on every rank in the same order since every rank runs the same graph. Beside
-pipeline parallelism one context encloses a schedule's whole step, whose micro-batches run
-interleaved: all of them and every chunk's tables sharded at once, and each stage sends its shard
-of the hidden states to the same cp rank of the next (a pipeline group has one cp coordinate).
+context, and the model is told where its tokens sit in the whole sequence (a Hugging Face model
+counts them from the tokens it is given); labels that the model's loss shifts itself are shifted
+over the whole sequence before. The context must enclose both forward and backward: the ring's
+backward communicates, and a recompute replay of attention (a `core_attn` or full-layer Region)
+runs the ring's forward again from backward, on every rank in the same order since every rank
+runs the same graph. Beside pipeline parallelism one context encloses a schedule's whole step,
+whose micro-batches run interleaved: all of them and every chunk's tables sharded at once, and
+each stage sends its shard of the hidden states to the same cp rank of the next (a pipeline group
+has one cp coordinate).
 
 torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
 cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
