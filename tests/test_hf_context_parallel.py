@@ -23,6 +23,7 @@ import torch
 
 from conftest import run_under_torchrun
 from remat.models import ParallelSizes
+from remat.models.hf import context_parallel
 from remat.models.hf.configs import hf_config
 from remat.models.hf.family import FAMILY
 from remat.models.hf.loss_head import causal_lm_loss
@@ -125,11 +126,20 @@ def test_what_context_parallelism_refuses_by_name() -> None:
         RunSpec(recipe="hf:mistral", device="cpu", num_gpus=2, facts=TrainingFacts(context_parallel_size=2))
 
 
-def test_a_built_models_config_is_checked_as_well() -> None:
-    """context_parallel_model passes a built model's transformers config (a stage's: none)."""
+def test_a_built_model_is_checked_before_its_hooks_go_on() -> None:
+    """context_parallel_model passes a built model's transformers config (a pipeline stage's: none,
+    and the family checks its causal LM's before preparing it)."""
     sizes = ParallelSizes(context=2)
     assert [p.field for p in FAMILY.context_parallel_problems(hf_config("mistral"), sizes)] == ["context_parallel_size"]
     assert list(FAMILY.shard_problems(None, sizes)) == []  # type: ignore[arg-type]
+    mistral = FAMILY.build(FAMILY.config("hf:mistral", num_layers=1))
+    with pytest.raises(ConfigError, match="sliding-window"):
+        context_parallel.prepare(mistral, 2)
+    assert not mistral.model.rotary_emb._forward_pre_hooks
+    llama = FAMILY.build(FAMILY.config("hf:llama", num_layers=1))
+    context_parallel.prepare(llama, 2)
+    context_parallel.prepare(llama, 2)  # once is enough
+    assert len(llama.model.rotary_emb._forward_pre_hooks) == 1
 
 
 def test_the_chunked_loss_head_takes_labels_shifted_already() -> None:

@@ -7,9 +7,10 @@ makes its masking find packed sequences and build a mask, and torch's ring runs 
 only without one (is_causal). So the model goes on counting (no mask: SDPA is causal) and its
 rotary embedding alone takes where the rank's tokens sit in the whole sequence.
 
-HF's loss shifts its labels by one within what it is given, which would pair a chunk's last token
-with its own first label; context parallelism shifts them over the whole sequence before sharding
-(`shifts_labels`), and the model takes them as HF's `shift_labels`.
+HF's loss shifts its labels by one within what it is given, which on a rank's tokens would pair
+its head chunk's last token with its tail chunk's first label; context parallelism shifts them over
+the whole sequence before sharding (`shifts_labels`), and the model takes them as HF's
+`shift_labels`.
 """
 from __future__ import annotations
 
@@ -72,10 +73,15 @@ def prepare(model: nn.Module, size: int) -> None:
     labels as shifted already, while a sharded batch runs; ConfigError if its causal LM's config
     (a pipeline stage's too) cannot run over `size` ranks."""
     lm: Any = hf_model(model)
+    base: Any = lm.base_model
     found = list(problems(lm.config, 0, ParallelSizes(context=size)))
+    if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
+        found.append(Problem("context_parallel_size", f"{type(base).__name__} has no rotary_emb to take the"
+                                                      " positions of a rank's tokens; use 1"))
     if found:
         raise ConfigError(found)
-    base: Any = lm.base_model
+    if base in _POSITIONS:  # prepared already
+        return
     _POSITIONS[base] = None
     base.rotary_emb.register_forward_pre_hook(_global_positions(base), with_kwargs=True)
     lm.register_forward_pre_hook(_shifted_labels(base), with_kwargs=True)
