@@ -51,8 +51,11 @@ def cp(tmp_path_factory) -> dict[str, object]:
 
 @functools.cache
 def one_process(recipe: str = "hf:llama", task: str = "pretrain") -> hf_cp_worker.Step:
-    """One process's step on the batches every run of the worker draws, from the same seed."""
-    return hf_cp_worker.step(hf_cp_worker.spec(recipe, task, context_parallel=1))
+    """One process's step on the batches every run of the worker draws, from the same seed (SFT's
+    through the chunked loss head, as the worker's)."""
+    sft = task == "sft"
+    return hf_cp_worker.step(hf_cp_worker.spec(recipe, task, context_parallel=1, compile=sft,
+                                               seq_length=hf_cp_worker.SFT_SEQ if sft else hf_cp_worker.SEQ))
 
 
 def assert_matches_one_process(found: hf_cp_worker.Step, one: hf_cp_worker.Step) -> None:
@@ -67,7 +70,8 @@ def assert_matches_one_process(found: hf_cp_worker.Step, one: hf_cp_worker.Step)
                                               ("mixtral:none", "hf:mixtral", "pretrain")])
 def test_a_context_parallel_step_matches_one_process(cp, case, recipe, task) -> None:
     """SFT masks the first quarter: rank 0's head chunk is all prompt, so the ranks' losses are
-    means over unequal shares, weighted back to the sequence's mean."""
+    means over unequal shares, weighted back to the sequence's mean; its loss is the chunked
+    head's, HF's own the others'."""
     assert_matches_one_process(cp[case], one_process(recipe, task))  # type: ignore[arg-type]
 
 
