@@ -5,9 +5,10 @@ stage's embedding and the last stage's loss head (pipeline pre- and post-process
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
 a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
 styles each module of a built model takes; what context parallelism shards beside the
-batch or tells the model (its tokens' positions); what its models share with their data-parallel replicas; and how its routed experts
-split over an expert-parallel group. The model it builds places `Site`s and knows nothing
-else of recompute. Code outside `remat.models` reaches a family only through this interface.
+batch or tells the model (its tokens' positions); what its models share with their
+data-parallel replicas; and how its routed experts split over an expert-parallel group. The
+model it builds places `Site`s and knows nothing else of recompute. Code outside
+`remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
