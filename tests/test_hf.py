@@ -290,8 +290,8 @@ def test_the_command_line_names_hf_mistakes(capsys) -> None:
     from remat.cli import main
     assert main(["bench", "--hf_config", "llama", "--no_history", "--device", "cpu"]) == 1
     assert "hf_config: names a Hugging Face config; add -m hf" in capsys.readouterr().err
-    assert main(["estimate", "-m", "hf", "--hf_config", "llama", "-cp", "2"]) == 1
-    assert "is 2; Hugging Face models run without context parallelism for now; use 1" in capsys.readouterr().err
+    assert main(["estimate", "-m", "hf", "--hf_config", "mistral", "-cp", "2"]) == 1
+    assert "MistralConfig has sliding-window layers, whose mask torch's ring attention" in capsys.readouterr().err
 
 
 def test_importing_remat_does_not_import_transformers() -> None:

@@ -118,8 +118,7 @@ def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_seq
         " set it to 0 or drop --sequence_parallel"]
 
 
-def test_context_parallelism_and_sequence_parallelism_beside_stages_stay_refused() -> None:
-    assert "context_parallel_size: is 2" in _problems("llama", ParallelSizes(context=2))
+def test_sequence_parallelism_beside_stages_stays_refused() -> None:
     assert "drop --sequence_parallel beside -pp" in _problems(
         "llama", ParallelSizes(tensor=2, sequence_parallel=True, pipeline=2))
 

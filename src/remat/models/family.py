@@ -5,9 +5,10 @@ stage's embedding and the last stage's loss head (pipeline pre- and post-process
 rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
 a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
 styles each module of a built model takes; what context parallelism shards beside the
-batch; what its models share with their data-parallel replicas; and how its routed experts
-split over an expert-parallel group. The model it builds places `Site`s and knows nothing
-else of recompute. Code outside `remat.models` reaches a family only through this interface.
+batch or tells the model (its tokens' positions); what its models share with their
+data-parallel replicas; and how its routed experts split over an expert-parallel group. The
+model it builds places `Site`s and knows nothing else of recompute. Code outside
+`remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
@@ -156,6 +157,10 @@ class ModelFamily(ABC):
     labels: tuple[Label, ...] = ()
     # The class of the models `build` returns (None: models of many classes), for family_of_model.
     model_type: type[nn.Module] | None = None
+    # Whether the models' loss pairs each token with the next one's label (Hugging Face's shifts its
+    # labels itself): context parallelism then shifts them over the whole sequence before sharding
+    # it, and `context_parallel_positions` tells the models so.
+    shifts_labels = False
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
@@ -234,6 +239,11 @@ class ModelFamily(ABC):
         context_parallel does. Call when context_parallel_problems finds none."""
         raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
                                                             " use 1")])
+
+    def context_parallel_positions(self, model: nn.Module, positions: torch.Tensor | None) -> None:
+        """Before the forwards of sharded batches, where each token this rank holds sits in the whole
+        sequence ([1, seq / cp], in the rank's order); None after them. For models that count
+        positions from the tokens they are given (Hugging Face's); remat's shard their tables."""
 
     def data_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> None:
         """`model` is one of `group`'s replicas (data- and context-parallel ranks), each training

@@ -3,12 +3,15 @@ two chunks of every sequence (chunk i and 2cp-1-i, torch's head-tail load balanc
 attention), and torch runs `scaled_dot_product_attention` as ring attention over the group.
 
 torch shards a batch, its labels and the model's position tables (RoPE) in place inside its
-context, which must enclose both forward and backward: the ring's backward communicates, and a
-recompute replay of attention (a `core_attn` or full-layer Region) runs the ring's forward again
-from backward, on every rank in the same order since every rank runs the same graph. Beside
-pipeline parallelism one context encloses a schedule's whole step, whose micro-batches run
-interleaved: all of them and every chunk's tables sharded at once, and each stage sends its shard
-of the hidden states to the same cp rank of the next (a pipeline group has one cp coordinate).
+context, and the model is told where its tokens sit in the whole sequence (a Hugging Face model
+counts them from the tokens it is given); labels that the model's loss shifts itself are shifted
+over the whole sequence before. The context must enclose both forward and backward: the ring's
+backward communicates, and a recompute replay of attention (a `core_attn` or full-layer Region)
+runs the ring's forward again from backward, on every rank in the same order since every rank
+runs the same graph. Beside pipeline parallelism one context encloses a schedule's whole step,
+whose micro-batches run interleaved: all of them and every chunk's tables sharded at once, and
+each stage sends its shard of the hidden states to the same cp rank of the next (a pipeline group
+has one cp coordinate).
 
 torch dispatches the ring to its CUDA kernels only (flash and memory-efficient attention, and
 cuDNN's where the torch version's ring has it). On CPU, remat hands torch's own ring
@@ -60,34 +63,52 @@ IGNORE_INDEX = -100  # labels the loss skips (the SFT prompt)
 SEQ_DIM = 2  # of attention's [batch, heads, sequence, head_dim]
 
 
+@dataclasses.dataclass(frozen=True)
 class ContextParallel:
-    """A model's context-parallel group and the tensors it shards with each batch."""
+    """A model's context-parallel group, its family and the tensors it shards with each batch."""
 
-    def __init__(self, mesh: DeviceMesh, buffers: list[tuple[Tensor, int]]) -> None:
-        self.mesh = mesh
-        self.buffers = buffers
+    mesh: DeviceMesh
+    family: models.ModelFamily
+    buffers: list[tuple[Tensor, int]]
 
-    @contextlib.contextmanager
-    def sharded(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Iterator[list[Tensor]]:
-        """Shard each micro-batch's `input_ids` and `labels` [b, s] in place to this rank's tokens,
-        with the model's position tables, for the forwards and backwards inside (a pipeline's
-        schedule runs them interleaved); yields the weight of each one's loss on this rank."""
-        tensors = [t for batch in batches for t in batch]
-        lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in self.buffers)}
-        if len(lengths) > 1:  # one load-balancing permutation serves them all
-            raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
-                             " positions; context parallelism needs a batch of the model's seq_length")
-        dims = [1] * len(tensors) + [dim for _, dim in self.buffers]
-        with context_parallel(self.mesh, buffers=[*tensors, *(b for b, _ in self.buffers)], buffer_seq_dims=dims,
-                              no_restore_buffers=set(tensors)), _kernels(self.mesh.device_type):
-            yield [self._loss_weight(labels) for _, labels in batches]
 
-    def _loss_weight(self, labels: Tensor) -> Tensor:
-        """cp x this rank's labelled tokens / the group's: 1 where every rank holds as many."""
-        mine = (labels != IGNORE_INDEX).sum().to(torch.float32)
-        total = mine.clone()
-        dist.all_reduce(total, group=self.mesh.get_group())
-        return mine * self.mesh.size() / total.clamp(min=1)
+@contextlib.contextmanager
+def _sharded(chunks: Sequence[tuple[nn.Module, ContextParallel]], batches: Sequence[tuple[Tensor, Tensor]]
+             ) -> Iterator[list[Tensor]]:
+    """Shard each micro-batch's `input_ids` and `labels` [b, s] in place to this rank's tokens,
+    with the position tables of every chunk, for the forwards and backwards inside (a pipeline's
+    schedule runs them interleaved); the chunks told their tokens' positions. Yields the weight of
+    each micro-batch's loss on this rank."""
+    mesh, family = chunks[0][1].mesh, chunks[0][1].family
+    buffers = [b for _, parallel in chunks for b in parallel.buffers]
+    tensors = [t for batch in batches for t in batch]
+    lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in buffers)}
+    if len(lengths) > 1:  # one load-balancing permutation serves them all
+        raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
+                         " positions; context parallelism needs a batch of the model's seq_length")
+    if family.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
+        for _, labels in batches:
+            labels.copy_(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
+    positions = torch.arange(lengths.pop(), device=tensors[0].device)[None]
+    sharded = [*tensors, positions]
+    dims = [1] * len(sharded) + [dim for _, dim in buffers]
+    with context_parallel(mesh, buffers=[*sharded, *(b for b, _ in buffers)], buffer_seq_dims=dims,
+                          no_restore_buffers=set(sharded)), _kernels(mesh.device_type):
+        for chunk, _ in chunks:
+            family.context_parallel_positions(chunk, positions)
+        try:
+            yield [_loss_weight(mesh, labels) for _, labels in batches]
+        finally:
+            for chunk, _ in chunks:
+                family.context_parallel_positions(chunk, None)
+
+
+def _loss_weight(mesh: DeviceMesh, labels: Tensor) -> Tensor:
+    """cp x this rank's labelled tokens / the group's: 1 where every rank holds as many."""
+    mine = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    total = mine.clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    return mine * mesh.size() / total.clamp(min=1)
 
 
 # the models context_parallel_model prepared, and their groups
@@ -117,7 +138,7 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
     if family is None or problems:
         raise ConfigError(problems)
-    _PARALLEL[model] = ContextParallel(mesh, family.context_parallel(model, mesh.get_group()))
+    _PARALLEL[model] = ContextParallel(mesh, family, family.context_parallel(model, mesh.get_group()))
     return model
 
 
@@ -125,12 +146,12 @@ def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> conte
         Sequence[Tensor | float]]:
     """Around micro-batches' forward and backward (one, or a pipeline's step of them): under
     context parallelism, each (input_ids, labels) sharded to this rank's tokens with the position
-    tables of the model, or of every chunk of a `Pipeline` (see ContextParallel.sharded);
+    tables of the model, or of every chunk of a `Pipeline` (see _sharded);
     otherwise as they are. Yields the weight of each one's loss (1 without context parallelism)."""
-    found = [_PARALLEL[chunk] for chunk in model_chunks(model) if chunk in _PARALLEL]
+    found = [(chunk, _PARALLEL[chunk]) for chunk in model_chunks(model) if chunk in _PARALLEL]
     if not found:
         return contextlib.nullcontext([1.0] * len(batches))
-    return ContextParallel(found[0].mesh, [b for parallel in found for b in parallel.buffers]).sharded(batches)
+    return _sharded(found, batches)
 
 
 @contextlib.contextmanager

@@ -11,11 +11,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.models.family import Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
-from remat.models.hf import pipeline, tensor_parallel
+from remat.models.hf import context_parallel, pipeline, tensor_parallel
 from remat.models.hf.tensor_parallel import sequence_points
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER, hf_model
@@ -140,8 +141,18 @@ def _packed_sequences_on_meta() -> None:
     masking.find_packed_sequence_indices = find_packed_sequence_indices
 
 
+def _of(config: HfModelConfig | Any) -> HfModelConfig | None:
+    """`config`, or what context_parallel_model passes, a built model's `config`: a transformers
+    config, as one of unknown sequence length (0: its splits pass; a batch is checked when it is
+    sharded), or None for a pipeline stage, whose causal LM's `context_parallel` checks."""
+    if config is None or isinstance(config, HfModelConfig):
+        return config
+    return HfModelConfig(config.model_type, config, 0)
+
+
 class HfFamily(ModelFamily):
     name = "hf"
+    shifts_labels = True  # HF's causal-LM loss
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         if importlib.util.find_spec("transformers") is None:  # listed where they can be built
@@ -186,9 +197,9 @@ class HfFamily(ModelFamily):
 
     def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
         # tensor parallelism by the model's own plan, pipeline stages cut from the model
-        if sizes.context != 1:
-            yield Problem("context_parallel_size", f"is {sizes.context}; Hugging Face models run without context"
-                                                   " parallelism for now; use 1")
+        if (known := _of(config)) is None:
+            return
+        config = known
         yield from tensor_parallel.config_problems(config.hf, sizes)
         if sizes.sequence_split > 1 and config.seq_length % sizes.tensor:
             yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {sizes.tensor}"
@@ -201,11 +212,22 @@ class HfFamily(ModelFamily):
                                                " stage takes positions from them); drop --sequence_parallel beside"
                                                " -pp")
 
+    def context_parallel_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+        if (known := _of(config)) is not None:
+            yield from context_parallel.problems(known.hf, known.seq_length, sizes)
+
+    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
+        context_parallel.prepare(model, group.size())
+        return []  # the rotary embedding takes its tokens' positions instead (context_parallel_positions)
+
+    def context_parallel_positions(self, model: nn.Module, positions: torch.Tensor | None) -> None:
+        context_parallel.set_positions(model, positions)
+
     def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
         layers = sizes.layers or tuple(range(config.num_layers // sizes.pipeline))
         every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
         return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor),
-                                   layers=None if every else layers)
+                                   layers=None if every else layers, seq_length=config.seq_length // sizes.context)
 
     def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         yield from tensor_parallel.model_problems(model, sizes)

@@ -22,9 +22,10 @@ CHUNK_TOKENS = 4096
 
 
 def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, num_items_in_batch: Any = None,
-                   kernels: LossKernels = LossKernels()) -> Tensor:
-    """HF's causal-LM loss of `hidden` [b, s, h] through `weight` [V, h], without all the logits at once."""
-    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+                   kernels: LossKernels = LossKernels(), shift_labels: Tensor | None = None) -> Tensor:
+    """HF's causal-LM loss of `hidden` [b, s, h] through `weight` [V, h], without all the logits at
+    once; as HF's, `shift_labels` are the labels shifted already (by context parallelism)."""
+    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift_labels is None else shift_labels
     flat = shifted.reshape(-1).to(hidden.device)
     mean = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, CHUNK_TOKENS, IGNORE,
                                         kernels=kernels)
@@ -61,6 +62,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
             # backward, HF's keeps float32 logits (tokens x vocab): fewer tokens than half the
             # hidden size keep less HF's way
             return inner(*args, labels=labels, **kwargs)
+        shift_labels = kwargs.pop("shift_labels", None)  # the loss's, not the model's
         handle = base.register_forward_hook(capture)
         try:  # no logits at all: keep none of the positions
             out = inner(*args, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
@@ -69,7 +71,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
         hidden = state.pop("hidden")
         # compiled on CUDA (remat's Triton chunk kernel); eager elsewhere, where compiling costs more than it saves
         kernels = compiled_loss_kernels() if hidden.is_cuda else LossKernels()
-        loss = causal_lm_loss(hidden, head.weight, labels, kwargs.get("num_items_in_batch"), kernels)
+        loss = causal_lm_loss(hidden, head.weight, labels, kwargs.get("num_items_in_batch"), kernels, shift_labels)
         aux = getattr(out, "aux_loss", None)
         if aux is not None:  # MoE load balancing, as HF adds it when labels are given
             loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
