@@ -18,7 +18,7 @@ for bit, the tied one the sum of the embedding's and the output layer's gradient
 model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
 Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too. A
 rank holding both ends (virtual stages of one rank) sums them itself; Megatron's main gradients,
-which take the gradient out of .grad, are refused.
+which take the gradient out of .grad, are summed where they are (`main_grad`).
 """
 from __future__ import annotations
 
@@ -190,17 +190,23 @@ def test_one_rank_holding_both_ends_of_a_tied_embedding_ties_them_itself(family)
     assert torch.equal(embedding, output) and torch.equal(embedding.grad, output.grad)
 
 
-def test_main_gradients_of_a_tied_embedding_are_refused_by_what_to_change() -> None:
-    """Megatron's main gradients take the gradient out of .grad in each backward: the pipeline's
-    ends would sum nothing."""
+def test_main_gradients_of_a_tied_embedding_are_summed_between_the_ends() -> None:
+    """Megatron's main gradients take the gradient out of .grad in each backward: the ends sum
+    the main gradients (`main_grad`, Megatron's name) instead."""
     config = FAMILY.config("hf:llama", num_layers=2, seq_length=16, tie_word_embeddings=True)
     _, stages = _stages(config, [(0,), (1,)])
-    params = [p for stage in stages for p in stage.parameters()]
-    optimizer = MainParamsAdamW(params, OptimizerPrecision(main_params_dtype="fp32"))
+    optimizer = MainParamsAdamW([p for stage in stages for p in stage.parameters()],
+                                OptimizerPrecision(main_params_dtype="fp32"))
+    ends = TiedEnds(stages, first=True, last=True, group=None)
+    ends.copy_first()
     _step(stages, config.vocab_size)
-    assert optimizer.state
-    with pytest.raises(RuntimeError, match="run under FSDP2 .* or without --main_params_dtype"):
-        TiedEnds(stages, first=True, last=True, group=None).sum_gradients()
+    embedding, output = (dict(s.named_parameters())[n] for s, n in zip(stages, hf_pp_worker.TIED_NAMES))
+    assert embedding.grad is None and output.grad is None
+    expected = embedding.main_grad + output.main_grad
+    ends.sum_gradients()
+    assert torch.equal(embedding.main_grad, expected) and torch.equal(output.main_grad, expected)
+    del optimizer  # its main gradients go with it
+    assert not hasattr(embedding, "main_grad")
 
 
 def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:

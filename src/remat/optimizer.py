@@ -90,11 +90,13 @@ class MainParamsAdamW(torch.optim.Optimizer):
             main = (p.detach().to(main_dtype, copy=True) if shards == 1
                     else torch.empty(share, dtype=main_dtype, device=p.device))
             self.state[p] = {"main_param": main, "main_grad": torch.zeros_like(p, dtype=grad_dtype)}
+            # Megatron's name: where what runs after backward (a pipeline's tied-weight sum) finds it
+            p.main_grad = self.state[p]["main_grad"]  # type: ignore[attr-defined]
             mains.append(main)
         self._inner = inner(mains) if inner is not None else adamw(mains, fused)
         owner = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p: _into_main_grad(owner, p)) for p in params]
-        weakref.finalize(self, _remove, self._hooks)
+        weakref.finalize(self, _remove, self._hooks, params)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -124,9 +126,12 @@ def _into_main_grad(owner: "weakref.ref[MainParamsAdamW]", p: torch.Tensor) -> N
     p.grad = None
 
 
-def _remove(hooks: list[Any]) -> None:
+def _remove(hooks: list[Any], params: list[nn.Parameter]) -> None:
     for hook in hooks:
         hook.remove()
+    for p in params:
+        if hasattr(p, "main_grad"):
+            del p.main_grad
 
 
 def main_grad_bytes(optimizer: torch.optim.Optimizer | None) -> int:

@@ -62,8 +62,8 @@ class TiedEnds:
         """Before a step: the last stage's gradients, equal to the first's since the last sum,
         start from zero, so the step's sum counts gradients accumulated before it once."""
         for p in self._ends()[1]:
-            if p.grad is not None:
-                p.grad.zero_()
+            if (grad := _gradient(p)) is not None:
+                grad.zero_()
 
     @torch.no_grad()
     def sum_gradients(self) -> None:
@@ -88,10 +88,14 @@ class TiedEnds:
             g.add_(other)
 
 
+def _gradient(p: nn.Parameter) -> Tensor | None:
+    """Where `p`'s gradient accumulates: `.grad`, or Megatron's main gradient that an optimizer
+    keeping main parameters moves it into during backward (`MainParamsAdamW`)."""
+    return p.grad if p.grad is not None else getattr(p, "main_grad", None)
+
+
 def _summed(p: nn.Parameter) -> Tensor:
-    if p.grad is None:  # alike on both ends: neither waits for the other's exchange
-        raise RuntimeError("a weight tied across pipeline stages has no .grad after the step's backward; Megatron's"
-                           " main gradients (--main_params_dtype without data parallelism) take it out of .grad"
-                           " and are not summed across stages yet: run under FSDP2 (-ng above tp x pp) or without"
-                           " --main_params_dtype")
-    return p.grad
+    grad = _gradient(p)
+    if grad is None:  # alike on both ends: neither waits for the other's exchange
+        raise RuntimeError("a weight tied across pipeline stages has no gradient after the step's backward")
+    return grad
