@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import remat.step as step
@@ -314,6 +314,7 @@ def command_lines(draw: Any) -> list[str]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=command_lines())
+@example(argv=["bench", "-d", "--no_history", "-gb", "99999999999999999999", "-mb", "0"])  # divided by 0 once
 def test_hostile_values_get_a_message_never_a_traceback(capsys, argv) -> None:
     code, out, err, seconds = run(capsys, *argv)
     assert code in (1, 2), (argv, out, err)

@@ -224,9 +224,10 @@ class RunSpec:
     @property
     def micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs a step."""
-        if self.global_batch_size is None:
+        per_step = self.micro_batch_size * self.data_parallel
+        if self.global_batch_size is None or per_step < 1:  # a size below 1 is its own problem
             return 1
-        return max(self.global_batch_size // (self.micro_batch_size * self.data_parallel), 1)
+        return max(self.global_batch_size // per_step, 1)
 
 
 def parallel_sizes(facts: TrainingFacts) -> ParallelSizes:
