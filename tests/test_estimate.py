@@ -222,6 +222,7 @@ def test_a_per_layer_plan_under_virtual_stages_acts_on_each_ranks_interleaved_la
     assert _figures(plan) == [_figures(everywhere)[0], _figures(none)[1]]
 
 
+@pytest.mark.slow  # 13 s; the per-layer plan on each rank's interleaved layers above runs by default
 def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_without_them() -> None:
     """With one micro-batch each rank holds one in flight either way, so a plan under -vp 2
     predicts what the same actions on the same ranks predict without virtual stages: rank 0 runs
@@ -242,7 +243,8 @@ def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_withou
     # 12 layers in 4 chunks of 3: block recomputes the first 2 layers of each chunk, uniform groups
     # 2 layers from each chunk's start (a stage's 6 layers lowered at once would differ for both)
     ("block", [(0, 1), (1, 2), (3, 4), (4, 5), (6, 7), (7, 8), (9, 10), (10, 11)]),
-    ("uniform", [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8), (8, 9), (9, 11), (11, 12)]),
+    pytest.param("uniform", [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8), (8, 9), (9, 11), (11, 12)],
+                 marks=pytest.mark.slow),  # the same lowering per chunk as block's, 9 s
 ])
 def test_full_recompute_configs_act_per_virtual_stage_as_megatron(method, ranges) -> None:
     overrides = {**SMALL, "num_layers": 12}
