@@ -97,6 +97,16 @@ def test_saved_for_backward_under_fsdp2_leaves_out_the_parameters_it_gathers(sha
     assert under_fsdp2 == plain
 
 
+def test_a_layer_holding_weights_of_two_dtypes_shards_each_as_its_own_unit(sharded) -> None:
+    """FSDP2 flattens one dtype per unit; transformers' DeepSeek-V3 router keeps float32 in a bf16
+    layer, so it is a unit of its own, gathered with its layer before a replay: full recompute of
+    both layers (the first replayed from the second's backward) is bit-identical to none."""
+    (dtypes, loss, grads), (_, full_loss, full_grads) = (sharded["mixed dtypes"][n] for n in ("none", "full_uniform_2"))
+    assert dtypes == ["torch.bfloat16", "torch.float32"]
+    assert full_loss == loss and full_grads.keys() == grads.keys()
+    assert all(torch.equal(g, grads[n]) for n, g in full_grads.items())
+
+
 def test_fully_shard_layers_says_what_is_missing() -> None:
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ConfigError) as err:

@@ -88,10 +88,29 @@ def saved_for_backward() -> tuple[tuple[int, int], tuple[int, int]]:
     return (plain.bytes, plain.storages), (sharded.bytes, sharded.storages)
 
 
+def mixed_dtypes() -> dict[str, object]:
+    """Transformers' DeepSeek-V3 in bf16 keeps its MoE router's weight in fp32: FSDP2 over a layer
+    holding both, each plan's loss and every gradient (whole) on rank 0's batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(world))
+    found: dict[str, object] = {}
+    for name in ("none", "full_uniform_2"):
+        torch.manual_seed(0)
+        net = fully_shard_layers(build("hf:deepseek_v3", dtype=torch.bfloat16, num_layers=2, seq_length=SEQ))
+        dtypes = sorted({str(p.dtype) for p in net.parameters()})
+        if name != "none":
+            remat.apply(net, full("uniform", 2))
+        loss = forward_loss(net, inputs, labels)
+        loss.backward()
+        found[name] = (dtypes, loss.item(), {n: p.grad.full_tensor() for n, p in net.named_parameters()})
+    return found
+
+
 def results() -> dict[str, object]:
     found: dict[str, object] = {f"{name}@{dropout}": step(dropout, plan) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
     found.update({f"{name}@bf16": step(0.1, PLANS[name], mixed=True) for name in ("none", "full_uniform_2")})
     found["saved"] = saved_for_backward()
+    found["mixed dtypes"] = mixed_dtypes()
     found["reduced"] = {"every": accumulated(False), "once": accumulated(True),
                         "once_full_uniform_2": accumulated(True, PLANS["full_uniform_2"])}
     return found

@@ -10,7 +10,7 @@ replay (`Site.before_replay`); the layer's own backward then reshards it as usua
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -69,13 +69,43 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = mixed_precision(compute_dtype, reduce_dtype)
     reshard = reshard_after_forward and not reduce_once_a_step
+    in_layers = {id(m) for module, _ in layers for m in module.modules()}
     for module, site in layers:
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        site.before_replay = module.unshard  # type: ignore[assignment,operator]
+        units = [*_other_dtype_units(module.modules(), module), module]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        site.before_replay = _unshard(units)
+    outside = [m for m in model.modules() if id(m) not in in_layers]
+    for unit in _other_dtype_units(outside, model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if reduce_once_a_step:
         _reduce_once.add(model)
     return model
+
+
+def _other_dtype_units(modules: Iterable[nn.Module], unit: nn.Module) -> list[nn.Module]:
+    """The modules among `modules` (those of `unit`) whose own parameters are all of another
+    dtype than most of `unit`'s, innermost first: FSDP2 flattens one dtype per unit, and
+    transformers keeps some weights in float32 in a bfloat16 model (DeepSeek-V3's router)."""
+    modules = list(modules)
+    sizes: dict[torch.dtype, int] = {}
+    for module in modules:
+        for p in module.parameters(recurse=False):
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    most = max(sizes, key=sizes.__getitem__)
+    return [m for m in reversed(modules) if m is not unit and (own := list(m.parameters(recurse=False)))
+            and all(p.dtype != most for p in own)]
+
+
+def _unshard(units: list[nn.Module]) -> Callable[[], None]:
+    """Gather a layer's units (the layer's own last) before a replay from a later layer's backward."""
+    def gather() -> None:
+        for unit in units:
+            unit.unshard()  # type: ignore[operator]
+    return gather
 
 
 # models sharded with reduce_once_a_step
