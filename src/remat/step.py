@@ -251,10 +251,6 @@ def expert_parallel_run_problems(spec: RunSpec) -> Iterator[Problem]:
         yield Problem("num_gpus", f"is not given, so this runs one copy of the model on tp x pp x cp ="
                                   f" {spec.model_parallel} GPU(s); -ep {ep} splits the experts over {ep}"
                                   f" data-parallel ranks: use -ng {spec.model_parallel * ep}")
-    if (cp := spec.context_parallel) > 1:  # FSDP2 would average the experts' gradients over dp alone
-        yield Problem("expert_model_parallel_size", f"is {ep} with -cp {cp}; remat does not run expert parallelism"
-                                                    " beside context parallelism yet (remat estimate predicts it);"
-                                                    " use -ep 1 or -cp 1")
     yield from spec.family.expert_parallel_problems(spec.family.build(spec.model_config, device="meta"), ep)
 
 
@@ -391,22 +387,24 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
                          post_process=stage == last)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
+    # torchtitan's flattened dp x cp dimension: the replicas of this rank's model
+    replicas = None if mesh is None else mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
     # each rank draws its experts whole, before tensor parallelism splits their FFN
-    experts = parallel.split_experts(model, mesh["dp"], spec.expert_parallel) if (
-        mesh is not None and spec.expert_parallel > 1) else None
+    experts = parallel.split_experts(model, mesh["dp"], spec.expert_parallel,
+                                     context=(mesh, replicas) if spec.context_parallel > 1 else None) if (
+        mesh is not None and replicas is not None and spec.expert_parallel > 1) else None
     if mesh is not None and spec.facts.tensor_model_parallel_size > 1:
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
     if mesh is not None and spec.context_parallel > 1:
         parallel.context_parallel_model(model, mesh["cp"])
     if mesh is None or not spec.fully_sharded:
         return model
-    # torchtitan's flattened dp x cp dimension: the replicas of this rank's model
-    replicas = mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
+    assert replicas is not None  # with the mesh
     family.data_parallel(model, replicas.get_group())
     compute, reduce = fsdp2_precision(spec)
     # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
     once = spec.precision.use_distributed_optimizer
-    if experts is not None:  # refused beside cp (expert_parallel_run_problems); FSDP2 over dp, experts over edp
+    if experts is not None:  # FSDP2 over dp (x cp), experts over the ranks holding the same ones
         parallel.shard_experts(model, experts, compute_dtype=compute, reduce_dtype=reduce, reduce_once_a_step=once)
     else:
         parallel.fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce,

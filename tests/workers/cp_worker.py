@@ -10,6 +10,7 @@ test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full gradients and ex
 each rank's share of a sequence, the bench runs and the refusals to the file argv[1]."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -220,7 +221,29 @@ def cp_tp_results() -> dict[str, object]:
               for recipe, name, sp in MOE_TP}
     found["sequence split"] = sequence_split_refusal()
     found["bench"] = bench(TP)
+    # experts over the 2 data-parallel ranks beside cp 2: the same step as without expert parallelism
+    found |= {f"ep:{ep}:{name}": ep_cp_step("moe_tiny", ep, moe_worker.plan("moe_tiny", name))
+              for ep, name in ((1, "none"), (2, "none"), (2, "selective"))}
     return found | cp_pp_results()
+
+
+def ep_cp_step(recipe: str, ep: int, plan: object) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                            dict[str, torch.Tensor]]:
+    """One step of the MoE recipe over dp 2 x cp 2 (float64), its experts split over the 2
+    data-parallel ranks with `ep` 2: the loss, every gradient whole (an expert weight's gathered
+    from its expert-parallel group), the expert biases after the balancing step, and how many
+    experts each MoE layer holds on this rank."""
+    base = spec(recipe=recipe, compute_dtype="fp64")
+    run = dataclasses.replace(base, num_gpus=CP * 2, overrides={**base.overrides, "expert_model_parallel_size": ep})
+    model = build_model(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        apply_plan(run, model, plan)  # type: ignore[arg-type]
+    loss = parallel.mean_over_ranks(forward_backward(model, MockData(run), run.micro_batches))
+    after_optimizer_step(model)
+    grads = {name: moe_worker.whole_grad(model, name, p.grad) for name, p in model.named_parameters()}
+    held = {name: torch.tensor(p.shape[0]) for name, p in model.named_parameters() if name.endswith("experts.weight1")}
+    return loss.item(), grads, {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}, held
 
 
 def cp_pp_results() -> dict[str, object]:

@@ -33,6 +33,11 @@ the same slots within its own group, runs its share of each expert's FFN on them
 layer sums the tp ranks' partial outputs after the exchange back. The experts are split first,
 each rank drawing its experts whole as one process does, and their FFN then split over tp
 (`split_experts`, `parallelize_tensor`, `shard_experts`).
+
+Beside context parallelism: an expert-parallel group's ranks share their cp rank and exchange
+its tokens; each cp rank's expert gradients are of its own tokens, so FSDP2 shards the experts
+over the ranks holding the same ones across both (edp x cp) and averages there, as it averages
+the rest over dp x cp.
 """
 from __future__ import annotations
 
@@ -77,21 +82,25 @@ def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
 
 @dataclass(frozen=True)
 class ExpertSplit:
-    """Experts split by `split_experts`: the data-parallel mesh, it as edp x ep, and the modules
-    holding this rank's experts."""
+    """Experts split by `split_experts`: the mesh of this rank's replicas (whose mean gradient
+    FSDP2 takes), the ranks holding the same experts, and the modules holding this rank's experts."""
 
     data_parallel: DeviceMesh
-    mesh: DeviceMesh
+    holding: DeviceMesh
     experts: list[nn.Module]
 
 
-def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> ExpertSplit:
+def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
+                  context: tuple[DeviceMesh, DeviceMesh] | None = None) -> ExpertSplit:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
     group): each rank draws its experts whole, as one process draws them. Under tensor parallelism
     call it before `parallelize_tensor` (which then splits each expert's FFN over the
     tensor-parallel ranks) and `shard_experts` after; `parallelize_experts` does both without.
-    Call on every rank, after seeding torch alike on all of them.
+    Call on every rank, after seeding torch alike on all of them. `context`: under context
+    parallelism, the pp x dp x cp x tp mesh (`parallel.device_mesh`) whose "dp" `mesh` is, and
+    its flattened dp x cp replicas: each cp rank's expert gradients are of its own tokens, so the
+    ranks holding the same experts are edp x cp of it.
     Raises one ConfigError with every problem before changing anything."""
     family = models.family_of_model(model)
     problems = _layout_problems(mesh, ep)
@@ -108,8 +117,14 @@ def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> ExpertS
         raise ConfigError(problems)
     device = next(model.parameters()).device
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    split = expert_mesh(mesh, ep)
-    return ExpertSplit(mesh, split, family.expert_parallel(model, split["ep"].get_group()))
+    if context is None:
+        split = expert_mesh(mesh, ep)
+        return ExpertSplit(mesh, split["edp"], family.expert_parallel(model, split["ep"].get_group()))
+    root, replicas = context
+    names = root.mesh_dim_names or ()
+    split = root._unflatten(names.index("dp"), (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
+    return ExpertSplit(replicas, split["edp", "cp"]._flatten(),
+                       family.expert_parallel(model, split["ep"].get_group()))
 
 
 def shard_experts(model: nn.Module, split: ExpertSplit, *,
@@ -120,7 +135,7 @@ def shard_experts(model: nn.Module, split: ExpertSplit, *,
     holding the same ones. Returns `model`."""
     policy = mixed_precision(compute_dtype, reduce_dtype)
     for experts in split.experts:
-        fully_shard(experts, mesh=split.mesh["edp"], mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
+        fully_shard(experts, mesh=split.holding, mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
     return fully_shard_layers(model, split.data_parallel, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                               reduce_once_a_step=reduce_once_a_step)
 
