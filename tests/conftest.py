@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,6 +91,13 @@ def worker_env() -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                    os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def torchrun_results(tmp_path_factory: Any, worker: Path, nproc: int = 2) -> Any:
+    """What `worker` run under torchrun with `nproc` CPU processes saved (its rank 0's results)."""
+    out = tmp_path_factory.mktemp(worker.stem) / "results.pt"
+    run_under_torchrun(worker, out, nproc)
+    return torch.load(out)
 
 
 def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:

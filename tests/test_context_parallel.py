@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_under_torchrun
+from conftest import torchrun_results
 from remat.bench.run import run_shape
 from remat.bench.spec import BenchSpec
 from remat.cli import main
@@ -42,9 +42,7 @@ SPLIT = [False, True]  # sequence parallelism off, on
 
 
 def _run(tmp_path_factory, nproc: int) -> dict[str, object]:
-    out = tmp_path_factory.mktemp("cp") / "results.pt"
-    run_under_torchrun(Path(cp_worker.__file__), out, nproc)
-    return torch.load(out)
+    return torchrun_results(tmp_path_factory, Path(cp_worker.__file__), nproc)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_under_torchrun
+from conftest import torchrun_results
 from remat.models import ParallelSizes
 from remat.models.hf import context_parallel
 from remat.models.hf.configs import hf_config
@@ -39,9 +39,7 @@ PLANS = [name for name in hf_cp_worker.PLANS if name != "none"]
 
 
 def _run(tmp_path_factory, nproc: int) -> dict[str, object]:
-    out = tmp_path_factory.mktemp("hf_cp") / "results.pt"
-    run_under_torchrun(Path(hf_cp_worker.__file__), out, nproc)
-    return torch.load(out)
+    return torchrun_results(tmp_path_factory, Path(hf_cp_worker.__file__), nproc)
 
 
 @pytest.fixture(scope="module")
