@@ -387,19 +387,20 @@ def _build_chunk(spec: RunSpec, config: ModelConfig, stage: int, mesh: DeviceMes
                          post_process=stage == last)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
+    if mesh is None:
+        return model
+    context = spec.context_parallel > 1
     # torchtitan's flattened dp x cp dimension: the replicas of this rank's model
-    replicas = None if mesh is None else mesh["dp", "cp"]._flatten() if spec.context_parallel > 1 else mesh["dp"]
+    replicas = mesh["dp", "cp"]._flatten() if context else mesh["dp"]
     # each rank draws its experts whole, before tensor parallelism splits their FFN
     experts = parallel.split_experts(model, mesh["dp"], spec.expert_parallel,
-                                     context=(mesh, replicas) if spec.context_parallel > 1 else None) if (
-        mesh is not None and replicas is not None and spec.expert_parallel > 1) else None
-    if mesh is not None and spec.facts.tensor_model_parallel_size > 1:
+                                     context=(mesh, replicas) if context else None) if spec.expert_parallel > 1 else None
+    if spec.facts.tensor_model_parallel_size > 1:
         parallelize_tensor(model, mesh["tp"], sequence_parallel=spec.facts.sequence_parallel)
-    if mesh is not None and spec.context_parallel > 1:
+    if context:
         parallel.context_parallel_model(model, mesh["cp"])
-    if mesh is None or not spec.fully_sharded:
+    if not spec.fully_sharded:
         return model
-    assert replicas is not None  # with the mesh
     family.data_parallel(model, replicas.get_group())
     compute, reduce = fsdp2_precision(spec)
     # Megatron's distributed optimizer: layers whole through a step, gradients reduced once
