@@ -27,8 +27,8 @@ import torch
 from remat import doctor
 from remat.bench import BenchSpec
 from remat.bench.run import run_bench
-from remat.step import trace_spec
-from remat.problems import RematWarning
+from remat.run.step import trace_spec
+from remat.core.problems import RematWarning
 from remat.planner import plan_from_trace
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))

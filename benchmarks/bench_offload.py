@@ -24,8 +24,8 @@ from bench_w1 import run_anchor  # benchmarks/ is the script's directory
 from remat.bench import BenchSpec, sweep
 from remat.bench.presets import parse_entry
 from remat.bench.result import BenchResult
-from remat.recompute import RecomputeConfig
-from remat.layer_plan import Plan, PlanLike
+from remat.config.recompute import RecomputeConfig
+from remat.config.plan import Plan, PlanLike
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 LAYERS = 8

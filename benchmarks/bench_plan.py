@@ -29,10 +29,10 @@ from matplotlib.figure import Figure
 from remat.bench import BenchSpec
 from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import run_bench
-from remat.step import trace_spec
-from remat.problems import RematWarning
+from remat.run.step import trace_spec
+from remat.core.problems import RematWarning
 from remat.planner import NoPlanFits, megatron_keys, plan_from_trace
-from remat.layer_plan import Plan
+from remat.config.plan import Plan
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30
@@ -108,7 +108,7 @@ def main() -> None:
 
     def bench(name: str, plan):
         lowered = plan if isinstance(plan, Plan) else (
-            Plan.from_config(plan, trace.layout) if plan else Plan.none(trace.layout.num_layers))
+            Plan.from_config(plan, trace.model_sites) if plan else Plan.none(trace.model_sites.num_layers))
         key = json.dumps(lowered.to_dict(), sort_keys=True)
         if key not in measured:
             measured[key] = run_bench(spec, plan, model=model, name=name)

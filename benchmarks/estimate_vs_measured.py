@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from remat.estimating import DEFAULT_CUBLAS_WORKSPACE
-from remat.recompute import RecomputeConfig
-from remat.estimating import EstimateSpec, estimate
-from remat.layer_plan import Plan
+from remat.estimate.stages import DEFAULT_CUBLAS_WORKSPACE
+from remat.config.recompute import RecomputeConfig
+from remat.estimate.stages import EstimateSpec, estimate
+from remat.config.plan import Plan
 
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(os.environ.get("OUT", RESULTS))

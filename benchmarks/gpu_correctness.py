@@ -17,7 +17,7 @@ import torch
 
 from remat import RecomputeConfig, RematWarning
 from remat.models import build
-from remat.verify import verify
+from remat.run.verify import verify
 
 LAYERS = 4
 

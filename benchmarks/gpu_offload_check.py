@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from remat import RecomputeConfig, RematWarning, apply
-from remat.apply import offloader_of
+from remat import RecomputeConfig, RematWarning
+from remat.sites import apply
+from remat.sites.apply import offloader_of
 from remat.models import build
-from remat.layer_plan import Plan
-from remat.verify import verify
+from remat.config.plan import Plan
+from remat.run.verify import verify
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 LAYERS = 4

@@ -17,8 +17,8 @@ import transformers
 from test_hf import CASES, _case_id, batch, build, selective
 
 import remat
-from remat.problems import RematWarning
-from remat.verify import run_step, verify
+from remat.core.problems import RematWarning
+from remat.run.verify import run_step, verify
 
 OUT = Path(os.environ.get("OUT", "."))
 

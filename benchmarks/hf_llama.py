@@ -24,10 +24,10 @@ import torch
 import transformers
 
 import remat
-from remat.placement import compile_sites
-from remat.calls import forward_loss
+from remat.sites.placement import compile_sites
+from remat.sites.calls import forward_loss
 from remat.planner import NoPlanFits, PlanResult, plan_from_trace
-from remat.problems import RematWarning
+from remat.core.problems import RematWarning
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30

@@ -23,10 +23,11 @@ import transformers
 from hf_llama import measure, timing_fields
 
 import remat
-from remat.placement import compile_sites
+from remat.sites.placement import compile_sites
 from remat.models.hf.family import HfModelConfig, HfFamily
-from remat.problems import RematWarning
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.core.problems import RematWarning
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30

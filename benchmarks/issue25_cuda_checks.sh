@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 25's last CUDA checks, from the repo root on the device machine: core_attn under flex
-# attention through remat.verify (saved bytes counted by the allocator), the HF Llama benchmark
+# attention through remat.run.verify (saved bytes counted by the allocator), the HF Llama benchmark
 # under flex attention (trace, plans, predicted against measured peak), and the HF CLI runs
 # (estimate --target cuda on torch 2.11, plan on an MoE model). Writes under $OUT.
 export PYTHONPATH=src:tests:benchmarks

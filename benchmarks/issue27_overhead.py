@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
-from remat.optimizer import OptimizerPrecision
+from remat.run.optimizer import OptimizerPrecision
 from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
-from remat.recompute import RecomputeConfig
-from remat.step import build_model
+from remat.config.recompute import RecomputeConfig
+from remat.run.step import build_model
 
 PLANS = {"none": None, "full_uniform_1": RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                                           recompute_num_layers=1)}

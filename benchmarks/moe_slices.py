@@ -30,8 +30,9 @@ import remat
 from remat.models import build, family_of
 from remat.models.moe.moe_layer import grouped_mm_loop, grouped_mm_torch
 from remat.planner import NoPlanFits, plan_from_trace
-from remat.problems import RematWarning
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.core.problems import RematWarning
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
 
 OUT = Path(os.environ.get("OUT", "."))
 # slice -> (remat recipe, overrides, Bridge's presets for the family)
@@ -78,7 +79,7 @@ def run_slice(name: str, single_labels: bool = True) -> list[dict]:
     family.use_kernels(model, "cuda", compiled=True)
     ids = torch.randint(0, config.vocab_size, (mb, seq), device="cuda")
     facts = TrainingFacts(**{k: v for k, v in config.megatron_facts().items() if k in TrainingFacts.__dataclass_fields__})
-    labels = [label for label in LABELS if label in set().union(*remat.find_sites(model).layout.labels)]
+    labels = [label for label in LABELS if label in set().union(*remat.find_sites(model).model_sites.labels)]
 
     def record(mode: str, result: dict, **extra: object) -> dict:
         row = dict(model=name, mode=mode, **extra, **timing_fields(result, flops))

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from remat.bench import BenchSpec
 from remat.bench.run import run_bench
-from remat.step import MockData, build_model
+from remat.run.step import MockData, build_model
 
 OUT = Path(os.environ.get("OUT", "."))
 ANCHOR = Path(__file__).parent / "anchors" / "torch_baseline.py"

@@ -53,7 +53,7 @@ def allocations(forward, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, li
 
 
 def verify_preset(model, ids, preset: str):
-    """remat.verify of a Megatron preset ("full": uniform, one layer; else one selective label) on
+    """remat.run.verify of a Megatron preset ("full": uniform, one layer; else one selective label) on
     next-token batch ids [b, s + 1]."""
     config = (remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
               if preset == "full" else remat.RecomputeConfig(recompute_granularity="selective",

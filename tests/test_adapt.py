@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.placement import SITE_NAME, site_map_of
-from remat.apply import find_sites
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig
-from remat.verify import run_step, verify
+from remat.sites.placement import SITE_NAME, site_map_of
+from remat.sites.apply import find_sites
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.run.verify import run_step, verify
 
 DIM, FFN, HEADS, VOCAB, LAYERS, BATCH, SEQ = 32, 64, 4, 97, 3, 2, 12
 F64 = 8
@@ -141,9 +141,9 @@ def test_adapt_places_sites_and_leaves_parameters_and_state_dict_alone() -> None
     names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
     remat.adapt(model, SITE_MAP)
     assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
-    layout = find_sites(model).layout
-    assert layout.num_layers == LAYERS and layout.model == "Transformer"
-    assert all(labels == frozenset(SELECTIVE) for labels in layout.labels)
+    model_sites = find_sites(model).model_sites
+    assert model_sites.num_layers == LAYERS and model_sites.model == "Transformer"
+    assert all(labels == frozenset(SELECTIVE) for labels in model_sites.labels)
     assert isinstance(model.layers["0"].feed_forward.get_submodule(SITE_NAME), remat.Site)
 
 
@@ -192,7 +192,7 @@ def test_a_site_map_loads_from_yaml(tmp_path) -> None:
     path.write_text("layer: layers.*\nmlp: layers.*.feed_forward\nlayernorm:\n  - layers.*.attention_norm\n"
                     "  - layers.*.ffn_norm\n")
     model = remat.adapt(_model(), path)
-    assert find_sites(model).layout.labels[0] == frozenset({"mlp", "layernorm"})
+    assert find_sites(model).model_sites.labels[0] == frozenset({"mlp", "layernorm"})
 
 
 def test_site_map_errors_name_every_bad_label_and_pattern_at_once() -> None:
@@ -231,7 +231,7 @@ def test_a_label_the_adapted_model_has_no_place_for_names_the_model_and_its_labe
 
 
 def test_a_pattern_star_never_spans_a_dot() -> None:
-    from remat.placement import matches
+    from remat.sites.placement import matches
     assert matches("layers.*", "layers.0") and not matches("layers.*", "layers.0.feed_forward")
     assert matches("layers.*.w[13]", "layers.2.w3") and not matches("layers.*.w[13]", "layers.2.w2")
 

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 import remat
-from remat.apply import find_sites
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.sites.apply import find_sites
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
 from remat.engine.rng import ReplayState
 from remat.models import build
-from remat.layer_plan import Plan
-from remat.verify import run_step, verify
+from remat.config.plan import Plan
+from remat.run.verify import run_step, verify
+from remat.config.parallel import ParallelLayout
 
 LAYERS, BATCH, SEQ = 4, 2, 16
 SELECTIVE = ["core_attn", "layernorm", "mlp"]
@@ -201,7 +203,7 @@ def test_apply_range_checks_recompute_num_layers_against_the_model() -> None:
 
 
 def test_full_recompute_is_per_virtual_stage() -> None:
-    facts = TrainingFacts(pipeline_model_parallel_size=2)
+    facts = TrainingFacts(layout=ParallelLayout(pp=2))
     cfg = RecomputeConfig(recompute_granularity="full", recompute_method="block",
                           recompute_num_layers=1, facts=facts)
     assert remat.apply(_model(), cfg).full_recompute == [(0, 1), (2, 3)]
@@ -249,7 +251,7 @@ def test_an_aborted_forward_leaves_no_full_recompute_group_open() -> None:
 
 
 def test_verify_reports_a_lost_gradient_as_a_difference() -> None:
-    from remat.verify import VerifyReport
+    from remat.run.verify import VerifyReport
 
     model = _model()
     report = verify(model, _selective("mlp"), *_batch(model))

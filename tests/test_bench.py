@@ -22,19 +22,19 @@ import torch
 from torch import nn
 
 import remat.bench.run as bench_run
-import remat.step as step
-from remat.apply import apply, find_sites
+import remat.run.step as step
+from remat.sites.apply import apply, find_sites
 from remat.bench import BenchResult, BenchSpec, plan_name, run_bench, sweep
 from remat.bench.history import recent
 from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import MockData, run_shape
 from remat.cli import main
 from remat.cli.checks import output_path_problems
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
 from remat.models import build, family_of
 from remat.models.llama import MLP
-from remat.layer_plan import Plan
+from remat.config.plan import Plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUM_LAYERS, SEQ, MB, STEPS, WARMUP = 2, 16, 2, 3, 1
@@ -793,9 +793,9 @@ def test_sweep_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert err.count("core_attn' saves almost nothing") == 1
 
 
-@pytest.mark.filterwarnings("ignore::remat.problems.RematWarning")  # core_attn with SDPA saves little
+@pytest.mark.filterwarnings("ignore::remat.core.problems.RematWarning")  # core_attn with SDPA saves little
 def test_megatron_presets() -> None:
-    layout = find_sites(build("llama3_tiny", device="meta", num_layers=NUM_LAYERS)).layout
+    layout = find_sites(build("llama3_tiny", device="meta", num_layers=NUM_LAYERS)).model_sites
     labels = frozenset().union(*layout.labels)
     assert labels == {"core_attn", "layernorm", "mlp", "mlp_act"}
     presets = megatron_presets(labels, layout.num_layers)

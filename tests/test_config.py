@@ -1,4 +1,4 @@
-"""Tests for the recompute config (remat.recompute, remat.rules, remat.layout, remat.layer_plan): every validation rule failing and passing, loading, round trips, model checks."""
+"""Tests for the recompute config (remat.config.recompute, remat.config.rules, remat.config.model_sites, remat.config.plan): every validation rule failing and passing, loading, round trips, model checks."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +11,19 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import labels, layer_plan, recompute, rules
-from remat.labels import Label, labels_without_model, recompute_labels
-from remat.layer_plan import check_plan
-from remat.layout import ModelLayout, check_config
-from remat.problems import ConfigError, Problem, RematWarning
-from remat.recompute import RecomputeConfig, TrainingFacts, recorded_config
-from remat.rules import RULES, WARNING_RULES
+from remat.core import labels
+from remat.config import plan as layer_plan
+from remat.config import recompute
+from remat.config import rules
+from remat.core.labels import Label, labels_without_model, recompute_labels
+from remat.config.plan import check_plan
+from remat.config.model_sites import ModelSites, check_config
+from remat.core.problems import ConfigError, Problem, RematWarning
+from remat.config.recompute import RecomputeConfig, recorded_config
+from remat.config.megatron import TrainingFacts
+from remat.config.rules import RULES, WARNING_RULES
+from remat.config.capture import Capture
+from remat.config.parallel import ParallelLayout
 
 RECOMPUTE_MODULES = recompute_labels()
 
@@ -422,7 +428,7 @@ def test_megatron_options_remat_cannot_run_are_reported_together() -> None:
 
 def test_warning_points_at_caller() -> None:
     with pytest.warns(RematWarning) as record:
-        RecomputeConfig(facts=TrainingFacts(sequence_parallel=True))
+        RecomputeConfig(facts=TrainingFacts(layout=ParallelLayout(sp=True)))
     assert record[0].filename == __file__
 
 
@@ -482,7 +488,7 @@ def test_selective_defaults_to_core_attn() -> None:
 
 def test_validation_does_not_mutate_inputs() -> None:
     modules = ["mlp"]
-    facts = TrainingFacts(cuda_graph_scope="attn")  # type: ignore[arg-type]
+    facts = TrainingFacts(capture=Capture(cuda_graph_scope="attn"))  # type: ignore[arg-type]
     c = RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts)
     c.recompute_modules.append("core_attn")  # type: ignore[union-attr]
     assert modules == ["mlp"] and facts.cuda_graph_scope == "attn" and c.facts.cuda_graph_scope == ["attn"]
@@ -491,9 +497,9 @@ def test_validation_does_not_mutate_inputs() -> None:
 @pytest.mark.parametrize("facts, expected", [
     (TrainingFacts(), None),
     (TrainingFacts(num_layers=32), 32),
-    (TrainingFacts(num_layers=32, pipeline_model_parallel_size=4), 8),
-    (TrainingFacts(num_layers=32, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), 4),
-    (TrainingFacts(num_layers=6, pipeline_model_parallel_size=4), None),
+    (TrainingFacts(num_layers=32, layout=ParallelLayout(pp=4)), 8),
+    (TrainingFacts(num_layers=32, layout=ParallelLayout(pp=4, vp=2)), 4),
+    (TrainingFacts(num_layers=6, layout=ParallelLayout(pp=4)), None),
 ])
 def test_layers_per_virtual_stage(facts: TrainingFacts, expected: int | None) -> None:
     assert facts.layers_per_virtual_stage == expected
@@ -637,7 +643,7 @@ def test_describe() -> None:
 # check_model
 
 DENSE = frozenset({"core_attn", "layernorm", "mlp", "mlp_act"})
-LAYOUT = ModelLayout(labels=(DENSE,) * 4)
+LAYOUT = ModelSites(labels=(DENSE,) * 4)
 
 
 def test_check_model_accepts() -> None:
@@ -646,7 +652,7 @@ def test_check_model_accepts() -> None:
         check_config(RecomputeConfig(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]), LAYOUT)
         check_config(RecomputeConfig.from_megatron({**FULL, "recompute_num_layers": 2,
                                                    "pipeline_model_parallel_size": 2, "num_layers": 4}), LAYOUT)
-        check_config(RecomputeConfig(), ModelLayout(labels=(), has_layer_sites=False))
+        check_config(RecomputeConfig(), ModelSites(labels=(), has_layer_sites=False))
         check_config(RecomputeConfig.from_megatron({**FULL, "cpu_offloading": True, "cpu_offloading_num_layers": 3}),
                     LAYOUT)
         check_config(RecomputeConfig.from_megatron({**sel("mlp"), "fine_grained_activation_offloading": True,
@@ -655,28 +661,28 @@ def test_check_model_accepts() -> None:
 
 @pytest.mark.parametrize("d, layout, field, phrase", [
     (sel("moe"), LAYOUT, "recompute_modules", "matches no site in this model (its sites: core_attn, layernorm, mlp, mlp_act)"),
-    (FULL, ModelLayout(labels=(DENSE,) * 4, has_layer_sites=False), "recompute_granularity", "no 'layer' sites"),
+    (FULL, ModelSites(labels=(DENSE,) * 4, has_layer_sites=False), "recompute_granularity", "no 'layer' sites"),
     ({**FULL, "recompute_num_layers": 3, "pipeline_model_parallel_size": 2}, LAYOUT,
      "recompute_num_layers", "between 1 and 2"),
     ({"num_layers": 8}, LAYOUT, "num_layers", "the model has 4 layers"),
     ({"pipeline_model_parallel_size": 3}, LAYOUT, "num_layers", "split evenly"),
     ({"cpu_offloading": True, "cpu_offloading_num_layers": 4}, LAYOUT, "cpu_offloading_num_layers",
      "not fewer than the model's 4 layers"),
-    ({"cpu_offloading": True, "cpu_offloading_num_layers": 1}, ModelLayout(labels=(DENSE,) * 4, has_layer_sites=False),
+    ({"cpu_offloading": True, "cpu_offloading_num_layers": 1}, ModelSites(labels=(DENSE,) * 4, has_layer_sites=False),
      "cpu_offloading", "no 'layer' sites"),
     ({"fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "qkv_linear"]}, LAYOUT,
      "offload_modules", "'qkv_linear' matches no site in this model (it can offload: attn_norm, core_attn, mlp_norm)"),
     ({"fine_grained_activation_offloading": True, "offload_modules": ["moe_act"], "moe_grouped_gemm": True}, LAYOUT,
      "offload_modules", "'moe_act' matches no site"),
 ])
-def test_check_model_rejects(d: dict[str, Any], layout: ModelLayout, field: str, phrase: str) -> None:
+def test_check_model_rejects(d: dict[str, Any], layout: ModelSites, field: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as info:
         check_config(RecomputeConfig.from_megatron(d), layout)
     assert has(info.value.problems, field, phrase)
 
 
 def test_check_model_warns_on_fused_core_attn() -> None:
-    fused = ModelLayout(labels=(DENSE,) * 4, fused=frozenset({"core_attn"}))
+    fused = ModelSites(labels=(DENSE,) * 4, fused=frozenset({"core_attn"}))
     with pytest.warns(RematWarning, match="saves almost nothing"):
         check_config(RecomputeConfig(recompute_granularity="selective"), fused)
     with warnings.catch_warnings():
@@ -691,7 +697,7 @@ def test_check_model_warns_on_fused_core_attn() -> None:
 KEEP = {"core_attn": "keep", "layernorm": "keep", "mlp": "keep"}
 
 
-def plan_problems(layers: list[Any], full: list[Any], layout: ModelLayout = LAYOUT) -> list[Problem]:
+def plan_problems(layers: list[Any], full: list[Any], layout: ModelSites = LAYOUT) -> list[Problem]:
     with pytest.raises(ConfigError) as info:
         check_plan(layers, full, layout)
     return info.value.problems
@@ -702,7 +708,7 @@ def test_check_plan_accepts() -> None:
     check_plan(layers, [(0, 1), [1, 2]], LAYOUT)
     offloads = [{"layer": "offload"}, {"layer": "keep"}, {"layer": "offload", "mlp": "recompute"}, {"core_attn": "offload"}]
     check_plan(offloads, [(0, 2)], LAYOUT)
-    check_plan([{"mlp": "recompute"}] * 2, [], ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False))
+    check_plan([{"mlp": "recompute"}] * 2, [], ModelSites(labels=(DENSE,) * 2, has_layer_sites=False))
 
 
 @pytest.mark.parametrize("layers, full, field, phrase", [
@@ -732,7 +738,7 @@ def test_check_plan_rejects(layers: list[Any], full: list[Any], field: str, phra
 
 
 def test_check_plan_without_layer_sites() -> None:
-    layout = ModelLayout(labels=(DENSE,) * 2, has_layer_sites=False)
+    layout = ModelSites(labels=(DENSE,) * 2, has_layer_sites=False)
     problems = plan_problems([{"layernorm": "discard", "layer": "offload"}, KEEP], [(0, 1)], layout)
     assert has(problems, "layers[0].layer", "no 'layer' sites")
     assert has(problems, "full_recompute", "no 'layer' sites")
@@ -776,7 +782,7 @@ def test_from_megatron_only_raises_config_error(d: dict[str, Any]) -> None:
 
 
 def test_check_model_rejects_discard_labels_without_layer_sites() -> None:
-    layout = ModelLayout(labels=(frozenset({"layernorm", "mlp"}),), has_layer_sites=False)
+    layout = ModelSites(labels=(frozenset({"layernorm", "mlp"}),), has_layer_sites=False)
     config = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
     with pytest.raises(ConfigError, match="output-discarding"):
         check_config(config, layout)
@@ -811,7 +817,7 @@ def test_a_plan_file_of_another_format_version_is_told_apart_from_a_config() -> 
 
 
 def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu() -> None:
-    from remat.step import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
+    from remat.run.step import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
 
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 1, 1)) == []
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 4, 4)) == []  # context parallel splits it
@@ -822,11 +828,11 @@ def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu()
 def test_a_label_on_some_layers_only_says_it_does_nothing_on_the_others() -> None:
     """Megatron's 'mlp' on a model with MoE layers acts on the dense ones only; remat says so."""
     moe = frozenset({"core_attn", "layernorm", "moe", "moe_act"})
-    layout = ModelLayout(labels=(DENSE, moe, moe, DENSE, moe))
+    layout = ModelSites(labels=(DENSE, moe, moe, DENSE, moe))
     mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
     with pytest.warns(RematWarning, match=r"'mlp' acts on 2 layers of 5; layers 1-2, 4 have no 'mlp' site.*"
                                           r"their sites are core_attn, layernorm, moe, moe_act"):
         check_config(mlp, layout)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematWarning)
-        check_config(mlp, ModelLayout(labels=(DENSE,) * 5))  # every layer has it: nothing to say
+        check_config(mlp, ModelSites(labels=(DENSE,) * 5))  # every layer has it: nothing to say

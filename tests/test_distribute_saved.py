@@ -18,11 +18,14 @@ import remat
 from remat.cli import build_parser, main
 from remat.cli.args import megatron_overrides
 from remat.engine import KeptInputs, Offloader, Region, Restore, offloading
-from remat.estimating import EstimateSpec, estimate
-from remat.layout import ModelLayout, check_config
+from remat.estimate.stages import EstimateSpec, estimate
+from remat.config.model_sites import ModelSites, check_config
 from remat.parallel.tensor_parallel import SavedInputShards, distribute_saved_inputs, distribute_saved_inputs_by_shape
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 
 def _weights() -> list[torch.Tensor]:
@@ -149,8 +152,8 @@ def test_splitting_saved_inputs_needs_a_tensor_parallel_model() -> None:
 
 def test_the_layout_takes_distributed_saved_activations() -> None:
     config = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                             distribute_saved_activations=True, facts=TrainingFacts(tensor_model_parallel_size=2))
-    check_config(config, ModelLayout(labels=(frozenset({"mlp"}),) * 2))
+                             distribute_saved_activations=True, facts=TrainingFacts(layout=ParallelLayout(tp=2)))
+    check_config(config, ModelSites(labels=(frozenset({"mlp"}),) * 2))
 
 
 # ---- the estimate --------------------------------------------------------------------------
@@ -164,13 +167,13 @@ METHODS = [("uniform", 1, 3, "bwd2", 2), ("uniform", 2, 2, "bwd1", 0), ("block",
 def _full(method: str, k: int, distribute: bool) -> RecomputeConfig:
     return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k,
                            distribute_saved_activations=distribute,
-                           facts=TrainingFacts(tensor_model_parallel_size=TP))
+                           facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
 
 
 def test_the_estimate_keeps_one_tp_th_of_each_ranges_input() -> None:
     spec = EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=LAYERS, seq_length=SEQ), micro_batch_size=MB,
-                        optimizer=False, compute_dtype="fp32", device="cpu",
-                        facts=TrainingFacts(tensor_model_parallel_size=TP))
+                        optimizer=False, precision=Precision("fp32"), device="cpu",
+                        facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
     plans = [(f"{m[0]}_{m[1]}@{split}", _full(m[0], m[1], split)) for m in METHODS for split in (False, True)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)

@@ -15,7 +15,8 @@ from remat import doctor
 from remat.bench import checks
 from remat.bench.result import BenchResult, OomInfo
 from remat.cli import main
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
 from remat.doctor import (
     EXPANDABLE_SEGMENTS,
     AllocatorState,
@@ -27,7 +28,7 @@ from remat.memory import measure_saved
 from remat.memory.prediction import Prediction
 from remat.planner.solver import NoPlanFits, Solution
 from remat.planner import PlanResult
-from remat.layer_plan import Plan
+from remat.config.plan import Plan
 
 GIB, MIB = 1 << 30, 1 << 20
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat import doctor, parallel
+from remat import parallel
+from remat import doctor
 from remat.bench import checks
 from remat.bench.history import recent
 from remat.bench.result import BenchResult, OomInfo

@@ -255,7 +255,7 @@ def test_a_forward_without_backward_frees_everything_inside_a_discard_scope() ->
 
 
 def test_sites_nested_in_a_region_just_run() -> None:
-    from remat.sites import Site
+    from remat.sites.site import Site
 
     inner = Site("moe_act")
     calls: list[str] = []

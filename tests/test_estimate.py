@@ -10,15 +10,17 @@ import pytest
 import torch
 
 import remat
-from remat.optimizer import adamw
+from remat.run.optimizer import adamw
 from remat.cli import main
-from remat.estimating import EstimateSpec, cublas_workspace_bytes, estimate, in_flight
-from remat.layer_plan import pipeline_range_problems
+from remat.estimate.stages import EstimateSpec, cublas_workspace_bytes, estimate, in_flight
+from remat.config.plan import pipeline_range_problems
 from remat.models import ParallelSizes, family_of
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
 from remat.models import recipe_config
-from remat.layer_plan import Plan
+from remat.config.plan import Plan
+from remat.config.parallel import ParallelLayout
 
 SHAPE = dict(num_layers=4, seq_length=32)
 SMALL = dict(num_layers=2, seq_length=32)  # where a trace per case is enough
@@ -95,7 +97,7 @@ def test_optimizer_state_and_weights_are_those_of_adamw() -> None:
 
 def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_flight() -> None:
     (whole,) = _quiet(estimate, _spec(optimizer=True))
-    facts = TrainingFacts(pipeline_model_parallel_size=2)
+    facts = TrainingFacts(layout=ParallelLayout(pp=2))
     (split,) = _quiet(estimate, _spec(optimizer=True, facts=facts, global_batch_size=4 * MB), [("full", FULL)])
     first, last = split.stages
     assert first.weights + last.weights == whole.stages[0].weights  # embedding first, head last
@@ -106,15 +108,14 @@ def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_fligh
 
 @pytest.mark.parametrize("sp, cp, kept", [(False, 1, 1.0), (True, 1, 0.5), (True, 2, 0.25)])
 def test_sequence_and_context_parallel_shard_the_kept_layer_inputs(sp, cp, kept) -> None:
-    facts = TrainingFacts(tensor_model_parallel_size=2, sequence_parallel=sp, context_parallel_size=cp,
-                          pipeline_model_parallel_size=2)
+    facts = TrainingFacts(layout=ParallelLayout(tp=2, sp=sp, cp=cp, pp=2))
     (est,) = _quiet(estimate, _spec(facts=facts, global_batch_size=1 * MB), [("full", FULL)])
     assert est.stages[0].activations == kept * LAYER_INPUT  # the first stage's one layer
 
 
 def test_tensor_parallel_divides_the_layer_weights() -> None:
     (one,) = _quiet(estimate, _spec())
-    (two,) = _quiet(estimate, _spec(facts=TrainingFacts(tensor_model_parallel_size=2)))
+    (two,) = _quiet(estimate, _spec(facts=TrainingFacts(layout=ParallelLayout(tp=2))))
     model = remat.models.build("llama3_tiny", dtype=torch.float32, **SMALL)
     norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "layernorm" in n)
     vocab = model.config.vocab_size  # 512: already a multiple of 128 x 2, so no padding
@@ -127,7 +128,7 @@ def test_tensor_parallel_divides_the_layer_weights() -> None:
     # Megatron's interleaved warm-up: (pp - rank - 1) * 2 + (vpp - 1) * pp chunks, plus one
     (4, 2, 0, 8, (3 * 2 + 4 + 1) / 2), (4, 2, 3, 8, (0 + 4 + 1) / 2), (2, 2, 0, 1, 1)])
 def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, stage, micro_batches, expected) -> None:
-    facts = TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    facts = TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp))
     assert in_flight(stage, facts, micro_batches) == expected
 
 
@@ -143,9 +144,9 @@ def test_step_time_counts_the_recompute_flops() -> None:
 
 
 @pytest.mark.parametrize("facts, shapes, field", [
-    (TrainingFacts(tensor_model_parallel_size=3), {}, "tensor_model_parallel_size"),
-    (TrainingFacts(context_parallel_size=3), {}, "context_parallel_size"),
-    (TrainingFacts(tensor_model_parallel_size=3, sequence_parallel=True),
+    (TrainingFacts(layout=ParallelLayout(tp=3)), {}, "tensor_model_parallel_size"),
+    (TrainingFacts(layout=ParallelLayout(cp=3)), {}, "context_parallel_size"),
+    (TrainingFacts(layout=ParallelLayout(tp=3, sp=True)),
      {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96, "hidden_size": 96}, "sequence_parallel"),
 ])
 def test_parallel_shape_rules_fail_and_pass(facts, shapes, field) -> None:
@@ -159,11 +160,11 @@ def test_parallel_shape_rules_fail_and_pass(facts, shapes, field) -> None:
     config = recipe_config("llama3_tiny", **{**model, **shapes})
     assert {p.field for p in family.shard_problems(config, sizes(facts))} == {field}
     assert not list(family.shard_problems(recipe_config("llama3_tiny", **model),
-                                          sizes(TrainingFacts(tensor_model_parallel_size=2))))
+                                          sizes(TrainingFacts(layout=ParallelLayout(tp=2)))))
 
 
 def test_batch_split_rules_fail_and_pass() -> None:
-    facts = TrainingFacts(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    facts = TrainingFacts(layout=ParallelLayout(tp=2, pp=2))
 
     def fields(num_gpus: int, micro_batch_size: int, global_batch_size: int | None) -> list[str]:
         try:
@@ -180,7 +181,7 @@ def test_batch_split_rules_fail_and_pass() -> None:
 
 def test_a_spec_reports_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        _spec(device="tpu", tflops=0, micro_batch_size=0, facts=TrainingFacts(pipeline_model_parallel_size=3))
+        _spec(device="tpu", tflops=0, micro_batch_size=0, facts=TrainingFacts(layout=ParallelLayout(pp=3)))
     fields = {p.field for p in err.value.problems}
     assert {"target", "tflops", "micro_batch_size", "num_layers"} <= fields
     assert _spec(device="cuda", tflops=1, global_batch_size=1 * MB).target == "cuda"
@@ -189,14 +190,14 @@ def test_a_spec_reports_every_problem_at_once() -> None:
 @pytest.mark.parametrize("num_layers, vpp", [(2, None), (4, 2)])
 def test_a_plan_range_across_a_model_chunk_is_refused(num_layers, vpp) -> None:
     """Layers 0 and 1 are different stages' (with -vp 2 over 4 layers: rank 0 runs 0 and 2)."""
-    facts = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
+    facts = TrainingFacts(layout=ParallelLayout(pp=2, vp=vpp))
     plan = Plan([{}] * num_layers, [(0, 2)])
     with pytest.raises(ConfigError, match=r"full_recompute\[0\]: \[0, 2\) spans .* split the range at layer 1$"):
         _quiet(estimate, _spec(facts=facts, overrides={**SMALL, "num_layers": num_layers}), [("plan", plan)])
 
 
 def test_pipeline_range_rule_fails_and_passes() -> None:
-    facts = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    facts = TrainingFacts(layout=ParallelLayout(pp=2, vp=2))
     problems = list(pipeline_range_problems([(0, 2), (3, 8)], 8, facts))  # chunks of 2 layers
     assert [p.field for p in problems] == ["full_recompute[1]"]
     assert problems[0].message.startswith("[3, 8) spans virtual pipeline stages 1, 2, 3 (2 layers each;")
@@ -205,7 +206,7 @@ def test_pipeline_range_rule_fails_and_passes() -> None:
     assert not list(pipeline_range_problems([(0, 8)], 8, TrainingFacts()))
 
 
-VPP = TrainingFacts(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+VPP = TrainingFacts(layout=ParallelLayout(pp=2, vp=2))
 
 
 def _figures(est) -> list[tuple]:
@@ -233,7 +234,7 @@ def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_withou
     by_rank = Plan([layers[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)], [(0, 2), (6, 7)])
     overrides = {**SMALL, "num_layers": 8}
     (virtual,) = _quiet(estimate, _spec(overrides=overrides, facts=VPP, global_batch_size=1 * MB), [("plan", interleaved)])
-    (plain,) = _quiet(estimate, _spec(overrides=overrides, facts=TrainingFacts(pipeline_model_parallel_size=2),
+    (plain,) = _quiet(estimate, _spec(overrides=overrides, facts=TrainingFacts(layout=ParallelLayout(pp=2)),
                                       global_batch_size=1 * MB), [("plan", by_rank)])
     assert [s.in_flight for s in virtual.stages] == [s.in_flight for s in plain.stages] == [1, 1]
     assert _figures(virtual) == _figures(plain)
@@ -385,7 +386,7 @@ def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
 
 
 def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatch) -> None:
-    import remat.estimating as estimating
+    from remat.estimate import stages as estimating
 
     monkeypatch.setattr(estimating, "trace_stage", lambda *a, **k: pytest.fail("traced before checking"))
     with pytest.raises(ConfigError, match="the plan has 1 layer but the model has 2"):
@@ -397,7 +398,7 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
         estimate(_spec(), [("last", Plan([{}, {"mlp": "offload"}], min_offloaded_tensor_size=64))])
     stage_end = Plan([{"mlp": "offload"}, {}], min_offloaded_tensor_size=64)  # layer 0 ends stage 0 of 2
     with pytest.raises(ConfigError, match="last layer"):
-        estimate(_spec(facts=TrainingFacts(pipeline_model_parallel_size=2), global_batch_size=2 * MB),
+        estimate(_spec(facts=TrainingFacts(layout=ParallelLayout(pp=2)), global_batch_size=2 * MB),
                  [("stage end", stage_end)])
 
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import run_under_torchrun
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.cli import main
-from remat.estimating import EstimateSpec, fsdp2_held_bytes
-from remat.problems import ConfigError
-from remat.step import RunSpec, expert_parallel_run_problems
+from remat.estimate.stages import EstimateSpec, fsdp2_held_bytes
+from remat.core.problems import ConfigError
+from remat.run.step import RunSpec, expert_parallel_run_problems
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import ep_worker  # noqa: E402

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.recompute import RecomputeConfig
+from remat.config.recompute import RecomputeConfig
 from remat.memory.live import peak_during
 from remat.models import build
 from remat.models.kernels import swiglu

@@ -11,13 +11,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import remat  # noqa: E402
-from remat.placement import site_map_of  # noqa: E402
-from remat.apply import find_sites  # noqa: E402
+from remat.sites.placement import site_map_of  # noqa: E402
+from remat.sites.apply import find_sites  # noqa: E402
 from remat.models.hf.configs import TINY, hf_config  # noqa: E402
-from remat.problems import ConfigError  # noqa: E402
-from remat.recompute import RecomputeConfig, TrainingFacts  # noqa: E402
-from remat.step import COMPUTE_DTYPES  # noqa: E402
-from remat.verify import run_step, verify  # noqa: E402
+from remat.core.problems import ConfigError  # noqa: E402
+from remat.config.recompute import RecomputeConfig, TrainingFacts  # noqa: E402
+from remat.run.step import COMPUTE_DTYPES  # noqa: E402
+from remat.run.verify import run_step, verify  # noqa: E402
+from remat.config.precision import Precision
 
 BATCH, SEQ, LAYERS = 2, 16, 3
 DROPOUT = 0.1
@@ -75,9 +76,9 @@ def _case_id(case) -> str:
 def test_every_family_has_its_labels_and_every_layer() -> None:
     assert set(LABELS) == set(TINY)
     for family, labels in LABELS.items():
-        layout = find_sites(remat.adapt(build(family))).layout
-        assert layout.num_layers == LAYERS, family
-        assert frozenset().union(*layout.labels) == frozenset(labels), family
+        model_sites = find_sites(remat.adapt(build(family))).model_sites
+        assert model_sites.num_layers == LAYERS, family
+        assert frozenset().union(*model_sites.labels) == frozenset(labels), family
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -363,7 +364,7 @@ def test_mlp_recompute_frees_exactly_the_mlp_intermediates() -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> None:
-    from remat.estimating import EstimateSpec, estimate
+    from remat.estimate.stages import EstimateSpec, estimate
     overrides, mb = {"num_layers": 2, "seq_length": 32}, 2
     # torch's grouped GEMM on meta takes bf16 only: MoE families are estimated (and traced) in bf16
     dtype = "bf16" if family in ("mixtral", "deepseek_v3") else "fp32"
@@ -371,7 +372,7 @@ def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         estimates = estimate(EstimateSpec(recipe=f"hf:{family}", overrides=overrides, micro_batch_size=mb,
-                                          optimizer=False, compute_dtype=dtype, device="cpu"), plans)
+                                          optimizer=False, precision=Precision(dtype), device="cpu"), plans)
         torch.manual_seed(0)
         model = remat.models.build(f"hf:{family}", dtype=COMPUTE_DTYPES[dtype], **overrides)
         ids = torch.randint(0, model.config.vocab_size, (mb, 32))

@@ -27,9 +27,10 @@ from remat.models.hf import context_parallel
 from remat.models.hf.configs import hf_config
 from remat.models.hf.family import FAMILY
 from remat.models.hf.loss_head import causal_lm_loss
-from remat.problems import ConfigError
-from remat.recompute import TrainingFacts
-from remat.step import RunSpec
+from remat.core.problems import ConfigError
+from remat.config.megatron import TrainingFacts
+from remat.run.step import RunSpec
+from remat.config.parallel import ParallelLayout
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -125,7 +126,7 @@ def test_what_context_parallelism_refuses_by_name() -> None:
         "output_router_logits: the router's load-balancing loss would count this rank's tokens only; turn it off"
         " under context parallelism"]
     with pytest.raises(ConfigError, match="sliding-window"):  # before any process starts
-        RunSpec(recipe="hf:mistral", device="cpu", num_gpus=2, facts=TrainingFacts(context_parallel_size=2))
+        RunSpec(recipe="hf:mistral", device="cpu", layout=ParallelLayout(num_gpus=2), facts=TrainingFacts(layout=ParallelLayout(cp=2)))
 
 
 def test_a_built_model_is_checked_before_its_hooks_go_on() -> None:

@@ -34,11 +34,11 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from conftest import run_under_torchrun, worker_env  # noqa: E402
-from remat.calls import forward_loss  # noqa: E402
+from remat.sites.calls import forward_loss  # noqa: E402
 from remat.cli import main  # noqa: E402
 from remat.models import ParallelSizes  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
-from remat.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
+from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
 from remat.parallel.tied import TiedEnds  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))

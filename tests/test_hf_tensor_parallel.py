@@ -25,7 +25,9 @@ from remat import models  # noqa: E402
 from remat.models import ParallelSizes  # noqa: E402
 from remat.models.hf.configs import hf_config  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
-from remat.problems import ConfigError  # noqa: E402
+from remat.core.problems import ConfigError  # noqa: E402
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_tp_worker  # noqa: E402
@@ -143,13 +145,13 @@ def test_a_rank_shard_splits_heads_and_the_planned_ffn() -> None:
 def test_the_estimate_splits_the_tokens_between_blocks_under_sequence_parallelism() -> None:
     """By shape, one rank of tp 2: with sequence parallelism the norms' inputs and the residual
     stream between the planned blocks are this rank's half of the tokens, so each layer saves less."""
-    from remat.estimating import EstimateSpec, estimate
-    from remat.recompute import TrainingFacts
+    from remat.estimate.stages import EstimateSpec, estimate
+    from remat.config.megatron import TrainingFacts
 
     def saved(sp: bool) -> int:
         spec = EstimateSpec(recipe="hf:llama", overrides={"num_layers": 2, "seq_length": 32}, optimizer=False,
-                            compute_dtype="fp32", device="cpu",
-                            facts=TrainingFacts(tensor_model_parallel_size=2, sequence_parallel=sp))
+                            precision=Precision("fp32"), device="cpu",
+                            facts=TrainingFacts(layout=ParallelLayout(tp=2, sp=sp)))
         (result,) = estimate(spec, [("none", None)])
         return result.stages[0].activations
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import remat.step as step
-from remat.bench.checks import check_results
+import remat.run.step as step
+from remat.bench.findings import check_results
 from remat.bench.result import BenchResult
 from remat.cli import common, main
 from remat.models.llama import MLP
@@ -66,7 +66,7 @@ def test_a_cpu_step_past_a_tflop_is_refused_before_it_runs(capsys) -> None:
 
 
 def test_a_cpu_step_that_would_not_fit_the_host_is_refused_before_it_allocates(capsys, monkeypatch) -> None:
-    import remat.estimating as estimating
+    from remat.estimate import stages as estimating
 
     monkeypatch.setattr(estimating, "available_host_bytes", lambda: 1 << 20)  # 1 MiB free: the tiny step needs more
     for argv in (["bench", *TINY_RUN, "--no_history"], ["verify", "--num_layers", "2", "-sl", "16"],

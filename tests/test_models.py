@@ -12,7 +12,7 @@ import remat
 from remat.models import build, recipe_config, recipes
 from remat.models.kernels.loss import chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.models.llama import LlamaConfig, LlamaModel, TransformerLayer
-from remat.sites import Site
+from remat.sites.site import Site
 
 
 def _loss_inputs(n: int = 11, hidden: int = 6, vocab: int = 9, seed: int = 0):
@@ -276,7 +276,7 @@ def test_fusable_chunk_loss_matches_the_in_place_one() -> None:
 
 def test_compiled_regions_compose_with_recompute_bit_identically() -> None:
     import remat
-    from remat.verify import verify
+    from remat.run.verify import verify
 
     torch.manual_seed(0)
     model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16,

@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.cli import main
 from remat.models import build, family_of, recipe_config
 from remat.models.moe.config import MoEConfig
 from remat.models.moe.moe_layer import GroupedExperts, TopKRouter, grouped_mm_loop, grouped_mm_torch
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig
-from remat.apply import offloader_of
-from remat.layer_plan import Plan
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.sites.apply import offloader_of
+from remat.config.plan import Plan
 from remat.planner import uniform_config
-from remat.verify import run_step, verify
+from remat.run.verify import run_step, verify
 
 BATCH, SEQ = 2, 16
 TOKENS = BATCH * SEQ
@@ -97,13 +97,13 @@ def _case_id(case) -> str:
 
 
 def test_each_recipe_has_exactly_the_labels_tested() -> None:
-    from remat.apply import find_sites
+    from remat.sites.apply import find_sites
 
     for recipe in RECIPES:
         model = _model(recipe)
-        layout = find_sites(model).layout
-        assert layout.num_layers == 3
-        assert frozenset().union(*layout.labels) == frozenset(LABELS[recipe] + OFFLOAD_ONLY), recipe
+        model_sites = find_sites(model).model_sites
+        assert model_sites.num_layers == 3
+        assert frozenset().union(*model_sites.labels) == frozenset(LABELS[recipe] + OFFLOAD_ONLY), recipe
         assert [model.config.is_moe_layer(i) for i in range(3)] == [False, True, True]
 
 
@@ -191,7 +191,7 @@ def test_shared_experts_frees_what_the_shared_mlp_saves(recipe) -> None:
 
 def test_a_model_without_shared_experts_has_no_shared_experts_site_and_says_so() -> None:
     model = _model("moe_tiny", dropout=0.0, moe_shared_expert_intermediate_size=None)
-    assert all("shared_experts" not in labels for labels in remat.find_sites(model).layout.labels)
+    assert all("shared_experts" not in labels for labels in remat.find_sites(model).model_sites.labels)
     with pytest.raises(ConfigError, match="'shared_experts' matches no site in MoEModel .*drop 'shared_experts'"):
         remat.apply(model, _selective(model, "shared_experts"))
 
@@ -507,10 +507,10 @@ def test_estimate_runs_an_moe_slice_and_predicts_the_moe_act_saving(capsys, tmp_
 def test_the_planner_writes_an_moe_plan_as_megatron_keys_without_its_offload_only_sites() -> None:
     model = _model("moe_tiny", dropout=0.0)
     traced = remat.trace(model, _batch(), timing_repeats=1)
-    layout = traced.layout
-    assert any("expert_fc1" in labels for labels in layout.labels)
+    model_sites = traced.model_sites
+    assert any("expert_fc1" in labels for labels in model_sites.labels)
     for modules in (["moe_act"], ["layernorm", "moe"]):
-        config = uniform_config(Plan.from_config(_selective(model, *modules), layout), traced)
+        config = uniform_config(Plan.from_config(_selective(model, *modules), model_sites), traced)
         assert config is not None and config.recompute_modules == modules
 
 
@@ -549,7 +549,7 @@ def test_verify_runs_an_moe_recipe(capsys) -> None:
 
 
 def test_the_bench_step_moves_the_expert_bias_after_each_optimizer_step() -> None:
-    from remat.calls import after_optimizer_step
+    from remat.sites.calls import after_optimizer_step
     model = build("deepseek_tiny", dtype=torch.float64)
     routers = model.routers()
     for router in routers:

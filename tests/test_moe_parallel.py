@@ -18,12 +18,14 @@ import torch
 
 import remat
 from conftest import run_under_torchrun
-from remat import estimating, step as steps
-from remat.calls import after_optimizer_step
+from remat.estimate import stages as estimating
+from remat.run import step as steps
+from remat.sites.calls import after_optimizer_step
 from remat.cli import main
 from remat.models import build, family_of
 from remat.models.family import ParallelSizes
-from remat.recompute import TrainingFacts
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import ep_pp_worker  # noqa: E402
@@ -146,12 +148,12 @@ def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkey
     """Middle pipeline ranks share a trace where their layers are alike: with 3 dense first layers
     of 8 over 4 ranks, rank 1 holds a dense and an MoE layer, rank 2 two MoE layers."""
     monkeypatch.setattr(estimating, "trace_stage", lambda spec, stage, *args: stage)
-    facts = TrainingFacts(pipeline_model_parallel_size=4)
+    facts = TrainingFacts(layout=ParallelLayout(pp=4))
     moe = estimating.EstimateSpec(recipe="deepseek_tiny", overrides=dict(num_layers=8, moe_layer_freq="[0]*3+[1]*5"),
-                                  global_batch_size=4, facts=facts)
+                                  global_batch_size=4, layout=facts.layout, capture=facts.capture)
     assert estimating.trace_stages(moe) == [0, 1, 2, 3]  # type: ignore[arg-type]
     llama = estimating.EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=8), global_batch_size=4,
-                                    facts=facts)
+                                    layout=facts.layout, capture=facts.capture)
     assert estimating.trace_stages(llama) == [0, 1, 1, 3]  # type: ignore[arg-type]
 
 
@@ -214,8 +216,8 @@ def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expe
 def test_expert_parallelism_runs_beside_pipeline_stages_and_tensor_parallelism() -> None:
     def run_problems(pp: int, tp: int) -> list[str]:
         spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2),
-                             num_gpus=4 * tp, global_batch_size=4, device="cpu",
-                             facts=TrainingFacts(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp))
+                             layout=ParallelLayout(num_gpus=4 * tp), global_batch_size=4, device="cpu",
+                             facts=TrainingFacts(layout=ParallelLayout(pp=pp, tp=tp)))
         return [p.message for p in steps.expert_parallel_run_problems(spec)]
 
     assert run_problems(pp=2, tp=1) == run_problems(pp=1, tp=2) == run_problems(pp=2, tp=2) == []

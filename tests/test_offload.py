@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat.apply import find_sites, offloader_of
-from remat.recompute import RecomputeConfig
+from remat.sites.apply import find_sites, offloader_of
+from remat.config.recompute import RecomputeConfig
 from remat.engine import Offloader, offloading
 from remat.engine.offload import _HostCopy
 from remat.models import build
-from remat.layer_plan import Plan
-from remat.verify import verify
+from remat.config.plan import Plan
+from remat.run.verify import verify
 
 LAYERS, BATCH, SEQ = 4, 2, 16
 FULL1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -330,14 +330,14 @@ def test_the_layers_after_an_offload_group_prefetch_it_and_then_wait_for_its_cop
 
 
 def test_megatron_offload_configs_lower_to_per_layer_offload() -> None:
-    layout = find_sites(_model()).layout
-    plan = Plan.from_config(_config(cpu_offloading=True, cpu_offloading_num_layers=2), layout)
+    model_sites = find_sites(_model()).model_sites
+    plan = Plan.from_config(_config(cpu_offloading=True, cpu_offloading_num_layers=2), model_sites)
     assert [a.get("layer") for a in plan.layers] == ["offload", "offload", None, None]
     plan = Plan.from_config(_config(**{**FULL1, "recompute_num_layers": 2}, cpu_offloading=True,
-                                    cpu_offloading_num_layers=3), layout)
+                                    cpu_offloading_num_layers=3), model_sites)
     assert [a.get("layer") for a in plan.layers] == ["offload", None, "offload", None]
     assert "full recompute, groups of 2, inputs offloaded" in plan.describe()
-    plan = Plan.from_config(_config(fine_grained_activation_offloading=True, offload_modules=["core_attn"]), layout)
+    plan = Plan.from_config(_config(fine_grained_activation_offloading=True, offload_modules=["core_attn"]), model_sites)
     assert plan.layers == [{"core_attn": "offload"}] * (LAYERS - 1) + [{}]  # the last layer's backward comes at once
 
 

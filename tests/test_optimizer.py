@@ -1,4 +1,4 @@
-"""The step's optimizer in Megatron's precision (remat.optimizer): main parameters and main
+"""The step's optimizer in Megatron's precision (remat.run.optimizer): main parameters and main
 gradients beside the model's, the bytes each holds as estimate and bench count them, the
 distributed optimizer's share, and the refusals."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.cli import main
 from remat.models import build
-from remat.optimizer import MainParamsAdamW, OptimizerPrecision, adamw, main_grad_bytes
-from remat.problems import ConfigError
-from remat.step import RunSpec, optimizer_state_bytes
+from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision, adamw, main_grad_bytes
+from remat.core.problems import ConfigError
+from remat.run.step import RunSpec, optimizer_state_bytes
 
 FP32 = OptimizerPrecision(main_params_dtype="fp32")
 
@@ -132,4 +132,4 @@ def test_estimate_under_torch_fsdp2_shards_weights_gradients_and_moments_in_the_
 ])
 def test_precision_problems_are_refused_with_what_to_set(precision, said) -> None:
     with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
-        RunSpec(device="cpu", precision=precision)
+        RunSpec(device="cpu", optimizer_precision=precision)

@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from remat.bench.spec import BenchSpec
-from remat.calls import forward_loss
-from remat.estimating import EstimateSpec, estimate
+from remat.sites.calls import forward_loss
+from remat.estimate.stages import EstimateSpec, estimate
 from remat.models import build
-from remat.optimizer import OptimizerPrecision
+from remat.run.optimizer import OptimizerPrecision
 from remat.parallel import fully_shard_layers
 from remat.parallel.data_parallel import shard_bytes
-from remat.problems import ConfigError
+from remat.core.problems import ConfigError
+from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import fsdp_worker  # noqa: E402
@@ -147,8 +148,8 @@ def test_bench_ng_2_with_main_params_keeps_fp32_shards_as_its_estimate_under_fsd
     memory = run["memory"]
     assert (memory["weights"], memory["grads"], memory["optimizer"]) == (2 * parameters, 2 * parameters,
                                                                          4 * parameters)
-    spec = EstimateSpec(recipe="llama3_tiny", num_gpus=2, global_batch_size=4, device="cpu",
-                        precision=OptimizerPrecision("fp32", use_torch_fsdp2=True))
+    spec = EstimateSpec(recipe="llama3_tiny", layout=ParallelLayout(num_gpus=2), global_batch_size=4, device="cpu",
+                        optimizer_precision=OptimizerPrecision("fp32", use_torch_fsdp2=True))
     predicted = estimate(spec)[0].stages[0]
     assert (predicted.weights, predicted.grads, predicted.optimizer_state) == (
         memory["weights"], memory["grads"], memory["optimizer"])
@@ -163,8 +164,8 @@ def test_bench_ng_2_with_the_distributed_optimizer_holds_megatron_s_bytes_at_mos
     run = _bench_json(tmp_path, "-ng", "2", "-gb", "4", "--main_params_dtype", "fp32", "--use_distributed_optimizer")
     parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
     assert (run["memory"]["weights"], run["memory"]["optimizer"]) == (2 * parameters, 4 * parameters)
-    spec = EstimateSpec(recipe="llama3_tiny", num_gpus=2, global_batch_size=4, device="cpu",
-                        precision=OptimizerPrecision("fp32", use_distributed_optimizer=True))
+    spec = EstimateSpec(recipe="llama3_tiny", layout=ParallelLayout(num_gpus=2), global_batch_size=4, device="cpu",
+                        optimizer_precision=OptimizerPrecision("fp32", use_distributed_optimizer=True))
     predicted = estimate(spec)[0].stages[0]
     assert predicted.weights + predicted.grads + predicted.optimizer_state == (6 + 12 // 2) * parameters
     assert 0.85 * predicted.peak <= run["peak_allocated_bytes"] <= predicted.peak

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_under_torchrun
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.parallel import PipelineLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))

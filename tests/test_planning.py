@@ -9,13 +9,13 @@ import torch
 import remat
 from remat.bench.history import recent
 from remat.cli import main
-from remat.layout import ModelLayout
+from remat.config.model_sites import ModelSites
 from remat.memory.prediction import Effect, LayerEffects, Trace
 from remat.memory.windows import Window
 from remat.planner import NoPlanFits
-from remat.sizes import parse_bytes
+from remat.core.sizes import parse_bytes
 from remat.planner import megatron_keys, plan_from_trace, uniform_config
-from remat.layer_plan import Plan, load_plan_or_config
+from remat.config.plan import Plan, load_plan_or_config
 
 MiB, GiB = 2**20, 2**30
 
@@ -158,7 +158,7 @@ def _synthetic(attn_freed: int) -> Trace:
     effects = LayerEffects(combos, {1: Effect(20 * MiB, {}, 0.01), 2: Effect(40 * MiB, {}, 0.02)}, 0, 0.01)
     windows = (Window("fwd0", 0, 0, 50 * MiB), Window("fwd1", 1, 1, 60 * MiB), Window("head", None, 2, 100 * MiB),
                Window("bwd1", 1, 1, 90 * MiB), Window("bwd0", 0, 0, 70 * MiB))
-    return Trace(ModelLayout(labels=(frozenset({"core_attn", "mlp"}),) * 2, has_layer_sites=True), 0, 0.1,
+    return Trace(ModelSites(labels=(frozenset({"core_attn", "mlp"}),) * 2, has_layer_sites=True), 0, 0.1,
                  windows, (effects, effects))
 
 
@@ -187,8 +187,8 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
     # bench also allocates each step's tokens and a loss total: a few hundred bytes more
     assert data["measured"]["peak_allocated_bytes"] == pytest.approx(data["predicted"]["peak_bytes"], rel=1e-3)
     loaded = load_plan_or_config(out)
-    layout = remat.find_sites(remat.models.build("llama3_tiny", num_layers=3, seq_length=32)).layout
-    assert (loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, layout)) == Plan.from_dict(data["plan"])
+    model_sites = remat.find_sites(remat.models.build("llama3_tiny", num_layers=3, seq_length=32)).model_sites
+    assert (loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, model_sites)) == Plan.from_dict(data["plan"])
     assert data["megatron"] == (None if isinstance(loaded, Plan) else megatron_keys(loaded))
     assert bool(data["explain"]) == (Plan.from_dict(data["plan"]) != Plan.none(3))
     assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--config", str(out),
@@ -219,7 +219,7 @@ def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsy
     assert data["predicted"]["peak_bytes"] <= 1.8 * MiB and data["predicted"]["host_bytes"] > 0
     loaded = load_plan_or_config(out)
     lowered = loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, remat.find_sites(
-        remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).layout)
+        remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).model_sites)
     assert lowered.offloads() and lowered.min_offloaded_tensor_size == 256
     assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--config", str(out),
                  "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0

@@ -12,7 +12,7 @@ from remat.models import build
 from remat.models.kernels import rope
 from remat.models.llama.model import split_qkv as eager_split_qkv
 from remat.models.kernels.rope import RotaryQKV, on_cuda, split_qkv
-from remat.verify import run_step
+from remat.run.verify import run_step
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,13 +9,15 @@ import pytest
 
 import remat
 from remat.cli import main
-from remat.estimating import EstimateSpec, predict_stages, rank_plan, trace_stages
-from remat.layer_plan import PipelineStages, Plan, plan_file_problems, plan_pipeline_problems
+from remat.estimate.stages import EstimateSpec, predict_stages, rank_plan, trace_stages
+from remat.config.plan import PipelineStages, Plan, plan_file_problems, plan_pipeline_problems
 from remat.planner import recompute_candidates
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat import stage_plans
-from remat.stage_plans import plan_stages
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.estimate import stage_plans
+from remat.estimate.stage_plans import plan_stages
+from remat.config.parallel import ParallelLayout
 
 MiB = 2**20
 
@@ -23,7 +25,7 @@ MiB = 2**20
 def _spec(pp: int = 2, layers: int = 4, vpp: int | None = None, micro_batches: int = 4,
           seq: int = 256) -> EstimateSpec:
     return EstimateSpec(recipe="llama3_tiny", overrides={"num_layers": layers, "seq_length": seq},
-                        facts=TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp),
+                        facts=TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp)),
                         micro_batch_size=1, global_batch_size=micro_batches, device="cpu", compile=False)
 
 
@@ -76,12 +78,12 @@ def test_the_uniform_config_compared_is_the_fastest_that_fits_every_rank(traced_
     result = plan_stages(spec, budget)
     assert result.uniform is not None
     config, uniform = result.uniform
-    labels = frozenset().union(*traced[0].trace.layout.labels)
+    labels = frozenset().union(*traced[0].trace.model_sites.labels)
     fitting = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         for keys in recompute_candidates(labels, 2):
-            candidate = RecomputeConfig(**keys, facts=TrainingFacts(num_layers=8, pipeline_model_parallel_size=4))
+            candidate = RecomputeConfig(**keys, facts=TrainingFacts(num_layers=8, layout=ParallelLayout(pp=4)))
             estimated = predict_stages("c", spec, traced, [rank_plan(candidate, spec, k) for k in range(4)])
             if estimated.peak <= budget:
                 fitting.append(estimated.step_time_s)
@@ -104,8 +106,7 @@ def test_the_estimate_of_each_rank_is_its_trace_on_the_device() -> None:
     by_shape, on_cpu = trace_stages(spec), trace_stages(spec, device="cpu")
     planned = plan_stages(spec, max(_peaks(spec, by_shape, [None, None])) - 128 * 1024)
     full = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                           facts=TrainingFacts(num_layers=4, pipeline_model_parallel_size=2,
-                                               virtual_pipeline_model_parallel_size=2))
+                           facts=TrainingFacts(num_layers=4, layout=ParallelLayout(pp=2, vp=2)))
     for plans in ([None, None], [s.plan for s in planned.stages], [rank_plan(full, spec, k) for k in range(2)]):
         for shaped, traced in zip(predict_stages("x", spec, by_shape, plans).stages,
                                   predict_stages("x", spec, on_cpu, plans).stages):
@@ -120,7 +121,7 @@ def test_the_ranks_plans_join_into_one_plan_that_runs_each_ranks_own(traced_pp4)
     result = plan_stages(spec, _peaks(spec, traced, [None] * 4)[0] - 512 * 1024, max_group=2)
     for k, stage in enumerate(result.stages):
         assert rank_plan(result.plan, spec, k) == stage.plan
-    assert not list(plan_pipeline_problems(result.plan, TrainingFacts(pipeline_model_parallel_size=4)))
+    assert not list(plan_pipeline_problems(result.plan, TrainingFacts(layout=ParallelLayout(pp=4))))
 
 
 # ---- the plan file ---------------------------------------------------------------------------
@@ -164,8 +165,7 @@ def test_a_plan_files_pipeline_section_rule_passes() -> None:
 
 @pytest.mark.parametrize("pp, vpp, refused", [(2, None, False), (4, None, True), (2, 2, True)])
 def test_a_plan_solved_per_stage_runs_only_on_its_layout(pp, vpp, refused) -> None:
-    problems = list(plan_pipeline_problems(_stamped(), TrainingFacts(pipeline_model_parallel_size=pp,
-                                                                     virtual_pipeline_model_parallel_size=vpp)))
+    problems = list(plan_pipeline_problems(_stamped(), TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp))))
     assert [p.field for p in problems] == (["pipeline"] if refused else [])
     if refused:
         assert "run it with -pp 2" in problems[0].message

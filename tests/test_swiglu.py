@@ -11,8 +11,8 @@ from remat.models import build
 from remat.models.kernels import swiglu
 from remat.models.llama.model import silu_mul
 from remat.models.kernels.swiglu import SwiGLU, on_cuda
-from remat.layer_plan import Plan
-from remat.verify import verify
+from remat.config.plan import Plan
+from remat.run.verify import verify
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_under_torchrun
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.engine import checkpoint, register_stream, rng
 from remat.parallel.tensor_parallel import RANK_SEED_OFFSET, RankStream, parallelize_tensor
-from remat.problems import ConfigError
+from remat.core.problems import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import fsdp_worker  # noqa: E402

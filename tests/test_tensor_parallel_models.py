@@ -24,13 +24,14 @@ import torch
 
 from conftest import run_under_torchrun
 from remat import models
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.cli.tables import _expert_parallel
-from remat.estimating import EstimateSpec
+from remat.estimate.stages import EstimateSpec
 from remat.models import ParallelSizes
-from remat.problems import ConfigError
-from remat.recompute import TrainingFacts
-from remat.step import RunSpec
+from remat.core.problems import ConfigError
+from remat.config.megatron import TrainingFacts
+from remat.run.step import RunSpec
+from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import tp_models_worker as worker  # noqa: E402
@@ -91,9 +92,9 @@ def test_one_ranks_shard_holds_its_heads_and_its_share_of_every_experts_ffn() ->
 
 
 def test_experts_split_over_tp_as_megatron_s_default_and_an_explicit_etp_1_is_refused() -> None:
-    tp2 = TrainingFacts(tensor_model_parallel_size=2)
+    tp2 = TrainingFacts(layout=ParallelLayout(tp=2))
     with pytest.raises(ConfigError, match="expert_tensor_parallel_size: is 1, experts whole on every tensor-parallel"
                                           " rank, which does not run yet; beside -tp remat splits each expert"):
-        RunSpec("moe_tiny", {"expert_tensor_parallel_size": 1}, device="cpu", facts=tp2)
-    assert _expert_parallel(EstimateSpec("moe_tiny", device="cpu", facts=tp2)) == "ep 1, etp 2, "
+        RunSpec("moe_tiny", {"expert_tensor_parallel_size": 1}, device="cpu", layout=tp2.layout, capture=tp2.capture)
+    assert _expert_parallel(EstimateSpec("moe_tiny", device="cpu", layout=tp2.layout, capture=tp2.capture)) == "ep 1, etp 2, "
     assert _expert_parallel(EstimateSpec("moe_tiny", device="cpu")) == "ep 1, etp 1, "

@@ -12,10 +12,10 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import remat
-from remat.apply import offloader_of
+from remat.sites.apply import offloader_of
 from remat.memory.measure import MAX_TIMING_REPEATS, _summed_times, timing_repeats
 from remat.memory.prediction import Effect, combo_of as _combo, combos as _combos
-from remat.layer_plan import Plan
+from remat.config.plan import Plan
 
 LAYERS = 4
 LABELS = ("core_attn", "layernorm", "mlp")

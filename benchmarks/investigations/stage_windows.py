@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from remat.estimating import EstimateSpec, trace_stages
-from remat.recompute import TrainingFacts
+from remat.estimate.stages import EstimateSpec, trace_stages
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     spec = EstimateSpec(recipe=args.recipe, overrides={"num_layers": args.layers, "seq_length": args.seq},
-                        facts=TrainingFacts(pipeline_model_parallel_size=args.pp), micro_batch_size=1,
+                        facts=TrainingFacts(layout=ParallelLayout(pp=args.pp)), micro_batch_size=1,
                         global_batch_size=2 * args.pp, device=args.device)
     traced = {"device": trace_stages(spec, device=args.device), "meta": trace_stages(spec)}
     for rank in range(args.pp):

@@ -22,13 +22,16 @@ import remat
 from remat import parallel
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
-from remat.calls import after_optimizer_step, forward_loss
-from remat.layer_plan import Plan
+from remat.sites.calls import after_optimizer_step, forward_loss
+from remat.config.plan import Plan
 from remat.models.llama.family import gate_up_by_rank
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.problems import ConfigError
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.step import MockData, RunSpec, apply_plan, build_model, forward_backward
+from remat.core.problems import ConfigError
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.run.step import MockData, RunSpec, apply_plan, build_model, forward_backward
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 import gloo
 import fsdp_worker  # the plans of the FSDP2 tests
@@ -56,13 +59,10 @@ def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = C
          pipeline: tuple[int, int | None] = (1, None), **more: Any) -> RunSpec:
     """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32);
     `pipeline`: pp and vp."""
-    facts = TrainingFacts(context_parallel_size=context_parallel, tensor_model_parallel_size=tensor_parallel,
-                          sequence_parallel=sequence_parallel, pipeline_model_parallel_size=pipeline[0],
-                          virtual_pipeline_model_parallel_size=pipeline[1])
+    facts = TrainingFacts(layout=ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline[0], vp=pipeline[1]))
     return RunSpec(recipe=recipe, overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
-                                                 hidden_dropout=dropout), compute_dtype=compute_dtype,
-                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES,
-                   num_gpus=context_parallel * tensor_parallel * pipeline[0], facts=facts, **more)
+                                                 hidden_dropout=dropout), layout=ParallelLayout(num_gpus=context_parallel * tensor_parallel * pipeline[0]), precision=Precision(compute_dtype),
+                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES, layout=facts.layout, capture=facts.capture, **more)
 
 
 def moe_spec(recipe: str, context_parallel: int = CP, pipeline: tuple[int, int | None] = (1, None)) -> RunSpec:
@@ -176,11 +176,9 @@ def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
 def bench(tensor_parallel: int = 1, pipeline: int = 1) -> tuple[str, list[float]]:
     """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2 | -pp 2] -ng N`
     runs; 2 micro-batches, as 1F1B over 2 stages needs)."""
-    facts = TrainingFacts(context_parallel_size=CP, tensor_model_parallel_size=tensor_parallel,
-                          pipeline_model_parallel_size=pipeline)
-    result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), compute_dtype="fp32",
-                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
-                                 num_gpus=CP * tensor_parallel * pipeline, facts=facts),
+    facts = TrainingFacts(layout=ParallelLayout(cp=CP, tp=tensor_parallel, pp=pipeline))
+    result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), layout=ParallelLayout(num_gpus=CP * tensor_parallel * pipeline), precision=Precision("fp32"),
+                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES, layout=facts.layout, capture=facts.capture),
                        RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1))
     return result.status, result.losses or []

@@ -2,7 +2,7 @@
 
 - beside pipeline stages: the MoE recipes of moe_worker over pp 2 x dp 2 with their experts split
   over ep 2 (each pipeline stage's experts over the 2 data-parallel ranks of that stage), built by
-  `remat.step.build_model` under 1F1B and interleaved 1F1B, each rank holding the whole model's
+  `remat.run.step.build_model` under 1F1B and interleaved 1F1B, each rank holding the whole model's
   weights for its layers and experts; one step per plan of moe_worker's, on each replica's half
   of the same 4 micro-batches, then the balancing step.
 - beside tensor parallelism: the same recipes over dp 2 x tp 2, experts split over the 2
@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from moe_worker import CASES, MICRO_BATCHES, OVERRIDES, Data, batches, pipelined, plan, spec, state, whole
 import remat
-from remat import step as steps
+from remat.run import step as steps
 from remat.parallel import coordinates, device_mesh, mean_over_ranks
-from remat.recompute import TrainingFacts
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 import gloo
 from tp_models_worker import one_process_order
@@ -37,9 +39,8 @@ TP_PLANS = ("none", "selective", "full_uniform_2")
 def tensor_parallel_spec(recipe: str, sequence_parallel: bool, dropout: float) -> steps.RunSpec:
     overrides = {**OVERRIDES, "expert_model_parallel_size": EP, "attention_dropout": dropout,
                  "hidden_dropout": dropout}
-    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=GPUS // TP, num_gpus=GPUS,
-                         compute_dtype="fp64", device="cpu", optimizer=False,
-                         facts=TrainingFacts(tensor_model_parallel_size=TP, sequence_parallel=sequence_parallel))
+    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=GPUS // TP, layout=ParallelLayout(num_gpus=GPUS), precision=Precision("fp64"), device="cpu", optimizer=False,
+                         facts=TrainingFacts(layout=ParallelLayout(tp=TP, sp=sequence_parallel)))
 
 
 def _gather(grad: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -15,13 +15,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import remat
-from remat.calls import forward_loss
-from remat.layer_plan import Plan
+from remat.sites.calls import forward_loss
+from remat.config.plan import Plan
 from remat.models import build
 from remat.models.moe.dispatch import AllToAll
 from remat.parallel.expert_parallel import expert_mesh, parallelize_experts
-from remat.recompute import RecomputeConfig
-from remat.step import RunSpec, build_model
+from remat.config.recompute import RecomputeConfig
+from remat.run.step import RunSpec, build_model
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 import gloo
 
@@ -43,7 +45,7 @@ def model(ep: int = 1, **overrides: Any) -> torch.nn.Module:
 
 
 def spec(ranks: int) -> RunSpec:
-    return RunSpec(RECIPE, {**SHAPE, "expert_model_parallel_size": EP}, num_gpus=ranks, compute_dtype="fp64",
+    return RunSpec(RECIPE, {**SHAPE, "expert_model_parallel_size": EP}, layout=ParallelLayout(num_gpus=ranks), precision=Precision("fp64"),
                    device="cpu", seed=SEED)
 
 

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.calls import forward_loss
-from remat.layer_plan import Plan
+from remat.sites.calls import forward_loss
+from remat.config.plan import Plan
 from remat.models import build
 from remat.parallel import accumulate, fully_shard_layers
-from remat.recompute import RecomputeConfig
-from remat.verify import run_step
+from remat.config.recompute import RecomputeConfig
+from remat.run.verify import run_step
 
 import gloo
 

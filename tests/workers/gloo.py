@@ -21,7 +21,7 @@ def run(results: Callable[[], dict[str, Any]]) -> None:
 
 def refused_unchanged(model: torch.nn.Module, layout: Callable[[torch.nn.Module], Any], what: str) -> str:
     """The ConfigError `layout(model)` raises, checked to have left every weight and buffer as it was."""
-    from remat.problems import ConfigError
+    from remat.core.problems import ConfigError
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:

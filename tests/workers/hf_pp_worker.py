@@ -25,12 +25,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import remat
-from remat.calls import forward_loss
+from remat.sites.calls import forward_loss
 from remat.models import ParallelSizes
 from remat.models.hf.family import FAMILY
 from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.step import stage_plan
+from remat.run.step import stage_plan
 
 import gloo
 import hf_tp_worker  # the plans of the tensor-parallel tests

@@ -16,7 +16,7 @@ import remat
 from remat.engine import rng
 from remat.models.hf.configs import hf_config
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.recompute import RecomputeConfig
+from remat.config.recompute import RecomputeConfig
 
 import gloo
 

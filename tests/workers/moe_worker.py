@@ -1,7 +1,7 @@
 """Run by tests/test_moe_parallel.py under torchrun (gloo, CPU, 2 processes), one launch for all:
 
 - pipeline: an MoE recipe (moe_tiny; deepseek_tiny with MLA and expert bias) split into 2
-  stages by `remat.step.build_model` (1F1B, and interleaved 1F1B with 2 virtual stages), each
+  stages by `remat.run.step.build_model` (1F1B, and interleaved 1F1B with 2 virtual stages), each
   stage holding the whole model's weights and expert bias for its layers (copied in by the
   layers' global numbers); one step of 4 micro-batches per plan, then the balancing step.
 - data parallel: deepseek_tiny on 2 data-parallel ranks (FSDP2, built by build_model), each
@@ -21,11 +21,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import remat
-from remat import step as steps
-from remat.calls import after_optimizer_step
+from remat.run import step as steps
+from remat.sites.calls import after_optimizer_step
 from remat.models import family_of
 from remat.parallel import Pipeline, coordinates, mean_over_ranks, model_chunks
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 import gloo
 
@@ -45,9 +48,8 @@ CASES: dict[tuple[str, str], tuple[str, ...]] = {
 def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None, ep: int = 1) -> steps.RunSpec:
     pp, vp = LAYOUTS[layout] if layout else (1, None)
     overrides = {**OVERRIDES, "expert_model_parallel_size": ep} if ep > 1 else OVERRIDES
-    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=MICRO_BATCHES, num_gpus=num_gpus,
-                         compute_dtype="fp64", device="cpu", optimizer=False,
-                         facts=TrainingFacts(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp))
+    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=MICRO_BATCHES, layout=ParallelLayout(num_gpus=num_gpus), precision=Precision("fp64"), device="cpu", optimizer=False,
+                         facts=TrainingFacts(layout=ParallelLayout(pp=pp, vp=vp)))
 
 
 def plan(recipe: str, name: str) -> RecomputeConfig | None:

@@ -13,7 +13,7 @@ from torch import nn
 import remat
 from remat.models import family_of, recipe_config
 from remat.parallel import Pipeline, PipelineLayout, layer_modules
-from remat.step import stage_plan
+from remat.run.step import stage_plan
 
 import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests

@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 from remat import models
 from remat.models import build
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.recompute import RecomputeConfig, TrainingFacts
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.config.parallel import ParallelLayout
 
 import gloo
 import tp_worker
@@ -50,7 +52,7 @@ def plans(name: str) -> dict[str, RecomputeConfig | None]:
     recipe, overrides, modules = MODELS[name]
     config = models.recipe_config(recipe, num_layers=LAYERS, **overrides)
     facts = TrainingFacts(**{key: value for key, value in config.megatron_facts().items()
-                             if key in TrainingFacts.__dataclass_fields__}, tensor_model_parallel_size=tp_worker.TP)
+                             if key in TrainingFacts.__dataclass_fields__}, layout=ParallelLayout(tp=tp_worker.TP))
     return {"none": None,
             "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts),
             "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,

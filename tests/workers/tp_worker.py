@@ -19,17 +19,20 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 import remat
-from remat.apply import offloader_of
-from remat.calls import forward_loss
-from remat.layer_plan import Plan
+from remat.sites.apply import offloader_of
+from remat.sites.calls import forward_loss
+from remat.config.plan import Plan
 from remat.models import build
-from remat.optimizer import MainParamsAdamW, OptimizerPrecision, main_grad_bytes
+from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision, main_grad_bytes
 from remat.parallel import fully_shard_layers
 from remat.parallel.data_parallel import layer_modules
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.step import RunSpec, apply_plan
-from remat.verify import run_step
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.run.step import RunSpec, apply_plan
+from remat.run.verify import run_step
+from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
@@ -39,15 +42,15 @@ DP_TP_PLANS = ("none", "selective", "full_uniform_2", "offload")  # under FSDP2 
 STEP_SEED = 100  # torch's default generators for the step, alike on the tensor-parallel ranks
 TP = 2
 # what apply_plan reads of a run: no pipeline (the model is the worker's own)
-SPEC = RunSpec(overrides={"num_layers": fsdp_worker.LAYERS}, device="cpu", compute_dtype="fp64",
-               facts=TrainingFacts(tensor_model_parallel_size=TP))
+SPEC = RunSpec(overrides={"num_layers": fsdp_worker.LAYERS}, device="cpu", precision=Precision("fp64"),
+               facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
 # full recompute (method, k): each with its kept inputs whole, and split over the tp ranks
 FULL = {"uniform_1": ("uniform", 1), "uniform_2": ("uniform", 2), "block_1": ("block", 1), "block_2": ("block", 2)}
 
 
 def full(method: str, k: int, distribute: bool) -> RecomputeConfig:
     return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k,
-                           distribute_saved_activations=distribute, facts=TrainingFacts(tensor_model_parallel_size=TP))
+                           distribute_saved_activations=distribute, facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
 
 
 def gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:

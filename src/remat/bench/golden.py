@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from remat.bench.result import BenchResult, timing_noise
-from remat.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem
 
 Verdict = Literal["ok", "within noise", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
 OK: Verdict = "ok"

@@ -5,10 +5,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from remat.labels import recompute_labels
-from remat.layer_plan import Plan, PlanLike, load_plan_or_config
-from remat.problems import ConfigError, Problem
-from remat.recompute import RecomputeConfig
+from remat.core.labels import recompute_labels
+from remat.config.plan import Plan, PlanLike, load_plan_or_config
+from remat.core.problems import ConfigError, Problem
+from remat.config.recompute import RecomputeConfig
 
 
 def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:

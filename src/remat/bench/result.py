@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from remat.doctor import AllocatorState
-from remat.timing import spread
+from remat.core.timing import spread
 
 Status = Literal["ok", "oom"]
 # How far apart the step times of one CPU process and another run for the same tiny recipe: tens of

@@ -15,18 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import doctor, step
-from remat.apply import offloader_of, warn_if_nothing_offloaded
+from remat import doctor
+from remat.run import build, step
+from remat.sites.apply import offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
-from remat.calls import after_optimizer_step
-from remat.layer_plan import Plan, PlanLike
+from remat.sites.calls import after_optimizer_step
+from remat.config.plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
-from remat.optimizer import main_grad_bytes
-from remat.parallel import coordinates, max_over_ranks, mean_over_ranks, of_highest_rank, rank, world_size
-from remat.step import MockData
+from remat.run.optimizer import main_grad_bytes
+from remat.parallel import max_over_ranks, mean_over_ranks, of_highest_rank, rank, world_size
+from remat.run.step import MockData
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
 OnStep = Callable[[str, int, int, str], None]
@@ -140,13 +141,14 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
 
 def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
-    layout = {"data_parallel": spec.data_parallel, "tensor_parallel": spec.facts.tensor_model_parallel_size,
-              "sequence_parallel": int(spec.parallel.sequence_split > 1), "pipeline_parallel": spec.stages,
-              "virtual_pipeline_parallel": spec.pipeline.virtual, "context_parallel": spec.context_parallel}
-    return dict(**spec.model_config.record(), **{key: size for key, size in layout.items() if size > 1},
+    layout = spec.layout
+    sizes = {"data_parallel": layout.dp, "tensor_parallel": layout.tp, "sequence_parallel": int(layout.sequence_split > 1),
+             "pipeline_parallel": layout.pp, "virtual_pipeline_parallel": layout.virtual, "context_parallel": layout.cp,
+             "expert_model_parallel_size": layout.ep}
+    return dict(**spec.model_config.record(), **{key: size for key, size in sizes.items() if size > 1},
                 micro_batch_size=spec.micro_batch_size,
-                global_batch_size=spec.global_batch_size or spec.micro_batch_size,
-                max_steps=spec.max_steps, task=spec.task, compute_dtype=spec.compute_dtype, compile=spec.compile)
+                global_batch_size=spec.global_batch_size or spec.micro_batch_size, max_steps=spec.max_steps,
+                task=spec.task, compute_dtype=spec.precision.compute_dtype, compile=spec.compile)
 
 
 def _base_record(spec: BenchSpec, plan: PlanLike, name: str | None) -> dict[str, Any]:
@@ -165,10 +167,10 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     """Train `spec.max_steps` steps under `plan` and measure them. An out-of-memory error is a
     result (status "oom"), after which the memory it held is released; `on_oom` sees the error
     first, while the failed step's tensors are alive (remat doctor's `Doctor.observe`)."""
-    model = model or step.build_model(spec)
-    step.reset_parameters(spec, model)  # every run of a sweep starts from the same weights
+    model = model or build.build_model(spec)
+    build.reset_parameters(spec, model)  # every run of a sweep starts from the same weights
     model.train()
-    step.apply_plan(spec, model, plan)
+    build.apply_plan(spec, model, plan)
     record = _base_record(spec, plan, name)
     report = on_step or (lambda *args: None)
     report(record["name"], 0, spec.max_steps, "")
@@ -199,7 +201,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
     sequences = spec.micro_batch_size * spec.micro_batches
     # the model's FLOPs over the GPUs of one copy of it (a pipeline's stages)
-    flops = spec.family.flops(config, config.seq_length, sequences) / spec.model_parallel
+    flops = spec.family.flops(config, config.seq_length, sequences) / spec.layout.model_parallel
     assert cuda or steps.cpu_peak is not None  # _train counts it where there is no CUDA allocator
     # the rank with the highest peak, and that rank's breakdown of it
     local_peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0
@@ -228,8 +230,7 @@ def _place(spec: BenchSpec) -> tuple[int | None, dict[str, int] | None]:
     if world_size() == 1:
         return None, None
     here = rank()
-    return here, coordinates(here, spec.stages, spec.data_parallel, spec.facts.tensor_model_parallel_size,
-                             spec.context_parallel).named()
+    return here, spec.layout.coordinates(here)._asdict()
 
 
 def _host_out_of_memory(error: BaseException) -> bool:
@@ -239,5 +240,5 @@ def _host_out_of_memory(error: BaseException) -> bool:
 def sweep(spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *,
           on_step: OnStep | None = None) -> list[BenchResult]:
     """Run every (name, plan) on one model in one process; OOMs are results, the rest go on."""
-    model = step.build_model(spec)
+    model = build.build_model(spec)
     return [run_bench(spec, plan, model=model, name=name, on_step=on_step) for name, plan in plans]

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from remat.config.fields import optional, parse_bool, parse_int, parse_str, setting
 from remat.models import parameter_count
 from remat.parallel import launched_world
-from remat.problems import ConfigError, Problem, count, did_you_mean, one_of
-from remat.step import RunSpec, device_problems, expert_parallel_run_problems
+from remat.core.problems import ConfigError, Problem, count, did_you_mean, one_of
+from remat.run.spec import RunSpec, device_problems, run_problems
 
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
 # Above this a CPU step takes minutes and tens of GiB: such shapes are for a GPU.
@@ -27,11 +28,13 @@ MAX_STEPS = 1_000_000
 class BenchSpec(RunSpec):
     """A benchmark: `max_steps` training steps of the spec, timed after `warmup_steps`. Validated on creation."""
 
-    max_steps: int = DEFAULT_MAX_STEPS
-    warmup_steps: int = DEFAULT_WARMUP_STEPS
-    gpu: str | None = None  # Bridge's -g label, checked against the device
+    max_steps: int = setting(DEFAULT_MAX_STEPS, parse=parse_int, flag=True, short="-ms", metavar="N")
+    warmup_steps: int = setting(DEFAULT_WARMUP_STEPS, parse=parse_int, flag=True, metavar="N")
+    gpu: str | None = setting(None, parse=optional(parse_str), flag=True, short="-g",
+                              help="GPU label, checked against the device (h100, h200, b200, ...)")
     command: str = field(default_factory=lambda: shlex.join(sys.argv))  # recorded with results
-    dryrun: bool = False  # only built on meta and printed: a full-size recipe is fine on a CPU
+    # only built on meta and printed: a full-size recipe is fine on a CPU
+    dryrun: bool = setting(False, parse=parse_bool, flag=True, short="-d", help="build, validate and print; run nothing")
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
@@ -54,12 +57,8 @@ class BenchSpec(RunSpec):
 
     def _launch_problems(self) -> Iterator[Problem]:
         """Several GPUs: data parallel (FSDP2) over the processes torchrun started, one per GPU."""
-        gpus, started = self.num_gpus or self.model_parallel, launched_world()
-        yield from self.pipeline.problems(self.micro_batches)
-        try:
-            yield from expert_parallel_run_problems(self)
-        except (ConfigError, ValueError):  # the config's own problems, reported with it
-            pass
+        gpus, started = self.layout.gpus, launched_world()
+        yield from run_problems(self)
         if started > 1 and started != gpus:  # outside torchrun, `remat bench -ng N` starts it
             yield Problem("num_gpus", f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"
                                       f" launch with torchrun --nproc-per-node {gpus}, or let remat bench -ng"

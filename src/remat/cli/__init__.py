@@ -5,27 +5,27 @@ import argparse
 import re
 import shlex
 import sys
+from importlib.metadata import version
 from collections.abc import Sequence
 
 from rich.markup import escape
 
-from remat import __version__
 from remat.cli import bench, doctor, estimate, history, plan, recipes, sweep, validate, verify
 from remat.cli.args import select_model
 from remat.cli.common import err
-from remat.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem
 
 COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, history)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="remat", description="Activation recompute for PyTorch transformer training.")
-    parser.add_argument("--version", action="version", version=f"remat {__version__}")
+        prog="remat", description="Activation recompute for PyTorch transformer training.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"remat {version('remat')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         name = command.__name__.rsplit(".", 1)[1]
-        p = sub.add_parser(name, help=command.HELP, description=command.__doc__)
+        p = sub.add_parser(name, help=command.HELP, description=command.__doc__, allow_abbrev=False)
         command.add_arguments(p)
         # command_parser: so an unknown flag gets its command's usage
         p.set_defaults(func=command.run, command_parser=p)
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Megatron keys a flag of another name sets
-_SET_BY = {"cpu_offloading": "activation_offload_layers", "cpu_offloading_num_layers": "activation_offload_layers"}
+_SET_BY = {"cpu_offloading": "cpu_offloading_num_layers"}
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

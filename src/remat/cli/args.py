@@ -1,82 +1,46 @@
-"""The flags the commands share (Megatron Bridge's names) and what a command line means: the
-recompute config or plan, the run's spec, the model's facts for the rules."""
+"""The flags the commands share, each derived from the setting it sets (`cli/flags.py`), and what
+a command line means: the run's spec, its layout, the recompute config or plan, the model's facts
+for the rules. A config file (--config) gives Megatron's keys; flags override it."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.apply import apply, find_sites
 from remat.bench.golden import golden_match_problems, load_golden, run_differences
 from remat.bench.presets import megatron_presets, parse_entry, run_key
 from remat.bench.result import BenchResult
 from remat.bench.run import plan_name, run_shape
-from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS, BenchSpec
-from remat.cli.checks import (
-    golden_flag_problems,
-    offload_device_advice,
-    plan_file_flag_problems,
-    recompute_flag_problems,
-)
+from remat.bench.spec import BenchSpec
+from remat.cli.checks import golden_flag_problems, offload_device_advice, plan_file_flag_problems, recompute_flag_problems
 from remat.cli.common import Problems
-from remat.estimating import cpu_run_problems
-from remat.labels import labels_without_model, recompute_labels
-from remat.layer_plan import Plan, PlanLike, load_plan_or_config, plan_pipeline_problems
+from remat.cli.flags import add_settings, given
+from remat.config.capture import Capture
+from remat.config.fields import from_public
+from remat.config.megatron import RecomputeFields, TrainingFacts
+from remat.config.parallel import ParallelLayout
+from remat.config.plan import Plan, PlanLike, load_plan_or_config, plan_pipeline_problems
+from remat.config.precision import Precision
+from remat.config.recompute import RecomputeConfig
+from remat.core.problems import ConfigError, Problem, advise
+from remat.estimate.stages import cpu_run_problems
 from remat.models import FAMILIES, build, recipe_config
-from remat.optimizer import DTYPES, OptimizerPrecision
-from remat.problems import ConfigError, Problem, advise, raise_if_any
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.rules import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, GRANULARITIES, METHODS, MIN_OFFLOADED_TENSOR_SIZE
-from remat.step import unrun_problems
+from remat.run.optimizer import OptimizerPrecision
+from remat.run.spec import ModelOverrides, RunSpec
+from remat.sites.apply import apply, find_sites
+
+# ModelOverrides a run's recipe takes from the command line (verify adds attention and dropout)
+RUN_OVERRIDES = ("num_layers", "hidden_size", "seq_length", "num_moe_experts", "moe_layer_freq",
+                 "gradient_accumulation_fusion")
 
 
-def add_recompute_flags(p: argparse.ArgumentParser) -> None:
-    """The recompute and parallelism flags of Megatron Bridge's performance scripts."""
-    g = p.add_argument_group("recompute (Megatron Bridge names)")
-    g.add_argument("--recompute_granularity", choices=list(GRANULARITIES),
-                   help="full: whole layers; selective: the modules in --recompute_modules")
-    megatron = [label for label in recompute_labels() if label != "mlp_act"]
-    g.add_argument("--recompute_modules", metavar="A,B",
-                   help=f"selective labels, comma separated ({', '.join(megatron)}; remat's mlp_act; Megatron's "
-                        f"{', '.join(labels_without_model())} are refused: no remat model has their layers yet); "
-                        "implies --recompute_granularity selective")
-    g.add_argument("-rl", "--recompute_num_layers", type=int, metavar="N",
-                   help="full recompute of N layers per (virtual) stage; implies full granularity "
-                        "and, unless --recompute_method says otherwise, the block method")
-    g.add_argument("--recompute_method", choices=list(METHODS))
-    g.add_argument("--distribute_saved_activations", action="store_true", default=None,
-                   help="full recompute keeps 1/tp of each range's input on each tensor-parallel rank, "
-                        "all-gathered before its replay (not with --sequence_parallel)")
-    g.add_argument("-ol", "--activation_offload_layers", type=int, metavar="N",
-                   help="offload what the first N layers save to host memory (cpu_offloading); with "
-                        "full recompute, the inputs its groups keep")
-    g.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
-                   help=f"tensors of fewer elements stay on the GPU (default {MIN_OFFLOADED_TENSOR_SIZE})")
-    g = p.add_argument_group("parallelism and CUDA graphs")
-    add_parallel_flags(g)
-    g.add_argument("--cuda_graph_impl", choices=list(CUDA_GRAPH_IMPLS))
-    g.add_argument("--cuda_graph_scope", metavar="A,B", help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}")
-    g.add_argument("--config", metavar="FILE",
-                   help="YAML or JSON with Megatron TransformerConfig keys; flags override it")
-
-
-def add_parallel_flags(g: argparse._ActionsContainer) -> None:
-    """Megatron's model-parallel sizes: tensor (with sequence), pipeline (with virtual stages), context."""
-    g.add_argument("-tp", "--tensor_model_parallel_size", type=int, metavar="N")
-    g.add_argument("-pp", "--pipeline_model_parallel_size", type=int, metavar="N")
-    g.add_argument("-vp", "--virtual_pipeline_model_parallel_size", type=int, metavar="N")
-    g.add_argument("-cp", "--context_parallel_size", type=int, metavar="N")
-    g.add_argument("--sequence_parallel", action="store_true", default=None)
-
-
-def add_model_source_flags(g: argparse._ActionsContainer) -> None:
+def add_model_source_flags(g: argparse._ActionsContainer, recipe_default: str | None = "llama3_tiny") -> None:
     """Which model: a recipe, a Hugging Face config, or any model from a factory."""
     g.add_argument("-m", "--model_family_name", default="llama", choices=list(FAMILIES))
-    g.add_argument("-mr", "--model_recipe_name", default="llama3_tiny", metavar="RECIPE",
-                   help="see `remat recipes` (default llama3_tiny, which runs on CPU)")
+    add_settings(g, RunSpec, only=["recipe"], defaults={"model_recipe_name": recipe_default})
     g.add_argument("--hf_config", metavar="FAMILY_OR_JSON",
                    help="with -m hf: a transformers family (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, gpt2,"
                         " mixtral, qwen2_moe, qwen3_moe, deepseek_v3; small shapes to override) or a config.json;"
@@ -86,78 +50,41 @@ def add_model_source_flags(g: argparse._ActionsContainer) -> None:
                         " below its first embedding's vocabulary, -sl tokens")
 
 
-def add_expert_flags(g: argparse._ActionsContainer) -> None:
-    """Megatron's expert-parallel sizes, overrides of an MoE recipe's config."""
-    g.add_argument("-ep", "--expert_model_parallel_size", type=int, metavar="N",
-                   help="MoE recipes: split each MoE layer's routed experts over N data-parallel ranks (bench: "
-                        "tokens sent to their experts' ranks by all-to-all, -ng a multiple of N; estimate: one "
-                        "rank's share)")
-    g.add_argument("-etp", "--expert_tensor_parallel_size", type=int, metavar="N",
-                   help="MoE recipes: split each expert's FFN over N ranks (estimate: one rank's share; beside -tp"
-                        " the experts split over the tensor-parallel ranks, Megatron's default)")
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Model and batch flags of Megatron Bridge's performance scripts."""
+def add_model_flags(p: argparse.ArgumentParser, *, overrides: Iterable[str] = RUN_OVERRIDES,
+                    defaults: Mapping[str, Any] | None = None, skip: Iterable[str] = ()) -> argparse._ArgumentGroup:
+    """The model, its shape and the step: Megatron Bridge's names."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
     add_model_source_flags(g)
-    g.add_argument("-ng", "--num_gpus", type=int, metavar="N",
-                   help="GPUs in all: tp x pp x cp x data parallel (default: one copy of the model, tp x pp x cp)")
-    g.add_argument("-sl", "--seq_length", type=int, metavar="N")
-    g.add_argument("-mb", "--micro_batch_size", type=int, default=1, metavar="N")
-    g.add_argument("-gb", "--global_batch_size", type=int, metavar="N")
-    g.add_argument("--num_layers", type=int, metavar="N")
-    g.add_argument("--hidden_size", type=int, metavar="N")
-    g.add_argument("--num_moe_experts", type=int, metavar="N", help="MoE recipes: routed experts (a slice that fits)")
-    g.add_argument("--moe_layer_freq", metavar="F",
-                   help="MoE recipes: every F-th layer is MoE, or one 0/1 per layer as '[0]*1+[1]*3'")
-    add_expert_flags(g)
-    g.add_argument("--no_gradient_accumulation_fusion", action="store_true",
-                   help="let autograd add each weight gradient into .grad with its own kernel instead of the "
-                        "weight-gradient GEMM (Megatron's --no-gradient-accumulation-fusion)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model's regions between Sites (QKV split+RoPE, SwiGLU, loss softmax); "
-                        "on CUDA, SwiGLU+linear_fc2, the QKV split with RoPE, RMSNorm and the loss chunk run "
-                        "remat's Triton kernels; a Hugging Face model gets the chunked loss head. Default: on"
-                        " for CUDA (the fast path), off for CPU")
-    g.add_argument("--no_optimizer", action="store_true",
-                   help="forward+backward only, gradients accumulating, as the torch anchor measures")
-    g.add_argument("--main_params_dtype", choices=sorted(DTYPES), metavar="DTYPE",
-                   help="Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside "
-                        "the model's (fp32 in Megatron's bf16 runs); default: AdamW on the model's parameters")
-    g.add_argument("--main_grads_dtype", choices=sorted(DTYPES), metavar="DTYPE",
-                   help="with --main_params_dtype: the main gradients each backward adds into (default: the main "
-                        "parameters' dtype)")
-    g.add_argument("--use_distributed_optimizer", action="store_true",
-                   help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters "
-                        "and moments (6 + 12/dp bytes a parameter; bench: FSDP2 keeping each layer gathered through a"
-                        " step and reducing gradients once, at its last micro-batch)")
-    g.add_argument("--use_torch_fsdp2", action="store_true",
-                   help="data parallel by torch's FSDP2, as Megatron's --use-torch-fsdp2: parameters (in the main"
-                        " dtype), gradients and moments sharded over data parallel, each layer gathered in the"
-                        " compute dtype; what remat bench runs with data parallelism unless told"
-                        " --use_distributed_optimizer (estimate; bench: implied)")
+    add_settings(g, ModelOverrides, only=overrides)
+    add_settings(g, RunSpec, skip=["recipe", *skip], defaults=defaults)
+    add_settings(g, Precision, defaults=defaults)
+    add_settings(g, OptimizerPrecision)
     return g
 
 
-def optimizer_precision(args: argparse.Namespace) -> OptimizerPrecision:
-    return OptimizerPrecision(args.main_params_dtype, args.main_grads_dtype, args.use_distributed_optimizer,
-                              args.use_torch_fsdp2)
-
-
 def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Model, batch and run flags of Megatron Bridge's performance scripts."""
+    """A run that trains steps: the model flags, the bench's steps and GPU, progress and history."""
     g = add_model_flags(p)
-    g.add_argument("--task", default="pretrain", help="pretrain or sft (labels of the first quarter masked)")
-    g.add_argument("-g", "--gpu", help="GPU label, checked against the device (h100, h200, b200, ...)")
-    g.add_argument("-c", "--compute_dtype", default="bf16", help="bf16 (fp8 variants not supported yet)")
-    g.add_argument("-ms", "--max_steps", type=int, default=DEFAULT_MAX_STEPS, metavar="N")
-    g.add_argument("--warmup_steps", type=int, default=DEFAULT_WARMUP_STEPS, metavar="N")
-    g.add_argument("--device", help="cuda or cpu (default: cuda when there is a GPU)")
+    add_settings(g, BenchSpec, only=["max_steps", "warmup_steps", "gpu"])
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
                                                    "~/.cache/remat/history.sqlite)")
     g.add_argument("--no_history", action="store_true", help="do not record the run")
+
+
+def add_layout_flags(p: argparse.ArgumentParser, title: str = "parallelism and CUDA graphs") -> None:
+    """The parallel layout (Megatron's sizes) and CUDA graphs."""
+    g = p.add_argument_group(title)
+    add_settings(g, ParallelLayout)
+    add_settings(g, Capture)
+
+
+def add_recompute_flags(p: argparse.ArgumentParser) -> None:
+    """The recompute and offload flags of Megatron Bridge's performance scripts, and a config file."""
+    g = p.add_argument_group("recompute (Megatron Bridge names)")
+    add_settings(g, RecomputeFields)
+    g.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON with Megatron TransformerConfig keys, or a plan file; flags override it")
 
 
 def select_model(args: argparse.Namespace) -> None:
@@ -174,63 +101,44 @@ def select_model(args: argparse.Namespace) -> None:
         args.model_recipe_name = f"module:{factory}"
 
 
-# the keys that say how a run is laid out over GPUs (and captured), not what it recomputes
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "context_parallel_size", "sequence_parallel", "cuda_graph_impl", "cuda_graph_scope")
+def config_file(args: argparse.Namespace) -> RecomputeConfig | Plan | None:
+    """--config FILE: Megatron keys or a per-layer plan."""
+    path = getattr(args, "config", None)
+    return load_plan_or_config(path) if path else None
 
 
-def megatron_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Map parsed flags to Megatron config keys, as Bridge's perf scripts do."""
-    keys: dict[str, Any] = {}
-    if args.recompute_num_layers is not None:
-        keys.update(recompute_granularity="full", recompute_method="block",
-                    recompute_num_layers=args.recompute_num_layers)
-    if args.recompute_modules is not None:
-        keys.update(recompute_granularity="selective", recompute_modules=args.recompute_modules)
-    if args.activation_offload_layers:
-        keys.update(cpu_offloading=True, cpu_offloading_num_layers=args.activation_offload_layers)
-    if args.min_offloaded_tensor_size is not None:
-        keys.update(min_offloaded_tensor_size=args.min_offloaded_tensor_size)
-    for name in ("recompute_granularity", "recompute_method", "distribute_saved_activations", *LAYOUT_KEYS):
-        value = getattr(args, name)
-        if value is not None:
-            keys[name] = value
-    return keys
+def file_keys(loaded: RecomputeConfig | Plan | None) -> dict[str, Any]:
+    return loaded.to_megatron() if isinstance(loaded, RecomputeConfig) else {}
 
 
-def resolve_config(args: argparse.Namespace, model_facts: dict[str, Any]) -> RecomputeConfig | Plan:
-    """What a command line means: --config FILE (Megatron keys or a per-layer plan), then the
-    model's facts, then the flags."""
-    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules,
-                                            args.recompute_granularity))
-    if problems:
-        raise ConfigError(problems)
-    keys: dict[str, Any] = {}
-    if args.config:
-        loaded = load_plan_or_config(args.config)
-        if isinstance(loaded, Plan):
-            actions = {k: v for k, v in megatron_overrides(args).items() if k not in LAYOUT_KEYS}
-            problems = list(plan_file_flag_problems(actions))
-            if problems:
-                raise ConfigError(problems)
-            return loaded
-        keys.update(loaded.to_megatron())
-    keys.update(model_facts)
-    keys.update(megatron_overrides(args))
-    return RecomputeConfig.from_megatron(keys)
+def _setting(cls: Any, args: argparse.Namespace, keys: Mapping[str, Any]) -> Any:
+    """A settings value of `cls`: a config file's keys, then the flags."""
+    return cls(**{**from_public(cls, keys), **given(cls, args)})
+
+
+def layout_of(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> ParallelLayout:
+    """The run's parallel layout: a config file's sizes, then the flags'."""
+    return _setting(ParallelLayout, args, keys)
+
+
+def run_parts(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """The layout, CUDA graphs and precision a command line (and its config file's `keys`) gives."""
+    return dict(layout=layout_of(args, keys), capture=_setting(Capture, args, keys),
+                precision=_setting(Precision, args, keys))
+
+
+def gpus_of(args: argparse.Namespace) -> int:
+    """The GPUs a command line's run takes (-ng, else one copy of the model); 1 where its flags or
+    config file cannot say (their problems are reported when checked)."""
+    try:
+        return layout_of(args, file_keys(config_file(args))).gpus
+    except ConfigError:
+        return 1
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe's fields the flags replace."""
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length", "num_moe_experts",
-                                               "expert_model_parallel_size", "expert_tensor_parallel_size")
-                 if getattr(args, k, None) is not None}
-    if getattr(args, "moe_layer_freq", None) is not None:
-        freq = args.moe_layer_freq
-        overrides["moe_layer_freq"] = int(freq) if freq.isdigit() else freq
-    if getattr(args, "no_gradient_accumulation_fusion", False):
-        overrides["gradient_accumulation_fusion"] = False
-    return overrides
+    return ModelOverrides(**given(ModelOverrides, args)).given()
 
 
 def compile_default(flag: bool | None, device: str) -> bool:
@@ -238,46 +146,70 @@ def compile_default(flag: bool | None, device: str) -> bool:
     return device.startswith("cuda") if flag is None else flag
 
 
-def bench_spec(args: argparse.Namespace) -> BenchSpec:
-    """The run a bench or sweep command line asks for; ConfigError with every problem."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    spec = BenchSpec(recipe=args.model_recipe_name, overrides=model_overrides(args),
-                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                     max_steps=args.max_steps, warmup_steps=args.warmup_steps, task=args.task,
-                     compute_dtype=args.compute_dtype, device=device, compile=compile_default(args.compile, device),
-                     gpu=args.gpu, num_gpus=args.num_gpus, optimizer=not args.no_optimizer,
-                     precision=optimizer_precision(args), facts=flag_facts(args),
-                     command=args.command_line, dryrun=getattr(args, "dryrun", False))
-    return spec
+def spec_settings(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """A RunSpec's fields from a command line (and its config file's `keys`)."""
+    values = {**given(RunSpec, args), **run_parts(args, keys)}
+    values["overrides"] = model_overrides(args)
+    values["optimizer_precision"] = OptimizerPrecision(**given(OptimizerPrecision, args))
+    return values
 
 
-def model_facts(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The Megatron keys a recipe's model fixes for the recompute rules."""
-    config = recipe_config(args.model_recipe_name, **(model_overrides(args) if overrides is None else overrides))
-    return config.megatron_facts()
+def bench_spec(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> BenchSpec:
+    """The run a bench, sweep, plan or doctor command line asks for; ConfigError with every problem."""
+    values = {**spec_settings(args, keys), **given(BenchSpec, args)}
+    device = values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    values.update(device=device, compile=compile_default(values.get("compile"), device), command=args.command_line,
+                  dryrun=bool(getattr(args, "dryrun", False)))
+    return BenchSpec(**values)
+
+
+def facts_of(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> TrainingFacts:
+    """What the recompute rules read of the run a command line asks for: its recipe's layers,
+    dropout and switches, and its layout, CUDA graphs and precision (the config file's, then the
+    flags')."""
+    config = recipe_config(args.model_recipe_name, **model_overrides(args))
+    return TrainingFacts(**run_parts(args, keys), **from_public(TrainingFacts, config.megatron_facts()))
+
+
+def fallback_facts(found: Problems, args: argparse.Namespace, keys: Mapping[str, Any]) -> TrainingFacts:
+    """The facts of a command line whose model cannot be built: its layout, CUDA graphs and
+    precision alone, so that the rules that need no model still run."""
+    return TrainingFacts(**(found.run(run_parts, args, keys) or {}))
+
+
+def recompute_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The recompute settings the flags give, as Megatron Bridge's perf scripts read them: -rl
+    implies full recompute by the block method, --recompute_modules selective, -ol CPU offloading."""
+    keys = {f: v for f, v in given(RecomputeFields, args).items()}
+    if "recompute_num_layers" in keys:
+        keys = {"recompute_granularity": "full", "recompute_method": "block", **keys}
+    if "recompute_modules" in keys:
+        keys.setdefault("recompute_granularity", "selective")
+    if keys.get("cpu_offloading_num_layers"):
+        keys["cpu_offloading"] = True
+    return keys
+
+
+def resolve_config(args: argparse.Namespace, loaded: RecomputeConfig | Plan | None,
+                   facts: TrainingFacts) -> RecomputeConfig | Plan:
+    """What a command line means to recompute: its config file's settings, then the flags', on
+    the run's `facts`; or the plan file it names."""
+    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules,
+                                            args.recompute_granularity))
+    if problems:
+        raise ConfigError(problems)
+    flags = recompute_keys(args)
+    if isinstance(loaded, Plan):
+        problems = list(plan_file_flag_problems(flags))
+        if problems:
+            raise ConfigError(problems)
+        return loaded
+    settings = {k: v for k, v in file_keys(loaded).items() if k in RecomputeFields.__dataclass_fields__}
+    return RecomputeConfig.from_megatron({**settings, **facts.to_megatron(), **flags})
 
 
 def meta_model(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> nn.Module:
     return build(args.model_recipe_name, device="meta", **(model_overrides(args) if overrides is None else overrides))
-
-
-def gpus_of(args: argparse.Namespace) -> int:
-    """The GPUs a run's flags take: -ng, else one copy of the model (tp x pp x cp)."""
-    return args.num_gpus or flag_facts(args).model_parallel_size
-
-
-def flag_facts(args: argparse.Namespace) -> TrainingFacts:
-    """The parallel sizes and CUDA graphs the flags give (without a config file's); a command
-    without those flags runs one copy of the model without CUDA graphs."""
-    def flag(name: str) -> Any:
-        return getattr(args, name, None)
-    scope = flag("cuda_graph_scope")
-    return TrainingFacts(
-        tensor_model_parallel_size=flag("tensor_model_parallel_size") or 1,
-        pipeline_model_parallel_size=flag("pipeline_model_parallel_size") or 1,
-        virtual_pipeline_model_parallel_size=flag("virtual_pipeline_model_parallel_size"),
-        context_parallel_size=flag("context_parallel_size") or 1, sequence_parallel=bool(flag("sequence_parallel")),
-        cuda_graph_impl=flag("cuda_graph_impl") or "none", cuda_graph_scope=scope.split(",") if scope else [])
 
 
 def advise_offload(spec: BenchSpec | None, plans: Sequence[tuple[str, PlanLike]]) -> None:
@@ -292,17 +224,16 @@ def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
     """Every problem of a bench command line, from every stage (and `more`), before anything runs:
     the spec, the config (or plan file) as given, as applied to the model, and the golden."""
     found = Problems()
-    spec = found.run(bench_spec, args, field="model_recipe_name")
-    facts = found.run(model_facts, args, field="model_recipe_name")
-    found.add(unrun_problems(flag_facts(args)))
+    loaded = found.run(config_file, args, field="config")
+    keys = file_keys(loaded)
+    spec = found.run(bench_spec, args, keys, field="model_recipe_name")
+    facts = found.run(facts_of, args, keys, field="model_recipe_name")
     found.add(golden_flag_problems(args.threshold, args.golden is not None))
     resolved = None
     # without the model's facts (a bad shape) the rules that need none still run
-    plan = found.run(resolve_config, args, facts or {})
-    if isinstance(plan, RecomputeConfig):
-        found.add(unrun_problems(plan.facts))
-    if isinstance(plan, Plan):  # a per-layer plan's ranges and solved-for layout against the run's stages
-        found.add(plan_pipeline_problems(plan, flag_facts(args)))
+    plan = found.run(resolve_config, args, loaded, facts or fallback_facts(found, args, keys))
+    if isinstance(plan, Plan) and spec is not None:  # its ranges and solved-for layout against the run's stages
+        found.add(plan_pipeline_problems(plan, spec.layout))
     if facts is not None and (plan is not None or not found.problems):
         resolved = found.run(apply, meta_model(args), plan)
     golden = found.run(load_golden, args.golden, field="golden") if args.golden else None
@@ -324,8 +255,8 @@ def sweep_entries(found: Problems, model: nn.Module, entries: Sequence[str] | No
     """Sweep entries (None, or the entry "presets" among them: Megatron's presets, full block over
     half of the `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
     `execution` lists what a config asks that the runner would not run as asked."""
-    layout = find_sites(model).layout
-    presets = megatron_presets(frozenset().union(*layout.labels), stage_layers or layout.num_layers)
+    model_sites = find_sites(model).model_sites
+    presets = megatron_presets(frozenset().union(*model_sites.labels), stage_layers or model_sites.num_layers)
     expanded = [name for entry in entries or ["presets"] for name in (presets if entry == "presets" else [entry])]
     plans, runs = [], set()
     for entry in dict.fromkeys(expanded):  # an entry given twice runs once

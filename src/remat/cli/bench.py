@@ -14,23 +14,25 @@ from remat.bench.golden import DEFAULT_THRESHOLD, compare, golden_failed, mismat
 from remat.bench.result import BenchResult
 from remat.bench.run import plan_name, run_bench
 from remat.bench.spec import BenchSpec
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.args import add_layout_flags, add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.flags import add_settings
 from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import checks_table, doctor_report, memory_table, results_table
 from remat.doctor import report_of
 from remat.parallel import is_main, launched_world, rank, start, stop, torchrun
 from remat.parallel.launch import leave, left_by_ranks, rank_words
-from remat.problems import count
-from remat.recompute import RecomputeConfig
+from remat.core.problems import count
+from remat.config.recompute import RecomputeConfig
 
 HELP = "train a recipe under a recompute config and measure it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
+    add_settings(p, BenchSpec, only=["dryrun"])
+    add_layout_flags(p)
     add_recompute_flags(p)
-    p.add_argument("-d", "--dryrun", action="store_true", help="build, validate and print; run nothing")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--golden", metavar="FILE",
                    help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
@@ -91,21 +93,18 @@ def _launch(args: argparse.Namespace, gpus: int) -> int:
 
 def _layout_words(spec: BenchSpec) -> str:
     """How the run spreads over GPUs, for the table's title."""
-    words = []
-    tp = spec.facts.tensor_model_parallel_size
-    if tp > 1:
-        words.append(f"tensor parallel over {tp} ranks" + (" with sequence parallel" if spec.facts.sequence_parallel
-                                                            else ""))
-    if spec.stages > 1:
-        virtual = spec.pipeline.virtual
-        words.append(f"{spec.stages} pipeline stages" + (f" x {virtual} virtual (interleaved 1F1B)" if virtual > 1
-                                                        else " (1F1B)"))
-    if spec.context_parallel > 1:
-        words.append(f"context parallel over {spec.context_parallel} ranks (ring attention)")
-    if spec.expert_parallel > 1:
-        words.append(f"experts over {spec.expert_parallel} ranks")
-    if spec.data_parallel > 1:
-        words.append(f"data parallel over {spec.data_parallel} ranks (FSDP2)")
+    words, layout = [], spec.layout
+    if layout.tp > 1:
+        words.append(f"tensor parallel over {layout.tp} ranks" + (" with sequence parallel" if layout.sp else ""))
+    if layout.pp > 1:
+        words.append(f"{layout.pp} pipeline stages" + (f" x {layout.virtual} virtual" if layout.virtual > 1 else "")
+                     + f" ({layout.pipeline_schedule})")
+    if layout.cp > 1:
+        words.append(f"context parallel over {layout.cp} ranks (ring attention)")
+    if layout.ep > 1:
+        words.append(f"experts over {layout.ep} ranks")
+    if layout.dp > 1:
+        words.append(f"data parallel over {layout.dp} ranks (FSDP2)")
     return "".join(f", {w}" for w in words)
 
 
@@ -116,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.dryrun:
         out.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
                   f"{count(spec.micro_batches, 'micro-batch', 'micro-batches')} a step, {count(spec.max_steps, 'step')} "
-                  f"({spec.warmup_steps} warm-up), {spec.compute_dtype}")
+                  f"({spec.warmup_steps} warm-up), {spec.precision.compute_dtype}")
         if isinstance(plan, RecomputeConfig):
             out.print(plan.describe())
         out.print(resolved.describe())

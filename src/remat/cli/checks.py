@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from remat.bench.golden import threshold_problems
-from remat.problems import Problem
-from remat.recompute import RecomputeConfig
-from remat.rules import min_offload_size_problems
+from remat.core.problems import Problem
+from remat.cli.flags import flag_of
+from remat.config.megatron import RecomputeFields
+from remat.config.recompute import RecomputeConfig
+from remat.config.rules import min_offload_size_problems
 
 
 def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None,
@@ -159,13 +161,15 @@ def plan_run_flag_problems(verify: bool, given: Iterable[str]) -> Iterator[Probl
             yield Problem(flag, "sets the run --verify makes, and there is none; pass --verify or drop it")
 
 
-def planning_flag_problems(configs: Sequence[str] | None, recompute_keys: Mapping[str, Any]) -> Iterator[Problem]:
-    """--memory-budget asks the planner to choose: not beside configs or recompute flags given."""
+def planning_flag_problems(configs: Sequence[str] | None, recompute_flags: Mapping[str, Any]) -> Iterator[Problem]:
+    """--memory-budget asks the planner to choose: not beside configs or recompute flags given
+    (`recompute_flags`: the recompute settings a command line gives, by field name)."""
     if configs:
         yield Problem("--configs", "--memory-budget plans instead of estimating given configs; drop one of them")
-    for key in recompute_keys:
-        if key.startswith(("recompute_", "cpu_offloading", "fine_grained", "offload_modules", "distribute_saved")):
-            yield Problem(f"--{key}", "--memory-budget chooses what to recompute or offload; drop the flag")
+    for key in recompute_flags:
+        if key != "min_offloaded_tensor_size":
+            yield Problem(flag_of(RecomputeFields, key), "--memory-budget chooses what to recompute or offload; drop"
+                                                         " the flag")
 
 
 def per_stage_verify_problems(verify: bool, model_parallel: int) -> Iterator[Problem]:
@@ -177,7 +181,7 @@ def per_stage_verify_problems(verify: bool, model_parallel: int) -> Iterator[Pro
 
 
 def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
-    """A plan or config file is read back by its suffix (remat bench --config, remat.apply)."""
+    """A plan or config file is read back by its suffix (remat bench --config, remat.sites.apply)."""
     if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
         yield Problem(flag, f"{path}: a plan is read back by its suffix; end the name in .yaml, .yml or .json")
 

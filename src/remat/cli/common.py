@@ -29,7 +29,7 @@ from remat.cli.checks import (
     png_path_problems,
 )
 from remat.cli.tables import fit_width
-from remat.problems import ConfigError, Problem, RematWarning
+from remat.core.problems import ConfigError, Problem, RematWarning
 
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False, emoji=False)

@@ -16,18 +16,19 @@ import shlex
 import torch
 
 from remat import doctor
-from remat.bench.checks import check_results, load_results
+from remat.bench.findings import check_results, load_results
 from remat.bench.plot import timeline_plot
 from remat.bench.run import plan_name, run_bench
-from remat.cli.args import add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.args import add_layout_flags, add_recompute_flags, add_run_flags, check_bench, gpus_of
 from remat.cli.checks import doctor_flag_problems, doctor_run_problems, one_process_problems, png_path_problems
 from remat.cli.common import Problems, out, path_problems, progress_bar, show
 from remat.cli.tables import doctor_report, findings_table, format_gib
 from remat.memory.timeline import timeline
 from remat.parallel import launched_world
-from remat.problems import Problem
-from remat.sizes import parse_bytes
-from remat.step import MockData, build_model, make_optimizer
+from remat.core.problems import Problem
+from remat.core.sizes import parse_bytes
+from remat.run.build import build_model
+from remat.run.step import MockData, make_optimizer
 
 HELP = "diagnose an OOM (fragmentation or capacity) or a bench/sweep's results"
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
     p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had: bytes, or like 80GiB")
     add_run_flags(p)
+    add_layout_flags(p)
     add_recompute_flags(p)
     p.set_defaults(golden=None, threshold=None)
 

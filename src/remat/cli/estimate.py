@@ -6,102 +6,78 @@ component, and its step time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from remat.apply import apply
 from remat.bench.run import plan_name
-from remat.cli.args import (
-    add_model_flags,
-    compile_default,
-    optimizer_precision,
-    add_recompute_flags,
-    flag_facts,
-    megatron_overrides,
-    meta_model,
-    model_facts,
-    model_overrides,
-    resolve_config,
-    sweep_entries,
-)
+from remat.cli.args import (add_layout_flags, add_model_flags, add_recompute_flags, compile_default, config_file,
+                            facts_of, file_keys, meta_model, resolve_config, spec_settings,
+                            sweep_entries)
 from remat.cli.checks import configs_flag_problems, planning_flag_problems
-from remat.cli.plan import add_budget_flags, budget_problems, plan_per_stage
 from remat.cli.common import (Outputs, Problems, collected_warnings, path_problems, print_warnings, progress_bar, show,
                               write_json)
+from remat.cli.flags import add_settings, given
+from remat.cli.plan import add_budget_flags, budget_problems, plan_per_stage
 from remat.cli.tables import estimate_table
-from remat.estimating import DEFAULT_TFLOPS, ESTIMATE_TARGETS, EstimateSpec, estimate
-from remat.layer_plan import PlanLike
+from remat.config.megatron import RecomputeFields
+from remat.config.parallel import ParallelLayout
+from remat.config.plan import PlanLike
+from remat.config.recompute import RecomputeConfig
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import estimate
 from remat.planner import max_group_problems
-from remat.memory.measure import DEFAULT_HOST_GBPS
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.sizes import parse_bytes
+from remat.sites.apply import apply
 
 HELP = "predict peak memory per GPU and pipeline stage from shapes alone"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
+    g = add_model_flags(p, skip=["device", "task", "seed"])
+    add_settings(g, EstimateSpec, only=["device", "tflops", "host_gbps", "cublas_workspace"])
+    add_layout_flags(p)
     add_recompute_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY",
                    help="estimate these (not beside recompute or offload flags): none, mlp+core_attn, "
                         "full_uniform_1, full_block_K, a config or plan file, or `presets` for Megatron's "
                         "usual ones")
-    p.add_argument("--target", choices=ESTIMATE_TARGETS, default="cuda",
-                   help="whose fused kernels (attention, RMSNorm) to count (default cuda)")
-    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, metavar="X",
-                   help=f"sustained TFLOP/s per GPU that times a step (default {DEFAULT_TFLOPS:g})")
-    p.add_argument("--host_gbps", type=float, default=DEFAULT_HOST_GBPS, metavar="X",
-                   help=f"host link bandwidth each way in GB/s that times offload copies (default "
-                        f"{DEFAULT_HOST_GBPS:g}, pinned copies on an H200)")
-    p.add_argument("--cublas_workspace", metavar="SIZE",
-                   help="one cuBLAS handle's workspace on the cuda target, e.g. 8MiB (a bare number is bytes; "
-                        "default: from CUBLAS_WORKSPACE_CONFIG, else 32 MiB, torch's on an H200; about 8 MiB "
-                        "on GPUs before Hopper); counted once per GEMM thread")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates (or the plans) as JSON")
     budget = p.add_argument_group("planning by shape (instead of estimating given configs)")
     add_budget_flags(budget, required=False, threshold=False)
 
 
-def _global_batch(args: argparse.Namespace, facts: TrainingFacts) -> int | None:
+def _global_batch(values: dict, layout: ParallelLayout) -> int | None:
     """-gb, or by default one micro-batch per pipeline stage on each data-parallel rank (1F1B's fill)."""
-    if args.global_batch_size is not None:
-        return args.global_batch_size
-    pp = facts.pipeline_model_parallel_size
-    model_parallel = facts.tensor_model_parallel_size * pp * facts.context_parallel_size
-    if model_parallel < 1 or pp < 1:  # the rules refuse the sizes
+    if values.get("global_batch_size") is not None:
+        return values["global_batch_size"]
+    if layout.model_parallel < 1 or layout.pp < 1:  # the layout's own problems
         return None
-    gpus = args.num_gpus or model_parallel
-    return args.micro_batch_size * max(gpus // model_parallel, 1) * pp
+    return values.get("micro_batch_size", 1) * layout.dp * layout.pp
+
+
+def _spec(args: argparse.Namespace, keys: dict) -> EstimateSpec:
+    values = {**spec_settings(args, keys), **given(EstimateSpec, args)}
+    values.update(global_batch_size=_global_batch(values, values["layout"]),
+                  compile=compile_default(values.get("compile"), values.get("device", "cuda")))
+    return EstimateSpec(**values)
 
 
 def check(args: argparse.Namespace) -> tuple[EstimateSpec, list[tuple[str, PlanLike]]]:
     """The spec and the configs of an estimate command line, every problem reported together."""
     found = Problems()
-    keys = found.run(model_facts, args, field="model_recipe_name")
-    flags = found.run(resolve_config, args, keys) if keys is not None else None
+    loaded = found.run(config_file, args, field="config")
+    keys = file_keys(loaded)
+    facts = found.run(facts_of, args, keys, field="model_recipe_name")
+    flags = found.run(resolve_config, args, loaded, facts) if facts is not None else None
     found.raise_if_any()
-    assert keys is not None  # or a problem was raised
-    facts = flags.facts if isinstance(flags, RecomputeConfig) else flag_facts(args)
+    assert facts is not None  # or a problem was raised
     model = meta_model(args)
     plans: list[tuple[str, PlanLike]] = []
     if args.configs:
         found.add(configs_flag_problems(flags if isinstance(flags, RecomputeConfig) else None))
-        parallel = {k: v for k, v in dataclasses.asdict(facts).items()
-                    if k.endswith("_size") or k == "sequence_parallel"}
-        stage_layers = dataclasses.replace(facts, num_layers=keys["num_layers"]).layers_per_virtual_stage
-        plans = sweep_entries(found, model, args.configs, {**keys, **parallel}, stage_layers=stage_layers)
+        plans = sweep_entries(found, model, args.configs, facts.to_megatron(), stage_layers=facts.layers_per_chunk)
     elif found.run(apply, model, flags) is not None:
         plans.append((plan_name(flags), flags))
     found.add(path_problems({"--json": args.json}))
-    workspace = (found.run(parse_bytes, args.cublas_workspace, "cublas_workspace", "b", True)
-                 if args.cublas_workspace is not None else None)
-    spec = found.run(lambda: EstimateSpec(
-        recipe=args.model_recipe_name, overrides=model_overrides(args), facts=facts,
-        micro_batch_size=args.micro_batch_size, global_batch_size=_global_batch(args, facts),
-        num_gpus=args.num_gpus, optimizer=not args.no_optimizer, precision=optimizer_precision(args),
-        device=args.target,
-        compile=compile_default(args.compile, args.target),
-        tflops=args.tflops, host_gbps=args.host_gbps, cublas_workspace=workspace))
+    spec = found.run(_spec, args, keys)
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
     return spec, plans
@@ -127,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
     """--memory-budget: a plan per pipeline rank, solved on the shapes' trace."""
     found = Problems()
     budget, host_budget = budget_problems(args, found)
-    found.add(planning_flag_problems(args.configs, megatron_overrides(args)))
+    found.add(planning_flag_problems(args.configs, given(RecomputeFields, args)))
     found.add(max_group_problems(args.max_group))
     found.raise_if_any()
     args.configs = ["none"]  # the run's layout and shapes, with no config of its own

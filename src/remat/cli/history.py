@@ -8,7 +8,7 @@ from remat.bench.history import default_history_path, entries, entry
 from remat.cli.checks import history_file_problems
 from remat.cli.common import Problems, out, show
 from remat.cli.tables import history_table, memory_table, results_table
-from remat.problems import Problem
+from remat.core.problems import Problem
 
 HELP = "list past runs from the run history, or show one"
 

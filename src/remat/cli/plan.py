@@ -14,7 +14,9 @@ import yaml
 
 from remat.bench.run import run_bench
 from remat.bench.spec import DEFAULT_MAX_STEPS, DEFAULT_WARMUP_STEPS
-from remat.cli.args import add_parallel_flags, add_run_flags, bench_spec
+from remat.cli.args import add_layout_flags, add_run_flags, bench_spec
+from remat.cli.flags import add_settings
+from remat.config.megatron import RecomputeFields
 from remat.cli.checks import (
     offload_device_advice,
     offload_threshold_problems,
@@ -25,22 +27,24 @@ from remat.cli.checks import (
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, path_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import estimate_table, plan_table, stage_plans_table, storage_table, trace_table, verify_plan_table
-from remat.estimating import EstimateSpec, cpu_run_problems
-from remat.layer_plan import Plan
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import cpu_run_problems
+from remat.config.plan import Plan
 from remat.planner import (PlanResult, host_budget_problems, max_group_problems, plan_from_trace, plan_search_problems,
                            weight_bytes)
-from remat.problems import advise
-from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
-from remat.sizes import parse_bytes
-from remat.stage_plans import plan_stages
-from remat.step import build_model, trace_spec
+from remat.core.problems import advise
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.core.sizes import parse_bytes
+from remat.estimate.stage_plans import plan_stages
+from remat.run.build import build_model
+from remat.run.step import trace_spec
 
 HELP = "choose the fastest recompute plan that fits a memory budget"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
-    add_parallel_flags(p.add_argument_group("parallelism (a plan per pipeline rank, each rank's shard traced here)"))
+    add_layout_flags(p, "parallelism (a plan per pipeline rank, each rank's shard traced here) and CUDA graphs")
     add_budget_flags(p, required=True)
     p.add_argument("--verify", action="store_true",
                    help="bench the chosen plan and print predicted against measured")
@@ -62,9 +66,7 @@ def add_budget_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, requi
     p.add_argument("--host-memory-budget", "--host_memory_budget", dest="host_memory_budget", metavar="SIZE",
                    help="with --offload: the most host memory offload may hold (per GPU), like 200GiB")
     if threshold:
-        p.add_argument("--min_offloaded_tensor_size", type=int, metavar="N",
-                       help=f"with --offload: tensors of fewer elements stay on the GPU (default "
-                            f"{MIN_OFFLOADED_TENSOR_SIZE})")
+        add_settings(p, RecomputeFields, only=["min_offloaded_tensor_size"])
     p.add_argument("--max_group", type=int, default=16, metavar="N",
                    help="longest run of layers recomputed as one unit that the planner considers")
 
@@ -122,16 +124,16 @@ def run(args: argparse.Namespace) -> int:
     budget, host_budget = budget_problems(args, found)
     found.add(path_problems({"--output": args.output, "--json": args.json}))
     found.add(plan_run_flag_problems(args.verify, [flag for flag, given in (
-        ("--max_steps", args.max_steps != DEFAULT_MAX_STEPS),
-        ("--warmup_steps", args.warmup_steps != DEFAULT_WARMUP_STEPS),
+        ("--max_steps", args.max_steps is not None),
+        ("--warmup_steps", args.warmup_steps is not None),
         ("--history", args.history is not None)) if given]))
     if spec is not None:
-        found.add(per_stage_verify_problems(args.verify, spec.model_parallel))
+        found.add(per_stage_verify_problems(args.verify, spec.layout.model_parallel))
     found.raise_if_any()
     assert spec is not None and budget is not None  # or a problem was raised
     found.add(cpu_run_problems(spec, [("the no-recompute step the trace starts from", None)]))
     found.raise_if_any()
-    if spec.model_parallel > 1:  # one rank's shard per kind of stage, traced here in turn
+    if spec.layout.model_parallel > 1:  # one rank's shard per kind of stage, traced here in turn
         found.add(max_group_problems(args.max_group))
         found.raise_if_any()
         return plan_per_stage(EstimateSpec.of_run(spec), args, budget, host_budget, device=spec.device)

@@ -9,16 +9,16 @@ import argparse
 from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
-from remat.cli.args import (add_run_flags, advise_offload, bench_spec, gpus_of, meta_model, model_facts,
-                            sweep_entries)
+from remat.cli.args import add_layout_flags, add_run_flags, advise_offload, bench_spec, facts_of, meta_model, sweep_entries
+from remat.cli.flags import add_settings
 from remat.cli.checks import one_process_problems
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
                               show, write_json)
 from remat.cli.tables import results_table
-from remat.estimating import cpu_run_problems
-from remat.layer_plan import PlanLike
+from remat.estimate.stages import cpu_run_problems
+from remat.config.plan import PlanLike
 from remat.parallel import launched_world
-from remat.step import unrun_problems
+from remat.run.spec import unrun_problems
 
 DEFAULT_PLOT = "pareto.png"
 
@@ -27,23 +27,25 @@ HELP = "bench many recompute configs in one process; table and Pareto plot"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p)
+    add_settings(p, BenchSpec, only=["dryrun"], defaults={"dryrun": False})
+    add_layout_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
     p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {DEFAULT_PLOT})")
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
-    p.add_argument("-d", "--dryrun", action="store_true", help="list the entries; run nothing")
 
 
 def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike]]]:
     """Every problem of a sweep, each entry checked against the model, before anything runs."""
     found = Problems()
     spec = found.run(bench_spec, args, field="model_recipe_name")
-    facts = found.run(model_facts, args, field="model_recipe_name")
+    facts = found.run(facts_of, args, field="model_recipe_name")
     plans: list[tuple[str, PlanLike]] = []
     if facts is not None:
-        plans = sweep_entries(found, meta_model(args), args.configs, facts,
-                              lambda config: unrun_problems(config.facts))
+        plans = sweep_entries(found, meta_model(args), args.configs, facts.to_megatron(),
+                              lambda config: unrun_problems(config.facts.capture))
     found.add(output_problems(args, DEFAULT_PLOT))
-    found.add(one_process_problems("sweep", gpus_of(args), launched_world()))
+    if spec is not None:
+        found.add(one_process_problems("sweep", spec.layout.gpus, launched_world()))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
     if not spec.dryrun:

@@ -10,20 +10,21 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from remat.bench.checks import Finding
+from remat.bench.findings import Finding
 from remat.bench.golden import NOISE, OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
 from remat.bench.result import BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
 from remat.doctor import Report, attribution_rows
-from remat.estimating import Estimate, EstimateSpec
-from remat.layout import index_runs
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import Estimate
+from remat.config.model_sites import index_runs
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
 from remat.models import parameter_count
 from remat.planner import PlanResult, megatron_keys
-from remat.stage_plans import PipelinePlan
-from remat.sizes import format_bytes
-from remat.verify import VerifyReport
+from remat.estimate.stage_plans import PipelinePlan
+from remat.core.sizes import format_bytes
+from remat.run.verify import VerifyReport
 
 _MISSING = "-"
 _STATUS_STYLES = {"ok": "green", "oom": "bold red"}
@@ -205,20 +206,18 @@ def milliseconds(seconds: float) -> str:
 
 def _expert_parallel(spec: EstimateSpec) -> str:
     """'ep N, etp M, ' for a model with routed experts (its config has Megatron's expert sizes)."""
-    config = spec.model_config
-    ep, etp = (getattr(config, f"expert_{kind}_parallel_size", None) for kind in ("model", "tensor"))
-    tp = spec.facts.tensor_model_parallel_size
-    return "" if ep is None else f"ep {ep}, etp {tp if tp > 1 else etp}, "  # beside tp the experts split over it
+    layout = spec.layout
+    if not hasattr(spec.model_config, "expert_model_parallel_size"):
+        return ""
+    return f"ep {layout.ep}, etp {layout.tp if layout.tp > 1 else layout.etp or 1}, "  # beside tp: over the tp ranks
 
 
 def estimate_table(spec: EstimateSpec, results: Sequence[Estimate], measured: bool = False) -> Table:
     """Each result's peak per pipeline rank, by component, and its step time (`measured`: the
     ranks' shards were traced on the device, so the times were measured there)."""
-    f = spec.facts
-    sp = f.sequence_parallel and f.tensor_model_parallel_size > 1
-    title = (f"{spec.recipe}: tp {f.tensor_model_parallel_size}{' (sp)' if sp else ''}, "
-             f"pp {f.pipeline_model_parallel_size}, vpp {f.virtual_pipeline_model_parallel_size or 1}, "
-             f"cp {f.context_parallel_size}, {_expert_parallel(spec)}"
+    layout = spec.layout
+    title = (f"{spec.recipe}: tp {layout.tp}{' (sp)' if layout.sequence_split > 1 else ''}, pp {layout.pp}, vpp"
+             f" {layout.virtual}, cp {layout.cp}, {_expert_parallel(spec)}"
              f"micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
     table = Table(title=f"estimated peak memory per GPU, {title}")
     host = any(s.host for result in results for s in result.stages)

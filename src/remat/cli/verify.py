@@ -8,83 +8,79 @@ from typing import Any
 
 import torch
 
-from remat.apply import apply, offloader_of
-from remat.cli.args import add_model_source_flags, add_recompute_flags, flag_facts, model_facts, resolve_config
+from remat.cli.args import (add_layout_flags, add_model_source_flags, add_recompute_flags, config_file, facts_of,
+                            file_keys, model_overrides, resolve_config, run_parts)
 from remat.cli.checks import tolerance_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings, show
+from remat.cli.flags import add_settings
 from remat.cli.tables import verify_table
-from remat.estimating import cpu_run_problems
+from remat.config.precision import Precision
+from remat.core.problems import Problem
+from remat.core.sizes import format_bytes
+from remat.estimate.stages import cpu_run_problems
 from remat.models import build, parameter_count, recipe_config
-from remat.problems import Problem
-from remat.sizes import format_bytes
-from remat.step import (
-    RunSpec,
-    device_problems,
-    micro_batch_problems,
-    micro_batch_tokens_problems,
-    single_process_problems,
-)
-from remat.verify import verify
+from remat.run.spec import (ModelOverrides, RunSpec, device_problems, micro_batch_problems, micro_batch_tokens_problems,
+                            single_process_problems, unrun_problems)
+from remat.run.verify import verify
+from remat.sites.apply import apply, offloader_of
 
 HELP = "run one step without and with a config; compare gradients"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_source_flags(p)
-    p.add_argument("--num_layers", type=int, metavar="N")
-    p.add_argument("--hidden_size", type=int, metavar="N")
-    p.add_argument("-sl", "--seq_length", type=int, metavar="N")
-    p.add_argument("-mb", "--micro_batch_size", type=int, default=2, metavar="N",
-                   help="sequences in the step (default 2)")
-    p.add_argument("--attention_backend", choices=["sdpa", "eager"])
-    p.add_argument("--attention_dropout", type=float, metavar="P")
-    p.add_argument("--hidden_dropout", type=float, metavar="P")
-    p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float64")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tolerance", type=float, default=0.0,
+    g = p.add_argument_group("model and step")
+    add_model_source_flags(g)
+    add_settings(g, ModelOverrides, skip=["gradient_accumulation_fusion"])
+    add_settings(g, RunSpec, only=["micro_batch_size", "device", "seed"],
+                 defaults={"micro_batch_size": 2, "device": "cpu", "seed": 0})
+    add_settings(g, Precision, defaults={"compute_dtype": "fp64"})
+    g.add_argument("--tolerance", type=float, default=0.0,
                    help="largest |gradient difference| accepted (default 0: bit-identical)")
+    add_layout_flags(p)
     add_recompute_flags(p)
 
 
-_COMPUTE_DTYPES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16"}
-
-
-def _cpu_run_problems(args: argparse.Namespace, overrides: dict[str, Any]) -> list[Problem]:
+def _cpu_run_problems(args: argparse.Namespace, overrides: dict[str, Any], precision: Precision) -> list[Problem]:
     """On CPU: the larger step (without recompute) and the two sets of gradients kept to compare."""
     spec = RunSpec(recipe=args.model_recipe_name, overrides=overrides, micro_batch_size=args.micro_batch_size,
-                   compute_dtype=_COMPUTE_DTYPES[args.dtype], device=args.device, optimizer=False)
+                   precision=precision, device=args.device, optimizer=False)
     weights = parameter_count(args.model_recipe_name, **overrides)
     return list(cpu_run_problems(spec, [("no recompute", None)], 2 * weights * spec.dtype.itemsize))
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "seq_length",
-                                                "attention_backend", "attention_dropout",
-                                                "hidden_dropout") if getattr(args, k) is not None}
+    overrides = model_overrides(args)
     found = Problems()
+    loaded = found.run(config_file, args, field="config")
+    keys = file_keys(loaded)
+    parts = found.run(run_parts, args, keys) or {}
     found.add([*device_problems(args.device), *micro_batch_problems(args.micro_batch_size),
-               *single_process_problems(flag_facts(args)), *tolerance_problems(args.tolerance)])
+               *tolerance_problems(args.tolerance)])
+    if parts:
+        found.add([*single_process_problems(parts["layout"]), *unrun_problems(parts["capture"]),
+                   *parts["precision"].problems()])
     shape = found.run(lambda: recipe_config(args.model_recipe_name, **overrides), field="model_recipe_name")
     with collected_warnings() as caught:
         config = None
         if shape is not None:  # the config is checked against the model before anything is allocated
             found.add(micro_batch_tokens_problems(shape.seq_length, args.micro_batch_size, 1))
-            config = found.run(resolve_config, args, model_facts(args, overrides))
+            config = found.run(resolve_config, args, loaded, facts_of(args, keys))
             if config is not None:
                 found.run(apply, build(args.model_recipe_name, device="meta", **overrides), config)
         found.raise_if_any()
         assert shape is not None and config is not None  # None only after a problem found above
-        found.add(_cpu_run_problems(args, overrides))
+        precision = parts["precision"]
+        found.add(_cpu_run_problems(args, overrides, precision))
         found.raise_if_any()
         torch.use_deterministic_algorithms(args.device == "cpu")
         torch.manual_seed(args.seed)
-        model = build(args.model_recipe_name, dtype=getattr(torch, args.dtype), device=args.device, **overrides)
+        model = build(args.model_recipe_name, dtype=precision.dtype, device=args.device, **overrides)
         ids = torch.randint(0, shape.vocab_size, (args.micro_batch_size, shape.seq_length + 1), device=args.device)
         report = verify(model, config, ids[:, :-1], ids[:, 1:], seed=args.seed)
     print_warnings(caught)
     out.print(report.plan.describe())
-    show(verify_table(report, args.model_recipe_name, args.micro_batch_size, args.dtype, args.device))
+    show(verify_table(report, args.model_recipe_name, args.micro_batch_size, str(precision.dtype).removeprefix("torch."),
+                      args.device))
     offloader = offloader_of(model)
     if offloader is not None:
         stats = offloader.stats()

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from remat.apply import find_sites
+from remat.sites.apply import find_sites
 from remat.engine import storage_key
-from remat.labels import LAYER
+from remat.core.labels import LAYER
 from remat.memory.meter import storage_bytes
 
 Owner = tuple[int | None, str]  # (layer, site label); layer None: outside the layers

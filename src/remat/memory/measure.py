@@ -26,21 +26,21 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.apply import apply, find_sites, offloader_of
-from remat.calls import forward_loss
-from remat.labels import LAYER
-from remat.layer_plan import Plan
-from remat.layout import ModelLayout
+from remat.sites.apply import apply, find_sites, offloader_of
+from remat.sites.calls import forward_loss
+from remat.core.labels import LAYER
+from remat.config.plan import Plan
+from remat.config.model_sites import ModelSites
 from remat.memory.attribution import Attributor, Owner, SiteStorages
 from remat.memory.flops import FLOP_FORMULAS
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors, storage_bytes
 from remat.memory.prediction import (MEASURED_GROUP_SIZES, Combo, Effect, LayerEffects, Trace, combos, offload_combos,
                                      offloads)
 from remat.memory.windows import Window
-from remat.problems import ConfigError, Problem, raise_if_any
-from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
-from remat.sites import Site
-from remat.timing import spread
+from remat.core.problems import ConfigError, Problem, raise_if_any
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.sites.site import Site
+from remat.core.timing import spread
 
 # Host link bandwidth assumed for offload copies on the meta device, each way: pinned copies on the
 # H200 measured 55 GB/s (benchmarks/README.md).
@@ -269,14 +269,14 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     the copies are timed at `host_bytes_per_s`, hidden behind the next layer's forward and backward.
     """
     sites = find_sites(model)
-    layout = sites.layout
-    if not layout.has_layer_sites:
+    model_sites = sites.model_sites
+    if not model_sites.has_layer_sites:
         raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
                                             "to tell one layer's memory from the next; add layer Sites")])
     input_ids, labels = batch
     raise_if_any(meta_offload_problems(offload, input_ids.device.type, host_bytes_per_s))
     note = progress or (lambda message: None)
-    n = layout.num_layers
+    n = model_sites.num_layers
     stepper = Stepper(model, (input_ids, labels), optimizer, gradients_persist(optimizer, micro_batches), seed,
                        flops_per_s, min_offloaded_tensor_size, host_bytes_per_s)
     gc.collect()
@@ -290,17 +290,17 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
             storages = stepper.site_storages()
             kinds: dict[tuple[Any, ...], list[int]] = {}
             for i in range(n):
-                kinds.setdefault(_signature(model, sites.layers[i], layout.labels[i]), []).append(i)
+                kinds.setdefault(_signature(model, sites.layers[i], model_sites.labels[i]), []).append(i)
             effects: dict[int, LayerEffects] = {}
             for indices in kinds.values():
-                measured = KindMeasurement(stepper, base, base_time, indices, layout, timing_repeats,
+                measured = KindMeasurement(stepper, base, base_time, indices, model_sites, timing_repeats,
                                            note).measure(offload)
                 effects.update((i, measured) for i in indices)
     finally:
         gc.unfreeze()
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
-    return Trace(layout, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
+    return Trace(model_sites, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
                  step_noise_s=noise, timed_on=input_ids.device.type,
                  offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size,
                  fixed_bytes=base.held_bytes + (0 if stepper.grads_persist else storage_bytes(
@@ -362,11 +362,11 @@ class KindMeasurement:
     """
 
     def __init__(self, stepper: Stepper, base: StepRecord, base_time: float, indices: list[int],
-                 layout: ModelLayout, repeats: int, note: Callable[[str], None]) -> None:
+                 model_sites: ModelSites, repeats: int, note: Callable[[str], None]) -> None:
         self.stepper, self.base, self.base_time = stepper, base, base_time
         self.indices, self.repeats, self.note = indices, repeats, note
-        self.n, self.last = layout.num_layers, max(indices)
-        self.labels = layout.labels[self.last]
+        self.n, self.last = model_sites.num_layers, max(indices)
+        self.labels = model_sites.labels[self.last]
         self.followed = [i for i in indices if i + 1 < self.n]  # layers with a next one
         self.layer_time = 0.0  # one layer's full recompute: set by measure()
 

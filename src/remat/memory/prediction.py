@@ -15,14 +15,14 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from remat.labels import LAYER, discard_labels, discard_only_labels, enclosing, offload_only_labels
-from remat.layer_plan import Plan, check_plan
-from remat.layout import ModelLayout, check_config
+from remat.core.labels import LAYER, discard_labels, discard_only_labels, enclosing, offload_only_labels
+from remat.config.plan import Plan, check_plan
+from remat.config.model_sites import ModelSites, check_config
 from remat.memory.attribution import Owner, SiteStorages, owner_name
 from remat.memory.windows import Choice, PlanningProblem, Window
-from remat.problems import ConfigError, Problem
-from remat.recompute import RecomputeConfig
-from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
+from remat.core.problems import ConfigError, Problem
+from remat.config.recompute import RecomputeConfig
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 
 Combo = frozenset[tuple[str, str]]  # (label, action) pairs that differ from keep
 Offset = tuple[str, int]  # ("fwd" | "bwd", layer index relative to the first layer of a choice)
@@ -87,7 +87,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Trace:
-    layout: ModelLayout
+    model_sites: ModelSites
     baseline_saved_bytes: int
     base_step_time_s: float
     windows: tuple[Window, ...]  # peaks of the no-recompute step, in step order
@@ -135,10 +135,10 @@ class Trace:
     def choices(self) -> list[Choice]:
         """Every way to run every layer: each site combination, each recompute group. Offload
         only where a later layer's backward leaves time to copy the tensors back."""
-        n = self.layout.num_layers
+        n = self.model_sites.num_layers
         out = [self.choice(i, i + 1, dict(combo)) for i in range(n) for combo in self.layers[i].combos
                if i < n - 1 or not offloads(combo)]
-        if self.layout.has_layer_sites:
+        if self.model_sites.has_layer_sites:
             out += [self.choice(s, e, None) for s in range(n)
                     for e in range(s + 1, min(n, s + self.max_group) + 1)]
             out += [self.choice(s, e, None, offload_input=True) for s in range(n)
@@ -158,10 +158,10 @@ class Trace:
                 by_layer.setdefault(c.start, []).append(c)
         useful = [c for c in choices if not c.actions or (
             _frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))]
-        return PlanningProblem(self.layout.num_layers, useful, self.windows, self.fixed_bytes)
+        return PlanningProblem(self.model_sites.num_layers, useful, self.windows, self.fixed_bytes)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
-        resolved = resolve(plan, self.layout)
+        resolved = resolve(plan, self.model_sites)
         problems = list(offload_prediction_problems(resolved.layers, resolved.full_recompute))
         if problems:
             raise ConfigError(problems)
@@ -176,7 +176,7 @@ class Trace:
         chosen = [self.choice(s, e, None, resolved.layers[s].get(LAYER) == "offload")
                   for s, e in resolved.full_recompute]
         chosen += [self.choice(i, i + 1, a) for i, a in enumerate(resolved.layers) if i not in grouped]
-        problem = PlanningProblem(self.layout.num_layers, chosen, self.windows)
+        problem = PlanningProblem(self.model_sites.num_layers, chosen, self.windows)
         peak, window = problem.peak_and_window(chosen)
         return Prediction(self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen), peak,
                           self.base_step_time_s + sum(c.added_time_s for c in chosen), window,
@@ -210,14 +210,14 @@ def offloads(combo: Combo) -> bool:
     return any(action == "offload" for _, action in combo)
 
 
-def resolve(plan: RecomputeConfig | Plan | None, layout: ModelLayout) -> Plan:
+def resolve(plan: RecomputeConfig | Plan | None, model_sites: ModelSites) -> Plan:
     if plan is None:
-        return Plan.none(layout.num_layers)
+        return Plan.none(model_sites.num_layers)
     if isinstance(plan, RecomputeConfig):
-        check_config(plan, layout)
-        plan = Plan.from_config(plan, layout)
+        check_config(plan, model_sites)
+        plan = Plan.from_config(plan, model_sites)
     else:
-        check_plan(plan.layers, plan.full_recompute, layout)
+        check_plan(plan.layers, plan.full_recompute, model_sites)
     return plan
 
 
@@ -231,13 +231,13 @@ def combos(labels: frozenset[str]) -> list[Combo]:
     return list(dict.fromkeys(combo_of(dict(zip(ordered, choice))) for choice in itertools.product(*options)))
 
 
-def unmeasured_problems(plan: Plan, layout: ModelLayout, offload: bool) -> Iterator[Problem]:
+def unmeasured_problems(plan: Plan, model_sites: ModelSites, offload: bool) -> Iterator[Problem]:
     """The layers whose actions a trace (with or without offload) does not measure: known before
     tracing (`estimate` checks every plan first)."""
     grouped = {i for s, e in plan.full_recompute for i in range(s, e)}
     for i, actions in enumerate(plan.layers):
         acting = combo_of(actions)
-        measured = combos(layout.labels[i]) + (offload_combos(layout.labels[i]) if offload else [])
+        measured = combos(model_sites.labels[i]) + (offload_combos(model_sites.labels[i]) if offload else [])
         if i not in grouped and acting not in measured:
             yield _unmeasured(i, acting)
 
@@ -285,7 +285,7 @@ def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None
     for the first layer of each kind ("other ops": the layer's ops outside its sites), then the
     embedding and the loss head (nothing measured for those)."""
     for i, effects in _first_of_each_kind(trace):
-        for label in [*sorted(trace.layout.labels[i]), LAYER]:
+        for label in [*sorted(trace.model_sites.labels[i]), LAYER]:
             if (i, label) in trace.storages:
                 alone = effects.combos.get(frozenset({(label, "discard" if label in discard_only_labels() else "recompute")}))
                 yield owner_name((i, label)), trace.storages[(i, label)], None if alone is None else alone.freed_bytes

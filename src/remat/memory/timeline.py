@@ -9,12 +9,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.apply import apply, find_sites
-from remat.layer_plan import Plan
+from remat.sites.apply import apply, find_sites
+from remat.config.plan import Plan
 from remat.memory.measure import Stepper, gradients_persist, training_state_kept
 from remat.memory.meter import Meter
 from remat.memory.prediction import resolve
-from remat.recompute import RecomputeConfig
+from remat.config.recompute import RecomputeConfig
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def timeline(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     backward marked. With compiled regions pass per_op=False: samples then come at each window's
     start and peak only (a dispatch mode watching every op would run compiled regions eagerly and
     change what they save)."""
-    resolved = resolve(plan, find_sites(model).layout)
+    resolved = resolve(plan, find_sites(model).model_sites)
     stepper = Stepper(model, batch, optimizer, gradients_persist(optimizer, micro_batches), seed,
                        min_offloaded=resolved.min_offloaded_tensor_size)
     marks: list[tuple[int, str]] = []

@@ -10,50 +10,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import labels
 from remat.models import factory, llama
 from remat.models.moe import family as moe_family
-from remat.models.family import (Adapter, ModelConfig, ModelFamily, ParallelSizes, SequenceParallelPoints, Target,
-                                 unknown)
+from remat.models.family import ModelConfig, ModelFamily, ParallelPlan, SequenceParallelPoints, Target
 from remat.models.hf import family as hf_family
 from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
+from remat.sites.placement import Adapter
+from remat.models.registry import ADAPTERS, FAMILIES, adapter_for, family_of, recipes, register
 
-FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register(family: ModelFamily) -> ModelFamily:
-    """Make a family's recipes and site labels known."""
-    for label in family.labels:
-        labels.register(label)
-    FAMILIES[family.name] = family
-    return family
-
-
-register(llama.FAMILY)
-register(moe_family.FAMILY)
-register(hf_family.FAMILY)
-register(factory.FAMILY)
-
-# Families of models remat did not write, for `remat.adapt`.
-ADAPTERS: list[Adapter] = [HF_ADAPTER]
-
-
-def adapter_for(model: nn.Module) -> Adapter | None:
-    """The adapter of the family `model` belongs to, or None."""
-    return next((adapter for adapter in ADAPTERS if adapter.handles(model)), None)
-
-
-def recipes() -> list[str]:
-    """Every recipe name, of every family."""
-    return [name for family in FAMILIES.values() for name in family.recipes()]
-
-
-def family_of(recipe: str) -> ModelFamily:
-    """The family a recipe belongs to; ValueError naming the closest recipe if none."""
-    for family in FAMILIES.values():
-        if family.owns(recipe):
-            return family
-    raise unknown("recipe", recipe, recipes())
+for family in (llama.FAMILY, moe_family.FAMILY, hf_family.FAMILY, factory.FAMILY):
+    register(family)
+ADAPTERS.append(HF_ADAPTER)
 
 
 def family_of_model(model: nn.Module) -> ModelFamily | None:
@@ -81,6 +48,6 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
     return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
 
 
-__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelSizes",
+__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelPlan",
            "SequenceParallelPoints", "Target", "build", "family_of", "family_of_model", "parameter_count",
            "recipe_config", "recipes", "register"]

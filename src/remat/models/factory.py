@@ -1,5 +1,5 @@
 """Any model, from a factory: recipe `module:package.module:function`. The function takes no
-arguments and returns the model, or (model, site map) for `remat.adapt`; a transformers model is
+arguments and returns the model, or (model, site map) for `remat.models.adapt`; a transformers model is
 adapted as it is. The step feeds it `model(input_ids, labels=labels)` with token ids below the
 vocabulary of its first embedding. Runs on one device; FLOPs count its matmul weights only."""
 from __future__ import annotations
@@ -7,18 +7,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.labels import LAYER
-from remat.models.family import (ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts,
-                                 one_device_problems)
-from remat.placement import compile_sites, place_sites
-from remat.problems import ConfigError, Problem
-from remat.sites import Site
+from remat.core.labels import LAYER
+from remat.models.registry import adapter_for
+from remat.config.parallel import ParallelLayout
+from remat.models.family import ModelFamily, Target, dense_facts, one_device_problems
+from remat.sites.placement import compile_sites, place_sites
+from remat.core.problems import ConfigError, Problem
+from remat.sites.site import Site
 
 PREFIX = "module:"
 DEFAULT_SEQ = 64
@@ -38,12 +39,11 @@ def _factory(path: str) -> Any:
 
 def _made(path: str) -> nn.Module:
     """The factory's model, adapted (its own Sites, a transformers family, or the map it returned)."""
-    from remat import models
     made = _factory(path)()
     model, site_map = made if isinstance(made, tuple) else (made, None)
     if not isinstance(model, nn.Module):
         raise ConfigError([Problem("model", f"{path} returned {type(model).__name__}, not an nn.Module")])
-    return place_sites(model, site_map, models.adapter_for(model))
+    return place_sites(model, site_map, adapter_for(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +113,10 @@ class FactoryFamily(ModelFamily):
             if callable(reset) and module is not model:
                 reset()
 
-    def shard_problems(self, config: FactoryConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from one_device_problems(sizes, "models from a factory")
+    def layout_problems(self, config: FactoryConfig, layout: ParallelLayout) -> Iterator[Problem]:
+        yield from one_device_problems(layout, "models from a factory")
 
-    def shard(self, config: FactoryConfig, sizes: ParallelSizes) -> FactoryConfig:
+    def shard(self, config: FactoryConfig, layout: ParallelLayout, layers: Sequence[int]) -> FactoryConfig:
         return config
 
     def flops(self, config: FactoryConfig, tokens_per_seq: int, sequences: int) -> float:
@@ -127,10 +127,6 @@ class FactoryFamily(ModelFamily):
     def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
         if compiled and not shapes_only:
             compile_sites(model)
-
-    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
-        raise ConfigError([Problem("sequence_parallel", "a factory's model runs on one device; drop"
-                                                        " --sequence_parallel")])
 
 
 FAMILY = FactoryFamily()

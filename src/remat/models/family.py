@@ -1,20 +1,19 @@
 """The model-family seam: what remat needs from a family of models, and nothing else.
 
 A family knows its recipes and how to build a model from a config, with or without the first
-stage's embedding and the last stage's loss head (pipeline pre- and post-process); how one
-rank's share of a parallel layout looks by shape; the model FLOPs of a step; the fast kernels
-a target runs; where sequence parallelism communicates; which of torch's tensor-parallel
-styles each module of a built model takes; what context parallelism shards beside the
-batch or tells the model (its tokens' positions); what its models share with their
-data-parallel replicas; and how its routed experts split over an expert-parallel group. The
-model it builds places `Site`s and knows nothing else of recompute. Code outside
-`remat.models` reaches a family only through this interface.
+stage's embedding and the last stage's loss head (pipeline pre- and post-process); what a parallel
+layout cannot do with a config, and one rank's share of it by shape; the model FLOPs of a step;
+and the fast kernels a target runs. For a built model under a layout it gives a `ParallelPlan`:
+what each parallelism of `remat.parallel` needs of that model (torch's tensor-parallel styles,
+where sequence parallelism communicates, what context parallelism shards or tells the model, what
+replicas share, how routed experts split). The model it builds places `Site`s and knows nothing
+else of recompute. Code outside `remat.models` reaches a family only through this interface.
 """
 from __future__ import annotations
 
 import difflib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -24,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.labels import Label
-from remat.placement import Adapter
-from remat.problems import ConfigError, Problem
+from remat.config.parallel import ParallelLayout
+from remat.core.labels import Label
+from remat.core.problems import ConfigError, Problem
 
 Target = Literal["cuda", "cpu"]
 # Runs what it encloses drawing from a tensor-parallel rank's own random stream (Megatron's
@@ -61,36 +60,26 @@ class ModelConfig(Protocol):
         ...
 
 
-def one_device_problems(sizes: ParallelSizes, what: str) -> Iterator[Problem]:
-    """A family that runs on one device only: every parallel size above 1, named."""
-    for field, size in (("tensor_model_parallel_size", sizes.tensor), ("pipeline_model_parallel_size", sizes.pipeline),
-                        ("context_parallel_size", sizes.context)):
+def one_device_problems(layout: ParallelLayout, what: str) -> Iterator[Problem]:
+    """A family that runs on one device only: every model-parallel size above 1, named."""
+    for name, size in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
+                       ("context_parallel_size", layout.cp), ("expert_model_parallel_size", layout.ep)):
         if size != 1:
-            yield Problem(field, f"is {size}; {what} run on one device for now; use 1")
+            yield Problem(name, f"is {size}; {what} run on one device for now; use 1")
+
+
+def no_experts_problems(layout: ParallelLayout, what: str) -> Iterator[Problem]:
+    """Expert-parallel sizes for models without routed experts that remat splits."""
+    for name, size in (("expert_model_parallel_size", layout.ep), ("expert_tensor_parallel_size", layout.etp)):
+        if size not in (None, 1):
+            yield Problem(name, f"is {size}, but {what} have no routed experts that remat splits; use an MoE recipe"
+                                " (remat recipes lists them) or drop it")
 
 
 def dense_facts(config: ModelConfig) -> dict[str, Any]:
     """The recompute rules' keys every model fixes: its layers and dropout."""
     return {"num_layers": config.num_layers, "attention_dropout": config.attention_dropout,
             "hidden_dropout": config.hidden_dropout}
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """One rank's place in a parallel layout, in Megatron's sizes."""
-
-    tensor: int = 1
-    sequence_parallel: bool = False
-    pipeline: int = 1
-    context: int = 1
-    # The whole model's layers this rank's model holds, in order (a pipeline stage's, or a rank's
-    # virtual stages back to back); empty: the first num_layers / pipeline.
-    layers: tuple[int, ...] = ()
-
-    @property
-    def sequence_split(self) -> int:
-        """How many ways sequence parallelism splits the tokens outside attention and MLP."""
-        return self.tensor if self.sequence_parallel and self.tensor > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -149,18 +138,82 @@ def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // (VOCAB_DIVISOR * tensor_parallel)) * VOCAB_DIVISOR
 
 
+class ParallelPlan:
+    """What one built model does under one parallel layout: the seam through which the
+    parallelisms of `remat.parallel` reach a model. The base runs nothing but one process (data
+    parallelism aside); a family subclasses it for the parallelisms its models run."""
+
+    # Whether the model's loss pairs each token with the next one's label itself (Hugging Face's):
+    # context parallelism then shifts the labels over the whole sequence before sharding it, and
+    # `set_positions` tells the model so.
+    shifts_labels = False
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout, family: str) -> None:
+        self.model, self.layout, self.family = model, layout, family
+
+    def problems(self) -> Iterator[Problem]:
+        """Why the built model cannot run under the layout, beyond what its family's
+        `layout_problems` finds on its config; checked before anything changes."""
+        if self.layout.tp > 1:
+            yield Problem("tensor_model_parallel_size", f"is {self.layout.tp}; {self.family} models have no"
+                                                        " tensor-parallel plan; use 1")
+        if self.layout.cp > 1:
+            yield Problem("context_parallel_size", f"{self.family} models have no context-parallel plan; use 1")
+        if self.layout.ep > 1:
+            yield Problem("expert_model_parallel_size", f"is {self.layout.ep}; {self.family} models have no routed"
+                                                        " experts that remat splits; use an MoE recipe (remat"
+                                                        " recipes lists them)")
+
+    def tensor_parallel(self, fork: Fork) -> dict[str, ParallelStyle]:
+        """Prepare the model to run as one of `layout.tp` ranks (its local head counts, dropout on
+        what only this rank holds inside `fork`) and return torch's parallel style for each module
+        path, as `parallelize_module` takes them."""
+        raise ConfigError(list(self.problems()))
+
+    def sequence_points(self) -> SequenceParallelPoints:
+        """Prepare the model to run on a sequence-parallel rank's tokens; where it communicates."""
+        raise ConfigError([Problem("sequence_parallel", f"{self.family} models run on one device; drop"
+                                                        " --sequence_parallel")])
+
+    def context_buffers(self, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
+        """Have the model run as one of `group`'s context-parallel ranks, each holding a share of
+        every sequence (what it computes over whole sequences, an MoE router's load, summed over
+        the group), and return its tensors indexed by sequence position (RoPE tables), each with
+        its sequence dimension: context parallelism shards them with each batch, as torch's
+        context_parallel does."""
+        raise ConfigError(list(self.problems()))
+
+    def set_positions(self, positions: torch.Tensor | None) -> None:
+        """Before the forwards of sharded batches, where each token this rank holds sits in the
+        whole sequence ([1, seq / cp], in the rank's order); None after them. For models that count
+        positions from the tokens they are given (Hugging Face's); remat's shard their tables."""
+
+    def replicas(self, group: dist.ProcessGroup) -> None:
+        """The model is one of `group`'s replicas (data- and context-parallel ranks), each training
+        on tokens of its own: a model that keeps statistics of its tokens across steps (an MoE
+        router's load) sums them over the group. Nothing to do for most models."""
+
+    def routed_experts(self) -> list[nn.Module]:
+        """The modules holding the model's routed experts' weights (none for most models): FSDP2
+        shards them over the ranks holding the same experts, not over every data-parallel rank."""
+        return []
+
+    def split_experts(self, group: dist.ProcessGroup) -> list[nn.Module]:
+        """Have each rank of `group` hold its share of the routed experts, and the MoE layers send
+        each token slot to the rank holding its expert and its output back; returns the modules
+        holding the experts' weights, whose gradients are then those of this rank's share of the
+        group's tokens (to be averaged over the ranks holding the same experts)."""
+        raise ConfigError(list(self.problems()))
+
+
 class ModelFamily(ABC):
-    """One family of models behind the seam (remat's Llama; MoE and adapted models next)."""
+    """One family of models behind the seam (remat's Llama, its MoE, Hugging Face's, a factory's)."""
 
     name: str
     # Site labels the family's models use beyond Megatron's; registered with the family.
     labels: tuple[Label, ...] = ()
     # The class of the models `build` returns (None: models of many classes), for family_of_model.
     model_type: type[nn.Module] | None = None
-    # Whether the models' loss pairs each token with the next one's label (Hugging Face's shifts its
-    # labels itself): context parallelism then shifts them over the whole sequence before sharding
-    # it, and `context_parallel_positions` tells the models so.
-    shifts_labels = False
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
@@ -191,13 +244,15 @@ class ModelFamily(ABC):
         """Initialize the weights again from the global torch seed."""
 
     @abstractmethod
-    def shard_problems(self, config: Any, sizes: ParallelSizes) -> Iterator[Problem]:
-        """Why the config cannot split this way (heads over tp, the sequence over cp, ...)."""
+    def layout_problems(self, config: Any, layout: ParallelLayout) -> Iterator[Problem]:
+        """Why a model of `config` cannot run under `layout` (heads over tp, the sequence over cp,
+        experts over ep, what a parallelism refuses of it)."""
 
     @abstractmethod
-    def shard(self, config: Any, sizes: ParallelSizes) -> ModelConfig:
-        """The config of one rank's model: its share of heads, FFN and vocabulary, of the sequence,
-        and of the layers (one pipeline stage's)."""
+    def shard(self, config: Any, layout: ParallelLayout, layers: Sequence[int]) -> ModelConfig:
+        """The config of one rank's model: its share of heads, FFN, experts and vocabulary, of the
+        sequence, and the whole model's `layers` it holds (a pipeline rank's), which keep their
+        numbers."""
 
     @abstractmethod
     def flops(self, config: Any, tokens_per_seq: int, sequences: int) -> float:
@@ -209,61 +264,6 @@ class ModelFamily(ABC):
         (on CUDA) remat's Triton kernels. With `shapes_only` the model runs on meta tensors and each
         piece allocates and saves what the target's kernel would."""
 
-    @abstractmethod
-    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
-        """Prepare `model` to run on a sequence-parallel rank's tokens; where it communicates."""
-
-    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
-        """Why `model` (built by this family) cannot run split over `sizes.tensor` ranks this way."""
-        yield Problem("tensor_model_parallel_size", f"is {sizes.tensor}; {self.name} models have no tensor-parallel"
-                                                    " plan; use 1")
-
-    def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
-        """Prepare `model` to run as one of `sizes.tensor` ranks (its local head counts, dropout on
-        what only this rank holds inside `fork`) and return torch's parallel style for each module
-        path, as `parallelize_module` takes them. Call when tensor_parallel_problems finds none."""
-        raise ConfigError(list(self.tensor_parallel_problems(model, sizes)))
-
-    def context_parallel_problems(self, config: Any, sizes: ParallelSizes) -> Iterator[Problem]:
-        """Why a model of `config` cannot run over `sizes.context` ranks by torch's context
-        parallelism (ring attention in place of scaled_dot_product_attention), beyond what
-        shard_problems finds. A family whose shard_problems accepts context parallelism says here
-        what its models run otherwise."""
-        return iter(())
-
-    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
-        """Have `model` run as one of `group`'s context-parallel ranks, each holding a share of every
-        sequence (what it computes over whole sequences, an MoE router's load, summed over the
-        group), and return its tensors indexed by sequence position (RoPE tables), each with its
-        sequence dimension: context parallelism shards them with each batch, as torch's
-        context_parallel does. Call when context_parallel_problems finds none."""
-        raise ConfigError([Problem("context_parallel_size", f"{self.name} models have no context-parallel plan;"
-                                                            " use 1")])
-
-    def context_parallel_positions(self, model: nn.Module, positions: torch.Tensor | None) -> None:
-        """Before the forwards of sharded batches, where each token this rank holds sits in the whole
-        sequence ([1, seq / cp], in the rank's order); None after them. For models that count
-        positions from the tokens they are given (Hugging Face's); remat's shard their tables."""
-
-    def data_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> None:
-        """`model` is one of `group`'s replicas (data- and context-parallel ranks), each training
-        on tokens of its own: a model that keeps statistics of its tokens across steps (an MoE
-        router's load) sums them over the group. Nothing to do for most models."""
-
-    def expert_parallel_problems(self, model: nn.Module, size: int) -> Iterator[Problem]:
-        """Why `model` (built by this family) cannot split its routed experts over `size` ranks."""
-        yield Problem("expert_model_parallel_size", f"is {size}; {self.name} models have no routed experts that"
-                                                    " remat splits; use an MoE recipe (remat recipes lists them)")
-
-    def routed_experts(self, model: nn.Module) -> list[nn.Module]:
-        """The modules holding `model`'s routed experts' weights (none for most models): FSDP2
-        shards them over the ranks holding the same experts, not over every data-parallel rank."""
-        return []
-
-    def expert_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
-        """Have each rank of `group` hold its share of `model`'s routed experts, and the MoE layers
-        send each token slot to the rank holding its expert and its output back; returns the
-        modules holding the experts' weights, whose gradients are then those of this rank's share
-        of the group's tokens (to be averaged over the ranks holding the same experts, as every
-        other gradient over the data-parallel ranks). Call when expert_parallel_problems finds none."""
-        raise ConfigError(list(self.expert_parallel_problems(model, dist.get_world_size(group))))
+    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> ParallelPlan:
+        """What `model` (built by this family) does under `layout`."""
+        return ParallelPlan(model, layout, self.name)

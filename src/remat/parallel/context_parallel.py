@@ -32,10 +32,8 @@ router's auxiliary loss takes the group's load alike (its family's `context_para
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -48,10 +46,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from remat import models
+from remat.core.problems import ConfigError, Problem, raise_if_any
 from remat.parallel.pipeline import model_chunks
-from remat.parallel.tensor_parallel import split_sizes
-from remat.problems import ConfigError, Problem
+from remat.parallel.state import (ContextShards, ParallelState, layout_problems, mesh_problems, planned, state_of,
+                                  unknown_model_problems)
 
 try:  # torch >= 2.10 moved the ring into a package
     from torch.distributed.tensor.experimental._context_parallel import _attention as _ring
@@ -63,30 +61,21 @@ IGNORE_INDEX = -100  # labels the loss skips (the SFT prompt)
 SEQ_DIM = 2  # of attention's [batch, heads, sequence, head_dim]
 
 
-@dataclasses.dataclass(frozen=True)
-class ContextParallel:
-    """A model's context-parallel group, its family and the tensors it shards with each batch."""
-
-    mesh: DeviceMesh
-    family: models.ModelFamily
-    buffers: list[tuple[Tensor, int]]
-
-
 @contextlib.contextmanager
-def _sharded(chunks: Sequence[tuple[nn.Module, ContextParallel]], batches: Sequence[tuple[Tensor, Tensor]]
-             ) -> Iterator[list[Tensor]]:
+def _sharded(chunks: Sequence[ParallelState], batches: Sequence[tuple[Tensor, Tensor]]) -> Iterator[list[Tensor]]:
     """Shard each micro-batch's `input_ids` and `labels` [b, s] in place to this rank's tokens,
     with the position tables of every chunk, for the forwards and backwards inside (a pipeline's
     schedule runs them interleaved); the chunks told their tokens' positions. Yields the weight of
     each micro-batch's loss on this rank."""
-    mesh, family = chunks[0][1].mesh, chunks[0][1].family
-    buffers = [b for _, parallel in chunks for b in parallel.buffers]
+    shards = [state.context for state in chunks if state.context is not None]
+    mesh = shards[0].mesh
+    buffers = [b for shard in shards for b in shard.buffers]
     tensors = [t for batch in batches for t in batch]
     lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in buffers)}
     if len(lengths) > 1:  # one load-balancing permutation serves them all
         raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
                          " positions; context parallelism needs a batch of the model's seq_length")
-    if family.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
+    if chunks[0].plan.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
         for _, labels in batches:
             labels.copy_(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
     positions = torch.arange(lengths.pop(), device=tensors[0].device)[None]
@@ -94,13 +83,13 @@ def _sharded(chunks: Sequence[tuple[nn.Module, ContextParallel]], batches: Seque
     dims = [1] * len(sharded) + [dim for _, dim in buffers]
     with context_parallel(mesh, buffers=[*sharded, *(b for b, _ in buffers)], buffer_seq_dims=dims,
                           no_restore_buffers=set(sharded)), _kernels(mesh.device_type):
-        for chunk, _ in chunks:
-            family.context_parallel_positions(chunk, positions)
+        for state in chunks:
+            state.plan.set_positions(positions)
         try:
             yield [_loss_weight(mesh, labels) for _, labels in batches]
         finally:
-            for chunk, _ in chunks:
-                family.context_parallel_positions(chunk, None)
+            for state in chunks:
+                state.plan.set_positions(None)
 
 
 def _loss_weight(mesh: DeviceMesh, labels: Tensor) -> Tensor:
@@ -111,35 +100,23 @@ def _loss_weight(mesh: DeviceMesh, labels: Tensor) -> Tensor:
     return mine * mesh.size() / total.clamp(min=1)
 
 
-# the models context_parallel_model prepared, and their groups
-_PARALLEL: weakref.WeakKeyDictionary[nn.Module, ContextParallel] = weakref.WeakKeyDictionary()
-
-
 def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Run `model` over the ranks of `mesh` (one dimension) by context parallelism: each batch
     `sharded` shards its sequences and the model's position tables. Call on every rank of the
     group, after `parallelize_tensor` where that splits it too (torch's ring then runs over each
     rank's own heads) and before FSDP2 (which then reduces gradients over dp x cp). Raises one
     ConfigError with every problem before changing anything. Returns `model`."""
-    family = models.family_of_model(model)
-    problems = []
-    if not dist.is_initialized():
-        problems.append(Problem("torch.distributed", "no process group: launch with torchrun and call"
-                                                     " torch.distributed.init_process_group() first"))
-    if mesh.ndim != 1:
-        problems.append(Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its"
-                                        " context-parallel one, e.g. mesh['cp']"))
-    if family is None:
-        problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
-                                         " build it with remat.models.build"))
-    else:
-        # beside sequence parallelism each rank's seq / cp tokens split again over its tp ranks
-        config, sizes = getattr(model, "config", None), dataclasses.replace(split_sizes(model), context=mesh.size())
-        problems += [*family.shard_problems(config, sizes), *family.context_parallel_problems(config, sizes)]
-    if family is None or problems:
-        raise ConfigError(problems)
-    _PARALLEL[model] = ContextParallel(mesh, family, family.context_parallel(model, mesh.get_group()))
-    return model
+    raise_if_any([*mesh_problems(mesh, "context-parallel", "cp"), *unknown_model_problems(model)])
+    # beside sequence parallelism each rank's seq / cp tokens split again over its tp ranks
+    state = planned(model, cp=mesh.size())
+    raise_if_any(layout_problems(model, state))
+    return shard_context(state, mesh)
+
+
+def shard_context(state: ParallelState, mesh: DeviceMesh) -> nn.Module:
+    """`context_parallel_model` on a model whose layout's problems are checked."""
+    state.context = ContextShards(mesh, state.plan.context_buffers(mesh.get_group()))
+    return state.plan.model
 
 
 def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> contextlib.AbstractContextManager[
@@ -148,7 +125,8 @@ def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> conte
     context parallelism, each (input_ids, labels) sharded to this rank's tokens with the position
     tables of the model, or of every chunk of a `Pipeline` (see _sharded);
     otherwise as they are. Yields the weight of each one's loss (1 without context parallelism)."""
-    found = [(chunk, _PARALLEL[chunk]) for chunk in model_chunks(model) if chunk in _PARALLEL]
+    found = [state for chunk in model_chunks(model) if (state := state_of(chunk)) is not None
+             and state.context is not None]
     if not found:
         return contextlib.nullcontext([1.0] * len(batches))
     return _sharded(found, batches)

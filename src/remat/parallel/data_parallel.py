@@ -9,7 +9,6 @@ replay (`Site.before_replay`); the layer's own backward then reshards it as usua
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -18,9 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from remat.labels import LAYER
-from remat.problems import ConfigError, Problem
-from remat.sites import Site
+from remat.core.labels import LAYER
+from remat.core.problems import ConfigError, Problem
+from remat.parallel.state import planned, state_of
+from remat.sites.site import Site
 
 
 def layer_modules(model: nn.Module) -> list[tuple[nn.Module, Site]]:
@@ -58,7 +58,7 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
     if not layers:
         problems.append(Problem("model", f"{type(model).__name__} marks no 'layer' Sites, so FSDP2 has no per-layer"
                                          " units; place Site('layer') around each transformer layer's forward"
-                                         " (remat.adapt does for known families)"))
+                                         " (remat.models.adapt does for known families)"))
     if not dist.is_initialized():
         problems.append(Problem("torch.distributed", "no process group: launch with torchrun and call"
                                                      " torch.distributed.init_process_group() first"))
@@ -79,8 +79,7 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
     for unit in _other_dtype_units(outside, model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    if reduce_once_a_step:
-        _reduce_once.add(model)
+    planned(model).reduce_once = reduce_once_a_step
     return model
 
 
@@ -108,15 +107,12 @@ def _unshard(units: list[nn.Module]) -> Callable[[], None]:
     return gather
 
 
-# models sharded with reduce_once_a_step
-_reduce_once: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
 def accumulate(model: nn.Module, last: bool) -> None:
     """Before each micro-batch of a step on a model sharded with `reduce_once_a_step`: whether it
     is the step's last, whose backward reduces the gradients and reshards the layers. (torch's
     pipeline schedules do this for their stages themselves.) Other models: nothing."""
-    if model in _reduce_once:
+    state = state_of(model)
+    if state is not None and state.reduce_once:
         model.set_requires_gradient_sync(last)  # type: ignore[operator]
         model.set_reshard_after_backward(last)  # type: ignore[operator]
 

@@ -41,6 +41,7 @@ the rest over dp x cp.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from remat import models
+from remat.config.parallel import ParallelLayout
+from remat.core.problems import Problem, raise_if_any
 from remat.parallel.data_parallel import fully_shard_layers, mixed_precision
-from remat.problems import ConfigError, Problem
+from remat.parallel.state import (ParallelState, layout_problems, mesh_problems, planned, unknown_model_problems)
 
 EXPERT_MESH_DIMS = ("edp", "ep")
 
@@ -63,21 +65,13 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return mesh._unflatten(0, (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
 
 
-def _layout_problems(mesh: DeviceMesh | None, ep: int) -> list[Problem]:
-    if not dist.is_initialized():
-        return [Problem("torch.distributed", "no process group: launch with torchrun and call"
-                                             " torch.distributed.init_process_group() first")]
-    if mesh is not None and mesh.ndim != 1:
-        return [Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its"
-                                " data-parallel one, e.g. mesh['dp']")]
-    if mesh is not None and mesh.mesh_dim_names is None:  # torch unflattens named dimensions only
-        return [Problem("mesh", "has no dimension names; make it with init_device_mesh(...,"
-                                " mesh_dim_names=('dp',))")]
-    size = dist.get_world_size() if mesh is None else mesh.size()
-    if ep < 1 or size % ep:
-        return [Problem("expert_model_parallel_size", f"({ep}) must divide the {size} data-parallel ranks: an"
-                                                      " expert-parallel group is that many of them")]
-    return []
+def _mesh_problems(mesh: DeviceMesh | None, ep: int) -> Iterator[Problem]:
+    yield from mesh_problems(mesh, "data-parallel", "dp")
+    if mesh is not None and mesh.ndim == 1 and mesh.mesh_dim_names is None:  # torch unflattens named dimensions only
+        yield Problem("mesh", "has no dimension names; make it with init_device_mesh(..., mesh_dim_names=('dp',))")
+    if dist.is_initialized():
+        size = dist.get_world_size() if mesh is None else mesh.size()
+        yield from ParallelLayout(ep=ep, num_gpus=size).expert_problems()
 
 
 @dataclass(frozen=True)
@@ -98,33 +92,34 @@ def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
     call it before `parallelize_tensor` (which then splits each expert's FFN over the
     tensor-parallel ranks) and `shard_experts` after; `parallelize_experts` does both without.
     Call on every rank, after seeding torch alike on all of them. `context`: under context
-    parallelism, the pp x dp x cp x tp mesh (`parallel.device_mesh`) whose "dp" `mesh` is, and
+    parallelism, the pp x dp x cp x tp mesh (`ParallelLayout.mesh`) whose "dp" `mesh` is, and
     its flattened dp x cp replicas: each cp rank's expert gradients are of its own tokens, so the
     ranks holding the same experts are edp x cp of it.
     Raises one ConfigError with every problem before changing anything."""
-    family = models.family_of_model(model)
-    problems = _layout_problems(mesh, ep)
+    problems = [*_mesh_problems(mesh, ep), *unknown_model_problems(model)]
     if any(isinstance(p, DTensor) for p in model.parameters()):
         problems.append(Problem("model", "is already split by tensor parallelism or sharded by FSDP2; split its"
                                          " experts first (split_experts before parallelize_tensor, shard_experts"
                                          " after)"))
-    if family is None:
-        problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
-                                         " build it with remat.models.build"))
-    else:
-        problems += family.expert_parallel_problems(model, ep)
-    if family is None or problems:
-        raise ConfigError(problems)
+    raise_if_any(problems)
+    state = planned(model, ep=ep)
+    raise_if_any(layout_problems(model, state))
     device = next(model.parameters()).device
-    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    return split_checked(state, mesh or init_device_mesh(device.type, (dist.get_world_size(),),
+                                                         mesh_dim_names=("dp",)), context)
+
+
+def split_checked(state: ParallelState, mesh: DeviceMesh,
+                  context: tuple[DeviceMesh, DeviceMesh] | None = None) -> ExpertSplit:
+    """`split_experts` on a model whose layout's problems are checked."""
+    ep = state.layout.ep
     if context is None:
         split = expert_mesh(mesh, ep)
-        return ExpertSplit(mesh, split["edp"], family.expert_parallel(model, split["ep"].get_group()))
+        return ExpertSplit(mesh, split["edp"], state.plan.split_experts(split["ep"].get_group()))
     root, replicas = context
     names = root.mesh_dim_names or ()
     split = root._unflatten(names.index("dp"), (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
-    return ExpertSplit(replicas, split["edp", "cp"]._flatten(),
-                       family.expert_parallel(model, split["ep"].get_group()))
+    return ExpertSplit(replicas, split["edp", "cp"]._flatten(), state.plan.split_experts(split["ep"].get_group()))
 
 
 def shard_experts(model: nn.Module, split: ExpertSplit, *,

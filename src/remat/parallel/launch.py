@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 def launched_world() -> int:
@@ -51,36 +50,6 @@ def is_main() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-class Coordinates(NamedTuple):
-    """A rank's place in the layout: its pipeline stage, data-parallel replica, tensor-parallel
-    rank and context-parallel rank (its share of each sequence)."""
-
-    pipeline: int
-    data: int
-    tensor: int
-    context: int = 0
-
-    def named(self) -> dict[str, int]:
-        """By the mesh's dimension names, in its order (MESH_DIMS): {"pp": 0, "dp": 1, "cp": 0, "tp": 0}."""
-        return {"pp": self.pipeline, "dp": self.data, "cp": self.context, "tp": self.tensor}
-
-
-# Mesh dimensions, outermost first (torchtitan's order): a pipeline's stages are the farthest
-# apart, tensor-parallel ranks the closest (one NVLink domain).
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-
-
-def coordinates(rank: int, pipeline: int, data: int, tensor: int = 1, context: int = 1) -> Coordinates:
-    """Where global rank `rank` sits in a pp x dp x cp x tp layout laid out as `device_mesh` lays it."""
-    return Coordinates(rank // (data * context * tensor), rank // (context * tensor) % data, rank % tensor,
-                       rank // tensor % context)
-
-
-def device_mesh(device: str, pipeline: int, data: int, tensor: int = 1, context: int = 1) -> DeviceMesh:
-    """The pp x dp x cp x tp mesh over every rank (`mesh["dp"]` is this rank's data-parallel group)."""
-    return init_device_mesh(device.split(":")[0], (pipeline, data, context, tensor), mesh_dim_names=MESH_DIMS)
 
 
 def max_over_ranks(value: int) -> int:

@@ -11,57 +11,25 @@ each stage holds at once (pp - r of them under 1F1B on rank r).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from remat.calls import after_optimizer_step, set_loss_scale
+from remat.sites.calls import after_optimizer_step, set_loss_scale
+from remat.config.parallel import ParallelLayout
 from remat.parallel.tied import TiedEnds
-from remat.problems import Problem
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Megatron's pipeline sizes: `stages` ranks (pp), each with `virtual` model chunks (vp)."""
-
-    stages: int = 1
-    virtual: int = 1
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks over the whole pipeline: pp x vp."""
-        return self.stages * self.virtual
-
-    def stage_indices(self, pipeline_rank: int) -> list[int]:
-        """The stages (model chunks, first to last) pipeline rank `pipeline_rank` runs."""
-        return [pipeline_rank + k * self.stages for k in range(self.virtual)]
-
-    def layers(self, num_layers: int, stage: int) -> range:
-        """The model's layers stage `stage` holds (an equal share each)."""
-        per_stage = num_layers // self.chunks
-        return range(stage * per_stage, (stage + 1) * per_stage)
-
-    def problems(self, micro_batches: int) -> Iterator[Problem]:
-        """What torch's schedules cannot run with this many micro-batches a step (the split of the
-        layers is the recompute rules' check)."""
-        if self.stages > 1 and micro_batches < self.stages:
-            yield Problem("global_batch_size", f"gives {micro_batches} micro-batch(es) a step; 1F1B over"
-                                               f" {self.stages} stages needs at least {self.stages}: raise -gb")
-        elif self.virtual > 1 and micro_batches % self.stages:
-            yield Problem("global_batch_size", f"gives {micro_batches} micro-batches a step; interleaved 1F1B"
-                                               f" runs them in rounds of pp = {self.stages}: use a multiple")
 
 
 class Pipeline(nn.Module):
     """This rank's model chunks and the schedule that trains them; `forward_backward` is one
     step's micro-batches."""
 
-    def __init__(self, chunks: Sequence[nn.Module], layout: PipelineLayout, *, pipeline_rank: int,
+    def __init__(self, chunks: Sequence[nn.Module], layout: ParallelLayout, *, pipeline_rank: int,
                  hidden: Tensor, micro_batches: int, group: dist.ProcessGroup | None = None) -> None:
         """`hidden`: a meta tensor shaped as one micro-batch's hidden states between stages (its
         dtype the model's); `group`: the ranks of this pipeline, first stage to last (default: all)."""
@@ -124,17 +92,24 @@ _NO_OUTPUTS: dict[str, Any] = (
     {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {})
 
 
+# torch's class that runs each of ParallelLayout's SCHEDULES, and whether it takes a rank's stages
+# as a list (a schedule of several model chunks per rank) or its one stage
+TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle] | type[PipelineScheduleMulti], bool]] = {
+    "1f1b": (Schedule1F1B, False),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
+}
+
+
 def _schedule(stages: list[PipelineStage], micro_batches: int,
-              layout: PipelineLayout) -> Schedule1F1B | ScheduleInterleaved1F1B:
-    """torch's 1F1B (interleaved with virtual stages). The last stage's output is the micro-batch's
-    mean loss, its target the loss's weight [1]; the step's loss is their mean, so each is scaled
-    here and torch scales nothing."""
+              layout: ParallelLayout) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """torch's schedule of the layout. The last stage's output is the micro-batch's mean loss,
+    its target the loss's weight [1]; the step's loss is their mean, so each is scaled here and
+    torch scales nothing."""
     def scaled(output: Tensor, weight: Tensor) -> Tensor:
         return output * weight[0] / micro_batches
-    options = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B.__init__).parameters else {}
-    if layout.virtual > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
-    return Schedule1F1B(stages[0], micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
+    schedule, many = TORCH_SCHEDULES[layout.pipeline_schedule]
+    options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule.__init__).parameters else {}
+    return schedule(stages if many else stages[0], micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
 
 
 def model_chunks(model: nn.Module) -> list[nn.Module]:

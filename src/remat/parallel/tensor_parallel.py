@@ -20,9 +20,9 @@ rank's 1/tp of its input and all-gathers it over the tensor-parallel group befor
 from __future__ import annotations
 
 import contextlib
-import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from remat import models
+from remat.core.problems import Problem, raise_if_any
 from remat.engine import KeptInputs, Restore, register_stream
-from remat.models import ParallelSizes
+from remat.models import ParallelPlan
+from remat.models.family import on_tokens_argument, on_tokens_output
 from remat.parallel.data_parallel import layer_modules
-from remat.problems import ConfigError, Problem
-from remat.sites import Site
+from remat.parallel.state import (ParallelState, layout_problems, mesh_problems, planned, state_of,
+                                  unknown_model_problems)
+from remat.sites.site import Site
 
 # Megatron's offset of the model-parallel RNG seed from the data seed (model_parallel_cuda_manual_seed).
 RANK_SEED_OFFSET = 2718
@@ -78,7 +80,7 @@ class RankStream:
             _set_default_state(self.device, default)
 
 
-def _seed_problems(mesh: DeviceMesh) -> Iterator[Problem]:
+def seed_problems(mesh: DeviceMesh) -> Iterator[Problem]:
     seeds: list[int | None] = [None] * mesh.size()
     dist.all_gather_object(seeds, torch.initial_seed(), group=mesh.get_group())
     if len(set(seeds)) > 1:
@@ -93,47 +95,22 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None, *, sequ
     and MLP split over them too. The embedding and the loss head stay whole on every rank.
     Call it on every rank, after seeding torch alike on all of them, and before FSDP2.
     Raises one ConfigError with every problem before changing anything. Returns `model`."""
-    family = models.family_of_model(model)
-    problems = []
-    if not dist.is_initialized():
-        problems.append(Problem("torch.distributed", "no process group: launch with torchrun and call"
-                                                     " torch.distributed.init_process_group() first"))
-    elif mesh is not None and mesh.ndim != 1:
-        problems.append(Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its"
-                                        " tensor-parallel one, e.g. mesh['tp']"))
-    if family is None:
-        problems.append(Problem("model", f"{type(model).__name__} belongs to no model family remat knows;"
-                                         " build it with remat.models.build"))
-    if family is None or problems:
-        raise ConfigError(problems)
+    raise_if_any([*mesh_problems(mesh, "tensor-parallel", "tp"), *unknown_model_problems(model)])
     device = next(model.parameters()).device
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
-    sizes = ParallelSizes(tensor=mesh.size(), sequence_parallel=sequence_parallel)
-    problems = [*family.tensor_parallel_problems(model, sizes), *_seed_problems(mesh)]
-    if problems:
-        raise ConfigError(problems)
+    state = planned(model, tp=mesh.size(), sp=sequence_parallel)
+    raise_if_any([*layout_problems(model, state), *seed_problems(mesh)])
+    return split_tensor(model, state, mesh)
+
+
+def split_tensor(model: nn.Module, state: ParallelState, mesh: DeviceMesh) -> nn.Module:
+    """`parallelize_tensor` on a model whose layout's problems are checked."""
+    device = next(model.parameters()).device
     stream = RankStream(device, torch.initial_seed() + RANK_SEED_OFFSET + mesh.get_local_rank())
     register_stream("tensor_parallel", stream)
-    parallelize_module(model, mesh, family.tensor_parallel(model, sizes, stream.fork))
-    _split[model] = _Split(mesh, sequence_parallel)
+    parallelize_module(model, mesh, state.plan.tensor_parallel(stream.fork))
+    state.tensor_mesh = mesh
     return model
-
-
-@dataclass(frozen=True)
-class _Split:
-    mesh: DeviceMesh
-    sequence_parallel: bool
-
-
-# How parallelize_tensor split each model, for distribute_saved_inputs and context parallelism.
-_split: weakref.WeakKeyDictionary[nn.Module, _Split] = weakref.WeakKeyDictionary()
-
-
-def split_sizes(model: nn.Module) -> ParallelSizes:
-    """How `parallelize_tensor` split `model`: its tensor-parallel size and sequence parallelism
-    (a model it did not split: one rank, none)."""
-    split = _split.get(model)
-    return ParallelSizes() if split is None else ParallelSizes(split.mesh.size(), split.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -173,12 +150,11 @@ def distribute_saved_inputs(model: nn.Module, on: bool = True) -> nn.Module:
     sites = [site for _, site in layer_modules(model)]
     stand_in: SavedInputShards | None = None
     if on:
-        split = _split.get(model)
-        problems = list(_distribute_problems(split, bool(sites)))
-        if problems:
-            raise ConfigError(problems)
-        assert split is not None  # or a problem was raised
-        stand_in = SavedInputShards(split.mesh.size(), split.mesh.get_local_rank(), split.mesh.get_group())
+        state = state_of(model)
+        raise_if_any(_distribute_problems(state, bool(sites)))
+        assert state is not None and state.tensor_mesh is not None  # or a problem was raised
+        mesh = state.tensor_mesh
+        stand_in = SavedInputShards(mesh.size(), mesh.get_local_rank(), mesh.get_group())
     _keep_inputs(sites, stand_in)
     return model
 
@@ -192,6 +168,58 @@ def distribute_saved_inputs_by_shape(model: nn.Module, tensor_parallel: int) -> 
     return model
 
 
+class _SeqGather(torch.autograd.Function):
+    """All-gather along the sequence (dim 1) by shape; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.n = n
+        return x.repeat(1, n, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.unflatten(1, (ctx.n, -1)).sum(1), None
+
+
+class _SeqScatter(torch.autograd.Function):
+    """Reduce-scatter (or split) along the sequence by shape; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.n = n
+        return x.unflatten(1, (n, -1))[:, 0].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.repeat(1, ctx.n, 1), None
+
+
+def sequence_parallel_by_shape(plan: ParallelPlan) -> None:
+    """Sequence parallelism on one rank's shard by shape (meta tensors): hooks where torch's
+    SequenceParallel / Colwise / Rowwise styles communicate, each moving the tensors such a
+    collective would."""
+    tp = plan.layout.tp
+    points = plan.sequence_points()
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _SeqGather.apply(x, tp)
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        return _SeqScatter.apply(x, tp)
+
+    for block in points.blocks:
+        on_tokens_argument(block, gather)
+        on_tokens_output(block, scatter)
+    for module in points.split_after:
+        on_tokens_output(module, scatter)
+    for module in points.gather_after:
+        on_tokens_output(module, gather)
+    for module in points.split_before:
+        on_tokens_argument(module, scatter)
+    for module in points.gather_before:
+        on_tokens_argument(module, gather)
+
+
 def _keep_inputs(sites: list[Site], stand_in: SavedInputShards | None) -> None:
     """Each layer Site's before_replay keeps its inputs through `stand_in` (None: as usual),
     around the before_replay it had (FSDP2's gather)."""
@@ -200,15 +228,15 @@ def _keep_inputs(sites: list[Site], stand_in: SavedInputShards | None) -> None:
         site.before_replay = KeptInputs(stand_in, before) if stand_in is not None else before
 
 
-def _distribute_problems(split: _Split | None, has_layers: bool) -> Iterator[Problem]:
+def _distribute_problems(state: ParallelState | None, has_layers: bool) -> Iterator[Problem]:
     field = "distribute_saved_activations"
-    if split is None:
+    if state is None or state.tensor_mesh is None:
         yield Problem(field, "splits saved inputs over the tensor-parallel ranks of a model split by"
                              " parallelize_tensor, and this one is not; split it first, or turn this off")
-    elif split.sequence_parallel:
+    elif state.layout.sp:
         yield Problem(field, "sequence parallelism already splits the saved inputs across ranks; set"
                              " distribute_saved_activations=False")
-    elif split.mesh.size() == 1:
+    elif state.tensor_mesh.size() == 1:
         yield Problem(field, "the model is split over one tensor-parallel rank: nothing to split saved"
                              " inputs over; turn it off")
     if not has_layers:

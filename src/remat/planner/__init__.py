@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.labels import recompute_labels
-from remat.layer_plan import Plan
+from remat.core.labels import recompute_labels
+from remat.config.plan import Plan
 from remat.memory.measure import meta_offload_problems, trace
 from remat.memory.meter import storage_bytes
 from remat.memory.prediction import Prediction, Trace
 from remat.memory.windows import Choice
 from remat.planner.solver import NoPlanFits, solve
-from remat.problems import Problem, RematWarning, raise_if_any
-from remat.recompute import RecomputeConfig, TrainingFacts
-from remat.sizes import format_bytes, parse_bytes
+from remat.core.problems import Problem, RematWarning, raise_if_any
+from remat.config.recompute import RecomputeConfig
+from remat.config.megatron import TrainingFacts
+from remat.core.sizes import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,11 @@ def megatron_keys(config: RecomputeConfig) -> dict[str, object]:
 
 def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     """The Megatron config that lowers to exactly `plan` on this model, if there is one."""
-    layout = trace_.layout
-    n = layout.num_layers
+    model_sites = trace_.model_sites
+    n = model_sites.num_layers
     if plan == Plan.none(n):
         return RecomputeConfig()
-    labels = frozenset().union(*layout.labels)
+    labels = frozenset().union(*model_sites.labels)
     facts = model_facts(labels, TrainingFacts(num_layers=n))
     candidates = recompute_candidates(labels, n)
     if plan.offloads():  # Megatron offloads the first k layers: k ends at the last offloading layer
@@ -86,7 +87,7 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
         warnings.simplefilter("ignore", RematWarning)
         for keys in candidates:
             config = RecomputeConfig(**keys, facts=facts)
-            if Plan.from_config(config, layout) == plan:
+            if Plan.from_config(config, model_sites) == plan:
                 return config
     return None
 

@@ -16,11 +16,11 @@ from typing import Sequence
 
 import numpy as np
 
-from remat.labels import LAYER, recompute_labels
-from remat.layer_plan import Plan
+from remat.core.labels import LAYER, recompute_labels
+from remat.config.plan import Plan
 from remat.memory.windows import Choice, PlanningProblem, Window
-from remat.problems import ConfigError, Problem
-from remat.sizes import format_bytes
+from remat.core.problems import ConfigError, Problem
+from remat.core.sizes import format_bytes
 
 
 @dataclass(frozen=True)

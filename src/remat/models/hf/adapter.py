@@ -18,9 +18,10 @@ from typing import Any
 
 from torch import nn
 
-from remat.models.family import Adapter, Fork
+from remat.models.family import Fork
+from remat.sites.placement import Adapter
 from remat.models.hf.loss_head import swap_loss_head
-from remat.problems import ConfigError, Problem, warn
+from remat.core.problems import ConfigError, Problem, warn
 
 # The attention module of a decoder layer, by the names transformers' models use.
 _ATTENTION = ("self_attn", "attn", "self_attention")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from remat.problems import ConfigError, Problem, did_you_mean
+from remat.core.problems import ConfigError, Problem, did_you_mean
 
 INSTALL = "Hugging Face models need transformers: pip install 'remat[hf]'"
 

@@ -14,29 +14,34 @@ the whole sequence before sharding (`shifts_labels`), and the model takes them a
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
-from remat.models.family import ParallelSizes
+from remat.config.parallel import ParallelLayout
+from remat.core.problems import ConfigError, Problem
 from remat.models.hf.adapter import hf_model
-from remat.problems import ConfigError, Problem
 
-# each prepared model's base model (the one whose rotary embedding reads the positions), and the
-# positions of this rank's tokens while a sharded batch runs
-_POSITIONS: weakref.WeakKeyDictionary[nn.Module, Tensor | None] = weakref.WeakKeyDictionary()
+# The attribute of a prepared base model (the one whose rotary embedding reads the positions) that
+# holds its tokens' positions while a sharded batch runs.
+POSITIONS = "_remat_context_positions"
 
 
-def problems(hf: Any, seq_length: int, sizes: ParallelSizes) -> Iterator[Problem]:
-    """Why a model of transformers config `hf` cannot run over `sizes.context` ranks; seq_length 0:
+@dataclass
+class _Positions:
+    tokens: Tensor | None = None
+
+
+def problems(hf: Any, seq_length: int, layout: ParallelLayout) -> Iterator[Problem]:
+    """Why a model of transformers config `hf` cannot run over `layout.cp` ranks; seq_length 0:
     unknown (a built model's; the batch is checked when sharded)."""
-    cp, tp = sizes.context, sizes.tensor
+    cp, tp = layout.cp, layout.tp
     if seq_length % (2 * cp):
         yield Problem("context_parallel_size", f"seq_length={seq_length} does not split into {2 * cp} chunks for"
                                                f" {cp} context-parallel ranks; use a multiple of {2 * cp}")
-    elif sizes.sequence_split > 1 and (seq_length // cp) % tp:
+    elif layout.sequence_split > 1 and (seq_length // cp) % tp:
         yield Problem("sequence_parallel", f"each rank's {seq_length // cp} tokens do not split over {tp}"
                                            f" tensor-parallel ranks; use a sequence length that is a multiple of"
                                            f" {tp * cp}, or drop --sequence_parallel")
@@ -68,43 +73,43 @@ def _sliding(hf: Any) -> bool:
     return bool(getattr(hf, "sliding_window", None)) and getattr(hf, "use_sliding_window", True) is not False
 
 
-def prepare(model: nn.Module, size: int) -> None:
+def prepare(model: nn.Module, layout: ParallelLayout) -> None:
     """Have `model`'s rotary embedding take the positions `set_positions` gives, and its loss the
     labels as shifted already, while a sharded batch runs; ConfigError if its causal LM's config
     (a pipeline stage's too) cannot run over `size` ranks."""
     lm: Any = hf_model(model)
     base: Any = lm.base_model
-    found = list(problems(lm.config, 0, ParallelSizes(context=size)))
+    found = list(problems(lm.config, 0, layout))
     if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
         found.append(Problem("context_parallel_size", f"{type(base).__name__} has no rotary_emb to take the"
                                                       " positions of a rank's tokens; use 1"))
     if found:
         raise ConfigError(found)
-    if base in _POSITIONS:  # prepared already
+    if hasattr(base, POSITIONS):  # prepared already
         return
-    _POSITIONS[base] = None
-    base.rotary_emb.register_forward_pre_hook(_global_positions(base), with_kwargs=True)
-    lm.register_forward_pre_hook(_shifted_labels(base), with_kwargs=True)
+    held = _Positions()
+    setattr(base, POSITIONS, held)
+    base.rotary_emb.register_forward_pre_hook(_global_positions(held), with_kwargs=True)
+    lm.register_forward_pre_hook(_shifted_labels(held), with_kwargs=True)
 
 
 def set_positions(model: nn.Module, positions: Tensor | None) -> None:
     lm: Any = hf_model(model)
-    _POSITIONS[lm.base_model] = positions
+    getattr(lm.base_model, POSITIONS).tokens = positions
 
 
-def _global_positions(base: nn.Module) -> Any:
+def _global_positions(held: _Positions) -> Any:
     def hook(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        positions = _POSITIONS.get(base)
-        if positions is None:
+        if held.tokens is None:
             return None
         # rotary_emb(x, position_ids): the model counted 0 .. n-1 for this rank's n tokens
-        return args[:1], {**kwargs, "position_ids": positions}
+        return args[:1], {**kwargs, "position_ids": held.tokens}
     return hook
 
 
-def _shifted_labels(base: nn.Module) -> Any:
+def _shifted_labels(held: _Positions) -> Any:
     def hook(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        if _POSITIONS.get(base) is None or kwargs.get("labels") is None:
+        if held.tokens is None or kwargs.get("labels") is None:
             return None
         return args, {**kwargs, "shift_labels": kwargs["labels"]}
     return hook

@@ -1,27 +1,26 @@
 """Hugging Face transformers causal LMs behind the model seam: recipes `hf:FAMILY` (a small config
 of that family, shape overrides in Megatron's names) or `hf:path/to/config.json`. The model is
-built from the config (never downloaded) and adapted (`remat.adapt`); its fast path is the
+built from the config (never downloaded) and adapted (`remat.models.adapt`); its fast path is the
 chunked loss head and its Sites' calls compiled."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.models.family import Fork, ModelFamily, ParallelSizes, SequenceParallelPoints, Target, dense_facts
+from remat.config.parallel import ParallelLayout
+from remat.models.family import ModelFamily, Target, dense_facts, no_experts_problems
 from remat.models.hf import context_parallel, pipeline, tensor_parallel
-from remat.models.hf.tensor_parallel import sequence_points
+from remat.models.hf.parallel import HfParallelPlan
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER, hf_model
-from remat.placement import compile_sites, place_sites
-from remat.problems import ConfigError, Problem
+from remat.sites.placement import compile_sites, place_sites
+from remat.core.problems import ConfigError, Problem
 
 PREFIX = "hf:"
 DEFAULT_SEQ = 64
@@ -152,7 +151,6 @@ def _of(config: HfModelConfig | Any) -> HfModelConfig | None:
 
 class HfFamily(ModelFamily):
     name = "hf"
-    shifts_labels = True  # HF's causal-LM loss
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         if importlib.util.find_spec("transformers") is None:  # listed where they can be built
@@ -195,45 +193,34 @@ class HfFamily(ModelFamily):
     def handles(self, model: nn.Module) -> bool:
         return ADAPTER.handles(model)
 
-    def shard_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
+    def layout_problems(self, config: HfModelConfig, layout: ParallelLayout) -> Iterator[Problem]:
         # tensor parallelism by the model's own plan, pipeline stages cut from the model
+        yield from no_experts_problems(layout, "Hugging Face models")
         if (known := _of(config)) is None:
             return
         config = known
-        yield from tensor_parallel.config_problems(config.hf, sizes)
-        if sizes.sequence_split > 1 and config.seq_length % sizes.tensor:
-            yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {sizes.tensor}"
+        yield from tensor_parallel.config_problems(config.hf, layout.tp)
+        if layout.sequence_split > 1 and config.seq_length % layout.tp:
+            yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {layout.tp}"
                                                " tensor-parallel ranks; use a multiple of the tensor-parallel size,"
                                                " or drop --sequence_parallel")
-        if sizes.pipeline > 1:
+        if layout.pp > 1:
             yield from _pipeline_problems(config.hf.to_json_string(), config)
-        if sizes.sequence_split > 1 and sizes.pipeline > 1:
+        if layout.sequence_split > 1 and layout.pp > 1:
             yield Problem("sequence_parallel", "Hugging Face stages hand each other whole hidden states (the next"
                                                " stage takes positions from them); drop --sequence_parallel beside"
                                                " -pp")
+        if layout.cp > 1:
+            yield from context_parallel.problems(config.hf, config.seq_length, layout)
 
-    def context_parallel_problems(self, config: HfModelConfig, sizes: ParallelSizes) -> Iterator[Problem]:
-        if (known := _of(config)) is not None:
-            yield from context_parallel.problems(known.hf, known.seq_length, sizes)
-
-    def context_parallel(self, model: nn.Module, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
-        context_parallel.prepare(model, group.size())
-        return []  # the rotary embedding takes its tokens' positions instead (context_parallel_positions)
-
-    def context_parallel_positions(self, model: nn.Module, positions: torch.Tensor | None) -> None:
-        context_parallel.set_positions(model, positions)
-
-    def shard(self, config: HfModelConfig, sizes: ParallelSizes) -> HfModelConfig:
-        layers = sizes.layers or tuple(range(config.num_layers // sizes.pipeline))
+    def shard(self, config: HfModelConfig, layout: ParallelLayout, layers: Sequence[int]) -> HfModelConfig:
+        layers = tuple(layers)
         every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
-        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, sizes.tensor),
-                                   layers=None if every else layers, seq_length=config.seq_length // sizes.context)
+        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, layout.tp),
+                                   layers=None if every else layers, seq_length=config.seq_length // layout.cp)
 
-    def tensor_parallel_problems(self, model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
-        yield from tensor_parallel.model_problems(model, sizes)
-
-    def tensor_parallel(self, model: nn.Module, sizes: ParallelSizes, fork: Fork) -> dict[str, ParallelStyle]:
-        return tensor_parallel.styles(model, fork, sizes.sequence_parallel)
+    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> HfParallelPlan:
+        return HfParallelPlan(model, layout, self.name)
 
     def flops(self, config: HfModelConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x (matmul parameters, routed experts at top-k of all) x tokens, plus attention's two
@@ -258,9 +245,6 @@ class HfFamily(ModelFamily):
         place_sites(model, None, ADAPTER, loss_head=not isinstance(model, pipeline.HfStage) or model.post_process)
         if not shapes_only:
             compile_sites(model)
-
-    def sequence_parallel(self, model: nn.Module, tensor_parallel: int) -> SequenceParallelPoints:
-        return sequence_points(model)
 
 
 FAMILY = HfFamily()

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
-from remat.placement import replace_forward
-from remat.problems import ConfigError, Problem
+from remat.sites.placement import replace_forward
+from remat.core.problems import ConfigError, Problem
 
 IGNORE = -100
 CHUNK_TOKENS = 4096

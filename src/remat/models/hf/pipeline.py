@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from remat.problems import Problem
+from remat.core.problems import Problem
 
 FIELD = "pipeline_model_parallel_size"
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")

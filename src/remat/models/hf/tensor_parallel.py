@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from remat.models.family import (Fork, ParallelSizes, SequenceParallelPoints, TokensHook, on_tokens_argument,
-                                 on_tokens_output)
+from remat.config.parallel import ParallelLayout
+from remat.models.family import Fork, SequenceParallelPoints, TokensHook, on_tokens_argument, on_tokens_output
 from remat.models.hf.adapter import ADAPTER, attention_modules, hf_model
-from remat.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # Attention attributes some models reshape by: a head count no plan divides.
@@ -49,10 +49,9 @@ def _splits_mlp(plan: dict[str, str]) -> bool:
     return any(".mlp." in key for key in plan)
 
 
-def config_problems(hf: Any, sizes: ParallelSizes) -> Iterator[Problem]:
-    """Why a transformers config `hf` cannot split over `sizes.tensor` ranks: its plan, and the
-    head and FFN counts it splits."""
-    tp = sizes.tensor
+def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
+    """Why a transformers config `hf` cannot split over `tp` ranks: its plan, and the head and FFN
+    counts it splits."""
     if tp == 1:
         return
     model = type(hf).__name__
@@ -152,13 +151,11 @@ def sequence_points(model: nn.Module) -> SequenceParallelPoints:
                                   gather_after=[modules[split.layers[-1]]])
 
 
-def model_problems(model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
-    """Beyond the config's: plan entries that name no Linear, attention holding a head count, and
-    attention dropout that could not draw from the rank's stream."""
+def model_problems(model: nn.Module, layout: ParallelLayout) -> Iterator[Problem]:
+    """Beyond the config's (`config_problems`): plan entries that name no Linear, attention holding
+    a head count, and attention dropout that could not draw from the rank's stream."""
     hf = hf_model(model)
-    problems = list(config_problems(hf.config, sizes))
-    yield from problems
-    if problems or sizes.tensor == 1:
+    if layout.tp == 1:
         return
     _, modules, planned = _planned(model)
     for pattern in _plan(hf.config):
@@ -166,7 +163,7 @@ def model_problems(model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         if not found or not all(isinstance(modules[n], nn.Linear) for n in found):
             yield Problem(FIELD, f"{type(hf).__name__}'s tensor-parallel plan entry {pattern!r} names no Linear"
                                  " modules of this model; use 1")
-    if sizes.sequence_parallel:
+    if layout.sp:
         yield from _sequence_problems(modules, planned)
     for attention in attention_modules(model):
         held = [name for name in _HEAD_COUNTS if isinstance(getattr(attention, name, None), int)]
@@ -177,7 +174,7 @@ def model_problems(model: nn.Module, sizes: ParallelSizes) -> Iterator[Problem]:
         if dropout and attention not in ADAPTER.attention_sites:
             yield Problem("attention_dropout", f"is {dropout}; {type(attention).__name__} has no core_attn Site,"
                                                " through which its dropout draws from this rank's stream; place"
-                                               " remat's Sites (remat.adapt) or use 0")
+                                               " remat's Sites (remat.models.adapt) or use 0")
 
 
 def _sequence_problems(modules: dict[str, nn.Module], planned: dict[str, str]) -> Iterator[Problem]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from remat.models.family import dense_facts
-from remat.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem
 
 # remat's models compute attention with torch's SDPA (fused kernels) or eagerly (s x s scores kept).
 ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "eager")

@@ -17,7 +17,7 @@ from remat.models.kernels import loss, rmsnorm, rope, swiglu
 from remat.models.kernels.grad_accumulation import Linear
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.models.llama.config import LlamaConfig
-from remat.sites import Site
+from remat.sites.site import Site
 
 
 # F.dropout's signature (input, p, training): what a family may swap for one drawing elsewhere

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from remat.models.family import dense_facts
 from remat.models.llama.config import LlamaConfig, shape_problems
-from remat.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
@@ -98,7 +98,8 @@ class MoEConfig(LlamaConfig):
     moe_aux_loss_coeff: float = 0.0
     # routed experts as grouped GEMMs (torch's grouped matmul where it runs, else a loop)
     moe_grouped_gemm: bool = True
-    # an expert-parallel rank holds num_moe_experts / expert_model_parallel_size experts
+    # one rank's share under a parallel layout (set by the family's shard, never an override): an
+    # expert-parallel rank holds num_moe_experts / expert_model_parallel_size experts
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     multi_latent_attention: bool = False
@@ -194,12 +195,6 @@ def moe_problems(c: MoEConfig) -> list[Problem]:
     if topk > experts:
         problems.append(Problem("moe_router_topk", f"({topk}) exceeds num_moe_experts ({experts}); route to at most"
                                                    " as many experts as there are"))
-    if experts % c.expert_model_parallel_size:
-        problems.append(Problem("expert_model_parallel_size", f"({c.expert_model_parallel_size}) must divide "
-                                                              f"num_moe_experts ({experts})"))
-    if c.expert_ffn % c.expert_tensor_parallel_size:
-        problems.append(Problem("expert_tensor_parallel_size", f"({c.expert_tensor_parallel_size}) must divide "
-                                                               f"moe_ffn_hidden_size ({c.expert_ffn})"))
     groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         problems.append(Problem("moe_router_group_topk", "group-limited routing needs both moe_router_num_groups"

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from remat.models.kernels.grad_accumulation import Linear
 from remat.models.llama.model import RMSNorm, apply_rotary, causal_attention, merge_heads
 from remat.models.moe.config import MoEConfig
-from remat.sites import Site
+from remat.sites.site import Site
 
 
 class RotaryKey(nn.Module):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from remat.models.llama.model import MLP, silu_mul
 from remat.models.moe.config import MoEConfig
 from remat.models.moe.dispatch import AllToAll, expert_offsets, permute, unpermute
-from remat.sites import Site
+from remat.sites.site import Site
 
 GroupedMM = Callable[[Tensor, Tensor, Tensor], Tensor]
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleInputOutput, RowwiseParallel)
 
 from remat.models.family import Fork
-from remat.models.llama.family import forked, gate_up_by_rank
+from remat.models.llama.parallel import forked, gate_up_by_rank
 from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.moe_layer import MoELayer
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from remat.apply import apply, offloader_of, warn_if_nothing_offloaded
-from remat.calls import forward_loss
-from remat.layer_plan import Plan
+from remat.sites.apply import apply, offloader_of, warn_if_nothing_offloaded
+from remat.sites.calls import forward_loss
+from remat.config.plan import Plan
 from remat.memory import SavedMemory, measure_saved
-from remat.recompute import RecomputeConfig
+from remat.config.recompute import RecomputeConfig
 
 
 @dataclass(frozen=True)

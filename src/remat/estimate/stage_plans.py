@@ -17,14 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat.estimating import Estimate, EstimateSpec, StageTrace, predict_stages, rank_plan, trace_stages
-from remat.layer_plan import PipelineStages, Plan, rank_layers
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import Estimate, StageTrace, predict_stages, rank_plan, trace_stages
+from remat.config.parallel import ParallelLayout
+from remat.config.plan import PipelineStages, Plan
 from remat.planner import NoPlanFits, host_budget_problems, megatron_keys, model_facts, recompute_candidates
 from remat.planner.solver import solve
-from remat.problems import ConfigError, Problem, RematWarning, raise_if_any
-from remat.recompute import RecomputeConfig, layers_per_chunk
-from remat.rules import MIN_OFFLOADED_TENSOR_SIZE
-from remat.sizes import parse_bytes
+from remat.core.problems import ConfigError, Problem, RematWarning, raise_if_any
+from remat.config.recompute import RecomputeConfig
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.core.sizes import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,7 @@ def plan_stages(spec: EstimateSpec, budget: int | str, *, offload: bool = False,
         plan = solution.plan
         if plan.offloads():
             plan.min_offloaded_tensor_size = min_offloaded_tensor_size
-        layers = rank_layers(spec.model_config.num_layers, spec.stages,
-                             spec.facts.virtual_pipeline_model_parallel_size, k)
-        stages.append(StagePlan(k, tuple(layers), plan))
+        stages.append(StagePlan(k, spec.layout.rank_layers(spec.model_config.num_layers, k), plan))
     if missed:
         raise ConfigError(missed)
     planned = predict_stages("per stage", spec, traced, [s.plan for s in stages])
@@ -96,8 +96,7 @@ def _joined(stages: Sequence[StagePlan], planned: Estimate, spec: EstimateSpec) 
         if s.plan.offloads():
             whole.min_offloaded_tensor_size = s.plan.min_offloaded_tensor_size
     whole.full_recompute.sort()
-    facts = spec.facts
-    whole.pipeline = PipelineStages(facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size,
+    whole.pipeline = PipelineStages(ParallelLayout(pp=spec.layout.pp, vp=spec.layout.vp),
                                     tuple(s.peak for s in planned.stages))
     return whole
 
@@ -106,10 +105,9 @@ def _fastest_uniform(spec: EstimateSpec, traced: Sequence[StageTrace],
                      budget: int) -> tuple[RecomputeConfig, Estimate] | None:
     """The fastest of Megatron's usual configs (`recompute_candidates`) whose peak fits `budget`
     on every rank, each lowered onto each rank's layers as Megatron does; None if none fits."""
-    labels = frozenset().union(*(label for t in traced for label in t.trace.layout.labels))
-    facts = model_facts(labels, dataclasses.replace(spec.facts, num_layers=spec.model_config.num_layers))
-    layers = layers_per_chunk(facts.num_layers, facts.pipeline_model_parallel_size,
-                              facts.virtual_pipeline_model_parallel_size)
+    labels = frozenset().union(*(label for t in traced for label in t.trace.model_sites.labels))
+    facts = model_facts(labels, spec.facts())
+    layers = facts.layers_per_chunk
     assert layers is not None  # the spec's checks split the layers
     best: tuple[RecomputeConfig, Estimate] | None = None
     for keys in [{}, *recompute_candidates(labels, layers)]:

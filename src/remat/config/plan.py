@@ -2,7 +2,7 @@
 
 `RecomputeConfig` (Megatron's fields) is the uniform way to say what to recompute; a `Plan` is
 what it lowers to on a given model, and what remat's planner writes when layers differ. The
-checks of a plan live here: a plan file's shape, and a plan against a model's layout.
+checks of a plan live here: a plan file's shape, and a plan against a model's sites.
 """
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from typing import Any
 
 import yaml
 
-from remat.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, offload_only_labels, site_labels
-from remat.layout import ModelLayout
-from remat.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
-from remat.recompute import RecomputeConfig, TrainingFacts, layers_per_chunk
-from remat.rules import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_SITES
+from remat.core.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, offload_only_labels, site_labels
+from remat.config.model_sites import ModelSites
+from remat.core.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
+from remat.config.recompute import RecomputeConfig
+from remat.config.parallel import ParallelLayout
+from remat.config.rules import OFFLOAD_SITES
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 
 
 @dataclass(frozen=True)
@@ -26,29 +28,22 @@ class PipelineStages:
     """The pipeline a plan was solved for, stage by stage (`remat plan` with pipeline parallelism):
     each stage's plan is the whole plan cut to the stage's layers; it holds only for this layout."""
 
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
+    layout: ParallelLayout  # its pipeline sizes (pp, vp)
     predicted_peak_bytes: tuple[int, ...]  # each pipeline rank's, as planned
 
-    def rank_layers(self, num_layers: int, rank: int) -> list[int]:
-        return rank_layers(num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size,
-                           rank)
-
     def to_dict(self, num_layers: int) -> dict[str, Any]:
-        return {"pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-                "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
-                "stages": [{"layers": self.rank_layers(num_layers, k), "predicted_peak_bytes": peak}
+        return {"pipeline_model_parallel_size": self.layout.pp,
+                "virtual_pipeline_model_parallel_size": self.layout.vp,
+                "stages": [{"layers": list(self.layout.rank_layers(num_layers, k)), "predicted_peak_bytes": peak}
                            for k, peak in enumerate(self.predicted_peak_bytes)]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PipelineStages":
-        return cls(data["pipeline_model_parallel_size"], data.get("virtual_pipeline_model_parallel_size"),
-                   tuple(stage["predicted_peak_bytes"] for stage in data["stages"]))
+        return cls(ParallelLayout.from_megatron(data), tuple(stage["predicted_peak_bytes"] for stage in data["stages"]))
 
-    def problems(self, num_layers: int, facts: TrainingFacts) -> Iterator[Problem]:
+    def problems(self, layout: ParallelLayout) -> Iterator[Problem]:
         """A plan solved per stage holds for its own layout only."""
-        planned = (self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1)
-        running = (facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size or 1)
+        planned, running = (self.layout.pp, self.layout.virtual), (layout.pp, layout.virtual)
         if planned != running:
             yield Problem("pipeline", f"this plan was solved stage by stage for {_stages_words(*planned)}, and this"
                                       f" run has {_stages_words(*running)}; run it with -pp {planned[0]}"
@@ -57,14 +52,6 @@ class PipelineStages:
 
 def _stages_words(pp: int, vp: int) -> str:
     return f"{count(pp, 'pipeline stage')}" + (f" x {vp} virtual" if vp > 1 else "")
-
-
-def rank_layers(num_layers: int, pp: int, vpp: int | None, rank: int) -> list[int]:
-    """The model's layers pipeline rank `rank` runs, in order: Megatron's model chunks rank,
-    rank + pp, rank + 2 pp, ... (one chunk per rank without virtual stages)."""
-    per_chunk = layers_per_chunk(num_layers, pp, vpp)
-    assert per_chunk is not None  # the pipeline rules checked the split
-    return [i for chunk in range(rank, pp * (vpp or 1), pp) for i in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
 
 
 @dataclass
@@ -88,16 +75,16 @@ class Plan:
         return cls([{} for _ in range(num_layers)])
 
     @classmethod
-    def from_config(cls, config: RecomputeConfig, layout: ModelLayout) -> "Plan":
-        """Lower a Megatron-style config onto a model with `layout`."""
-        plan = cls.none(layout.num_layers)
+    def from_config(cls, config: RecomputeConfig, model_sites: ModelSites) -> "Plan":
+        """Lower a Megatron-style config onto a model with `model_sites`."""
+        plan = cls.none(model_sites.num_layers)
         if config.recompute_granularity == "selective":
-            for labels, actions in zip(layout.labels, plan.layers):
+            for labels, actions in zip(model_sites.labels, plan.layers):
                 for label in config.recompute_modules or []:
                     if label in labels:
                         actions[label] = "discard" if label in discard_labels() else "recompute"
         elif config.recompute_granularity == "full":
-            plan.full_recompute = _full_ranges(config, layout.num_layers)
+            plan.full_recompute = _full_ranges(config, model_sites.num_layers)
         plan.min_offloaded_tensor_size = config.min_offloaded_tensor_size
         in_full = {i for s, e in plan.full_recompute for i in range(s, e)}
         starts = {s for s, _ in plan.full_recompute}
@@ -108,9 +95,9 @@ class Plan:
         if config.fine_grained_activation_offloading:
             offloaded = {site for site in (OFFLOAD_SITES[m] for m in config.offload_modules) if site is not None}
             # the last layer's backward comes right after the forward: nothing to hide its copies
-            for i in range(layout.num_layers - 1):
+            for i in range(model_sites.num_layers - 1):
                 if i not in in_full:
-                    plan.layers[i].update({label: "offload" for label in offloaded if label in layout.labels[i]})
+                    plan.layers[i].update({label: "offload" for label in offloaded if label in model_sites.labels[i]})
         return plan
 
     def cut(self, layers: Sequence[int]) -> "Plan":
@@ -179,9 +166,7 @@ class Plan:
 
 def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
     """Megatron's uniform/block methods, applied to each (virtual) pipeline stage's chunk of layers."""
-    facts = config.facts
-    chunks = facts.pipeline_model_parallel_size * (facts.virtual_pipeline_model_parallel_size or 1)
-    per_chunk = num_layers // chunks
+    per_chunk = num_layers // config.facts.layout.chunks
     k = config.recompute_num_layers or 0
     ranges: list[tuple[int, int]] = []
     for first in range(0, num_layers, per_chunk):
@@ -245,13 +230,13 @@ def _is_index(value: Any) -> bool:
 
 
 def _plan_ranges(
-    full_recompute: Sequence[Any], layout: ModelLayout
+    full_recompute: Sequence[Any], model_sites: ModelSites
 ) -> tuple[list[tuple[int, int, int]], list[Problem]]:
     """Check the [start, end) ranges; return the usable ones as (index, start, end) and the problems."""
-    n = layout.num_layers
+    n = model_sites.num_layers
     usable: list[tuple[int, int, int]] = []
     problems: list[Problem] = []
-    if full_recompute and not layout.has_layer_sites:
+    if full_recompute and not model_sites.has_layer_sites:
         problems.append(Problem("full_recompute", "this model marks no 'layer' sites, so whole layers cannot be"
                                                   " recomputed; leave full_recompute empty"))
     for k, rng in enumerate(full_recompute):
@@ -341,11 +326,12 @@ def _pipeline_section_problems(section: Any, num_layers: int | None) -> list[Pro
         return [Problem("pipeline", shape)]
     if num_layers is None:
         return []
-    if layers_per_chunk(num_layers, pp, vpp) is None:
+    layout = ParallelLayout(pp=pp, vp=vpp)
+    if layout.layers_per_chunk(num_layers) is None:
         return [Problem("pipeline", f"{count(num_layers, 'layer')} do not split into {pp} x {vpp or 1} model chunks")]
     return [Problem(f"pipeline.stages[{k}].layers", f"pipeline rank {k} runs layers {expected}, not {st.get('layers')}")
             for k, st in enumerate(stages)
-            if st.get("layers") != (expected := rank_layers(num_layers, pp, vpp, k))]
+            if st.get("layers") != (expected := list(layout.rank_layers(num_layers, k)))]
 
 
 def _layer_words(i: int, actions: Mapping[Any, Any]) -> Iterator[Problem]:
@@ -360,42 +346,42 @@ def _layer_words(i: int, actions: Mapping[Any, Any]) -> Iterator[Problem]:
 
 
 def check_plan(
-    layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]], layout: ModelLayout
+    layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]], model_sites: ModelSites
 ) -> None:
-    """Raise ConfigError listing everything wrong with a per-layer plan for a model with this layout.
+    """Raise ConfigError listing everything wrong with a per-layer plan for a model with these sites.
 
     `layers[i]` maps site label -> action; `full_recompute` lists [start, end) layer ranges recomputed
     as one unit.
     """
     problems: list[Problem] = []
-    if len(layers) != layout.num_layers:
+    if len(layers) != model_sites.num_layers:
         problems.append(Problem("layers", f"the plan has {count(len(layers), 'layer')} but the model has"
-                                          f" {layout.num_layers}; give one entry per layer"))
-    for i, (actions, labels) in enumerate(zip(layers, layout.labels)):
-        problems += _plan_layer(i, actions, labels, layout.has_layer_sites)
-    ranges, range_problems = _plan_ranges(full_recompute, layout)
+                                          f" {model_sites.num_layers}; give one entry per layer"))
+    for i, (actions, labels) in enumerate(zip(layers, model_sites.labels)):
+        problems += _plan_layer(i, actions, labels, model_sites.has_layer_sites)
+    ranges, range_problems = _plan_ranges(full_recompute, model_sites)
     problems += range_problems
     problems += _plan_inside_full(layers, ranges)
     if problems:
         raise ConfigError(problems)
 
 
-def plan_pipeline_problems(plan: Plan, facts: TrainingFacts) -> Iterator[Problem]:
+def plan_pipeline_problems(plan: Plan, layout: ParallelLayout) -> Iterator[Problem]:
     """A per-layer plan against a run's pipeline: its ranges within model chunks, and the layout
     it was solved for, if it was solved stage by stage."""
-    yield from pipeline_range_problems(plan.full_recompute, len(plan.layers), facts)
+    yield from pipeline_range_problems(plan.full_recompute, len(plan.layers), layout)
     if plan.pipeline is not None:
-        yield from plan.pipeline.problems(len(plan.layers), facts)
+        yield from plan.pipeline.problems(layout)
 
 
 def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,
-                            facts: TrainingFacts) -> Iterator[Problem]:
+                            layout: ParallelLayout) -> Iterator[Problem]:
     """A per-layer plan's full-recompute ranges under pipeline parallelism. Each model chunk (a
     pipeline stage, or one of a rank's virtual stages) runs as its own block, and Megatron
     recomputes within it: a range cannot reach into the next chunk, which runs apart from it (on
     another rank, or later on the same one)."""
-    pp, vpp = facts.pipeline_model_parallel_size, facts.virtual_pipeline_model_parallel_size
-    per_chunk = layers_per_chunk(num_layers, pp, vpp)
+    pp, vpp = layout.pp, layout.vp
+    per_chunk = layout.layers_per_chunk(num_layers)
     if pp == 1 or per_chunk is None:  # no chunks, or a split the pipeline rules already refuse
         return
     for k, (start, end) in enumerate(full_recompute):

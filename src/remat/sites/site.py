@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from remat.engine import inside_region
-from remat.labels import site_labels
+from remat.core.labels import site_labels
 
 
 class SiteAction(Protocol):

@@ -1,4 +1,4 @@
-"""Placing Sites on a model remat did not write, without editing its source (`remat.adapt`).
+"""Placing Sites on a model remat did not write, without editing its source (`remat.models.adapt`).
 
 A site map names, for each label, the modules whose forward becomes that Site's call:
 ``{"layer": "model.layers.*", "mlp": "model.layers.*.mlp"}``. A pattern is a dotted module
@@ -22,9 +22,9 @@ from typing import Any, Union
 import yaml
 from torch import nn
 
-from remat.labels import site_labels
-from remat.problems import ConfigError, Problem, did_you_mean, raise_if_any
-from remat.sites import Site
+from remat.core.labels import site_labels
+from remat.core.problems import ConfigError, Problem, did_you_mean, raise_if_any
+from remat.sites.site import Site
 
 # The child name a placed Site gets on the module it wraps.
 SITE_NAME = "remat_site"
@@ -174,7 +174,7 @@ def _place(adapter: Adapter | None, label: str, module: nn.Module) -> Callable[[
 
 def place_sites(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter | None, *,
                 loss_head: bool = False) -> nn.Module:
-    """Place Sites on `model` in place (and return it), so `remat.apply`, `trace` and `plan` act on it.
+    """Place Sites on `model` in place (and return it), so `remat.sites.apply`, `trace` and `plan` act on it.
 
     `site_map`: label -> module path pattern(s), as a mapping or a YAML file; None uses the map of
     `adapter`, the model's family where remat knows it (Hugging Face transformers). Idempotent:

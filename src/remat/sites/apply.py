@@ -10,12 +10,12 @@ from typing import Any, Callable, Iterator
 from torch import Tensor, nn
 
 from remat.engine import DiscardScope, Offloader, Region, checkpoint, current_scope, offloading, output_tensors
-from remat.labels import LAYER
-from remat.layer_plan import Plan, check_plan
-from remat.layout import ModelLayout, check_config
-from remat.problems import Problem, advise
-from remat.recompute import RecomputeConfig
-from remat.sites import Site
+from remat.core.labels import LAYER
+from remat.config.plan import Plan, check_plan
+from remat.config.model_sites import ModelSites, check_config
+from remat.core.problems import Problem, advise
+from remat.config.recompute import RecomputeConfig
+from remat.sites.site import Site
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class SiteMap:
     model: str = "this model"
 
     @property
-    def layout(self) -> ModelLayout:
+    def model_sites(self) -> ModelSites:
         all_sites = [s for group in self.inner for s in group]
-        return ModelLayout(
+        return ModelSites(
             labels=tuple(frozenset(s.label for s in group) for group in self.inner),
             fused=frozenset(s.label for s in all_sites if s.fused),
             has_layer_sites=bool(self.layers),
@@ -64,14 +64,14 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     Call again to change the plan; raises ConfigError (nothing changed) if it does not fit.
     """
     sites = find_sites(model)
-    layout = sites.layout
+    model_sites = sites.model_sites
     if plan is None:
-        resolved = Plan.none(layout.num_layers)
+        resolved = Plan.none(model_sites.num_layers)
     elif isinstance(plan, RecomputeConfig):
-        check_config(plan, layout)
-        resolved = Plan.from_config(plan, layout)
+        check_config(plan, model_sites)
+        resolved = Plan.from_config(plan, model_sites)
     else:
-        check_plan(plan.layers, plan.full_recompute, layout)
+        check_plan(plan.layers, plan.full_recompute, model_sites)
         resolved = plan
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     offloader = (Offloader(resolved.min_offloaded_tensor_size, first.device.type if first is not None else None,

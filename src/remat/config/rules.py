@@ -4,22 +4,16 @@ Each rule is a small function yielding the `Problem`s it finds in a well-typed c
 types are checked before any rule runs). `RULES` are errors, `WARNING_RULES` advice. A comment
 on each says whose rule it is: Megatron's (the same check, worded to say what to change) or
 remat's (a combination Megatron accepts silently that does nothing or cannot run here). Rules
-that need the model's own layout are in `remat.layout`.
+that need the model's own layout are in `remat.config.model_sites`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from remat.labels import WITHOUT_MODEL, enclosing, labels_without_model, offload_only_labels, recompute_labels
-from remat.problems import Problem, count, did_you_mean, one_of
+from remat.core.labels import WITHOUT_MODEL, enclosing, labels_without_model, offload_only_labels, recompute_labels
+from remat.config.megatron import GRANULARITIES, METHODS, RecomputeFields
+from remat.core.problems import Problem, did_you_mean, not_an_option, one_of
 
-if TYPE_CHECKING:
-    from remat.recompute import RecomputeConfig, TrainingFacts
-
-# The values Megatron accepts for each setting.
-GRANULARITIES: tuple[str, ...] = ("full", "selective")
-METHODS: tuple[str, ...] = ("uniform", "block")
 # Submodule inputs Megatron's fine-grained offloading can move to the host.
 OFFLOAD_MODULES: tuple[str, ...] = (
     "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
@@ -34,19 +28,9 @@ OFFLOAD_SITES: dict[str, str | None] = {
     "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
     "qkv_linear": None, "attn_proj": None, "expert_fc1": "expert_fc1", "fused_group_mlp": None, "gdp_qkv": None,
 }
-# The largest layer count or parallel size the rules take: past any run, and safe to multiply.
-MAX_SIZE = 1 << 20
-# Megatron's default min_offloaded_tensor_size, in elements: smaller tensors stay on the device.
-MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
-CUDA_GRAPH_IMPLS: tuple[str, ...] = ("none", "local", "transformer_engine", "full_iteration")
-CUDA_GRAPH_SCOPES: tuple[str, ...] = (
-    "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
-)
-FP8_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
-FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")
 ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "fused", "unfused", "local", "auto")
 
-Rule = Callable[["RecomputeConfig"], Iterator[Problem]]
+Rule = Callable[[RecomputeFields], Iterator[Problem]]
 RULES: list[Rule] = []
 WARNING_RULES: list[Rule] = []
 
@@ -65,29 +49,13 @@ def _usable_offload_modules() -> tuple[str, ...]:
     return tuple(m for m in OFFLOAD_MODULES if m not in REFUSED_OFFLOAD_MODULES)
 
 
-def selected(c: RecomputeConfig) -> list[str]:
+def selected(c: RecomputeFields) -> list[str]:
     """The labels selective recompute acts on (none unless granularity is selective)."""
     return (c.recompute_modules or []) if c.recompute_granularity == "selective" else []
 
 
-def full_iteration_graph(f: TrainingFacts) -> bool:
-    # Megatron migrates the deprecated scope value "full_iteration" to the full-iteration implementation.
-    return f.cuda_graph_impl == "full_iteration" or "full_iteration" in f.cuda_graph_scope
-
-
-def _per_layer_graph(f: TrainingFacts) -> bool:
-    return f.cuda_graph_impl in ("local", "transformer_engine") and not full_iteration_graph(f)
-
-
-def _graphed(f: TrainingFacts, scope: str) -> bool:
-    """Whether a CUDA graph captures the `scope` part of each layer."""
-    # A per-layer graph with an empty scope captures the whole layer (Megatron's default).
-    in_scope = not f.cuda_graph_scope or scope in f.cuda_graph_scope
-    return full_iteration_graph(f) or (_per_layer_graph(f) and in_scope)
-
-
-def _num_layers_range(c: RecomputeConfig) -> str:
-    per_stage = c.facts.layers_per_virtual_stage
+def _num_layers_range(c: RecomputeFields) -> str:
+    per_stage = c.facts.layers_per_chunk
     if per_stage is None:
         return "a whole number of at least 1"
     return f"a number between 1 and {per_stage} (the layers in each virtual pipeline stage)"
@@ -99,29 +67,29 @@ def _named_value(field: str, value: str | None, choices: tuple[str, ...], kind: 
 
 
 @_rule
-def rule_granularity_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_granularity_value(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     yield from _named_value("recompute_granularity", c.recompute_granularity, GRANULARITIES, "granularity",
                             "'selective', 'full' or null (no recompute)")
 
 
 @_rule
-def rule_method_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_method_value(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     yield from _named_value("recompute_method", c.recompute_method, METHODS, "method", "'uniform' or 'block'")
 
 
 @_rule
-def rule_full_needs_method(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_full_needs_method(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.recompute_granularity == "full" and c.recompute_method is None:
         yield Problem("recompute_method", "full recompute needs a recompute_method: 'uniform' (every layer,"
                                           " in groups) or 'block' (the first recompute_num_layers layers)")
 
 
 @_rule
-def rule_full_num_layers(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron, plus a range check
+def rule_full_num_layers(c: RecomputeFields) -> Iterator[Problem]:  # Megatron, plus a range check
     # Megatron only rejects None; 0 makes its uniform loop never advance.
     if c.recompute_granularity != "full":
         return
-    n, per_stage = c.recompute_num_layers, c.facts.layers_per_virtual_stage
+    n, per_stage = c.recompute_num_layers, c.facts.layers_per_chunk
     if n is None:
         yield Problem("recompute_num_layers", f"full recompute needs recompute_num_layers; set it to"
                                               f" {_num_layers_range(c)}")
@@ -130,21 +98,21 @@ def rule_full_num_layers(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron, 
 
 
 @_rule
-def rule_selective_num_layers_none(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_selective_num_layers_none(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.recompute_granularity == "selective" and c.recompute_num_layers is not None:
         yield Problem("recompute_num_layers", "only full recompute uses it (selective acts on every layer);"
                                               " remove it or set it to null")
 
 
 @_rule
-def rule_selective_method_none(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py selective check
+def rule_selective_method_none(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py selective check
     if c.recompute_granularity == "selective" and c.recompute_method is not None:
         yield Problem("recompute_method", "only full recompute uses it (selective acts on every layer);"
                                           " remove it or set it to null")
 
 
 @_rule
-def rule_selective_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron (accepts []; remat does not)
+def rule_selective_needs_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron (accepts []; remat does not)
     if c.recompute_granularity == "selective" and not c.recompute_modules:
         yield Problem("recompute_modules", "selective recompute with no modules recomputes nothing; list labels"
                                            " such as ['core_attn'], or set recompute_granularity to null for a"
@@ -152,7 +120,7 @@ def rule_selective_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 
 
 @_rule
-def rule_known_recompute_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_known_recompute_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     known = (*recompute_labels(), *labels_without_model())
     for label in c.recompute_modules or []:
         if label in offload_only_labels():
@@ -164,7 +132,7 @@ def rule_known_recompute_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 
 
 @_rule
-def rule_recompute_labels_without_model(c: RecomputeConfig) -> Iterator[Problem]:  # remat: no model has them
+def rule_recompute_labels_without_model(c: RecomputeFields) -> Iterator[Problem]:  # remat: no model has them
     for label in c.recompute_modules or []:
         if label in labels_without_model():
             yield Problem("recompute_modules", f"{label!r} {WITHOUT_MODEL[label]}; remat has no model with that"
@@ -172,43 +140,43 @@ def rule_recompute_labels_without_model(c: RecomputeConfig) -> Iterator[Problem]
 
 
 @_rule
-def rule_no_duplicate_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores repeats
+def rule_no_duplicate_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megatron ignores repeats
     for name, labels in (("recompute_modules", c.recompute_modules or []), ("offload_modules", c.offload_modules)):
         for label in sorted({x for x in labels if labels.count(x) > 1}):
             yield Problem(name, f"lists {label!r} more than once; list each label once")
 
 
 @_rule
-def rule_distribute_not_with_sequence_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    if c.distribute_saved_activations and c.facts.sequence_parallel:
+def rule_distribute_not_with_sequence_parallel(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
+    if c.distribute_saved_activations and c.facts.layout.sp:
         yield Problem("distribute_saved_activations", "sequence parallelism already splits the saved inputs"
                                                       " across ranks; set distribute_saved_activations=False")
 
 
 @_rule
-def rule_distribute_needs_full(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
+def rule_distribute_needs_full(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py
     if c.distribute_saved_activations and c.recompute_granularity != "full":
         yield Problem("distribute_saved_activations", "only full recompute stores layer inputs it could split;"
                                                       " set recompute_granularity='full' or turn this off")
 
 
 @_rule
-def rule_distribute_needs_tensor_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
-    if c.distribute_saved_activations and c.facts.tensor_model_parallel_size <= 1:
+def rule_distribute_needs_tensor_parallel(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py
+    if c.distribute_saved_activations and c.facts.layout.tp <= 1:
         yield Problem("distribute_saved_activations", "splits saved inputs across tensor-parallel ranks, so it"
                                                       " needs tensor_model_parallel_size > 1; turn it off")
 
 
 @_rule
-def rule_full_recompute_graph_scope(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    if c.recompute_granularity == "full" and _per_layer_graph(c.facts):
+def rule_full_recompute_graph_scope(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
+    if c.recompute_granularity == "full" and c.facts.capture.per_layer:
         yield Problem("recompute_granularity", "full recompute cannot run inside per-layer CUDA graphs; use"
                                                " selective recompute, cuda_graph_impl='none', or a"
                                                " full_iteration graph")
 
 
 @_rule
-def rule_cpu_offload_layer_count(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_cpu_offload_layer_count(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     k, n = c.cpu_offloading_num_layers, c.facts.num_layers
     if c.cpu_offloading and (k < 0 or (n is not None and k >= n)):
         allowed = f"between 0 and {n - 1} (fewer than num_layers={n})" if n is not None else "0 or more"
@@ -216,8 +184,8 @@ def rule_cpu_offload_layer_count(c: RecomputeConfig) -> Iterator[Problem]:  # Me
 
 
 @_rule
-def rule_cpu_offload_not_with_pipeline(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    if c.cpu_offloading and c.facts.pipeline_model_parallel_size > 1:
+def rule_cpu_offload_not_with_pipeline(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
+    if c.cpu_offloading and c.facts.layout.pp > 1:
         yield Problem("cpu_offloading", "layer-level CPU offloading does not support pipeline parallelism;"
                                         " set pipeline_model_parallel_size=1 or cpu_offloading=False")
 
@@ -227,28 +195,28 @@ def rule_cpu_offload_not_with_pipeline(c: RecomputeConfig) -> Iterator[Problem]:
 
 
 @_rule
-def rule_cpu_offload_graphs(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    if c.cpu_offloading and _per_layer_graph(c.facts):
+def rule_cpu_offload_graphs(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
+    if c.cpu_offloading and c.facts.capture.per_layer:
         yield Problem("cpu_offloading", "layer-level CPU offloading does not work with per-layer CUDA graphs;"
                                         " set cuda_graph_impl to 'none' or 'full_iteration', or turn offloading off")
 
 
 @_rule
-def rule_moe_act_needs_grouped_gemm(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_moe_act_needs_grouped_gemm(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "moe_act" in selected(c) and not c.facts.moe_grouped_gemm:
         yield Problem("recompute_modules", "'moe_act' recompute needs moe_grouped_gemm=True; enable it or"
                                            " drop 'moe_act'")
 
 
 @_rule
-def rule_mla_up_proj_needs_mla(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_mla_up_proj_needs_mla(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "mla_up_proj" in selected(c) and not c.facts.multi_latent_attention:
         yield Problem("recompute_modules", "'mla_up_proj' exists only with multi_latent_attention=True; enable"
                                            " it or drop 'mla_up_proj'")
 
 
 @_rule
-def rule_shared_experts_not_with_overlap(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_shared_experts_not_with_overlap(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     f = c.facts
     if ("shared_experts" in selected(c) and f.moe_shared_expert_intermediate_size is not None
             and f.moe_shared_expert_overlap):
@@ -257,8 +225,8 @@ def rule_shared_experts_not_with_overlap(c: RecomputeConfig) -> Iterator[Problem
 
 
 @_rule
-def rule_fp8_delayed_discard_labels(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
-    if c.facts.fp8 is None or c.facts.fp8_recipe != "delayed":
+def rule_fp8_delayed_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
+    if c.facts.precision.fp8 is None or c.facts.precision.fp8_recipe != "delayed":
         return
     for label in ("moe_act", "layernorm"):
         if label in selected(c):
@@ -267,32 +235,32 @@ def rule_fp8_delayed_discard_labels(c: RecomputeConfig) -> Iterator[Problem]:  #
 
 
 @_rule
-def rule_graphed_recompute_dropout(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_graphed_recompute_dropout(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     # A recompute region captured in a CUDA graph cannot replay random dropout masks.
     f, chosen = c.facts, selected(c)
-    if "core_attn" in chosen and f.attention_dropout != 0 and _graphed(f, "attn"):
+    if "core_attn" in chosen and f.attention_dropout != 0 and f.capture.graphed("attn"):
         yield Problem("recompute_modules", "'core_attn' recompute inside a CUDA graph cannot replay attention"
                                            " dropout; set attention_dropout=0, drop 'core_attn' or take 'attn'"
                                            " out of the graph")
     for label in ("mlp", "moe"):
-        if label in chosen and f.hidden_dropout != 0 and _graphed(f, label):
+        if label in chosen and f.hidden_dropout != 0 and f.capture.graphed(label):
             yield Problem("recompute_modules", f"{label!r} recompute inside a CUDA graph cannot replay hidden"
                                                f" dropout; set hidden_dropout=0, drop {label!r} or take"
                                                f" {label!r} out of the graph")
 
 
 @_rule
-def rule_te_graph_moe_router(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_te_graph_moe_router(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     f = c.facts
-    if ("moe" in selected(c) and f.cuda_graph_impl == "transformer_engine"
-            and "moe_router" in f.cuda_graph_scope):
+    if ("moe" in selected(c) and f.capture.cuda_graph_impl == "transformer_engine"
+            and "moe_router" in f.capture.cuda_graph_scope):
         yield Problem("recompute_modules", "'moe' recompute would span the graphed router (cuda_graph_scope"
                                            " 'moe_router'); a recompute region must lie wholly inside or outside"
                                            " a graph: drop 'moe' or remove 'moe_router' from the scope")
 
 
 @_rule
-def rule_ep_overlap_limits(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_ep_overlap_limits(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if not c.facts.overlap_moe_expert_parallel_comm:
         return
     fix = "with overlap_moe_expert_parallel_comm=True; "
@@ -307,20 +275,20 @@ def rule_ep_overlap_limits(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
 
 
 @_rule
-def rule_fine_grained_not_with_cpu_offload(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_fine_grained_not_with_cpu_offload(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.fine_grained_activation_offloading and c.cpu_offloading:
         yield Problem("fine_grained_activation_offloading", "cannot be combined with cpu_offloading; turn one off")
 
 
 @_rule
-def rule_fine_grained_needs_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_fine_grained_needs_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.fine_grained_activation_offloading and not c.offload_modules:
         yield Problem("offload_modules", f"fine-grained offloading with no modules offloads nothing; list some"
                                          f" of {one_of(_usable_offload_modules())}")
 
 
 @_rule
-def rule_known_offload_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_known_offload_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     for label in c.offload_modules:
         if label not in OFFLOAD_MODULES:
             yield Problem("offload_modules", f"unknown module {label!r}{did_you_mean(label, OFFLOAD_MODULES)};"
@@ -328,7 +296,7 @@ def rule_known_offload_modules(c: RecomputeConfig) -> Iterator[Problem]:  # Mega
 
 
 @_rule
-def rule_fused_group_mlp_needs_op_fuser(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron, and remat has none
+def rule_fused_group_mlp_needs_op_fuser(c: RecomputeFields) -> Iterator[Problem]:  # Megatron, and remat has none
     if "fused_group_mlp" in c.offload_modules:
         yield Problem("offload_modules", "'fused_group_mlp' offloads inside Transformer Engine's fused grouped"
                                          " expert MLP, which Megatron builds only with"
@@ -337,7 +305,7 @@ def rule_fused_group_mlp_needs_op_fuser(c: RecomputeConfig) -> Iterator[Problem]
 
 
 @_rule
-def rule_fused_group_mlp_alone(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_fused_group_mlp_alone(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     # The fused op replaces the expert FC1 and activation those modules would offload.
     if not (c.fine_grained_activation_offloading and "fused_group_mlp" in c.offload_modules):
         return
@@ -349,14 +317,14 @@ def rule_fused_group_mlp_alone(c: RecomputeConfig) -> Iterator[Problem]:  # Mega
 
 
 @_rule
-def rule_gdp_qkv_offload_without_model(c: RecomputeConfig) -> Iterator[Problem]:  # remat: no model has it
+def rule_gdp_qkv_offload_without_model(c: RecomputeFields) -> Iterator[Problem]:  # remat: no model has it
     if "gdp_qkv" in c.offload_modules:
         yield Problem("offload_modules", "'gdp_qkv' offloads the input of GatedDeltaProduct's QKV preparation;"
                                          " remat has no model with that layer yet: drop 'gdp_qkv'")
 
 
 @_rule
-def rule_attn_proj_offload_needs_core_attn(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_attn_proj_offload_needs_core_attn(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     offload = c.offload_modules
     if c.fine_grained_activation_offloading and "attn_proj" in offload and "core_attn" not in offload:
         yield Problem("offload_modules", "the input of 'attn_proj' is the output of core_attn, which core_attn's"
@@ -364,7 +332,7 @@ def rule_attn_proj_offload_needs_core_attn(c: RecomputeConfig) -> Iterator[Probl
 
 
 @_rule
-def rule_moe_recompute_blocks_expert_offload(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_moe_recompute_blocks_expert_offload(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if not (c.fine_grained_activation_offloading and "moe" in selected(c)):
         return
     for label in ("expert_fc1", "moe_act", "fused_group_mlp"):
@@ -375,7 +343,7 @@ def rule_moe_recompute_blocks_expert_offload(c: RecomputeConfig) -> Iterator[Pro
 
 
 @_rule
-def rule_offloaded_site_not_recomputed(c: RecomputeConfig) -> Iterator[Problem]:  # remat: one action a site
+def rule_offloaded_site_not_recomputed(c: RecomputeFields) -> Iterator[Problem]:  # remat: one action a site
     if not c.fine_grained_activation_offloading:
         return
     for label in c.offload_modules:
@@ -387,7 +355,7 @@ def rule_offloaded_site_not_recomputed(c: RecomputeConfig) -> Iterator[Problem]:
 
 
 @_rule
-def rule_norm_offload_together(c: RecomputeConfig) -> Iterator[Problem]:  # remat: one 'layernorm' site label
+def rule_norm_offload_together(c: RecomputeFields) -> Iterator[Problem]:  # remat: one 'layernorm' site label
     if not c.fine_grained_activation_offloading:
         return
     norms = [m for m in ("attn_norm", "mlp_norm") if m in c.offload_modules]
@@ -398,7 +366,7 @@ def rule_norm_offload_together(c: RecomputeConfig) -> Iterator[Problem]:  # rema
 
 
 @_rule
-def rule_fine_grained_not_with_uniform_full(c: RecomputeConfig) -> Iterator[Problem]:  # remat
+def rule_fine_grained_not_with_uniform_full(c: RecomputeFields) -> Iterator[Problem]:  # remat
     if c.fine_grained_activation_offloading and c.recompute_granularity == "full" and c.recompute_method == "uniform":
         yield Problem("fine_grained_activation_offloading", "uniform full recompute saves nothing inside any"
                                                             " layer, so there is nothing per module to offload;"
@@ -407,7 +375,7 @@ def rule_fine_grained_not_with_uniform_full(c: RecomputeConfig) -> Iterator[Prob
 
 
 @_rule
-def rule_min_offload_size(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_min_offload_size(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     yield from min_offload_size_problems(c.min_offloaded_tensor_size)
 
 
@@ -417,7 +385,7 @@ def min_offload_size_problems(size: int) -> Iterator[Problem]:
 
 
 @_rule
-def rule_offload_fraction_range(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_offload_fraction_range(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     fraction = c.activation_offload_fraction
     if not 0 <= fraction <= 1:  # NaN too
         yield Problem("activation_offload_fraction", f"must be in range [0, 1], got {fraction}; set it to 1.0"
@@ -425,7 +393,7 @@ def rule_offload_fraction_range(c: RecomputeConfig) -> Iterator[Problem]:  # Meg
 
 
 @_rule
-def rule_offload_fraction_whole(c: RecomputeConfig) -> Iterator[Problem]:  # remat: offloads whole sites
+def rule_offload_fraction_whole(c: RecomputeFields) -> Iterator[Problem]:  # remat: offloads whole sites
     fraction = c.activation_offload_fraction
     if 0 <= fraction < 1:
         yield Problem("activation_offload_fraction", f"got {fraction}; remat offloads every tensor of each chosen"
@@ -434,74 +402,28 @@ def rule_offload_fraction_whole(c: RecomputeConfig) -> Iterator[Problem]:  # rem
 
 
 @_rule
-def rule_positive_sizes(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron ModelParallelConfig sizes
-    f = c.facts
-    sizes = {
-        "num_layers": f.num_layers,
-        "tensor_model_parallel_size": f.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": f.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": f.virtual_pipeline_model_parallel_size,
-        "context_parallel_size": f.context_parallel_size,
-    }
-    for name, size in sizes.items():
-        if size is not None and size < 1:
-            yield Problem(name, f"got {size}; set it to 1 or more")
-        elif size is not None and size > MAX_SIZE:
-            yield Problem(name, f"got {size:,}; remat checks sizes up to {MAX_SIZE:,} (a million GPUs or layers)")
+def rule_parallel_layout(c: RecomputeFields) -> Iterator[Problem]:  # Megatron ModelParallelConfig and arguments.py
+    yield from c.facts.layout.problems(c.facts.num_layers)
 
 
 @_rule
-def rule_virtual_pipeline_needs_pipeline(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
-    f = c.facts
-    if f.virtual_pipeline_model_parallel_size is not None and f.pipeline_model_parallel_size == 1:
-        yield Problem("virtual_pipeline_model_parallel_size", "virtual pipeline stages need"
-                                                              " pipeline_model_parallel_size > 1; set it to null"
-                                                              " or raise the pipeline size")
+def rule_cuda_graph_values(c: RecomputeFields) -> Iterator[Problem]:  # Megatron cuda_graph_impl/scope choices
+    yield from c.facts.capture.problems()
 
 
 @_rule
-def rule_layers_divisible(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron arguments.py
-    f = c.facts
-    stages = f.pipeline_model_parallel_size * (f.virtual_pipeline_model_parallel_size or 1)
-    if f.num_layers is not None and f.num_layers >= 1 and stages >= 1 and f.num_layers % stages:
-        yield Problem("num_layers", f"{count(f.num_layers, 'layer')} {'does' if f.num_layers == 1 else 'do'} not split evenly into {stages} (virtual) pipeline"
-                                    f" stages; use a multiple of {stages} or change the pipeline sizes")
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> Iterator[Problem]:
-    if value not in choices:
-        yield Problem(name, f"{value!r} is not an option{did_you_mean(value, choices)}; use one of {one_of(choices)}")
+def rule_fp8_values(c: RecomputeFields) -> Iterator[Problem]:  # Megatron --fp8-format and Fp8Recipe choices
+    yield from c.facts.precision.fp8_problems()
 
 
 @_rule
-def rule_cuda_graph_impl_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron cuda_graph_impl choices
-    yield from _choice("cuda_graph_impl", c.facts.cuda_graph_impl, CUDA_GRAPH_IMPLS)
+def rule_attention_backend_value(c: RecomputeFields) -> Iterator[Problem]:  # Megatron AttnBackend choices
+    if c.facts.attention_backend not in ATTENTION_BACKENDS:
+        yield not_an_option("attention_backend", c.facts.attention_backend, ATTENTION_BACKENDS)
 
 
 @_rule
-def rule_cuda_graph_scope_values(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron cuda_graph_scope choices
-    for scope in c.facts.cuda_graph_scope:
-        yield from _choice("cuda_graph_scope", scope, CUDA_GRAPH_SCOPES)
-
-
-@_rule
-def rule_fp8_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron --fp8-format choices
-    if c.facts.fp8 is not None:
-        yield from _choice("fp8", c.facts.fp8, FP8_FORMATS)
-
-
-@_rule
-def rule_fp8_recipe_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron Fp8Recipe choices
-    yield from _choice("fp8_recipe", c.facts.fp8_recipe, FP8_RECIPES)
-
-
-@_rule
-def rule_attention_backend_value(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron AttnBackend choices
-    yield from _choice("attention_backend", c.facts.attention_backend, ATTENTION_BACKENDS)
-
-
-@_rule
-def rule_dropout_range(c: RecomputeConfig) -> Iterator[Problem]:  # remat: a probability
+def rule_dropout_range(c: RecomputeFields) -> Iterator[Problem]:  # remat: a probability
     for name in ("attention_dropout", "hidden_dropout"):
         p = getattr(c.facts, name)
         if not 0 <= p < 1:  # 1 would zero every activation (and the models refuse it)
@@ -509,7 +431,7 @@ def rule_dropout_range(c: RecomputeConfig) -> Iterator[Problem]:  # remat: a pro
 
 
 @_rule
-def rule_settings_without_granularity(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores them
+def rule_settings_without_granularity(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megatron ignores them
     # One verdict everywhere: a setting that would do nothing is refused, not run as no recompute.
     if c.recompute_granularity is not None:
         return
@@ -525,7 +447,7 @@ MEGATRON_DEFAULT_MODULES = ["core_attn"]
 
 
 @_rule
-def rule_modules_without_switch(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron ignores them
+def rule_modules_without_switch(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megatron ignores them
     if c.recompute_modules and c.recompute_granularity is None and c.recompute_modules != MEGATRON_DEFAULT_MODULES:
         yield Problem("recompute_modules", "has no effect while recompute_granularity is null; set"
                                            " recompute_granularity='selective' to recompute them, or remove it")
@@ -535,14 +457,12 @@ def rule_modules_without_switch(c: RecomputeConfig) -> Iterator[Problem]:  # rem
 
 
 @_warning_rule
-def rule_sequence_parallel_without_tensor_parallel(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron turns it off
-    if c.facts.sequence_parallel and c.facts.tensor_model_parallel_size == 1:
-        yield Problem("sequence_parallel", "has no effect with tensor_model_parallel_size 1 (Megatron turns it"
-                                           " off); raise tensor_model_parallel_size or drop sequence_parallel")
+def rule_sequence_parallel_without_tensor_parallel(c: RecomputeFields) -> Iterator[Problem]:  # Megatron turns it off
+    yield from c.facts.layout.advice()
 
 
 @_warning_rule
-def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
+def rule_nested_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megatron allows nesting silently
     chosen = selected(c)
     for inner, outer in enclosing().items():
         if inner in chosen and outer in chosen:
@@ -552,7 +472,7 @@ def rule_nested_labels(c: RecomputeConfig) -> Iterator[Problem]:  # remat: Megat
 
 
 @_warning_rule
-def rule_core_attn_fused_backend(c: RecomputeConfig) -> Iterator[Problem]:  # Megatron
+def rule_core_attn_fused_backend(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "core_attn" in selected(c) and c.facts.attention_backend in ("flash", "fused"):
         yield Problem("recompute_modules", f"'core_attn' saves almost nothing with attention_backend"
                                            f" {c.facts.attention_backend!r}: fused attention already recomputes"

@@ -1,4 +1,4 @@
-"""adapt(model, site_map): Sites on a model remat did not write (`remat.placement` places them).
+"""adapt(model, site_map): Sites on a model remat did not write (`remat.sites.placement` places them).
 
 A model of a family remat knows (Hugging Face transformers) brings its own site map; any other
 takes one, label -> module path patterns, in Python or YAML.
@@ -8,11 +8,11 @@ from __future__ import annotations
 from torch import nn
 
 from remat import models
-from remat.placement import SiteMapLike, place_sites, remove_sites
+from remat.sites.placement import SiteMapLike, place_sites, remove_sites
 
 
 def adapt(model: nn.Module, site_map: SiteMapLike | None = None, *, loss_head: bool = False) -> nn.Module:
-    """Place Sites on `model` in place (and return it), so `remat.apply`, `trace` and `plan` act on it.
+    """Place Sites on `model` in place (and return it), so `remat.sites.apply`, `trace` and `plan` act on it.
 
     `site_map`: label -> module path pattern(s) (``*`` matches one part of a path), as a mapping or
     a YAML file; None uses the map of the model's family where remat knows it. Idempotent; another

@@ -15,10 +15,10 @@ from typing import Any
 
 from remat.bench.result import BenchResult, timing_noise
 from remat.doctor import AllocatorState, report_of
-from remat.problems import ConfigError, Problem, count, read_file
-from remat.recompute import recorded_config
-from remat.rules import rule_cpu_offload_not_with_pipeline, rule_full_recompute_graph_scope
-from remat.sizes import format_bytes
+from remat.core.problems import ConfigError, Problem, count, read_file
+from remat.config.recompute import recorded_config
+from remat.config.rules import rule_cpu_offload_not_with_pipeline, rule_full_recompute_graph_scope
+from remat.core.sizes import format_bytes
 
 # Every threshold the checks use, with where it comes from.
 MLP_SLOWDOWN = 0.15  # Megatron users' rule of thumb: mlp recompute costs over 15% on a large FFN
@@ -122,7 +122,7 @@ def check_layernorm_peak(results: Sequence[BenchResult]) -> list[Finding]:
 
 def _rule_findings(results: Sequence[BenchResult], rule: Any, check: str, symptom: str,
                    cause: str, facts: Callable[[Any], str]) -> list[Finding]:
-    """A `remat.rules` rule run on each result's recorded config (results from other harnesses may hold
+    """A `remat.config.rules` rule run on each result's recorded config (results from other harnesses may hold
     configs remat itself refuses); the rule's message says what to change."""
     findings = []
     for r in results:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-_PACKAGE = str(Path(__file__).parent)
+_PACKAGE = str(Path(__file__).parents[1])  # remat/, from remat/core/problems.py
 
 
 class RematWarning(UserWarning):
@@ -65,6 +65,11 @@ def advise(problems: Iterable[Problem]) -> None:
     """Each problem as a RematWarning: advice, not an error."""
     for problem in problems:
         warn(str(problem))
+
+
+def not_an_option(name: str, value: str, choices: Sequence[str]) -> Problem:
+    """`value` of setting `name` is none of `choices`."""
+    return Problem(name, f"{value!r} is not an option{did_you_mean(value, choices)}; use one of {one_of(choices)}")
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

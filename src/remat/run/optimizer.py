@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.config.fields import optional, parse_bool, parse_str, setting
 from remat.memory.meter import local_tensor
-from remat.problems import Problem, one_of
+from remat.core.problems import Problem, one_of
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # AdamW as Megatron's recipes set it
@@ -36,10 +37,25 @@ LR, BETAS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 0.1
 class OptimizerPrecision:
     """Megatron's optimizer precision flags; all unset: AdamW on the model's parameters."""
 
-    main_params_dtype: str | None = None
-    main_grads_dtype: str | None = None
-    use_distributed_optimizer: bool = False
-    use_torch_fsdp2: bool = False
+    main_params_dtype: str | None = setting(
+        None, parse=optional(parse_str), flag=True, choices=tuple(sorted(DTYPES)), metavar="DTYPE",
+        help="Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside the model's (fp32"
+             " in Megatron's bf16 runs); default: AdamW on the model's parameters")
+    main_grads_dtype: str | None = setting(
+        None, parse=optional(parse_str), flag=True, choices=tuple(sorted(DTYPES)), metavar="DTYPE",
+        help="with --main_params_dtype: the main gradients each backward adds into (default: the main parameters'"
+             " dtype)")
+    use_distributed_optimizer: bool = setting(
+        False, parse=parse_bool, flag=True,
+        help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters and moments (6 +"
+             " 12/dp bytes a parameter; bench: FSDP2 keeping each layer gathered through a step and reducing"
+             " gradients once, at its last micro-batch)")
+    use_torch_fsdp2: bool = setting(
+        False, parse=parse_bool, flag=True,
+        help="data parallel by torch's FSDP2, as Megatron's --use-torch-fsdp2: parameters (in the main dtype),"
+             " gradients and moments sharded over data parallel, each layer gathered in the compute dtype; what"
+             " remat bench runs with data parallelism unless told --use_distributed_optimizer (estimate; bench:"
+             " implied)")
 
     def problems(self) -> Iterator[Problem]:
         for name in ("main_params_dtype", "main_grads_dtype"):

@@ -1,0 +1,71 @@
+"""What the target device runs, on meta tensors: its fused attention kernels (cuDNN on CUDA, flash
+on CPU) where torch would take its unfused path, and fused AdamW's state without its kernel."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+
+class TargetKernels(TorchFunctionMode):
+    """On meta tensors torch takes its unfused paths; run what the `target` device would run:
+    fused attention (cuDNN on CUDA, flash on CPU)."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not args or not isinstance(args[0], Tensor) or args[0].device.type != "meta":
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and self._fused(args, kwargs):
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _fused(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the target runs SDPA fused: flash and cuDNN take one head dim for q, k and v
+        (MLA's v is narrower), and CPU flash no dropout; torch runs those unfused, as meta does."""
+        if len(args) < 3 or args[0].shape[-1] != args[2].shape[-1]:
+            return False
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return self.target == "cuda" or not dropout
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> Tensor:
+        if self.target == "cuda":
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class AdamWState(torch.optim.Optimizer):
+    """What fused AdamW (the bench's on CUDA) holds: two moments per parameter, updated in place
+    (no temporaries). Meta tensors cannot run the fused kernel; memory is all the estimate needs."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def begin_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The state a steady step's optimizer holds, made by one step on zero gradients (meta: no data);
+    the trace puts back the state it finds, which the stage's estimate then counts."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
