@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import remat.bench.run as bench_run
+import remat.run.build as run_build
 import remat.run.step as step
 from remat.sites.apply import apply, find_sites
 from remat.bench import BenchResult, BenchSpec, plan_name, run_bench, sweep
@@ -31,6 +32,7 @@ from remat.bench.run import MockData, run_shape
 from remat.cli import main
 from remat.cli.checks import output_path_problems
 from remat.core.problems import ConfigError
+from remat.config.precision import Precision
 from remat.config.recompute import RecomputeConfig
 from remat.models import build, family_of
 from remat.models.llama import MLP
@@ -657,7 +659,7 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
     events: list[Any] = []
     models: list[nn.Module] = []
     step_storages: list[weakref.ref[torch.UntypedStorage]] = []
-    real_build, real_run_bench, real_forward = step.build_model, bench_run.run_bench, MLP.forward
+    real_build, real_run_bench, real_forward = run_build.build_model, bench_run.run_bench, MLP.forward
 
     def building(spec: BenchSpec) -> nn.Module:
         models.append(real_build(spec))
@@ -682,7 +684,7 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
                 raise oom_error()
         return real_forward(self, x)
 
-    monkeypatch.setattr(step, "build_model", building)
+    monkeypatch.setattr(run_build, "build_model", building)
     monkeypatch.setattr(bench_run, "run_bench", tracking)
     monkeypatch.setattr(MLP, "forward", forward)
     real_release = step.release_memory
@@ -942,7 +944,7 @@ def test_micro_batches_accumulate_to_the_global_batch() -> None:
 
 def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
-        tiny_spec(compute_dtype="fp8_cs", max_steps=1)
+        tiny_spec(precision=Precision("fp8_cs"), max_steps=1)
     assert {p.field for p in info.value.problems} == {"compute_dtype", "max_steps"}
     with pytest.raises(ConfigError) as info:
         tiny_spec(warmup_steps=-1)
@@ -974,7 +976,7 @@ def test_no_optimizer_measures_forward_and_backward_with_gradients_accumulating(
     release = step.release_memory
     monkeypatch.setattr(step, "release_memory", lambda model: left.update(
         {n: p.grad.clone() for n, p in model.named_parameters()}) or release(model))
-    model = step.build_model(spec)
+    model = run_build.build_model(spec)
     bench_run.run_bench(spec, model=model)
     data = MockData(spec)
     want = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}

@@ -9,7 +9,9 @@ import torch
 
 from remat import __version__
 from remat.cli import build_parser, main
-from remat.cli.args import megatron_overrides
+from remat.cli.args import recompute_keys, run_parts
+from remat.config.capture import Capture
+from remat.config.parallel import ParallelLayout
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -21,13 +23,17 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_flags_map_to_megatron_keys_like_bridge() -> None:
     args = build_parser().parse_args(["validate", "-rl", "2", "-ol", "3", "-tp", "2",
                                       "--sequence_parallel", "--cuda_graph_scope", "attn,mlp"])
-    assert megatron_overrides(args) == {
+    assert recompute_keys(args) == {
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2,
-        "cpu_offloading": True, "cpu_offloading_num_layers": 3, "tensor_model_parallel_size": 2,
-        "sequence_parallel": True, "cuda_graph_scope": "attn,mlp",
+        "cpu_offloading": True, "cpu_offloading_num_layers": 3,
     }
+    parts = run_parts(args)
+    assert parts["layout"] == ParallelLayout(tp=2, sp=True)
+    assert parts["capture"] == Capture(cuda_graph_scope=("attn", "mlp"))
+    assert {**parts["layout"].to_megatron(), **parts["capture"].to_megatron()}.items() >= {
+        "tensor_model_parallel_size": 2, "sequence_parallel": True, "cuda_graph_scope": ["attn", "mlp"]}.items()
     args = build_parser().parse_args(["validate", "-rl", "2", "--recompute_method", "uniform"])
-    assert megatron_overrides(args)["recompute_method"] == "uniform"
+    assert recompute_keys(args)["recompute_method"] == "uniform"
 
 
 def test_validate_prints_the_resolved_config_and_plan(capsys) -> None:

@@ -22,8 +22,11 @@ from remat.core.problems import ConfigError, Problem, RematWarning
 from remat.config.recompute import RecomputeConfig, recorded_config
 from remat.config.megatron import TrainingFacts
 from remat.config.rules import RULES, WARNING_RULES
-from remat.config.capture import Capture
+from remat.config.capture import CUDA_GRAPH_IMPLS, Capture
 from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
+from remat.config.fields import public_name
+from remat.config.fields import settings as settings_of
 
 RECOMPUTE_MODULES = recompute_labels()
 
@@ -170,25 +173,25 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_fine_grained_not_with_uniform_full", {**FULL, "fine_grained_activation_offloading": True,
                                                  "offload_modules": ["core_attn"]},
      "fine_grained_activation_offloading", "nothing per module to offload"),
-    ("rule_positive_sizes", {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size", "1 or more"),
-    ("rule_positive_sizes", {"pipeline_model_parallel_size": -1}, "pipeline_model_parallel_size", "1 or more"),
-    ("rule_positive_sizes", {"context_parallel_size": 0}, "context_parallel_size", "1 or more"),
-    ("rule_positive_sizes", {"num_layers": 0}, "num_layers", "1 or more"),
-    ("rule_positive_sizes", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 0},
+    ("rule_parallel_layout", {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size", "1 or more"),
+    ("rule_parallel_layout", {"pipeline_model_parallel_size": -1}, "pipeline_model_parallel_size", "1 or more"),
+    ("rule_parallel_layout", {"context_parallel_size": 0}, "context_parallel_size", "1 or more"),
+    ("rule_parallel_layout", {"num_layers": 0}, "num_layers", "1 or more"),
+    ("rule_parallel_layout", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 0},
      "virtual_pipeline_model_parallel_size", "1 or more"),
-    ("rule_virtual_pipeline_needs_pipeline", {"virtual_pipeline_model_parallel_size": 2},
+    ("rule_parallel_layout", {"virtual_pipeline_model_parallel_size": 2},
      "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1"),
-    ("rule_layers_divisible", {"num_layers": 6, "pipeline_model_parallel_size": 4}, "num_layers", "split evenly"),
-    ("rule_cuda_graph_impl_value", {"cuda_graph_impl": "transformer-engine"},
+    ("rule_parallel_layout", {"num_layers": 6, "pipeline_model_parallel_size": 4}, "num_layers", "split evenly"),
+    ("rule_cuda_graph_values", {"cuda_graph_impl": "transformer-engine"},
      "cuda_graph_impl", "did you mean 'transformer_engine'"),
-    ("rule_cuda_graph_scope_values", {"cuda_graph_scope": "attn,mpl"}, "cuda_graph_scope", "did you mean 'mlp'"),
-    ("rule_fp8_value", {"fp8": "e5m2"}, "fp8", "not an option"),
-    ("rule_fp8_recipe_value", {"fp8_recipe": "tensor_wise"}, "fp8_recipe", "did you mean 'tensorwise'"),
+    ("rule_cuda_graph_values", {"cuda_graph_scope": "attn,mpl"}, "cuda_graph_scope", "did you mean 'mlp'"),
+    ("rule_fp8_values", {"fp8": "e5m2"}, "fp8", "not an option"),
+    ("rule_fp8_values", {"fp8_recipe": "tensor_wise"}, "fp8_recipe", "did you mean 'tensorwise'"),
     ("rule_attention_backend_value", {"attention_backend": "flsh"}, "attention_backend", "did you mean 'flash'"),
     ("rule_dropout_range", {"attention_dropout": 1.5}, "attention_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": -0.1}, "hidden_dropout", "probability"),
     ("rule_dropout_range", {"hidden_dropout": 1.0}, "hidden_dropout", "below 1"),
-    ("rule_positive_sizes", {"tensor_model_parallel_size": 2**21}, "tensor_model_parallel_size",
+    ("rule_parallel_layout", {"tensor_model_parallel_size": 2**21}, "tensor_model_parallel_size",
      "sizes up to 1,048,576"),
     ("rule_settings_without_granularity", {"recompute_method": "block"}, "recompute_method",
      "applies only to full recompute"),
@@ -264,15 +267,15 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_fine_grained_not_with_uniform_full", {**FULL, "recompute_method": "block",
                                                  "fine_grained_activation_offloading": True,
                                                  "offload_modules": ["core_attn"]}),
-    ("rule_positive_sizes", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+    ("rule_parallel_layout", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                              "virtual_pipeline_model_parallel_size": 2, "context_parallel_size": 2, "num_layers": 4}),
-    ("rule_virtual_pipeline_needs_pipeline", {"pipeline_model_parallel_size": 2,
+    ("rule_parallel_layout", {"pipeline_model_parallel_size": 2,
                                               "virtual_pipeline_model_parallel_size": 2}),
-    ("rule_layers_divisible", {"num_layers": 8, "pipeline_model_parallel_size": 4}),
-    ("rule_cuda_graph_impl_value", {"cuda_graph_impl": "transformer_engine"}),
-    ("rule_cuda_graph_scope_values", {"cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp"}),
-    ("rule_fp8_value", {"fp8": "hybrid"}),
-    ("rule_fp8_recipe_value", {"fp8_recipe": "mxfp8"}),
+    ("rule_parallel_layout", {"num_layers": 8, "pipeline_model_parallel_size": 4}),
+    ("rule_cuda_graph_values", {"cuda_graph_impl": "transformer_engine"}),
+    ("rule_cuda_graph_values", {"cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp"}),
+    ("rule_fp8_values", {"fp8": "hybrid"}),
+    ("rule_fp8_values", {"fp8_recipe": "mxfp8"}),
     ("rule_attention_backend_value", {"attention_backend": "flash"}),
     ("rule_dropout_range", {"attention_dropout": 0, "hidden_dropout": 0.99}),
     ("rule_settings_without_granularity", {**FULL, "recompute_method": "block"}),
@@ -491,7 +494,7 @@ def test_validation_does_not_mutate_inputs() -> None:
     facts = TrainingFacts(capture=Capture(cuda_graph_scope="attn"))  # type: ignore[arg-type]
     c = RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts)
     c.recompute_modules.append("core_attn")  # type: ignore[union-attr]
-    assert modules == ["mlp"] and facts.cuda_graph_scope == "attn" and c.facts.cuda_graph_scope == ["attn"]
+    assert modules == ["mlp"] and facts.capture.cuda_graph_scope == "attn" and c.facts.capture.cuda_graph_scope == ("attn",)
 
 
 @pytest.mark.parametrize("facts, expected", [
@@ -502,7 +505,7 @@ def test_validation_does_not_mutate_inputs() -> None:
     (TrainingFacts(num_layers=6, layout=ParallelLayout(pp=4)), None),
 ])
 def test_layers_per_virtual_stage(facts: TrainingFacts, expected: int | None) -> None:
-    assert facts.layers_per_virtual_stage == expected
+    assert facts.layers_per_chunk == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,7 +532,7 @@ def test_list_fields_accept_strings(value: Any) -> None:
 def test_single_label_string() -> None:
     c = RecomputeConfig.from_megatron({**sel(), "recompute_modules": "mlp", "cuda_graph_scope": "attn",
                                        "offload_modules": "[]"})
-    assert (c.recompute_modules, c.facts.cuda_graph_scope, c.offload_modules) == (["mlp"], ["attn"], [])
+    assert (c.recompute_modules, c.facts.capture.cuda_graph_scope, c.offload_modules) == (["mlp"], ("attn",), [])
 
 
 def test_unknown_key_suggests_the_right_one() -> None:
@@ -602,7 +605,8 @@ def test_to_megatron_round_trip(d: dict[str, Any], tmp_path: Any) -> None:
 
 def test_to_megatron_covers_every_field() -> None:
     names = {f.name for f in dataclasses.fields(RecomputeConfig) if f.name != "facts"}
-    names |= {f.name for f in dataclasses.fields(TrainingFacts)}
+    names |= {public_name(f) for cls in (TrainingFacts, ParallelLayout, Capture, Precision) for f, _ in settings_of(cls)}
+    names -= {"compute_dtype"}  # Megatron Bridge's flag, not a Megatron config key
     assert set(RecomputeConfig().to_megatron()) == names
 
 
@@ -756,7 +760,7 @@ def test_check_plan_reports_everything() -> None:
 KNOWN_KEYS = sorted(recompute._KNOWN_KEYS)
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True),
-    st.sampled_from([*RECOMPUTE_MODULES, *rules.OFFLOAD_MODULES, *rules.CUDA_GRAPH_IMPLS, *rules.METHODS,
+    st.sampled_from([*RECOMPUTE_MODULES, *rules.OFFLOAD_MODULES, *CUDA_GRAPH_IMPLS, *rules.METHODS,
                      *rules.GRANULARITIES, "e4m3", "delayed", "flash", "core_attn,mlp", "[mlp]", ""]),
     st.text(max_size=8),
     st.lists(st.one_of(st.sampled_from(RECOMPUTE_MODULES), st.text(max_size=5), st.integers()), max_size=4),
@@ -817,7 +821,7 @@ def test_a_plan_file_of_another_format_version_is_told_apart_from_a_config() -> 
 
 
 def test_an_estimate_takes_at_most_2_to_the_22_tokens_of_a_micro_batch_per_gpu() -> None:
-    from remat.run.step import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
+    from remat.run.spec import MAX_TOKENS_PER_GPU, micro_batch_tokens_problems
 
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 1, 1)) == []
     assert list(micro_batch_tokens_problems(MAX_TOKENS_PER_GPU, 4, 4)) == []  # context parallel splits it

@@ -27,10 +27,10 @@ from remat.bench.run import run_shape
 from remat.bench.spec import BenchSpec
 from remat.cli import main
 from remat.cli.bench import _layout_words
-from remat.parallel import coordinates
 from remat.core.problems import ConfigError
 from remat.config.megatron import TrainingFacts
-from remat.run.step import RunSpec, expert_parallel_run_problems, single_process_problems, trace_spec, unrun_problems
+from remat.run.spec import RunSpec, run_problems, single_process_problems, unrun_problems
+from remat.run.step import trace_spec
 from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -230,9 +230,9 @@ def test_what_context_parallelism_refuses_at_run_time(cp) -> None:
 
 def _problems(**kwargs: object) -> list[str]:
     overrides = kwargs.pop("overrides", {})
-    facts = TrainingFacts(**kwargs)  # type: ignore[arg-type]
+    facts = TrainingFacts.from_megatron(kwargs)
     try:
-        RunSpec(recipe="llama3_tiny", overrides=overrides, device="cpu", layout=facts.layout, capture=facts.capture)  # type: ignore[arg-type]
+        RunSpec(recipe="llama3_tiny", overrides=overrides, device="cpu", layout=facts.layout)  # type: ignore[arg-type]
     except ConfigError as err:
         return [str(p) for p in err.problems]
     return []
@@ -251,14 +251,13 @@ def test_every_context_parallel_problem_is_named_before_any_process_starts() -> 
 
 
 def test_what_stays_refused_beside_context_parallelism() -> None:
-    assert not list(unrun_problems(TrainingFacts(layout=ParallelLayout(cp=2, pp=2, tp=2, sp=True))))
-    moe_ep = RunSpec(recipe="moe_tiny", overrides=dict(expert_model_parallel_size=2), device="cpu", layout=ParallelLayout(num_gpus=4),
-                     facts=TrainingFacts(layout=ParallelLayout(cp=2)))
-    assert not list(expert_parallel_run_problems(moe_ep))
-    assert [p.field for p in single_process_problems(TrainingFacts(layout=ParallelLayout(cp=2)))] == [
+    assert not list(unrun_problems(TrainingFacts(layout=ParallelLayout(cp=2, pp=2, tp=2, sp=True)).capture))
+    moe_ep = RunSpec(recipe="moe_tiny", device="cpu", layout=ParallelLayout(cp=2, ep=2, num_gpus=4))
+    assert not list(run_problems(moe_ep))
+    assert [p.field for p in single_process_problems(ParallelLayout(cp=2))] == [
         "context_parallel_size"]
     with pytest.raises(ConfigError, match="context_parallel_size: is 2; the trace steps whole sequences"):
-        trace_spec(RunSpec(recipe="llama3_tiny", device="cpu", facts=TrainingFacts(layout=ParallelLayout(cp=2))))
+        trace_spec(RunSpec(recipe="llama3_tiny", device="cpu", layout=ParallelLayout(cp=2)))
 
 
 def test_validate_takes_context_beside_tensor_and_pipeline_parallelism() -> None:
@@ -270,13 +269,13 @@ def test_validate_takes_context_beside_tensor_and_pipeline_parallelism() -> None
 
 def test_a_ranks_coordinates_on_the_pp_dp_cp_tp_mesh() -> None:
     # 2 stages x 2 replicas x 2 context ranks x 2 tensor ranks: rank 13 = ((1*2 + 1)*2 + 0)*2 + 1
-    assert coordinates(13, 2, 2, tensor=2, context=2) == (1, 1, 1, 0)
-    assert coordinates(13, 2, 2, tensor=2, context=2).context == 0
-    assert coordinates(3, 1, 2, context=2) == (0, 1, 0, 1)
+    assert ParallelLayout(pp=2, tp=2, cp=2, num_gpus=16).coordinates(13) == (1, 1, 0, 1)
+    assert ParallelLayout(pp=2, tp=2, cp=2, num_gpus=16).coordinates(13).cp == 0
+    assert ParallelLayout(cp=2, num_gpus=4).coordinates(3) == (0, 1, 1, 0)
 
 
 def test_a_context_parallel_result_records_its_size_and_says_it_in_the_title() -> None:
-    spec = BenchSpec(recipe="llama3_tiny", device="cpu", layout=ParallelLayout(num_gpus=4), facts=TrainingFacts(layout=ParallelLayout(cp=2)))
+    spec = BenchSpec(recipe="llama3_tiny", device="cpu", layout=ParallelLayout(cp=2, num_gpus=4))
     shape = run_shape(spec)
     assert (shape["context_parallel"], shape["data_parallel"]) == (2, 2)
     assert _layout_words(spec) == (", context parallel over 2 ranks (ring attention), data parallel over 2 ranks"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.cli import build_parser, main
-from remat.cli.args import megatron_overrides
+from remat.cli.args import recompute_keys
 from remat.engine import KeptInputs, Offloader, Region, Restore, offloading
 from remat.estimate.stages import EstimateSpec, estimate
 from remat.config.model_sites import ModelSites, check_config
@@ -173,7 +173,7 @@ def _full(method: str, k: int, distribute: bool) -> RecomputeConfig:
 def test_the_estimate_keeps_one_tp_th_of_each_ranges_input() -> None:
     spec = EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=LAYERS, seq_length=SEQ), micro_batch_size=MB,
                         optimizer=False, precision=Precision("fp32"), device="cpu",
-                        facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
+                        layout=ParallelLayout(tp=TP))
     plans = [(f"{m[0]}_{m[1]}@{split}", _full(m[0], m[1], split)) for m in METHODS for split in (False, True)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
@@ -222,5 +222,5 @@ def test_validate_refuses_distributed_saved_activations_without_their_conditions
 
 def test_the_flag_maps_to_megatrons_key() -> None:
     args = build_parser().parse_args(["estimate", "-tp", "2", "-rl", "1", "--distribute_saved_activations"])
-    assert megatron_overrides(args)["distribute_saved_activations"] is True
-    assert "distribute_saved_activations" not in megatron_overrides(build_parser().parse_args(["estimate"]))
+    assert recompute_keys(args)["distribute_saved_activations"] is True
+    assert "distribute_saved_activations" not in recompute_keys(build_parser().parse_args(["estimate"]))

@@ -12,7 +12,9 @@ import torch
 
 import remat
 from remat import doctor
-from remat.bench import checks
+from remat.doctor import allocator as doctor_allocator
+from remat.doctor import report as doctor_report
+from remat.bench import findings as checks
 from remat.bench.result import BenchResult, OomInfo
 from remat.cli import main
 from remat.config.recompute import RecomputeConfig
@@ -250,10 +252,10 @@ def test_a_request_that_fits_needs_nothing_and_expandable_fragmentation_needs_le
 
 
 def test_diagnose_classifies_the_allocator_now(monkeypatch) -> None:
-    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(CHECKERED, request))
+    monkeypatch.setattr(doctor_report, "capture", lambda device, request: state_of(CHECKERED, request))
     report = doctor.diagnose(request_bytes=4 * GIB)
     assert report.diagnosis.kind == "fragmentation" and report.recommendations[0].setting == EXPANDABLE_SEGMENTS
-    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request))
+    monkeypatch.setattr(doctor_report, "capture", lambda device, request: state_of(FULL, request))
     assert doctor.diagnose(request_bytes=4 * GIB, micro_batch_size=2).diagnosis.kind == "capacity"
 
 
@@ -264,7 +266,7 @@ def test_watch_diagnoses_an_oom_and_reraises(monkeypatch) -> None:
         requests.append(request)
         return state_of(CHECKERED, request)
 
-    monkeypatch.setattr(doctor, "capture", fake_capture)
+    monkeypatch.setattr(doctor_allocator, "capture", fake_capture)
     seen: list[doctor.Report] = []
     with pytest.raises(torch.OutOfMemoryError):
         with doctor.watch(torch.nn.Linear(2, 2), on_oom=seen.append) as doc:
@@ -285,7 +287,7 @@ def test_watch_can_swallow_and_falls_back_to_the_message_without_cuda() -> None:
 
 def test_watch_takes_the_limit_of_a_memory_fraction_from_the_message(monkeypatch) -> None:
     # older torch cannot read the per-process fraction back: capture sees the whole device
-    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request, limit=140 * GIB))
+    monkeypatch.setattr(doctor_allocator, "capture", lambda device, request: state_of(FULL, request, limit=140 * GIB))
     with doctor.watch(on_oom=None, reraise=False) as doc:
         raise torch.OutOfMemoryError(NEW_POOLS.replace("512 bytes", "4.00 GiB").replace("20.00 GiB", "66.00 GiB"))
     assert doc.report.diagnosis.state.limit == 66 * GIB and doc.report.diagnosis.kind == "capacity"
@@ -546,7 +548,7 @@ def test_attribution_stays_right_step_after_step_under_full_recompute() -> None:
 
 def test_an_oom_report_attributes_allocated_memory(monkeypatch) -> None:
     model, ids, labels = _tiny(2)
-    monkeypatch.setattr(doctor, "capture", lambda device, request: state_of(FULL, request))
+    monkeypatch.setattr(doctor_allocator, "capture", lambda device, request: state_of(FULL, request))
     with doctor.watch(model, on_oom=None, reraise=False) as doc:
         loss = model(ids, labels)
         raise torch.OutOfMemoryError(NEW.replace("1.22 GiB", "4.00 GiB", 1))

@@ -18,7 +18,7 @@ import torch
 
 from remat import parallel
 from remat import doctor
-from remat.bench import checks
+from remat.bench import findings as checks
 from remat.bench.history import recent
 from remat.bench.result import BenchResult, OomInfo
 from remat.bench.spec import BenchSpec

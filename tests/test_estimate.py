@@ -12,15 +12,17 @@ import torch
 import remat
 from remat.run.optimizer import adamw
 from remat.cli import main
-from remat.estimate.stages import EstimateSpec, cublas_workspace_bytes, estimate, in_flight
+from remat.estimate.spec import EstimateSpec, cublas_workspace_bytes
+from remat.estimate.stages import estimate
 from remat.config.plan import pipeline_range_problems
-from remat.models import ParallelSizes, family_of
+from remat.models import family_of
 from remat.core.problems import ConfigError
 from remat.config.recompute import RecomputeConfig
 from remat.config.megatron import TrainingFacts
 from remat.models import recipe_config
 from remat.config.plan import Plan
 from remat.config.parallel import ParallelLayout
+from remat.config.precision import Precision
 
 SHAPE = dict(num_layers=4, seq_length=32)
 SMALL = dict(num_layers=2, seq_length=32)  # where a trace per case is enough
@@ -40,7 +42,7 @@ PLANS = [
 
 def _spec(**kw) -> EstimateSpec:
     base = dict(recipe="llama3_tiny", overrides=dict(SMALL), micro_batch_size=MB, optimizer=False,
-                compute_dtype="fp32", device="cpu")
+                precision=Precision("fp32"), device="cpu")
     return EstimateSpec(**{**base, **kw})
 
 
@@ -97,8 +99,8 @@ def test_optimizer_state_and_weights_are_those_of_adamw() -> None:
 
 def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_flight() -> None:
     (whole,) = _quiet(estimate, _spec(optimizer=True))
-    facts = TrainingFacts(layout=ParallelLayout(pp=2))
-    (split,) = _quiet(estimate, _spec(optimizer=True, facts=facts, global_batch_size=4 * MB), [("full", FULL)])
+    layout = ParallelLayout(pp=2)
+    (split,) = _quiet(estimate, _spec(optimizer=True, layout=layout, global_batch_size=4 * MB), [("full", FULL)])
     first, last = split.stages
     assert first.weights + last.weights == whole.stages[0].weights  # embedding first, head last
     assert (first.in_flight, last.in_flight) == (2, 1)
@@ -108,14 +110,14 @@ def test_pipeline_stages_split_the_weights_and_hold_their_micro_batches_in_fligh
 
 @pytest.mark.parametrize("sp, cp, kept", [(False, 1, 1.0), (True, 1, 0.5), (True, 2, 0.25)])
 def test_sequence_and_context_parallel_shard_the_kept_layer_inputs(sp, cp, kept) -> None:
-    facts = TrainingFacts(layout=ParallelLayout(tp=2, sp=sp, cp=cp, pp=2))
-    (est,) = _quiet(estimate, _spec(facts=facts, global_batch_size=1 * MB), [("full", FULL)])
+    layout = ParallelLayout(tp=2, sp=sp, cp=cp, pp=2)
+    (est,) = _quiet(estimate, _spec(layout=layout, global_batch_size=1 * MB), [("full", FULL)])
     assert est.stages[0].activations == kept * LAYER_INPUT  # the first stage's one layer
 
 
 def test_tensor_parallel_divides_the_layer_weights() -> None:
     (one,) = _quiet(estimate, _spec())
-    (two,) = _quiet(estimate, _spec(facts=TrainingFacts(layout=ParallelLayout(tp=2))))
+    (two,) = _quiet(estimate, _spec(layout=ParallelLayout(tp=2)))
     model = remat.models.build("llama3_tiny", dtype=torch.float32, **SMALL)
     norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "layernorm" in n)
     vocab = model.config.vocab_size  # 512: already a multiple of 128 x 2, so no padding
@@ -128,8 +130,8 @@ def test_tensor_parallel_divides_the_layer_weights() -> None:
     # Megatron's interleaved warm-up: (pp - rank - 1) * 2 + (vpp - 1) * pp chunks, plus one
     (4, 2, 0, 8, (3 * 2 + 4 + 1) / 2), (4, 2, 3, 8, (0 + 4 + 1) / 2), (2, 2, 0, 1, 1)])
 def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, stage, micro_batches, expected) -> None:
-    facts = TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp))
-    assert in_flight(stage, facts, micro_batches) == expected
+    layout = ParallelLayout(pp=pp, vp=vpp)
+    assert layout.in_flight(stage, micro_batches) == expected
 
 
 def test_step_time_counts_the_recompute_flops() -> None:
@@ -143,32 +145,24 @@ def test_step_time_counts_the_recompute_flops() -> None:
     assert full.step_time_s > recomputed.step_time_s > none.step_time_s > 0
 
 
-@pytest.mark.parametrize("facts, shapes, field", [
-    (TrainingFacts(layout=ParallelLayout(tp=3)), {}, "tensor_model_parallel_size"),
-    (TrainingFacts(layout=ParallelLayout(cp=3)), {}, "context_parallel_size"),
-    (TrainingFacts(layout=ParallelLayout(tp=3, sp=True)),
+@pytest.mark.parametrize("layout, shapes, field", [
+    (ParallelLayout(tp=3), {}, "tensor_model_parallel_size"),
+    (ParallelLayout(cp=3), {}, "context_parallel_size"),
+    (ParallelLayout(tp=3, sp=True),
      {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96, "hidden_size": 96}, "sequence_parallel"),
 ])
-def test_parallel_shape_rules_fail_and_pass(facts, shapes, field) -> None:
+def test_parallel_shape_rules_fail_and_pass(layout, shapes, field) -> None:
     family = family_of("llama3_tiny")
     model = dict(num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160, seq_length=32)
-
-    def sizes(f: TrainingFacts) -> ParallelSizes:
-        return ParallelSizes(f.tensor_model_parallel_size, f.sequence_parallel, f.pipeline_model_parallel_size,
-                             f.context_parallel_size)
-
     config = recipe_config("llama3_tiny", **{**model, **shapes})
-    assert {p.field for p in family.shard_problems(config, sizes(facts))} == {field}
-    assert not list(family.shard_problems(recipe_config("llama3_tiny", **model),
-                                          sizes(TrainingFacts(layout=ParallelLayout(tp=2)))))
+    assert {p.field for p in family.layout_problems(config, layout)} == {field}
+    assert not list(family.layout_problems(recipe_config("llama3_tiny", **model), ParallelLayout(tp=2)))
 
 
 def test_batch_split_rules_fail_and_pass() -> None:
-    facts = TrainingFacts(layout=ParallelLayout(tp=2, pp=2))
-
     def fields(num_gpus: int, micro_batch_size: int, global_batch_size: int | None) -> list[str]:
         try:
-            _spec(facts=facts, num_gpus=num_gpus, micro_batch_size=micro_batch_size,
+            _spec(layout=ParallelLayout(tp=2, pp=2, num_gpus=num_gpus), micro_batch_size=micro_batch_size,
                   global_batch_size=global_batch_size)
         except ConfigError as err:
             return [p.field for p in err.problems]
@@ -181,7 +175,7 @@ def test_batch_split_rules_fail_and_pass() -> None:
 
 def test_a_spec_reports_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        _spec(device="tpu", tflops=0, micro_batch_size=0, facts=TrainingFacts(layout=ParallelLayout(pp=3)))
+        _spec(device="tpu", tflops=0, micro_batch_size=0, layout=ParallelLayout(pp=3))
     fields = {p.field for p in err.value.problems}
     assert {"target", "tflops", "micro_batch_size", "num_layers"} <= fields
     assert _spec(device="cuda", tflops=1, global_batch_size=1 * MB).target == "cuda"
@@ -190,20 +184,20 @@ def test_a_spec_reports_every_problem_at_once() -> None:
 @pytest.mark.parametrize("num_layers, vpp", [(2, None), (4, 2)])
 def test_a_plan_range_across_a_model_chunk_is_refused(num_layers, vpp) -> None:
     """Layers 0 and 1 are different stages' (with -vp 2 over 4 layers: rank 0 runs 0 and 2)."""
-    facts = TrainingFacts(layout=ParallelLayout(pp=2, vp=vpp))
+    layout = ParallelLayout(pp=2, vp=vpp)
     plan = Plan([{}] * num_layers, [(0, 2)])
     with pytest.raises(ConfigError, match=r"full_recompute\[0\]: \[0, 2\) spans .* split the range at layer 1$"):
-        _quiet(estimate, _spec(facts=facts, overrides={**SMALL, "num_layers": num_layers}), [("plan", plan)])
+        _quiet(estimate, _spec(layout=layout, overrides={**SMALL, "num_layers": num_layers}), [("plan", plan)])
 
 
 def test_pipeline_range_rule_fails_and_passes() -> None:
-    facts = TrainingFacts(layout=ParallelLayout(pp=2, vp=2))
-    problems = list(pipeline_range_problems([(0, 2), (3, 8)], 8, facts))  # chunks of 2 layers
+    layout = ParallelLayout(pp=2, vp=2)
+    problems = list(pipeline_range_problems([(0, 2), (3, 8)], 8, layout))  # chunks of 2 layers
     assert [p.field for p in problems] == ["full_recompute[1]"]
     assert problems[0].message.startswith("[3, 8) spans virtual pipeline stages 1, 2, 3 (2 layers each;")
     assert problems[0].message.endswith("split the range at layers 4, 6")
-    assert not list(pipeline_range_problems([(1, 2), (7, 8)], 8, facts))
-    assert not list(pipeline_range_problems([(0, 8)], 8, TrainingFacts()))
+    assert not list(pipeline_range_problems([(1, 2), (7, 8)], 8, layout))
+    assert not list(pipeline_range_problems([(0, 8)], 8, ParallelLayout()))
 
 
 VPP = TrainingFacts(layout=ParallelLayout(pp=2, vp=2))
@@ -218,7 +212,7 @@ def test_a_per_layer_plan_under_virtual_stages_acts_on_each_ranks_interleaved_la
     (a contiguous split would give rank 0 layers 0 and 1)."""
     mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
     rank_0 = Plan([{"mlp": "recompute"}, {}, {"mlp": "recompute"}, {}])
-    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, facts=VPP, global_batch_size=2 * MB),
+    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, layout=VPP.layout, global_batch_size=2 * MB),
                                     [("none", None), ("mlp", mlp), ("rank 0", rank_0)])
     assert _figures(plan) == [_figures(everywhere)[0], _figures(none)[1]]
 
@@ -233,8 +227,8 @@ def test_a_plan_under_virtual_stages_equals_the_plan_on_each_ranks_layers_withou
     interleaved = Plan(layers, [(0, 2), (6, 7)])
     by_rank = Plan([layers[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)], [(0, 2), (6, 7)])
     overrides = {**SMALL, "num_layers": 8}
-    (virtual,) = _quiet(estimate, _spec(overrides=overrides, facts=VPP, global_batch_size=1 * MB), [("plan", interleaved)])
-    (plain,) = _quiet(estimate, _spec(overrides=overrides, facts=TrainingFacts(layout=ParallelLayout(pp=2)),
+    (virtual,) = _quiet(estimate, _spec(overrides=overrides, layout=VPP.layout, global_batch_size=1 * MB), [("plan", interleaved)])
+    (plain,) = _quiet(estimate, _spec(overrides=overrides, layout=ParallelLayout(pp=2),
                                       global_batch_size=1 * MB), [("plan", by_rank)])
     assert [s.in_flight for s in virtual.stages] == [s.in_flight for s in plain.stages] == [1, 1]
     assert _figures(virtual) == _figures(plain)
@@ -251,7 +245,7 @@ def test_full_recompute_configs_act_per_virtual_stage_as_megatron(method, ranges
     overrides = {**SMALL, "num_layers": 12}
     config = RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=2,
                              facts=dataclasses.replace(VPP, num_layers=12))
-    lowered, plan = _quiet(estimate, _spec(overrides=overrides, facts=VPP, global_batch_size=2 * MB),
+    lowered, plan = _quiet(estimate, _spec(overrides=overrides, layout=VPP.layout, global_batch_size=2 * MB),
                            [("config", config), ("plan", Plan([{}] * 12, ranges))])
     assert _figures(lowered) == _figures(plan)
 
@@ -302,7 +296,7 @@ def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
     activation linear_fc2 saves (3 x ffn), discarding mlp_act the activation alone (1 x ffn)."""
     mlp, act = (RecomputeConfig(recompute_granularity="selective", recompute_modules=[label])
                 for label in ("mlp", "mlp_act"))
-    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, device="cuda", compute_dtype="bf16"),
+    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, device="cuda", precision=Precision("bf16")),
                                          [("none", None), ("mlp", mlp), ("mlp_act", act)])
     tokens, ffn, layers = MB * SMALL["seq_length"], 160, SMALL["num_layers"]
     assert none.stages[0].activations - recomputed.stages[0].activations == layers * 3 * ffn * tokens * 2
@@ -315,7 +309,7 @@ def test_on_cuda_layernorm_discard_frees_each_norm_output_and_its_scale(compiled
     and a float32 1/rms per row): discarding both norm outputs of a layer frees them and the two
     scales, the inputs being saved anyway."""
     layernorm = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm"])
-    none, discarded = _quiet(estimate, _spec(compile=compiled, device="cuda", compute_dtype="bf16"),
+    none, discarded = _quiet(estimate, _spec(compile=compiled, device="cuda", precision=Precision("bf16")),
                              [("none", None), ("layernorm", layernorm)])
     tokens, hidden = MB * SMALL["seq_length"], 64
     assert none.stages[0].activations - discarded.stages[0].activations == (
@@ -398,7 +392,7 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
         estimate(_spec(), [("last", Plan([{}, {"mlp": "offload"}], min_offloaded_tensor_size=64))])
     stage_end = Plan([{"mlp": "offload"}, {}], min_offloaded_tensor_size=64)  # layer 0 ends stage 0 of 2
     with pytest.raises(ConfigError, match="last layer"):
-        estimate(_spec(facts=TrainingFacts(layout=ParallelLayout(pp=2)), global_batch_size=2 * MB),
+        estimate(_spec(layout=ParallelLayout(pp=2), global_batch_size=2 * MB),
                  [("stage end", stage_end)])
 
 
@@ -416,7 +410,7 @@ def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch
     """The forward's thread and autograd's each hold a workspace through the step (measured on an
     H200: workspace_bytes_h200.json): on the peak, beside the traced bytes; none on CPU."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    cuda = dict(device="cuda", compute_dtype="bf16")
+    cuda = dict(device="cuda", precision=Precision("bf16"))
     (default,), (zero,) = (_quiet(estimate, _spec(**cuda, cublas_workspace=w)) for w in (None, 0))
     assert (default.stages[0].workspaces, zero.stages[0].workspaces) == (64 * 2**20, 0)
     assert default.peak - zero.peak == 64 * 2**20

@@ -18,9 +18,11 @@ import torch
 from conftest import run_under_torchrun
 from remat.sites.calls import forward_loss
 from remat.cli import main
-from remat.estimate.stages import EstimateSpec, fsdp2_held_bytes
+from remat.estimate.spec import EstimateSpec
 from remat.core.problems import ConfigError
-from remat.run.step import RunSpec, expert_parallel_run_problems
+from remat.parallel.parallelize import sharded_state_bytes
+from remat.run.spec import RunSpec, run_problems
+from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import ep_worker  # noqa: E402
@@ -78,10 +80,10 @@ def test_parallelize_experts_names_every_problem_and_changes_nothing(split) -> N
         "expert_tensor_parallel_size: is 2; each expert runs whole on its rank (no expert tensor parallelism yet;"
         " remat estimate predicts it); use 1"]
     assert refusals["not_dividing"].splitlines()[0] == (
-        "expert_model_parallel_size: (4) must divide the 2 data-parallel ranks: an expert-parallel group is that"
-        " many of them")
-    assert refusals["dense"] == ("expert_model_parallel_size: is 2; llama models have no routed experts that remat"
-                                 " splits; use an MoE recipe (remat recipes lists them)")
+        "expert_model_parallel_size: (4) does not divide the 2 data-parallel rank(s) (2 GPUs / tp x pp x cp 1);"
+        " expert-parallel ranks are data-parallel ranks that split the experts: use a multiple of 4 GPUs")
+    assert refusals["dense"] == ("expert_model_parallel_size: is 2, but dense Llama models have no routed experts"
+                                 " that remat splits; use an MoE recipe (remat recipes lists them) or drop it")
     assert refusals["mesh"] == "mesh: has 2 dimensions ('pp', 'dp'); pass its data-parallel one, e.g. mesh['dp']"
     assert refusals["unnamed"] == ("mesh: has no dimension names; make it with init_device_mesh(...,"
                                    " mesh_dim_names=('dp',))")
@@ -97,22 +99,23 @@ def test_the_estimate_holds_fsdp2_s_expert_shards_to_the_byte(split) -> None:
     """FSDP2 shards the experts over the ranks holding the same ones (here 1: 2 ranks, ep 2) and
     the rest over both; the estimate's weights are rank 0's shards (FSDP2 pads the last rank's)."""
     spec = EstimateSpec.of_run(ep_worker.spec(EP))
-    shard = spec.family.shard(spec.model_config, spec.parallel)  # one expert-parallel rank's experts
-    assert fsdp2_held_bytes(spec, spec.family.build(shard, dtype=spec.state_dtype, device="meta")) == (
-        split["held_bytes"][0])
+    shard = spec.family.shard(spec.model_config, spec.layout,  # one expert-parallel rank's experts
+                              range(spec.model_config.num_layers))
+    assert sharded_state_bytes(spec.family.build(shard, dtype=spec.state_dtype, device="meta"), spec.family,
+                               spec.layout, spec.state_dtype) == split["held_bytes"][0]
 
 
 def test_run_settings_refuse_an_expert_parallel_size_the_layout_cannot_hold() -> None:
-    assert _problems(recipe="moe_tiny", overrides={"expert_model_parallel_size": 2}, num_gpus=3) == {
-        "expert_model_parallel_size": "(2) does not divide the 3 data-parallel rank(s) (-ng 3 / tp x pp x cp 1);"
+    assert _problems(recipe="moe_tiny", layout=ParallelLayout(ep=2, num_gpus=3)) == {
+        "expert_model_parallel_size": "(2) does not divide the 3 data-parallel rank(s) (3 GPUs / tp x pp x cp 1);"
                                       " expert-parallel ranks are data-parallel ranks that split the experts: use"
-                                      " -ng a multiple of 2"}
-    assert _problems(recipe="llama3_tiny", overrides={"expert_model_parallel_size": 2}, num_gpus=2) == {
-        "expert_model_parallel_size": "is 2, but llama3_tiny has no routed experts that remat splits; use an MoE"
-                                      " recipe (remat recipes lists them) or drop it"}
+                                      " a multiple of 2 GPUs"}
+    assert _problems(recipe="llama3_tiny", layout=ParallelLayout(ep=2, num_gpus=2)) == {
+        "expert_model_parallel_size": "is 2, but dense Llama models have no routed experts that remat splits; use an"
+                                      " MoE recipe (remat recipes lists them) or drop it"}
     # an estimate of one rank needs no more; a run needs a process per rank, and experts it can split
-    spec = RunSpec("moe_tiny", {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, device="cpu")
-    assert [(p.field, p.message) for p in expert_parallel_run_problems(spec)] == [
+    spec = RunSpec("moe_tiny", device="cpu", layout=ParallelLayout(ep=2, etp=2))
+    assert [(p.field, p.message) for p in run_problems(spec)] == [
         ("num_gpus", "is not given, so this runs one copy of the model on tp x pp x cp = 1 GPU(s); -ep 2 splits the"
                      " experts over 2 data-parallel ranks: use -ng 2"),
         ("expert_tensor_parallel_size", "is 2; each expert runs whole on its rank (no expert tensor parallelism"

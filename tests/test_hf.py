@@ -15,10 +15,10 @@ from remat.sites.placement import site_map_of  # noqa: E402
 from remat.sites.apply import find_sites  # noqa: E402
 from remat.models.hf.configs import TINY, hf_config  # noqa: E402
 from remat.core.problems import ConfigError  # noqa: E402
-from remat.config.recompute import RecomputeConfig, TrainingFacts  # noqa: E402
-from remat.run.step import COMPUTE_DTYPES  # noqa: E402
+from remat.config.megatron import TrainingFacts  # noqa: E402
+from remat.config.precision import Precision  # noqa: E402
+from remat.config.recompute import RecomputeConfig  # noqa: E402
 from remat.run.verify import run_step, verify  # noqa: E402
-from remat.config.precision import Precision
 
 BATCH, SEQ, LAYERS = 2, 16, 3
 DROPOUT = 0.1
@@ -364,7 +364,8 @@ def test_mlp_recompute_frees_exactly_the_mlp_intermediates() -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> None:
-    from remat.estimate.stages import EstimateSpec, estimate
+    from remat.estimate.spec import EstimateSpec
+    from remat.estimate.stages import estimate
     overrides, mb = {"num_layers": 2, "seq_length": 32}, 2
     # torch's grouped GEMM on meta takes bf16 only: MoE families are estimated (and traced) in bf16
     dtype = "bf16" if family in ("mixtral", "deepseek_v3") else "fp32"
@@ -374,7 +375,7 @@ def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> No
         estimates = estimate(EstimateSpec(recipe=f"hf:{family}", overrides=overrides, micro_batch_size=mb,
                                           optimizer=False, precision=Precision(dtype), device="cpu"), plans)
         torch.manual_seed(0)
-        model = remat.models.build(f"hf:{family}", dtype=COMPUTE_DTYPES[dtype], **overrides)
+        model = remat.models.build(f"hf:{family}", dtype=Precision(dtype).dtype, **overrides)
         ids = torch.randint(0, model.config.vocab_size, (mb, 32))
         traced = remat.trace(model, (ids, ids.clone()), timing_repeats=1)
         for (name, plan), est in zip(plans, estimates):

@@ -22,15 +22,13 @@ import pytest
 import torch
 
 from conftest import torchrun_results
-from remat.models import ParallelSizes
 from remat.models.hf import context_parallel
 from remat.models.hf.configs import hf_config
 from remat.models.hf.family import FAMILY
 from remat.models.hf.loss_head import causal_lm_loss
-from remat.core.problems import ConfigError
-from remat.config.megatron import TrainingFacts
-from remat.run.step import RunSpec
 from remat.config.parallel import ParallelLayout
+from remat.core.problems import ConfigError
+from remat.run.spec import RunSpec
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -105,8 +103,7 @@ def test_context_beside_tensor_and_pipeline_parallelism_matches_one_process(tmp_
 
 def _problems(family: str, seq_length: int = 64, **overrides: object) -> list[str]:
     config = FAMILY.config(f"hf:{family}", seq_length=seq_length, **overrides)
-    sizes = ParallelSizes(context=2)
-    return [str(p) for p in (*FAMILY.shard_problems(config, sizes), *FAMILY.context_parallel_problems(config, sizes))]
+    return [str(p) for p in FAMILY.layout_problems(config, ParallelLayout(cp=2))]
 
 
 def test_what_context_parallelism_refuses_by_name() -> None:
@@ -126,22 +123,22 @@ def test_what_context_parallelism_refuses_by_name() -> None:
         "output_router_logits: the router's load-balancing loss would count this rank's tokens only; turn it off"
         " under context parallelism"]
     with pytest.raises(ConfigError, match="sliding-window"):  # before any process starts
-        RunSpec(recipe="hf:mistral", device="cpu", layout=ParallelLayout(num_gpus=2), facts=TrainingFacts(layout=ParallelLayout(cp=2)))
+        RunSpec(recipe="hf:mistral", device="cpu", layout=ParallelLayout(cp=2, num_gpus=2))
 
 
 def test_a_built_model_is_checked_before_its_hooks_go_on() -> None:
     """context_parallel_model passes a built model's transformers config (a pipeline stage's: none,
     and the family checks its causal LM's before preparing it)."""
-    sizes = ParallelSizes(context=2)
-    assert [p.field for p in FAMILY.context_parallel_problems(hf_config("mistral"), sizes)] == ["context_parallel_size"]
-    assert list(FAMILY.shard_problems(None, sizes)) == []  # type: ignore[arg-type]
+    layout = ParallelLayout(cp=2)
+    assert [p.field for p in FAMILY.layout_problems(hf_config("mistral"), layout)] == ["context_parallel_size"]
+    assert list(FAMILY.layout_problems(None, layout)) == []  # type: ignore[arg-type]
     mistral = FAMILY.build(FAMILY.config("hf:mistral", num_layers=1))
     with pytest.raises(ConfigError, match="sliding-window"):
-        context_parallel.prepare(mistral, 2)
+        context_parallel.prepare(mistral, layout)
     assert not mistral.model.rotary_emb._forward_pre_hooks
     llama = FAMILY.build(FAMILY.config("hf:llama", num_layers=1))
-    context_parallel.prepare(llama, 2)
-    context_parallel.prepare(llama, 2)  # once is enough
+    context_parallel.prepare(llama, layout)
+    context_parallel.prepare(llama, layout)  # once is enough
     assert len(llama.model.rotary_emb._forward_pre_hooks) == 1
 
 
@@ -160,4 +157,4 @@ def test_the_chunked_loss_head_takes_labels_shifted_already() -> None:
 
 def test_estimate_takes_each_ranks_share_of_the_sequence() -> None:
     config = FAMILY.config("hf:llama", seq_length=64)
-    assert FAMILY.shard(config, ParallelSizes(context=2)).seq_length == 32
+    assert FAMILY.shard(config, ParallelLayout(cp=2), range(config.num_layers)).seq_length == 32

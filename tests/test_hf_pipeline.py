@@ -34,12 +34,12 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from conftest import run_under_torchrun, worker_env  # noqa: E402
-from remat.sites.calls import forward_loss  # noqa: E402
 from remat.cli import main  # noqa: E402
-from remat.models import ParallelSizes  # noqa: E402
+from remat.config.parallel import ParallelLayout  # noqa: E402
 from remat.models.hf.family import FAMILY  # noqa: E402
-from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
 from remat.parallel.tied import TiedEnds  # noqa: E402
+from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision  # noqa: E402
+from remat.sites.calls import forward_loss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_pp_worker  # noqa: E402
@@ -124,7 +124,7 @@ def _stages(config, layers: list[tuple[int, ...]], skip: str | None = None) -> t
     source = hf_pp_worker.weights(whole)
     stages = []
     for index, share in enumerate(layers):
-        shard = FAMILY.shard(config, ParallelSizes(pipeline=len(layers), layers=share))
+        shard = FAMILY.shard(config, ParallelLayout(pp=len(layers)), share)
         stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
                              post_process=index == len(layers) - 1).train()
         assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
@@ -225,18 +225,18 @@ def test_bench_runs_hf_stages_under_torchrun(tmp_path) -> None:
                           "-ng", "2", "--json", str(out)], env=worker_env(), capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "remat bench: hf:llama, 2 pipeline stages (1F1B)" in run.stdout
+    assert "remat bench: hf:llama, 2 pipeline stages (1f1b)" in run.stdout
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and result["shape"]["pipeline_parallel"] == 2
 
 
-def _problems(family: str, sizes: ParallelSizes = ParallelSizes(pipeline=2), **overrides) -> str:
+def _problems(family: str, layout: ParallelLayout = ParallelLayout(pp=2), **overrides) -> str:
     config = FAMILY.config(f"hf:{family}", **overrides)
-    return "\n".join(f"{p.field}: {p.message}" for p in FAMILY.shard_problems(config, sizes))
+    return "\n".join(f"{p.field}: {p.message}" for p in FAMILY.layout_problems(config, layout))
 
 
 def test_llama_and_mixtral_split_into_stages() -> None:
-    assert _problems("llama") == _problems("mixtral") == _problems("llama", ParallelSizes(pipeline=2, tensor=2)) == ""
+    assert _problems("llama") == _problems("mixtral") == _problems("llama", ParallelLayout(pp=2, tp=2)) == ""
 
 
 def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
@@ -247,4 +247,4 @@ def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
 
 
 def test_context_parallelism_runs_beside_stages() -> None:  # tests/test_hf_context_parallel.py runs it
-    assert _problems("llama", ParallelSizes(pipeline=2, context=2)) == ""
+    assert _problems("llama", ParallelLayout(pp=2, cp=2)) == ""

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import remat.run.step as step
+import remat.run.build as build
 from remat.bench.findings import check_results
 from remat.bench.result import BenchResult
 from remat.cli import common, main
@@ -91,7 +91,7 @@ def test_the_cpu_allocators_oom_is_a_result(capsys, monkeypatch, tmp_path) -> No
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
 def test_a_device_that_refuses_writes_is_refused_before_the_run(capsys, monkeypatch) -> None:
-    monkeypatch.setattr(step, "build_model", lambda *a: pytest.fail("ran before refusing"))
+    monkeypatch.setattr(build, "build_model", lambda *a: pytest.fail("ran before refusing"))
     code, _, err, _ = run(capsys, "bench", *TINY_RUN, "--json", "/dev/full")
     assert code == 1 and "--json: /dev/full refuses writes (No space left on device)" in err
 

@@ -143,3 +143,27 @@ def test_the_layer_checks_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _upward() == {"remat.core.problems": {"remat.cli.common"}}
     monkeypatch.setitem(MODULES, "remat.cli.common", MODULES["remat.cli.common"] | {"remat.core.problems"})
     assert any({"remat.cli.common", "remat.core.problems"} <= set(group) for group in _cycles())
+
+
+# The house's sizes: a module a reader can hold, a function that fits a screen.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 60
+
+
+def _oversized() -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES, with their sizes."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{_module_name(path)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:  # type: ignore[operator]
+                    found.append(f"{_module_name(path)}.{node.name}: {length} lines")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_function_over_60(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _oversized() == []
+    monkeypatch.setattr(sys.modules[__name__], "MAX_FUNCTION_LINES", 5)  # the scan finds what is there
+    assert _oversized()

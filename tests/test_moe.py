@@ -19,6 +19,7 @@ from remat.models import build, family_of, recipe_config
 from remat.models.moe.config import MoEConfig
 from remat.models.moe.moe_layer import GroupedExperts, TopKRouter, grouped_mm_loop, grouped_mm_torch
 from remat.core.problems import ConfigError
+from remat.config.parallel import ParallelLayout
 from remat.config.recompute import RecomputeConfig
 from remat.sites.apply import offloader_of
 from remat.config.plan import Plan
@@ -412,8 +413,11 @@ def _problems(**fields) -> dict[str, str]:
 
 
 def test_the_moe_rules_report_every_problem_at_once() -> None:
-    problems = _problems(moe_router_topk=5, expert_model_parallel_size=3, moe_router_group_topk=2,
+    problems = _problems(moe_router_topk=5, moe_router_group_topk=2,
                          moe_router_enable_expert_bias=True, multi_latent_attention=True, qk_pos_emb_head_dim=7)
+    # expert parallelism is the layout's: the family checks it against the model's experts
+    problems.update({p.field: p.message for p in family_of("moe_tiny").layout_problems(recipe_config("moe_tiny"),
+                                                                                       ParallelLayout(ep=3))})
     assert problems == {
         "moe_router_topk": "(5) exceeds num_moe_experts (4); route to at most as many experts as there are",
         "expert_model_parallel_size": "(3) must divide num_moe_experts (4)",
@@ -456,7 +460,9 @@ def test_num_layers_overrides_keep_the_dense_first_layers() -> None:
     assert pattern(num_layers=5, moe_layer_freq=2) == [1, 0, 1, 0, 1]
     assert pattern(num_layers=3, moe_layer_freq=[0, 1, 0]) == [0, 1, 0]
     # valid variations pass
-    assert recipe_config("moe_tiny", moe_router_topk=4, expert_model_parallel_size=2).local_experts == 2
+    config, family, two = recipe_config("moe_tiny", moe_router_topk=4), family_of("moe_tiny"), ParallelLayout(ep=2)
+    assert not list(family.layout_problems(config, two))
+    assert family.shard(config, two, range(config.num_layers)).local_experts == 2
     assert recipe_config("deepseek_tiny", moe_router_num_groups=2, moe_router_group_topk=1).moe_router_topk == 2
 
 

@@ -19,11 +19,11 @@ import torch
 import remat
 from conftest import run_under_torchrun
 from remat.estimate import stages as estimating
-from remat.run import step as steps
+from remat.run import build as builds, step as steps
+from remat.run.spec import RunSpec, run_problems as spec_run_problems
 from remat.sites.calls import after_optimizer_step
 from remat.cli import main
 from remat.models import build, family_of
-from remat.models.family import ParallelSizes
 from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
 
@@ -109,8 +109,8 @@ def test_stage_shards_build_the_whole_models_layers_by_their_global_numbers() ->
     spec = moe_worker.spec("deepseek_tiny", "interleaved")
     torch.manual_seed(0)
     whole = spec.family.build(spec.model_config, dtype=torch.float64)
-    for stage in range(spec.pipeline.chunks):
-        config = steps.stage_config(spec, stage)
+    for stage in range(spec.layout.chunks):
+        config = builds.chunk_config(spec, stage)
         assert config.layers == (stage,) and config.num_layers == 1  # type: ignore[attr-defined]
         torch.manual_seed(0)
         chunk = spec.family.build(config, dtype=torch.float64, pre_process=stage == 0, post_process=stage == 3)
@@ -160,9 +160,9 @@ def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkey
 def test_moe_runs_under_pipeline_tensor_and_context_parallelism() -> None:
     family = family_of("moe_tiny")
     config = family.config("moe_tiny", num_layers=4)
-    assert not list(family.shard_problems(config, ParallelSizes(pipeline=2, tensor=2, context=2)))
-    assert [p.field for p in family.shard_problems(config, ParallelSizes(context=3))] == ["context_parallel_size"]
-    shard = family.shard(config, ParallelSizes(pipeline=2, tensor=2, layers=(2, 3)))
+    assert not list(family.layout_problems(config, ParallelLayout(pp=2, tp=2, cp=2)))
+    assert [p.field for p in family.layout_problems(config, ParallelLayout(cp=3))] == ["context_parallel_size"]
+    shard = family.shard(config, ParallelLayout(pp=2, tp=2), (2, 3))
     assert shard.num_layers == 2 and shard.layers == (2, 3)  # type: ignore[attr-defined]
     assert [shard.is_moe_layer(i) for i in (2, 3)] == [True, True]  # type: ignore[attr-defined]
     assert shard.expert_ffn * 2 == config.expert_ffn  # type: ignore[attr-defined]
@@ -207,18 +207,17 @@ def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expe
     assert all(torch.equal(b, whole["bias"][n]) for n, b in piped["bias"].items())
     # an MoE layer of pipeline rank p: global rank 2 p + d (dp rank d) holds its d-th half of the
     # experts, exchanging with the other dp rank of the same stage
-    config, pipe = moe_worker.spec(recipe).model_config, moe_worker.spec(recipe, layout).pipeline
-    held, half = {layer: layer // (4 // pipe.chunks) % pipe.stages for layer in range(4)}, config.num_moe_experts // 2
+    config, pipe = moe_worker.spec(recipe).model_config, moe_worker.spec(recipe, layout).layout
+    held, half = {layer: layer // (4 // pipe.chunks) % pipe.pp for layer in range(4)}, config.num_moe_experts // 2
     assert piped["experts"] == {(layer, 2 * held[layer] + d): (half * d, [2 * held[layer], 2 * held[layer] + 1])
                                 for layer, kind in whole["kinds"].items() if kind == "MoELayer" for d in (0, 1)}
 
 
 def test_expert_parallelism_runs_beside_pipeline_stages_and_tensor_parallelism() -> None:
     def run_problems(pp: int, tp: int) -> list[str]:
-        spec = steps.RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4, expert_model_parallel_size=2),
-                             layout=ParallelLayout(num_gpus=4 * tp), global_batch_size=4, device="cpu",
-                             facts=TrainingFacts(layout=ParallelLayout(pp=pp, tp=tp)))
-        return [p.message for p in steps.expert_parallel_run_problems(spec)]
+        spec = RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4), global_batch_size=4, device="cpu",
+                       layout=ParallelLayout(pp=pp, tp=tp, ep=2, num_gpus=4 * tp))
+        return [p.message for p in spec_run_problems(spec)]
 
     assert run_problems(pp=2, tp=1) == run_problems(pp=1, tp=2) == run_problems(pp=2, tp=2) == []
 

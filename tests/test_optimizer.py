@@ -14,7 +14,8 @@ from remat.cli import main
 from remat.models import build
 from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision, adamw, main_grad_bytes
 from remat.core.problems import ConfigError
-from remat.run.step import RunSpec, optimizer_state_bytes
+from remat.run.spec import RunSpec
+from remat.run.step import optimizer_state_bytes
 
 FP32 = OptimizerPrecision(main_params_dtype="fp32")
 

@@ -20,7 +20,7 @@ import torch
 
 from conftest import run_under_torchrun
 from remat.sites.calls import forward_loss
-from remat.parallel import PipelineLayout
+from remat.config.parallel import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import fsdp_worker  # noqa: E402
@@ -72,14 +72,14 @@ def test_dropout_changes_the_step(piped) -> None:  # the comparison above is not
 
 
 def test_stages_and_their_layers() -> None:
-    interleaved = PipelineLayout(2, 2)
+    interleaved = ParallelLayout(pp=2, vp=2)
     assert interleaved.stage_indices(0) == [0, 2] and interleaved.stage_indices(1) == [1, 3]
-    assert interleaved.layers(8, 3) == range(6, 8)
-    assert [p.message for p in PipelineLayout(4).problems(3)] == [
+    assert interleaved.chunk_layers(8, 3) == range(6, 8)
+    assert [p.message for p in ParallelLayout(pp=4).schedule_problems(3)] == [
         "gives 3 micro-batch(es) a step; 1F1B over 4 stages needs at least 4: raise -gb"]
-    assert [p.message for p in PipelineLayout(2, 2).problems(3)] == [
+    assert [p.message for p in ParallelLayout(pp=2, vp=2).schedule_problems(3)] == [
         "gives 3 micro-batches a step; interleaved 1F1B runs them in rounds of pp = 2: use a multiple"]
-    assert not list(PipelineLayout(2, 2).problems(4))
+    assert not list(ParallelLayout(pp=2, vp=2).schedule_problems(4))
 
 
 def test_bench_pp_2_starts_torchrun_and_runs_the_stages(tmp_path) -> None:
@@ -89,7 +89,7 @@ def test_bench_pp_2_starts_torchrun_and_runs_the_stages(tmp_path) -> None:
                           "--warmup_steps", "1", "--no_history", "--no_progress", "-pp", "2", "-gb", "2", "-rl", "1",
                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "remat bench: llama3_tiny, 2 pipeline stages (1F1B)" in run.stdout
+    assert "remat bench: llama3_tiny, 2 pipeline stages (1f1b)" in run.stdout
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and len(result["losses"]) == 3
     assert result["shape"]["pipeline_parallel"] == 2 and "data_parallel" not in result["shape"]

@@ -9,7 +9,8 @@ import pytest
 
 import remat
 from remat.cli import main
-from remat.estimate.stages import EstimateSpec, predict_stages, rank_plan, trace_stages
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import predict_stages, rank_plan, trace_stages
 from remat.config.plan import PipelineStages, Plan, plan_file_problems, plan_pipeline_problems
 from remat.planner import recompute_candidates
 from remat.core.problems import ConfigError
@@ -25,7 +26,7 @@ MiB = 2**20
 def _spec(pp: int = 2, layers: int = 4, vpp: int | None = None, micro_batches: int = 4,
           seq: int = 256) -> EstimateSpec:
     return EstimateSpec(recipe="llama3_tiny", overrides={"num_layers": layers, "seq_length": seq},
-                        facts=TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp)),
+                        layout=ParallelLayout(pp=pp, vp=vpp),
                         micro_batch_size=1, global_batch_size=micro_batches, device="cpu", compile=False)
 
 
@@ -112,7 +113,8 @@ def test_the_estimate_of_each_rank_is_its_trace_on_the_device() -> None:
                                   predict_stages("x", spec, on_cpu, plans).stages):
             assert (shaped.weights, shaped.grads, shaped.optimizer_state, shaped.activations, shaped.peak) == (
                 traced.weights, traced.grads, traced.optimizer_state, traced.activations, traced.peak)
-    assert planned.plan.pipeline == PipelineStages(2, 2, tuple(s.peak for s in planned.estimate.stages))
+    assert planned.plan.pipeline == PipelineStages(ParallelLayout(pp=2, vp=2),
+                                                   tuple(s.peak for s in planned.estimate.stages))
     assert [s.layers for s in planned.stages] == [(0, 2), (1, 3)]  # rank r runs chunks r and r + pp
 
 
@@ -121,14 +123,14 @@ def test_the_ranks_plans_join_into_one_plan_that_runs_each_ranks_own(traced_pp4)
     result = plan_stages(spec, _peaks(spec, traced, [None] * 4)[0] - 512 * 1024, max_group=2)
     for k, stage in enumerate(result.stages):
         assert rank_plan(result.plan, spec, k) == stage.plan
-    assert not list(plan_pipeline_problems(result.plan, TrainingFacts(layout=ParallelLayout(pp=4))))
+    assert not list(plan_pipeline_problems(result.plan, ParallelLayout(pp=4)))
 
 
 # ---- the plan file ---------------------------------------------------------------------------
 
 def _stamped() -> Plan:
     plan = Plan([{"mlp": "recompute"}, {}, {}, {}], [(2, 3)])
-    plan.pipeline = PipelineStages(2, None, (100, 90))
+    plan.pipeline = PipelineStages(ParallelLayout(pp=2), (100, 90))
     return plan
 
 
@@ -165,7 +167,7 @@ def test_a_plan_files_pipeline_section_rule_passes() -> None:
 
 @pytest.mark.parametrize("pp, vpp, refused", [(2, None, False), (4, None, True), (2, 2, True)])
 def test_a_plan_solved_per_stage_runs_only_on_its_layout(pp, vpp, refused) -> None:
-    problems = list(plan_pipeline_problems(_stamped(), TrainingFacts(layout=ParallelLayout(pp=pp, vp=vpp))))
+    problems = list(plan_pipeline_problems(_stamped(), ParallelLayout(pp=pp, vp=vpp)))
     assert [p.field for p in problems] == (["pipeline"] if refused else [])
     if refused:
         assert "run it with -pp 2" in problems[0].message
@@ -179,7 +181,7 @@ def test_estimate_plans_each_rank_by_shape_and_writes_the_plan(tmp_path, capsys)
             "--no-compile", "--memory-budget", "3.9MiB", "-o", str(out), "--json", str(record), "--no_progress"]
     assert main(args) == 0
     plan, data = Plan.load(out), json.loads(record.read_text())
-    assert plan.pipeline is not None and plan.pipeline.pipeline_model_parallel_size == 2
+    assert plan.pipeline is not None and plan.pipeline.layout.pp == 2
     assert [s["peak"] for s in data["estimate"]["stages"]] == list(plan.pipeline.predicted_peak_bytes)
     assert max(plan.pipeline.predicted_peak_bytes) <= 3.9 * MiB
     shown = capsys.readouterr().out
@@ -202,7 +204,7 @@ def test_plan_with_pipeline_stages_traces_each_rank_on_the_device(tmp_path, caps
     args = ["plan", "-mr", "llama3_tiny", "--seq_length", "64", "--num_layers", "2", "-pp", "2", "-gb", "2",
             "--device", "cpu", "--memory-budget", "1GiB", "-o", str(out), "--no_progress"]
     assert main(args) == 0
-    assert Plan.load(out).pipeline == PipelineStages(2, None, Plan.load(out).pipeline.predicted_peak_bytes)
+    assert Plan.load(out).pipeline == PipelineStages(ParallelLayout(pp=2), Plan.load(out).pipeline.predicted_peak_bytes)
     assert "timed on the device" in capsys.readouterr().out
     assert main([*args, "--verify"]) == 1
     assert "--verify:" in capsys.readouterr().err

@@ -24,12 +24,13 @@ from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
 from remat.sites.calls import after_optimizer_step, forward_loss
 from remat.config.plan import Plan
-from remat.models.llama.family import gate_up_by_rank
+from remat.models.llama.parallel import gate_up_by_rank
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.core.problems import ConfigError
 from remat.config.recompute import RecomputeConfig
-from remat.config.megatron import TrainingFacts
-from remat.run.step import MockData, RunSpec, apply_plan, build_model, forward_backward
+from remat.run.build import apply_plan, build_model
+from remat.run.spec import RunSpec
+from remat.run.step import MockData, forward_backward
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 
@@ -59,10 +60,11 @@ def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = C
          pipeline: tuple[int, int | None] = (1, None), **more: Any) -> RunSpec:
     """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32);
     `pipeline`: pp and vp."""
-    facts = TrainingFacts(layout=ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline[0], vp=pipeline[1]))
+    layout = ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline[0],
+                            vp=pipeline[1], num_gpus=context_parallel * tensor_parallel * pipeline[0])
     return RunSpec(recipe=recipe, overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
-                                                 hidden_dropout=dropout), layout=ParallelLayout(num_gpus=context_parallel * tensor_parallel * pipeline[0]), precision=Precision(compute_dtype),
-                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES, layout=facts.layout, capture=facts.capture, **more)
+                                                 hidden_dropout=dropout), precision=Precision(compute_dtype),
+                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES, layout=layout, **more)
 
 
 def moe_spec(recipe: str, context_parallel: int = CP, pipeline: tuple[int, int | None] = (1, None)) -> RunSpec:
@@ -86,7 +88,7 @@ def step(run: RunSpec, plan: object) -> Step:
     if isinstance(model, parallel.Pipeline):  # each stage drew from a seed of its own: one process's instead
         torch.manual_seed(run.seed)
         whole = moe_worker.state(run.family.build(run.model_config, dtype=run.state_dtype))
-        if (tp := run.facts.tensor_model_parallel_size) > 1:  # as tensor parallelism stores them
+        if (tp := run.layout.tp) > 1:  # as tensor parallelism stores them
             for name in [name for name in whole if name.endswith("mlp.linear_fc1.weight")]:
                 gate_up_by_rank(whole[name], tp)
         for chunk in model.chunks:
@@ -123,7 +125,7 @@ def whole_grad(run: RunSpec, grad: torch.Tensor, shape: torch.Size) -> torch.Ten
     slices of its tensor-parallel group (adjacent ranks) joined along the dimension they split."""
     if grad.shape == shape:
         return grad
-    tp = run.facts.tensor_model_parallel_size
+    tp = run.layout.tp
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, grad)
     first = dist.get_rank() // tp * tp
@@ -176,9 +178,10 @@ def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
 def bench(tensor_parallel: int = 1, pipeline: int = 1) -> tuple[str, list[float]]:
     """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2 | -pp 2] -ng N`
     runs; 2 micro-batches, as 1F1B over 2 stages needs)."""
-    facts = TrainingFacts(layout=ParallelLayout(cp=CP, tp=tensor_parallel, pp=pipeline))
-    result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), layout=ParallelLayout(num_gpus=CP * tensor_parallel * pipeline), precision=Precision("fp32"),
-                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES, layout=facts.layout, capture=facts.capture),
+    layout = ParallelLayout(cp=CP, tp=tensor_parallel, pp=pipeline, num_gpus=CP * tensor_parallel * pipeline)
+    result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), precision=Precision("fp32"),
+                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
+                                 layout=layout),
                        RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1))
     return result.status, result.losses or []
@@ -232,7 +235,7 @@ def ep_cp_step(recipe: str, ep: int, plan: object) -> tuple[float, dict[str, tor
     from its expert-parallel group), the expert biases after the balancing step, and how many
     experts each MoE layer holds on this rank."""
     base = spec(recipe=recipe, compute_dtype="fp64")
-    run = dataclasses.replace(base, num_gpus=CP * 2, overrides={**base.overrides, "expert_model_parallel_size": ep})
+    run = dataclasses.replace(base, layout=dataclasses.replace(base.layout, num_gpus=CP * 2, ep=ep))
     model = build_model(run)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)

@@ -2,7 +2,7 @@
 
 - beside pipeline stages: the MoE recipes of moe_worker over pp 2 x dp 2 with their experts split
   over ep 2 (each pipeline stage's experts over the 2 data-parallel ranks of that stage), built by
-  `remat.run.step.build_model` under 1F1B and interleaved 1F1B, each rank holding the whole model's
+  `remat.run.build.build_model` under 1F1B and interleaved 1F1B, each rank holding the whole model's
   weights for its layers and experts; one step per plan of moe_worker's, on each replica's half
   of the same 4 micro-batches, then the balancing step.
 - beside tensor parallelism: the same recipes over dp 2 x tp 2, experts split over the 2
@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 
 from moe_worker import CASES, MICRO_BATCHES, OVERRIDES, Data, batches, pipelined, plan, spec, state, whole
 import remat
-from remat.run import step as steps
-from remat.parallel import coordinates, device_mesh, mean_over_ranks
-from remat.config.megatron import TrainingFacts
+from remat.run import build, step as steps
+from remat.run.spec import RunSpec
+from remat.parallel import mean_over_ranks
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 
@@ -36,11 +36,11 @@ DROPOUT = 0.1
 TP_PLANS = ("none", "selective", "full_uniform_2")
 
 
-def tensor_parallel_spec(recipe: str, sequence_parallel: bool, dropout: float) -> steps.RunSpec:
-    overrides = {**OVERRIDES, "expert_model_parallel_size": EP, "attention_dropout": dropout,
-                 "hidden_dropout": dropout}
-    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=GPUS // TP, layout=ParallelLayout(num_gpus=GPUS), precision=Precision("fp64"), device="cpu", optimizer=False,
-                         facts=TrainingFacts(layout=ParallelLayout(tp=TP, sp=sequence_parallel)))
+def tensor_parallel_spec(recipe: str, sequence_parallel: bool, dropout: float) -> RunSpec:
+    overrides = {**OVERRIDES, "attention_dropout": dropout, "hidden_dropout": dropout}
+    return RunSpec(recipe=recipe, overrides=overrides, global_batch_size=GPUS // TP, precision=Precision("fp64"),
+                   device="cpu", optimizer=False,
+                   layout=ParallelLayout(tp=TP, sp=sequence_parallel, ep=EP, num_gpus=GPUS))
 
 
 def _gather(grad: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -67,14 +67,14 @@ def tensor_parallel(recipe: str, sequence_parallel: bool, dropout: float, name: 
     """One step of the dp 2 x tp 2 model on its replica's micro-batch of the same 2."""
     s = tensor_parallel_spec(recipe, sequence_parallel, dropout)
     shapes = {n: p.shape for n, p in whole(recipe).named_parameters()}
-    model = steps.build_model(s)
+    model = build.build_model(s)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
-        steps.apply_plan(s, model, plan(recipe, name))
-    replica = coordinates(dist.get_rank(), 1, s.data_parallel, TP).data
+        build.apply_plan(s, model, plan(recipe, name))
+    replica = s.layout.coordinates(dist.get_rank()).dp
     loss = steps.forward_backward(model, Data(batches(2)[replica:replica + 1]), 1)  # type: ignore[arg-type]
     return {"loss": mean_over_ranks(loss).item(),
-            "grads": whole_grads(model, shapes, device_mesh("cpu", 1, s.data_parallel, TP)["tp"].get_group())}
+            "grads": whole_grads(model, shapes, s.layout.mesh("cpu")["tp"].get_group())}
 
 
 def results() -> dict[str, Any]:

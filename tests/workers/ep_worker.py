@@ -17,11 +17,12 @@ from torch.distributed.tensor import DTensor
 import remat
 from remat.sites.calls import forward_loss
 from remat.config.plan import Plan
-from remat.models import build
+from remat.models import build, family_of
 from remat.models.moe.dispatch import AllToAll
 from remat.parallel.expert_parallel import expert_mesh, parallelize_experts
 from remat.config.recompute import RecomputeConfig
-from remat.run.step import RunSpec, build_model
+from remat.run.build import build_model
+from remat.run.spec import RunSpec
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 
@@ -38,14 +39,17 @@ SHAPE: dict[str, Any] = dict(num_layers=LAYERS, moe_layer_freq="[0]*1+[1]*3", se
                              attention_backend="eager", attention_dropout=DROPOUT, hidden_dropout=DROPOUT)
 
 
-def model(ep: int = 1, **overrides: Any) -> torch.nn.Module:
-    """The model in float64 in one process."""
+def model(ep: int = 1, etp: int | None = None) -> torch.nn.Module:
+    """The model in float64 in one process (built with the experts of one of `ep` ranks)."""
     torch.manual_seed(SEED)
-    return build(RECIPE, dtype=torch.float64, expert_model_parallel_size=ep, **SHAPE, **overrides)
+    family = family_of(RECIPE)
+    config = family.config(RECIPE, **SHAPE)
+    return family.build(family.shard(config, ParallelLayout(ep=ep, etp=etp), range(config.num_layers)),
+                        dtype=torch.float64)
 
 
 def spec(ranks: int) -> RunSpec:
-    return RunSpec(RECIPE, {**SHAPE, "expert_model_parallel_size": EP}, layout=ParallelLayout(num_gpus=ranks), precision=Precision("fp64"),
+    return RunSpec(RECIPE, SHAPE, layout=ParallelLayout(ep=EP, num_gpus=ranks), precision=Precision("fp64"),
                    device="cpu", seed=SEED)
 
 
@@ -150,7 +154,7 @@ def refusals() -> dict[str, str]:
         return build("llama3_tiny", num_layers=1)
 
     two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
-    return {"built_for_another_size": refusal(lambda: model(1, expert_tensor_parallel_size=2)),
+    return {"built_for_another_size": refusal(lambda: model(1, etp=2)),
             "not_dividing": refusal(lambda: model(1), ep=4),
             "dense": refusal(dense), "mesh": refusal(lambda: model(EP), mesh=two_d),
             "unnamed": refusal(lambda: model(EP), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))}

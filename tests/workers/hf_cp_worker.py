@@ -20,11 +20,12 @@ import remat
 from remat import parallel
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
-from remat.config.recompute import RecomputeConfig
-from remat.config.megatron import TrainingFacts
-from remat.run.step import MockData, RunSpec, apply_plan, build_model, forward_backward
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
+from remat.config.recompute import RecomputeConfig
+from remat.run.build import apply_plan, build_model
+from remat.run.spec import RunSpec
+from remat.run.step import MockData, forward_backward
 
 import gloo
 
@@ -44,9 +45,10 @@ def spec(recipe: str = "hf:llama", task: str = "pretrain", context_parallel: int
          compile: bool = False) -> RunSpec:
     """2 layers in float64 (torch's ring merges its blocks in float32: see the test); `compile`:
     with the chunked loss head, as a compiled run has it (see step)."""
-    facts = TrainingFacts(layout=ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline))
-    return RunSpec(recipe=recipe, overrides=dict(seq_length=seq_length), layout=ParallelLayout(num_gpus=context_parallel * tensor_parallel * pipeline), precision=Precision("fp64"), device="cpu",
-                   task=task, optimizer=False, global_batch_size=MICRO_BATCHES, compile=compile, layout=facts.layout, capture=facts.capture)
+    layout = ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline,
+                            num_gpus=context_parallel * tensor_parallel * pipeline)
+    return RunSpec(recipe=recipe, overrides=dict(seq_length=seq_length), precision=Precision("fp64"), device="cpu",
+                   task=task, optimizer=False, global_batch_size=MICRO_BATCHES, compile=compile, layout=layout)
 
 
 def step(run: RunSpec, plan: RecomputeConfig | None = None) -> Step:
@@ -82,8 +84,9 @@ def load(chunk: torch.nn.Module, whole: dict[str, torch.Tensor]) -> None:
 
 def bench() -> tuple[str, list[float]]:
     """What `remat bench -mr hf:llama -cp 2 -ng 2 --device cpu` runs, full recompute."""
-    result = run_bench(BenchSpec(recipe="hf:llama", overrides=dict(seq_length=SEQ), layout=ParallelLayout(num_gpus=CP), precision=Precision("fp32"),
-                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES, facts=TrainingFacts(layout=ParallelLayout(cp=CP))),
+    result = run_bench(BenchSpec(recipe="hf:llama", overrides=dict(seq_length=SEQ), precision=Precision("fp32"),
+                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
+                                 layout=ParallelLayout(cp=CP, num_gpus=CP)),
                        RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1))
     return result.status, result.losses or []

@@ -25,18 +25,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import remat
-from remat.sites.calls import forward_loss
-from remat.models import ParallelSizes
+from remat.config.parallel import ParallelLayout
 from remat.models.hf.family import FAMILY
-from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
+from remat.parallel import Pipeline, fully_shard_layers
 from remat.parallel.tensor_parallel import parallelize_tensor
-from remat.run.step import stage_plan
+from remat.run.build import stage_plan
+from remat.sites.calls import forward_loss
 
 import gloo
 import hf_tp_worker  # the plans of the tensor-parallel tests
 
 LAYERS, SEQ, MICRO_BATCHES = 4, 16, 4
-LAYOUTS = {"1f1b": PipelineLayout(2), "interleaved": PipelineLayout(2, 2)}
+LAYOUTS = {"1f1b": ParallelLayout(pp=2), "interleaved": ParallelLayout(pp=2, vp=2)}
 TIED = "llama, tied"
 FAMILIES = {**hf_tp_worker.FAMILIES, TIED: "mlp"}
 TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -87,18 +87,17 @@ def one_process(family: str, untied: bool = False) -> tuple[float, dict[str, tor
     return total, grads
 
 
-def step(family: str, layout: PipelineLayout, plan: Any, dropout: float,
+def step(family: str, layout: ParallelLayout, plan: Any, dropout: float,
          sharded: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """`sharded`: the ranks beside each stage's are its FSDP2 data-parallel ranks (each on the same
     batches, so their mean gradient is one rank's), else its tensor-parallel ranks."""
-    tp = 1 if sharded else dist.get_world_size() // layout.stages
-    mesh = init_device_mesh("cpu", (layout.stages, dist.get_world_size() // layout.stages),
+    tp = 1 if sharded else dist.get_world_size() // layout.pp
+    mesh = init_device_mesh("cpu", (layout.pp, dist.get_world_size() // layout.pp),
                             mesh_dim_names=("pp", "dp" if sharded else "tp"))
     rank, source = mesh["pp"].get_local_rank(), weights(whole(family, dropout))
     stages = []
     for index in layout.stage_indices(rank):
-        shard = FAMILY.shard(config(family, dropout), ParallelSizes(pipeline=layout.chunks,
-                                                                    layers=tuple(layout.layers(LAYERS, index))))
+        shard = FAMILY.shard(config(family, dropout), layout, layout.chunk_layers(LAYERS, index))
         stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
                              post_process=index == layout.chunks - 1).train()
         with torch.no_grad():  # a stage's parameters carry the whole model's names

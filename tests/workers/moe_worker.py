@@ -1,7 +1,7 @@
 """Run by tests/test_moe_parallel.py under torchrun (gloo, CPU, 2 processes), one launch for all:
 
 - pipeline: an MoE recipe (moe_tiny; deepseek_tiny with MLA and expert bias) split into 2
-  stages by `remat.run.step.build_model` (1F1B, and interleaved 1F1B with 2 virtual stages), each
+  stages by `remat.run.build.build_model` (1F1B, and interleaved 1F1B with 2 virtual stages), each
   stage holding the whole model's weights and expert bias for its layers (copied in by the
   layers' global numbers); one step of 4 micro-batches per plan, then the balancing step.
 - data parallel: deepseek_tiny on 2 data-parallel ranks (FSDP2, built by build_model), each
@@ -21,12 +21,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import remat
-from remat.run import step as steps
+from remat.run import build, step as steps
+from remat.run.spec import RunSpec
 from remat.sites.calls import after_optimizer_step
 from remat.models import family_of
-from remat.parallel import Pipeline, coordinates, mean_over_ranks, model_chunks
+from remat.parallel import Pipeline, mean_over_ranks, model_chunks
 from remat.config.recompute import RecomputeConfig
-from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 
@@ -45,11 +45,10 @@ CASES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None, ep: int = 1) -> steps.RunSpec:
+def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None, ep: int = 1) -> RunSpec:
     pp, vp = LAYOUTS[layout] if layout else (1, None)
-    overrides = {**OVERRIDES, "expert_model_parallel_size": ep} if ep > 1 else OVERRIDES
-    return steps.RunSpec(recipe=recipe, overrides=overrides, global_batch_size=MICRO_BATCHES, layout=ParallelLayout(num_gpus=num_gpus), precision=Precision("fp64"), device="cpu", optimizer=False,
-                         facts=TrainingFacts(layout=ParallelLayout(pp=pp, vp=vp)))
+    return RunSpec(recipe=recipe, overrides=OVERRIDES, global_batch_size=MICRO_BATCHES, precision=Precision("fp64"),
+                   device="cpu", optimizer=False, layout=ParallelLayout(pp=pp, vp=vp, ep=ep, num_gpus=num_gpus))
 
 
 def plan(recipe: str, name: str) -> RecomputeConfig | None:
@@ -135,17 +134,17 @@ def whole_grad(chunk: nn.Module, name: str, grad: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def pipelined(s: steps.RunSpec, name: str, source: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def pipelined(s: RunSpec, name: str, source: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """One step of the spec's pipeline, weights from `source`, on the data-parallel replica's share
     of the global batch of MICRO_BATCHES; the mean loss over the replicas."""
-    model = steps.build_model(s)
+    model = build.build_model(s)
     assert isinstance(model, Pipeline)
     for chunk in model.chunks:
         load(chunk, source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
-        steps.apply_plan(s, model, plan(s.recipe, name))
-    replica = coordinates(dist.get_rank(), s.stages, s.data_parallel).data
+        build.apply_plan(s, model, plan(s.recipe, name))
+    replica = s.layout.coordinates(dist.get_rank()).dp
     mine = batches(MICRO_BATCHES)[replica * s.micro_batches:(replica + 1) * s.micro_batches]
     loss = steps.forward_backward(model, Data(mine), s.micro_batches)  # type: ignore[arg-type]
     after_optimizer_step(model)
@@ -172,7 +171,7 @@ def data_parallel() -> dict[str, Any]:
     """Two balancing steps of deepseek_tiny on 2 data-parallel ranks: rank r's micro-batches are
     the global batch's r-th half. Returns every rank's biases after each step."""
     s = spec("deepseek_tiny", num_gpus=2)
-    model = steps.build_model(s)
+    model = build.build_model(s)
     source = whole("deepseek_tiny")
     with torch.no_grad():
         for name, buffer in model.named_buffers():

@@ -12,15 +12,16 @@ from torch import nn
 
 import remat
 from remat.models import family_of, recipe_config
-from remat.parallel import Pipeline, PipelineLayout, layer_modules
-from remat.run.step import stage_plan
+from remat.config.parallel import ParallelLayout
+from remat.parallel import Pipeline, layer_modules
+from remat.run.build import stage_plan
 
 import gloo
 import fsdp_worker  # the tiny model, its batch and the plans of the FSDP2 tests
 
 MICRO_BATCHES = 4
 HIDDEN = recipe_config("llama3_tiny").hidden_size
-LAYOUTS = {"1f1b": PipelineLayout(2), "interleaved": PipelineLayout(2, 2)}
+LAYOUTS = {"1f1b": ParallelLayout(pp=2), "interleaved": ParallelLayout(pp=2, vp=2)}
 # stages of two layers under 1F1B, of one under interleaving: full recompute within a stage
 PLANS = {"1f1b": {name: plan for name, plan in fsdp_worker.PLANS.items() if name != "full_block_3"},
          "interleaved": {
@@ -41,7 +42,7 @@ def stage_names(stage: nn.Module, whole: nn.Module, layers: range) -> dict[str, 
     return {name: names.get(name, name) for name, _ in stage.named_parameters()}
 
 
-def chunks(dropout: float, layout: PipelineLayout, rank: int) -> tuple[list[nn.Module], list[dict[str, str]]]:
+def chunks(dropout: float, layout: ParallelLayout, rank: int) -> tuple[list[nn.Module], list[dict[str, str]]]:
     whole = fsdp_worker.model(dropout)
     family = family_of("llama3_tiny")
     config = recipe_config("llama3_tiny", num_layers=fsdp_worker.LAYERS // layout.chunks, attention_backend="eager",
@@ -51,7 +52,7 @@ def chunks(dropout: float, layout: PipelineLayout, rank: int) -> tuple[list[nn.M
     for index in layout.stage_indices(rank):
         stage = family.build(config, dtype=torch.float64, pre_process=index == 0,
                              post_process=index == layout.chunks - 1)
-        named = stage_names(stage, whole, layout.layers(fsdp_worker.LAYERS, index))
+        named = stage_names(stage, whole, layout.chunk_layers(fsdp_worker.LAYERS, index))
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 p.copy_(whole_params[named[name]])

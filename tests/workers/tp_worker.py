@@ -3,7 +3,7 @@ Llama split by tensor parallelism (with and without sequence parallelism), one s
 the same batch on both ranks; the dropout masks each rank draws; the refusals. With 4: FSDP2 over
 2 data-parallel replicas of tensor parallelism over 2 ranks with sequence parallelism, one step
 per plan, each replica its own share of the global batch. Plans go in as `remat bench` installs
-them (step.apply_plan), so a config's distribute_saved_activations splits what full recompute keeps
+them (build.apply_plan), so a config's distribute_saved_activations splits what full recompute keeps
 (sequence parallelism off). Rank 0 saves every result to the file named by argv[1]."""
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ import remat
 from remat.sites.apply import offloader_of
 from remat.sites.calls import forward_loss
 from remat.config.plan import Plan
-from remat.models import build
+from remat.models import build, family_of, recipe_config
 from remat.run.optimizer import MainParamsAdamW, OptimizerPrecision, main_grad_bytes
 from remat.parallel import fully_shard_layers
 from remat.parallel.data_parallel import layer_modules
 from remat.parallel.tensor_parallel import parallelize_tensor
 from remat.config.recompute import RecomputeConfig
 from remat.config.megatron import TrainingFacts
-from remat.run.step import RunSpec, apply_plan
+from remat.run.build import apply_plan
+from remat.run.spec import RunSpec
 from remat.run.verify import run_step
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
@@ -43,7 +44,7 @@ STEP_SEED = 100  # torch's default generators for the step, alike on the tensor-
 TP = 2
 # what apply_plan reads of a run: no pipeline (the model is the worker's own)
 SPEC = RunSpec(overrides={"num_layers": fsdp_worker.LAYERS}, device="cpu", precision=Precision("fp64"),
-               facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
+               layout=ParallelLayout(tp=TP))
 # full recompute (method, k): each with its kept inputs whole, and split over the tp ranks
 FULL = {"uniform_1": ("uniform", 1), "uniform_2": ("uniform", 2), "block_1": ("block", 1), "block_2": ("block", 2)}
 
@@ -133,7 +134,8 @@ def refusals() -> dict[str, str]:
 
     def moe() -> torch.nn.Module:
         torch.manual_seed(0)
-        return build("moe_tiny", expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+        family, config = family_of("moe_tiny"), recipe_config("moe_tiny")
+        return family.build(family.shard(config, ParallelLayout(ep=2, etp=2), range(config.num_layers)))
 
     def unseeded() -> torch.nn.Module:
         model = fsdp_worker.model(0.0)

@@ -138,8 +138,8 @@ def check_full_recompute_graphs(results: Sequence[BenchResult]) -> list[Finding]
         results, rule_full_recompute_graph_scope, "full recompute + CUDA graphs",
         "AssertionError: full recompute is only supported with full iteration CUDA graph",
         "layer-level recompute with module-scoped graph capture",
-        lambda c: (f"recompute_granularity={c.recompute_granularity}, cuda_graph_impl={c.facts.cuda_graph_impl},"
-                   f" cuda_graph_scope={c.facts.cuda_graph_scope or '[] (whole layers)'}"))
+        lambda c: (f"recompute_granularity={c.recompute_granularity}, cuda_graph_impl={c.facts.capture.cuda_graph_impl},"
+                   f" cuda_graph_scope={list(c.facts.capture.cuda_graph_scope) or '[] (whole layers)'}"))
 
 
 def check_offload_pipeline(results: Sequence[BenchResult]) -> list[Finding]:
@@ -147,7 +147,7 @@ def check_offload_pipeline(results: Sequence[BenchResult]) -> list[Finding]:
         results, rule_cpu_offload_not_with_pipeline, "CPU offload + pipeline",
         "ValueError: PP + CPU offloading", "cpu_offloading=True with pipeline_model_parallel_size > 1",
         lambda c: (f"cpu_offloading={c.cpu_offloading} ({count(c.cpu_offloading_num_layers, 'layer')}),"
-                   f" pipeline_model_parallel_size={c.facts.pipeline_model_parallel_size}"))
+                   f" pipeline_model_parallel_size={c.facts.layout.pp}"))
 
 
 def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:

@@ -174,7 +174,6 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     record = _base_record(spec, plan, name)
     report = on_step or (lambda *args: None)
     report(record["name"], 0, spec.max_steps, "")
-    cuda = spec.device.startswith("cuda")
     oom: OomInfo | None = None
     try:
         steps, optimizer = _train(model, spec, lambda i, loss: report(record["name"], i + 1, spec.max_steps,
@@ -196,6 +195,17 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         report(record["name"], spec.max_steps, spec.max_steps, "OOM")
         return BenchResult(status="oom", oom=oom, **record)
     warn_if_nothing_offloaded(model)
+    result = _measured(spec, model, steps, optimizer, record)
+    del optimizer
+    step.release_memory(model)
+    return result
+
+
+def _measured(spec: BenchSpec, model: nn.Module, steps: _Steps, optimizer: torch.optim.Optimizer | None,
+              record: dict[str, Any]) -> BenchResult:
+    """The result of steps run to the end: steady-state times, throughput and the peak memory of
+    the rank whose peak is the highest, with that rank's breakdown of it."""
+    cuda = spec.device.startswith("cuda")
     config = spec.model_config
     steady = slice(spec.warmup_steps, None)
     step_s, fwd_bwd_s = statistics.median(steps.step[steady]), statistics.median(steps.fwd_bwd[steady])
@@ -208,7 +218,7 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     local = _breakdown(model, optimizer, spec, local_peak)
     peak, (weights, grads, optim, activations) = of_highest_rank(
         local_peak, [local.weights, local.grads, local.optimizer, local.activations])
-    result = BenchResult(
+    return BenchResult(
         status="ok", step_time_s=step_s, fwd_bwd_time_s=fwd_bwd_s,
         tflops_per_gpu=flops / step_s / 1e12, tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
         tokens_per_s_per_gpu=sequences * config.seq_length / step_s,
@@ -220,9 +230,6 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
     )
-    del optimizer
-    step.release_memory(model)
-    return result
 
 
 def _place(spec: BenchSpec) -> tuple[int | None, dict[str, int] | None]:

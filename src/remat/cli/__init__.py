@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 from rich.markup import escape
 
-from remat.cli import bench, doctor, estimate, history, plan, recipes, sweep, validate, verify
+from remat.cli import bench, doctor, estimate, history, plan, recipes, support, sweep, validate, verify
 from remat.cli.args import select_model
 from remat.cli.common import err
 from remat.core.problems import ConfigError, Problem
 
-COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, history)
+COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, support, history)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ import argparse
 from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
-from remat.cli.args import add_layout_flags, add_run_flags, advise_offload, bench_spec, facts_of, meta_model, sweep_entries
+from remat.cli.args import (add_layout_flags, add_run_flags, advise_offload, bench_spec, facts_of, gpus_of, meta_model,
+                            sweep_entries)
 from remat.cli.flags import add_settings
 from remat.cli.checks import one_process_problems
 from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
@@ -44,8 +45,7 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
         plans = sweep_entries(found, meta_model(args), args.configs, facts.to_megatron(),
                               lambda config: unrun_problems(config.facts.capture))
     found.add(output_problems(args, DEFAULT_PLOT))
-    if spec is not None:
-        found.add(one_process_problems("sweep", spec.layout.gpus, launched_world()))
+    found.add(one_process_problems("sweep", gpus_of(args), launched_world()))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
     if not spec.dryrun:

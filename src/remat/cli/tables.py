@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.bench.findings import Finding
+from remat.bench.support import Cell
 from remat.bench.golden import NOISE, OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
 from remat.bench.result import BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
@@ -385,6 +386,22 @@ def recipes_table(rows: Sequence[tuple[str, str, Any]]) -> Table:
 def _parameters(recipe: str) -> str:
     count = parameter_count(recipe)
     return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+
+
+def support_table(cells: Sequence[Cell]) -> Table:
+    """What runs where (bench/support.py): a row per family and precision, a column per layout."""
+    table = Table(title="remat support: refused where the code refuses it, else where it is checked")
+    layouts = list(dict.fromkeys(cell.layout for cell in cells))
+    for column in ("family", "precision", *layouts):
+        table.add_column(column)
+    rows: dict[tuple[str, str], list[str]] = {}
+    for cell in cells:
+        rows.setdefault((cell.family, cell.precision), []).append(cell.status)
+    for (family, precision), statuses in rows.items():
+        table.add_row(family, precision, *statuses)
+    table.caption = ("CPU: one process (tests); gloo: CPU processes under torchrun (tests); GPU: measured on one GPU;"
+                     " NCCL: measured on several; --reasons says why a cell is refused")
+    return table
 
 
 def findings_table(findings: Sequence[Finding], path: str) -> Table:

@@ -24,7 +24,7 @@ class Capture:
     cuda_graph_impl: str = setting("none", parse=parse_str, flag=True, choices=CUDA_GRAPH_IMPLS,
                                    help="CUDA graphs: none, per layer (local, transformer_engine) or the whole"
                                         " iteration (full_iteration)")
-    cuda_graph_scope: tuple[str, ...] = setting((), parse=parse_label_tuple, flag=True,
+    cuda_graph_scope: tuple[str, ...] = setting((), parse=parse_label_tuple, flag=True, text=parse_label_tuple,
                                                 metavar="A,B", help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}")
 
     @property
@@ -59,7 +59,8 @@ class Capture:
         return cls(**from_public(cls, keys))
 
     def to_megatron(self) -> dict[str, Any]:
-        return {**to_public(self), "cuda_graph_scope": list(self.cuda_graph_scope)}
+        scope = self.cuda_graph_scope  # a config file's text stays as given, for from_megatron to parse
+        return {**to_public(self), "cuda_graph_scope": list(scope) if isinstance(scope, (list, tuple)) else scope}
 
     def describe(self) -> str:
         if self.full_iteration:

@@ -160,6 +160,14 @@ def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | No
                 if len(ok):
                     arrivals[c.end].setdefault(nxt, []).append(
                         (freed[ok] + c.freed_bytes, new_value, [(s, key, int(k), j) for k in ok]))
+    return _best_cover(problem, fronts, budget, choices)
+
+
+def _best_cover(problem: PlanningProblem, fronts: list[dict[int | None, tuple[np.ndarray, np.ndarray, list]]],
+                budget: int | None, choices: list[Choice]) -> list[Choice] | None:
+    """Of the covers reaching the last layer, the best once the windows outside the layers are
+    counted (they hold every layer's freed bytes or none), followed back to its choices."""
+    n = problem.num_layers
     best: tuple[float, int | None, int] | None = None
     for key, (freed, value, _) in fronts[n].items():
         rest = np.full(len(freed), -np.inf)  # the windows outside the layers: none or all held

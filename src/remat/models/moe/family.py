@@ -14,12 +14,7 @@ from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
 from remat.models.moe.model import MoEModel
-from remat.models.moe.parallel import MoEParallelPlan
-
-
-# beside tp, each expert's FFN splits over the tp ranks: Megatron's default expert_tensor_parallel_size
-ETP_BESIDE_TP = ("is {}; beside tensor parallelism remat splits each expert over the tensor-parallel ranks, as"
-                 " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp")
+from remat.models.moe.parallel import ETP_BESIDE_TP, MoEParallelPlan
 
 
 def _moe(config: LlamaConfig) -> MoEConfig:

@@ -20,6 +20,10 @@ from remat.models.moe.model import MoEModel
 from remat.models.moe.moe_layer import MoELayer
 from remat.models.moe.tensor_parallel import mla_plan, moe_plan
 
+# beside tp, each expert's FFN splits over the tp ranks: Megatron's default expert_tensor_parallel_size
+ETP_BESIDE_TP = ("is {}; beside tensor parallelism remat splits each expert over the tensor-parallel ranks, as"
+                 " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp")
+
 
 class MoEParallelPlan(LlamaParallelPlan):
     parts = (*LlamaParallelPlan.parts, MLASelfAttention, MoELayer)
@@ -36,10 +40,12 @@ class MoEParallelPlan(LlamaParallelPlan):
             yield Problem("expert_model_parallel_size", f"the model was built for {config.expert_model_parallel_size}"
                                                         f" expert-parallel rank(s), not {layout.ep}; build it with"
                                                         f" expert_model_parallel_size={layout.ep}")
-        if layout.tp == 1 and config.expert_tensor_parallel_size != 1:
-            yield Problem("expert_tensor_parallel_size", f"is {config.expert_tensor_parallel_size}; each expert runs"
-                                                         " whole on its rank (no expert tensor parallelism yet;"
-                                                         " remat estimate predicts it); use 1")
+        built = config.expert_tensor_parallel_size  # 1 unless built for expert tensor parallelism without tp
+        if layout.tp == 1 and (etp := built if built != 1 else layout.etp or 1) != 1:
+            yield Problem("expert_tensor_parallel_size", f"is {etp}; each expert runs whole on its rank (no expert"
+                                                         " tensor parallelism yet; remat estimate predicts it); use 1")
+        elif layout.tp > 1 and built != 1:
+            yield Problem("expert_tensor_parallel_size", ETP_BESIDE_TP.format(built))
 
     def tensor_parallel_part(self, part: nn.Module, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
         """MLA and MoE layers as Megatron splits them; the Llama's parts as it does."""
