@@ -107,14 +107,14 @@ def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_seq
         "sequence_parallel: seq_length=15 does not split over 2 tensor-parallel ranks; use a multiple of the"
         " tensor-parallel size, or drop --sequence_parallel")
     mixtral = hf_tp_worker.model("mixtral", 0.0)
-    assert [p.message for p in FAMILY.parallel_plan(mixtral, sp).problems()] == [
+    assert [p.message for p in FAMILY.parallelism(mixtral, sp).problems()] == [
         "the layers' MixtralSparseMoeBlock hold weights the tensor-parallel plan does not split, which would run on"
         " this rank's tokens only; drop --sequence_parallel"]
     with pytest.raises(ConfigError, match="MixtralSparseMoeBlock"):  # the estimate's points refuse it alike
-        FAMILY.parallel_plan(mixtral, sp).sequence_points()
+        FAMILY.parallelism(mixtral, sp).sequence_points()
     llama = transformers.AutoModelForCausalLM.from_config(hf_config("llama", num_layers=1))
     llama.model.layers[0].add_module("hidden_dropout", torch.nn.Dropout(0.1))
-    assert [p.message for p in FAMILY.parallel_plan(remat.adapt(llama), sp).problems()] == [
+    assert [p.message for p in FAMILY.parallelism(remat.adapt(llama), sp).problems()] == [
         "the layers' dropout (hidden_dropout) outside attention would draw the same masks on every rank's tokens;"
         " set it to 0 or drop --sequence_parallel"]
 
@@ -129,7 +129,7 @@ def test_attention_dropout_without_a_core_attn_site_is_refused() -> None:
     config = hf_config("llama", num_layers=1, attention_dropout=0.1)
     plain = transformers.AutoModelForCausalLM.from_config(config)  # no Sites: nothing forks its dropout
     assert models.family_of_model(plain) is FAMILY
-    found = [p.field for p in FAMILY.parallel_plan(plain, TP2).problems()]
+    found = [p.field for p in FAMILY.parallelism(plain, TP2).problems()]
     assert found == ["attention_dropout"]
 
 

@@ -86,7 +86,7 @@ def refusals(family_name: str, layout: ParallelLayout, precision: str) -> tuple[
     found += family.layout_problems(config, layout)
     if not found:
         built = family.shard(config, ParallelLayout(ep=layout.ep), range(config.num_layers))
-        found += family.parallel_plan(family.build(built, device="meta"), layout).problems()
+        found += family.parallelism(family.build(built, device="meta"), layout).problems()
     return tuple(found)
 
 

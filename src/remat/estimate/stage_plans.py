@@ -21,7 +21,7 @@ from remat.estimate.spec import EstimateSpec
 from remat.estimate.stages import Estimate, StageTrace, predict_stages, rank_plan, trace_stages
 from remat.config.parallel import ParallelLayout
 from remat.config.plan import PipelineStages, Plan
-from remat.planner import NoPlanFits, host_budget_problems, megatron_keys, model_facts, recompute_candidates
+from remat.planner import NoPlanFits, host_budget_problems, megatron_keys, facts_for_sites, recompute_candidates
 from remat.planner.solver import solve
 from remat.core.problems import ConfigError, Problem, RematWarning, raise_if_any
 from remat.config.recompute import RecomputeConfig
@@ -106,7 +106,7 @@ def _fastest_uniform(spec: EstimateSpec, traced: Sequence[StageTrace],
     """The fastest of Megatron's usual configs (`recompute_candidates`) whose peak fits `budget`
     on every rank, each lowered onto each rank's layers as Megatron does; None if none fits."""
     labels = frozenset().union(*(label for t in traced for label in t.trace.model_sites.labels))
-    facts = model_facts(labels, spec.facts())
+    facts = facts_for_sites(labels, spec.facts())
     layers = facts.layers_per_chunk
     assert layers is not None  # the spec's checks split the layers
     best: tuple[RecomputeConfig, Estimate] | None = None

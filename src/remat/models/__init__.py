@@ -12,7 +12,7 @@ from torch import nn
 
 from remat.models import factory, llama
 from remat.models.moe import family as moe_family
-from remat.models.family import ModelConfig, ModelFamily, ParallelPlan, SequenceParallelPoints, Target
+from remat.models.family import ModelConfig, ModelFamily, ModelParallelism, SequenceParallelPoints, Target
 from remat.models.hf import family as hf_family
 from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
 from remat.sites.placement import Adapter
@@ -48,6 +48,6 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
     return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
 
 
-__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ParallelPlan",
+__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ModelParallelism",
            "SequenceParallelPoints", "Target", "build", "family_of", "family_of_model", "parameter_count",
            "recipe_config", "recipes", "register"]

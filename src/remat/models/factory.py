@@ -16,7 +16,7 @@ from torch import nn
 from remat.core.labels import LAYER
 from remat.models.registry import adapter_for
 from remat.config.parallel import ParallelLayout
-from remat.models.family import ModelFamily, Target, dense_facts, one_device_problems
+from remat.models.family import ModelFamily, Target, dense_facts
 from remat.sites.placement import compile_sites, place_sites
 from remat.core.problems import ConfigError, Problem
 from remat.sites.site import Site
@@ -81,6 +81,7 @@ def _shape(path: str) -> tuple[int, int, int, int]:
 
 class FactoryFamily(ModelFamily):
     name = "module"
+    kind = "models from a factory"  # one device, or data parallelism over several
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return {}  # any importable factory: `owns` recognises them
@@ -112,9 +113,6 @@ class FactoryFamily(ModelFamily):
             reset = getattr(module, "reset_parameters", None)
             if callable(reset) and module is not model:
                 reset()
-
-    def layout_problems(self, config: FactoryConfig, layout: ParallelLayout) -> Iterator[Problem]:
-        yield from one_device_problems(layout, "models from a factory")
 
     def shard(self, config: FactoryConfig, layout: ParallelLayout, layers: Sequence[int]) -> FactoryConfig:
         return config

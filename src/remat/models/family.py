@@ -3,7 +3,7 @@
 A family knows its recipes and how to build a model from a config, with or without the first
 stage's embedding and the last stage's loss head (pipeline pre- and post-process); what a parallel
 layout cannot do with a config, and one rank's share of it by shape; the model FLOPs of a step;
-and the fast kernels a target runs. For a built model under a layout it gives a `ParallelPlan`:
+and the fast kernels a target runs. For a built model under a layout it gives a `ModelParallelism`:
 what each parallelism of `remat.parallel` needs of that model (torch's tensor-parallel styles,
 where sequence parallelism communicates, what context parallelism shards or tells the model, what
 replicas share, how routed experts split). The model it builds places `Site`s and knows nothing
@@ -58,22 +58,6 @@ class ModelConfig(Protocol):
     def megatron_facts(self) -> dict[str, Any]:
         """The Megatron keys the model fixes for the recompute rules (layers, dropout, MoE, MLA)."""
         ...
-
-
-def one_device_problems(layout: ParallelLayout, what: str) -> Iterator[Problem]:
-    """A family that runs on one device only: every model-parallel size above 1, named."""
-    for name, size in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
-                       ("context_parallel_size", layout.cp), ("expert_model_parallel_size", layout.ep)):
-        if size != 1:
-            yield Problem(name, f"is {size}; {what} run on one device for now; use 1")
-
-
-def no_experts_problems(layout: ParallelLayout, what: str) -> Iterator[Problem]:
-    """Expert-parallel sizes for models without routed experts that remat splits."""
-    for name, size in (("expert_model_parallel_size", layout.ep), ("expert_tensor_parallel_size", layout.etp)):
-        if size not in (None, 1):
-            yield Problem(name, f"is {size}, but {what} have no routed experts that remat splits; use an MoE recipe"
-                                " (remat recipes lists them) or drop it")
 
 
 def dense_facts(config: ModelConfig) -> dict[str, Any]:
@@ -138,7 +122,20 @@ def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // (VOCAB_DIVISOR * tensor_parallel)) * VOCAB_DIVISOR
 
 
-class ParallelPlan:
+# What a family says of a model-parallel size its models do not run: ParallelLayout's field ->
+# (Megatron's name, the refusal, given the size and how the family names its models).
+REFUSED: dict[str, tuple[str, str]] = {
+    "tp": ("tensor_model_parallel_size", "is {size}; {kind} have no tensor-parallel split; use 1"),
+    "pp": ("pipeline_model_parallel_size", "is {size}; {kind} run as one pipeline stage; use 1"),
+    "cp": ("context_parallel_size", "is {size}; {kind} have no context-parallel plan; use 1"),
+    "ep": ("expert_model_parallel_size", "is {size}, but {kind} have no routed experts that remat splits; use an MoE"
+                                          " recipe (remat recipes lists them) or drop it"),
+    "etp": ("expert_tensor_parallel_size", "is {size}, but {kind} have no routed experts that remat splits; use an"
+                                            " MoE recipe (remat recipes lists them) or drop it"),
+}
+
+
+class ModelParallelism:
     """What one built model does under one parallel layout: the seam through which the
     parallelisms of `remat.parallel` reach a model. The base runs nothing but one process (data
     parallelism aside); a family subclasses it for the parallelisms its models run."""
@@ -154,21 +151,13 @@ class ParallelPlan:
     def problems(self) -> Iterator[Problem]:
         """Why the built model cannot run under the layout, beyond what its family's
         `layout_problems` finds on its config; checked before anything changes."""
-        if self.layout.tp > 1:
-            yield Problem("tensor_model_parallel_size", f"is {self.layout.tp}; {self.family} models have no"
-                                                        " tensor-parallel plan; use 1")
-        if self.layout.cp > 1:
-            yield Problem("context_parallel_size", f"{self.family} models have no context-parallel plan; use 1")
-        if self.layout.ep > 1:
-            yield Problem("expert_model_parallel_size", f"is {self.layout.ep}; {self.family} models have no routed"
-                                                        " experts that remat splits; use an MoE recipe (remat"
-                                                        " recipes lists them)")
+        return iter(())
 
     def tensor_parallel(self, fork: Fork) -> dict[str, ParallelStyle]:
         """Prepare the model to run as one of `layout.tp` ranks (its local head counts, dropout on
         what only this rank holds inside `fork`) and return torch's parallel style for each module
         path, as `parallelize_module` takes them."""
-        raise ConfigError(list(self.problems()))
+        raise ConfigError([self._refused("tp")])
 
     def sequence_points(self) -> SequenceParallelPoints:
         """Prepare the model to run on a sequence-parallel rank's tokens; where it communicates."""
@@ -181,7 +170,7 @@ class ParallelPlan:
         the group), and return its tensors indexed by sequence position (RoPE tables), each with
         its sequence dimension: context parallelism shards them with each batch, as torch's
         context_parallel does."""
-        raise ConfigError(list(self.problems()))
+        raise ConfigError([self._refused("cp")])
 
     def set_positions(self, positions: torch.Tensor | None) -> None:
         """Before the forwards of sharded batches, where each token this rank holds sits in the
@@ -203,7 +192,12 @@ class ParallelPlan:
         each token slot to the rank holding its expert and its output back; returns the modules
         holding the experts' weights, whose gradients are then those of this rank's share of the
         group's tokens (to be averaged over the ranks holding the same experts)."""
-        raise ConfigError(list(self.problems()))
+        raise ConfigError([self._refused("ep")])
+
+    def _refused(self, size: str) -> Problem:
+        """A parallelism the family's models do not run, asked of the model anyway."""
+        name, refusal = REFUSED[size]
+        return Problem(name, refusal.format(size=getattr(self.layout, size), kind=f"{self.family} models"))
 
 
 class ModelFamily(ABC):
@@ -214,6 +208,11 @@ class ModelFamily(ABC):
     labels: tuple[Label, ...] = ()
     # The class of the models `build` returns (None: models of many classes), for family_of_model.
     model_type: type[nn.Module] | None = None
+    # How problems name the family's models ("dense Llama models").
+    kind: str = "these models"
+    # The model-parallel sizes (ParallelLayout's fields) its models run above 1; `layout_problems`
+    # refuses the others by name (REFUSED).
+    runs: frozenset[str] = frozenset()
 
     @abstractmethod
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
@@ -243,10 +242,14 @@ class ModelFamily(ABC):
     def reset_parameters(self, model: nn.Module) -> None:
         """Initialize the weights again from the global torch seed."""
 
-    @abstractmethod
     def layout_problems(self, config: Any, layout: ParallelLayout) -> Iterator[Problem]:
-        """Why a model of `config` cannot run under `layout` (heads over tp, the sequence over cp,
-        experts over ep, what a parallelism refuses of it)."""
+        """Why a model of `config` cannot run under `layout`: each size above 1 the family does not
+        run; a family adds what its config cannot split (heads over tp, the sequence over cp,
+        experts over ep)."""
+        for size, (name, refusal) in REFUSED.items():
+            value = getattr(layout, size)
+            if value is not None and value > 1 and size not in self.runs:
+                yield Problem(name, refusal.format(size=value, kind=self.kind))
 
     @abstractmethod
     def shard(self, config: Any, layout: ParallelLayout, layers: Sequence[int]) -> ModelConfig:
@@ -264,6 +267,6 @@ class ModelFamily(ABC):
         (on CUDA) remat's Triton kernels. With `shapes_only` the model runs on meta tensors and each
         piece allocates and saves what the target's kernel would."""
 
-    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> ParallelPlan:
+    def parallelism(self, model: nn.Module, layout: ParallelLayout) -> ModelParallelism:
         """What `model` (built by this family) does under `layout`."""
-        return ParallelPlan(model, layout, self.name)
+        return ModelParallelism(model, layout, self.name)

@@ -75,7 +75,7 @@ def _sharded(chunks: Sequence[ParallelState], batches: Sequence[tuple[Tensor, Te
     if len(lengths) > 1:  # one load-balancing permutation serves them all
         raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
                          " positions; context parallelism needs a batch of the model's seq_length")
-    if chunks[0].plan.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
+    if chunks[0].parallelism.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
         for _, labels in batches:
             labels.copy_(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
     positions = torch.arange(lengths.pop(), device=tensors[0].device)[None]
@@ -84,12 +84,12 @@ def _sharded(chunks: Sequence[ParallelState], batches: Sequence[tuple[Tensor, Te
     with context_parallel(mesh, buffers=[*sharded, *(b for b, _ in buffers)], buffer_seq_dims=dims,
                           no_restore_buffers=set(sharded)), _kernels(mesh.device_type):
         for state in chunks:
-            state.plan.set_positions(positions)
+            state.parallelism.set_positions(positions)
         try:
             yield [_loss_weight(mesh, labels) for _, labels in batches]
         finally:
             for state in chunks:
-                state.plan.set_positions(None)
+                state.parallelism.set_positions(None)
 
 
 def _loss_weight(mesh: DeviceMesh, labels: Tensor) -> Tensor:
@@ -115,8 +115,8 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def shard_context(state: ParallelState, mesh: DeviceMesh) -> nn.Module:
     """`context_parallel_model` on a model whose layout's problems are checked."""
-    state.context = ContextShards(mesh, state.plan.context_buffers(mesh.get_group()))
-    return state.plan.model
+    state.context = ContextShards(mesh, state.parallelism.context_buffers(mesh.get_group()))
+    return state.parallelism.model
 
 
 def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> contextlib.AbstractContextManager[

@@ -115,11 +115,11 @@ def split_checked(state: ParallelState, mesh: DeviceMesh,
     ep = state.layout.ep
     if context is None:
         split = expert_mesh(mesh, ep)
-        return ExpertSplit(mesh, split["edp"], state.plan.split_experts(split["ep"].get_group()))
+        return ExpertSplit(mesh, split["edp"], state.parallelism.split_experts(split["ep"].get_group()))
     root, replicas = context
     names = root.mesh_dim_names or ()
     split = root._unflatten(names.index("dp"), (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
-    return ExpertSplit(replicas, split["edp", "cp"]._flatten(), state.plan.split_experts(split["ep"].get_group()))
+    return ExpertSplit(replicas, split["edp", "cp"]._flatten(), state.parallelism.split_experts(split["ep"].get_group()))
 
 
 def shard_experts(model: nn.Module, split: ExpertSplit, *,

@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, family: ModelFamily, layout: ParallelLayout, m
         shard_context(state, mesh["cp"])
     if layout.dp * layout.cp == 1:
         return model
-    state.plan.replicas(replicas.get_group())
+    state.parallelism.replicas(replicas.get_group())
     options = dict(compute_dtype=sharding.compute_dtype, reduce_dtype=sharding.reduce_dtype,
                    reduce_once_a_step=sharding.reduce_once_a_step)
     if experts is not None:
@@ -77,7 +77,7 @@ def parallelize_by_shape(model: nn.Module, family: ModelFamily, layout: Parallel
     (distribute_saved_activations, meta only) full recompute keeping 1/tp of each range's input.
     Returns `model`."""
     if layout.sequence_split > 1:
-        sequence_parallel_by_shape(family.parallel_plan(model, layout))
+        sequence_parallel_by_shape(family.parallelism(model, layout))
     if split_inputs:
         distribute_saved_inputs_by_shape(model, layout.tp)
     return model
@@ -87,6 +87,6 @@ def sharded_state_bytes(model: nn.Module, family: ModelFamily, layout: ParallelL
     """Bytes of `model` (one rank's shard) FSDP2 leaves this rank: its routed experts sharded over
     the ranks holding the same experts (dp x cp / ep), everything else over dp x cp."""
     replicas = layout.dp * layout.cp
-    experts = {p for module in family.parallel_plan(model, layout).routed_experts() for p in module.parameters()}
+    experts = {p for module in family.parallelism(model, layout).routed_experts() for p in module.parameters()}
     rest = [p for p in model.parameters() if p not in experts]
     return shard_bytes(rest, replicas, dtype) + shard_bytes(experts, replicas // layout.ep, dtype)

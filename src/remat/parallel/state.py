@@ -1,5 +1,5 @@
 """What parallelizing leaves on a model for the steps after it, kept on the model itself: its
-family's plan for the layout, the tensor-parallel mesh it was split over, the context-parallel
+family's parallelism for the layout (what the model does under it), the tensor-parallel mesh it was split over, the context-parallel
 group and tables sharded with each batch, and whether FSDP2 reduces its gradients once a step."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from remat.config.parallel import ParallelLayout
 from remat.core.problems import Problem
-from remat.models import ModelFamily, ParallelPlan, family_of_model
+from remat.models import ModelFamily, ModelParallelism, family_of_model
 
 # The attribute of a model that holds its ParallelState.
 STATE = "_remat_parallel"
@@ -31,14 +31,14 @@ class ContextShards:
 @dataclass
 class ParallelState:
     family: ModelFamily | None  # None: a model of no family remat knows (FSDP2 runs on any with layer Sites)
-    plan: ParallelPlan
+    parallelism: ModelParallelism
     tensor_mesh: DeviceMesh | None = None  # set by tensor parallelism
     context: ContextShards | None = None  # set by context parallelism
     reduce_once: bool = False  # FSDP2 as Megatron's distributed optimizer
 
     @property
     def layout(self) -> ParallelLayout:
-        return self.plan.layout
+        return self.parallelism.layout
 
 
 def state_of(model: nn.Module) -> ParallelState | None:
@@ -47,16 +47,16 @@ def state_of(model: nn.Module) -> ParallelState | None:
 
 
 def planned(model: nn.Module, family: ModelFamily | None = None, **sizes: int | bool) -> ParallelState:
-    """The state of `model` with its family's plan for its layout so far with `sizes` replaced
-    (made anew when they change it); a model of no family remat knows gets the plan that runs
-    nothing but data parallelism."""
+    """The state of `model` with its family's parallelism for its layout so far with `sizes`
+    replaced (made anew when they change it); a model of no family remat knows gets the base
+    parallelism, which runs nothing but data parallelism."""
     state = state_of(model)
     family = family or (state.family if state is not None else family_of_model(model))
     layout = dataclasses.replace(state.layout if state is not None else ParallelLayout(), **sizes)
     if state is None or layout != state.layout:
-        plan = family.parallel_plan(model, layout) if family is not None else ParallelPlan(model, layout,
-                                                                                            type(model).__name__)
-        state = ParallelState(family, plan, *(() if state is None else (state.tensor_mesh, state.context,
+        parallelism = (family.parallelism(model, layout) if family is not None
+                       else ModelParallelism(model, layout, type(model).__name__))
+        state = ParallelState(family, parallelism, *(() if state is None else (state.tensor_mesh, state.context,
                                                                         state.reduce_once)))
         model.__dict__[STATE] = state
     return state
@@ -83,4 +83,4 @@ def layout_problems(model: nn.Module, state: ParallelState) -> Iterator[Problem]
     """Why `model` cannot run under its state's layout: its config's and the built model's."""
     if state.family is not None:
         yield from state.family.layout_problems(getattr(model, "config", None), state.layout)
-    yield from state.plan.problems()
+    yield from state.parallelism.problems()

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from remat.core.problems import Problem, raise_if_any
 from remat.engine import KeptInputs, Restore, register_stream
-from remat.models import ParallelPlan
+from remat.models import ModelParallelism
 from remat.models.family import on_tokens_argument, on_tokens_output
 from remat.parallel.data_parallel import layer_modules
 from remat.parallel.state import (ParallelState, layout_problems, mesh_problems, planned, state_of,
@@ -108,7 +108,7 @@ def split_tensor(model: nn.Module, state: ParallelState, mesh: DeviceMesh) -> nn
     device = next(model.parameters()).device
     stream = RankStream(device, torch.initial_seed() + RANK_SEED_OFFSET + mesh.get_local_rank())
     register_stream("tensor_parallel", stream)
-    parallelize_module(model, mesh, state.plan.tensor_parallel(stream.fork))
+    parallelize_module(model, mesh, state.parallelism.tensor_parallel(stream.fork))
     state.tensor_mesh = mesh
     return model
 
@@ -194,12 +194,12 @@ class _SeqScatter(torch.autograd.Function):
         return grad.repeat(1, ctx.n, 1), None
 
 
-def sequence_parallel_by_shape(plan: ParallelPlan) -> None:
+def sequence_parallel_by_shape(parallelism: ModelParallelism) -> None:
     """Sequence parallelism on one rank's shard by shape (meta tensors): hooks where torch's
     SequenceParallel / Colwise / Rowwise styles communicate, each moving the tensors such a
     collective would."""
-    tp = plan.layout.tp
-    points = plan.sequence_points()
+    tp = parallelism.layout.tp
+    points = parallelism.sequence_points()
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return _SeqGather.apply(x, tp)

@@ -76,7 +76,7 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     if plan == Plan.none(n):
         return RecomputeConfig()
     labels = frozenset().union(*model_sites.labels)
-    facts = model_facts(labels, TrainingFacts(num_layers=n))
+    facts = facts_for_sites(labels, TrainingFacts(num_layers=n))
     candidates = recompute_candidates(labels, n)
     if plan.offloads():  # Megatron offloads the first k layers: k ends at the last offloading layer
         k = 1 + max(i for i, actions in enumerate(plan.layers) if "offload" in actions.values())
@@ -92,7 +92,7 @@ def uniform_config(plan: Plan, trace_: Trace) -> RecomputeConfig | None:
     return None
 
 
-def model_facts(labels: frozenset[str], facts: TrainingFacts) -> TrainingFacts:
+def facts_for_sites(labels: frozenset[str], facts: TrainingFacts) -> TrainingFacts:
     """`facts` for a model with these sites, which runs what their rules ask for (grouped GEMM
     experts, MLA)."""
     return dataclasses.replace(facts, moe_grouped_gemm="moe_act" in labels,
@@ -172,6 +172,6 @@ def max_group_problems(max_group: int) -> Iterator[Problem]:
         yield Problem("max_group", f"is {max_group}; use 1 or more (the most layers recomputed whole as one group)")
 
 
-__all__ = ["NoPlanFits", "PlanResult", "host_budget_problems", "max_group_problems", "megatron_keys", "model_facts",
+__all__ = ["NoPlanFits", "PlanResult", "host_budget_problems", "max_group_problems", "megatron_keys", "facts_for_sites",
            "plan", "plan_from_trace", "plan_search_problems", "recompute_candidates", "solve", "uniform_config",
            "weight_bytes"]

@@ -196,7 +196,7 @@ def run_problems(spec: RunSpec) -> Iterator[Problem]:
         model = spec.family.build(config, device="meta")
     except (ConfigError, ValueError):  # the spec's own problems, reported with it
         return
-    yield from spec.family.parallel_plan(model, layout).problems()
+    yield from spec.family.parallelism(model, layout).problems()
 
 
 def single_process_problems(layout: ParallelLayout) -> Iterator[Problem]:

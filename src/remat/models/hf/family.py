@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from remat.config.parallel import ParallelLayout
-from remat.models.family import ModelFamily, Target, dense_facts, no_experts_problems
+from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.hf import context_parallel, pipeline, tensor_parallel
-from remat.models.hf.parallel import HfParallelPlan
+from remat.models.hf.parallel import HfParallelism
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER, hf_model
 from remat.sites.placement import compile_sites, place_sites
@@ -151,6 +151,8 @@ def _of(config: HfModelConfig | Any) -> HfModelConfig | None:
 
 class HfFamily(ModelFamily):
     name = "hf"
+    kind = "Hugging Face models"
+    runs = frozenset({"tp", "pp", "cp"})
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         if importlib.util.find_spec("transformers") is None:  # listed where they can be built
@@ -195,7 +197,7 @@ class HfFamily(ModelFamily):
 
     def layout_problems(self, config: HfModelConfig, layout: ParallelLayout) -> Iterator[Problem]:
         # tensor parallelism by the model's own plan, pipeline stages cut from the model
-        yield from no_experts_problems(layout, "Hugging Face models")
+        yield from super().layout_problems(config, layout)
         if (known := _of(config)) is None:
             return
         config = known
@@ -219,8 +221,8 @@ class HfFamily(ModelFamily):
         return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, layout.tp),
                                    layers=None if every else layers, seq_length=config.seq_length // layout.cp)
 
-    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> HfParallelPlan:
-        return HfParallelPlan(model, layout, self.name)
+    def parallelism(self, model: nn.Module, layout: ParallelLayout) -> HfParallelism:
+        return HfParallelism(model, layout, self.name)
 
     def flops(self, config: HfModelConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x (matmul parameters, routed experts at top-k of all) x tokens, plus attention's two

@@ -10,14 +10,15 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.core.problems import Problem
-from remat.models.family import Fork, ParallelPlan, SequenceParallelPoints
+from remat.models.family import Fork, ModelParallelism, SequenceParallelPoints
 from remat.models.hf import context_parallel, tensor_parallel
 
 
-class HfParallelPlan(ParallelPlan):
+class HfParallelism(ModelParallelism):
     shifts_labels = True  # HF's causal-LM loss
 
     def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
         yield from tensor_parallel.model_problems(self.model, self.layout)
 
     def tensor_parallel(self, fork: Fork) -> dict[str, ParallelStyle]:

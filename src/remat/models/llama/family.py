@@ -10,10 +10,10 @@ from torch import nn
 
 from remat.core.labels import Label
 from remat.config.parallel import ParallelLayout
-from remat.models.family import ModelFamily, Target, no_experts_problems, padded_vocab, unknown
+from remat.models.family import ModelFamily, Target, padded_vocab, unknown
 from remat.models.llama.config import RECIPES, LlamaConfig
 from remat.models.llama.model import LlamaModel
-from remat.models.llama.parallel import LlamaParallelPlan
+from remat.models.llama.parallel import LlamaParallelism
 from remat.core.problems import Problem
 
 # The SwiGLU activation between linear_fc1 and linear_fc2: what `moe_act` is in Megatron's
@@ -31,6 +31,8 @@ class LlamaFamily(ModelFamily):
     name = "llama"
     labels: tuple[Label, ...] = (MLP_ACT,)
     model_type: type[nn.Module] | None = LlamaModel
+    kind = "dense Llama models"
+    runs = frozenset({"tp", "pp", "cp"})
 
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         return RECIPES
@@ -63,6 +65,7 @@ class LlamaFamily(ModelFamily):
         _model(model).init_weights()
 
     def layout_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
+        yield from super().layout_problems(config, layout)
         tp, cp = layout.tp, layout.cp
         for name, size in (("num_attention_heads", config.num_attention_heads),
                            ("num_query_groups", config.num_query_groups), ("ffn_hidden_size", config.ffn_hidden_size)):
@@ -82,11 +85,6 @@ class LlamaFamily(ModelFamily):
                                                f" of {tp * cp}, or turn sequence parallelism off")
         if cp > 1:
             yield from self._context_problems(config)
-        yield from self.expert_problems(config, layout)
-
-    def expert_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
-        """The layout's expert-parallel sizes, for models without routed experts (the MoE family's have some)."""
-        yield from no_experts_problems(layout, "dense Llama models")
 
     def _context_problems(self, config: LlamaConfig) -> Iterator[Problem]:
         if config.attention_backend != "sdpa":
@@ -128,8 +126,8 @@ class LlamaFamily(ModelFamily):
         elif compiled:
             llama.compile_regions()
 
-    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> LlamaParallelPlan:
-        return LlamaParallelPlan(_model(model), layout, self.name)
+    def parallelism(self, model: nn.Module, layout: ParallelLayout) -> LlamaParallelism:
+        return LlamaParallelism(_model(model), layout, self.name)
 
 
 FAMILY = LlamaFamily()

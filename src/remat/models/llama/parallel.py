@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel)
 
 from remat.core.problems import Problem
-from remat.models.family import Fork, ParallelPlan, SequenceParallelPoints
+from remat.models.family import Fork, ModelParallelism, SequenceParallelPoints
 from remat.models.llama.model import MLP, LlamaModel, SelfAttention
 
 P = ParamSpec("P")
@@ -35,10 +35,10 @@ def gate_up_by_rank(weight: Tensor, tp: int) -> None:
     weight.copy_(weight.unflatten(0, (2, tp, -1)).transpose(0, 1).reshape(weight.shape).clone())
 
 
-class LlamaParallelPlan(ParallelPlan):
+class LlamaParallelism(ModelParallelism):
     """A LlamaModel under tensor, sequence and context parallelism."""
 
-    # the attention and MLP classes whose tensor-parallel split this plan knows (tensor_parallel_part)
+    # the attention and MLP classes whose tensor-parallel split it knows (tensor_parallel_part)
     parts: tuple[type[nn.Module], ...] = (SelfAttention, MLP)
 
     @property
@@ -47,6 +47,7 @@ class LlamaParallelPlan(ParallelPlan):
         return self.model
 
     def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
         if self.layout.tp == 1:
             return
         others = sorted({type(part).__name__ for layer in self.llama.decoder.transformer_layers()

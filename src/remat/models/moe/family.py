@@ -14,7 +14,7 @@ from remat.models.llama.config import LlamaConfig
 from remat.models.llama.family import LlamaFamily
 from remat.models.moe.config import RECIPES, MoEConfig, config_fields
 from remat.models.moe.model import MoEModel
-from remat.models.moe.parallel import ETP_BESIDE_TP, MoEParallelPlan
+from remat.models.moe.parallel import ETP_BESIDE_TP, MoEParallelism
 
 
 def _moe(config: LlamaConfig) -> MoEConfig:
@@ -41,6 +41,8 @@ class MoEFamily(LlamaFamily):
     config_type = MoEConfig
     model_type = MoEModel
     shard_only = (*LlamaFamily.shard_only, "expert_model_parallel_size", "expert_tensor_parallel_size")
+    kind = "MoE models"
+    runs = LlamaFamily.runs | {"ep", "etp"}
 
     def config_fields(self, recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         return config_fields(recipe, overrides)
@@ -50,10 +52,10 @@ class MoEFamily(LlamaFamily):
               post_process: bool = True) -> MoEModel:
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
-    def expert_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
-        """The experts over ep ranks and, beside tp, their FFN over the tp ranks (Megatron's default
-        expert tensor-parallel size); the Llama's checks (heads, FFN and sequence over tp and cp)
-        run besides."""
+    def layout_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
+        """The Llama's (heads, FFN and sequence over tp and cp), the experts over ep ranks and,
+        beside tp, their FFN over the tp ranks (Megatron's default expert tensor-parallel size)."""
+        yield from super().layout_problems(config, layout)
         c, tp, ep, etp = _moe(config), layout.tp, layout.ep, layout.etp
         if ep >= 1 and c.num_moe_experts % ep:
             yield Problem("expert_model_parallel_size", f"({ep}) must divide num_moe_experts ({c.num_moe_experts})")
@@ -90,8 +92,8 @@ class MoEFamily(LlamaFamily):
                     expert_model_parallel_size=layout.ep,
                     expert_tensor_parallel_size=(layout.etp or 1) if tp == 1 else 1)
 
-    def parallel_plan(self, model: nn.Module, layout: ParallelLayout) -> MoEParallelPlan:
-        return MoEParallelPlan(_moe_model(model), layout, self.name)
+    def parallelism(self, model: nn.Module, layout: ParallelLayout) -> MoEParallelism:
+        return MoEParallelism(_moe_model(model), layout, self.name)
 
     def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x active matmul parameters x tokens (routed experts at top-k, the router, shared

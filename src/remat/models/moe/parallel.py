@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from remat.core.problems import ConfigError, Problem
 from remat.models.family import Fork
-from remat.models.llama.parallel import LlamaParallelPlan
+from remat.models.llama.parallel import LlamaParallelism
 from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.model import MoEModel
 from remat.models.moe.moe_layer import MoELayer
@@ -25,8 +25,8 @@ ETP_BESIDE_TP = ("is {}; beside tensor parallelism remat splits each expert over
                  " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp")
 
 
-class MoEParallelPlan(LlamaParallelPlan):
-    parts = (*LlamaParallelPlan.parts, MLASelfAttention, MoELayer)
+class MoEParallelism(LlamaParallelism):
+    parts = (*LlamaParallelism.parts, MLASelfAttention, MoELayer)
 
     @property
     def moe(self) -> MoEModel:
