@@ -1,4 +1,5 @@
-"""Shared test helpers."""
+"""Shared test helpers; the fixtures both the unit and the integration tests of a module use come
+from helpers/ (registered here)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ if not torch.cuda.is_available():
     # when a function is decorated, its own library's (tl.sigmoid...) included, and importing
     # remat imports triton.language through torch's submodules: so it is set before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["helpers.bench", "helpers.planning", "helpers.trace"]
 
 import remat  # noqa: E402
 from remat.memory import peak_during  # noqa: E402

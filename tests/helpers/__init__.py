@@ -1,0 +1,1 @@
+"""Helpers the unit and integration tests of one module share."""
