@@ -10,7 +10,7 @@ MiB, GiB = 2**20, 2**30
 
 
 @pytest.fixture(scope="module")
-def traced():
+def budget_trace():
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=4, seq_length=32)
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))

@@ -24,7 +24,7 @@ OPTIONS = {"core_attn": ["keep", "recompute"], "layernorm": ["keep", "recompute"
 
 
 @pytest.fixture(scope="module", params=[pytest.param("sdpa", marks=pytest.mark.slow), "eager"])
-def traced(request):
+def backend_trace(request):
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
                                attention_backend=request.param, hidden_dropout=0.1, attention_dropout=0.1)

@@ -17,8 +17,8 @@ from remat.config.plan import Plan, load_plan_or_config
 from remat.planner import NoPlanFits, megatron_keys, plan_from_trace
 
 
-def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
-    model, batch, trace = traced
+def test_plans_fit_their_budget_when_run(budget_trace, measured_peak) -> None:
+    model, batch, trace = budget_trace
     highest = trace.predict(None).peak_bytes
     lowest = trace.predict(Plan(Plan.none(4).layers, [(0, 4)])).peak_bytes
     for fraction in (1.0, 0.9, 0.8, 0.7):
@@ -32,15 +32,15 @@ def test_plans_fit_their_budget_when_run(traced, measured_peak) -> None:
 
 
 @pytest.fixture(scope="module")
-def offload_traced(traced):
-    model, batch, _ = traced
+def offload_traced(budget_trace):
+    model, batch, _ = budget_trace
     return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True,
                                      min_offloaded_tensor_size=256)
 
 
-def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(traced, offload_traced,
+def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(budget_trace, offload_traced,
                                                                       measured_peak) -> None:
-    _, _, plain = traced
+    _, _, plain = budget_trace
     model, batch, trace = offload_traced
     with pytest.raises(NoPlanFits) as recompute_only:
         plan_from_trace(plain, 1024)

@@ -15,8 +15,8 @@ from remat.sites.apply import offloader_of
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
-def test_predicted_saved_bytes_equal_the_counted_ones_for_random_plans(traced, plan) -> None:
-    model, batch, trace = traced
+def test_predicted_saved_bytes_equal_the_counted_ones_for_random_plans(backend_trace, plan) -> None:
+    model, batch, trace = backend_trace
     assert trace.predict(plan).saved_bytes == _measured(model, batch, plan)
 
 

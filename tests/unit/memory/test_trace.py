@@ -22,8 +22,8 @@ from remat.memory.prediction import combos as _combos
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
-def test_predicted_peak_equals_the_measured_peak_for_random_plans(traced, measured_peak, plan) -> None:
-    model, batch, trace = traced
+def test_predicted_peak_equals_the_measured_peak_for_random_plans(backend_trace, measured_peak, plan) -> None:
+    model, batch, trace = backend_trace
     prediction = trace.predict(plan)
     assert prediction.peak_bytes == measured_peak(model, batch, plan)
 
@@ -58,8 +58,8 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None
         assert trace.predict(plan).peak_bytes == measured_peak(model, batch, plan, optimizer)
 
 
-def test_megatron_configs_predict_exactly_and_none_is_the_baseline(traced) -> None:
-    model, batch, trace = traced
+def test_megatron_configs_predict_exactly_and_none_is_the_baseline(backend_trace) -> None:
+    model, batch, trace = backend_trace
     assert trace.predict(None).saved_bytes == trace.baseline_saved_bytes == _measured(model, batch, None)
     for config in (remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]),
                    remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
@@ -69,8 +69,8 @@ def test_megatron_configs_predict_exactly_and_none_is_the_baseline(traced) -> No
             assert trace.predict(config).saved_bytes == _measured(model, batch, config)
 
 
-def test_predict_rejects_plans_that_do_not_fit_the_model(traced) -> None:
-    _, _, trace = traced
+def test_predict_rejects_plans_that_do_not_fit_the_model(backend_trace) -> None:
+    _, _, trace = backend_trace
     with pytest.raises(remat.ConfigError, match="moe"):
         trace.predict(Plan([{"moe": "recompute"}] + [{}] * (LAYERS - 1)))
     with pytest.raises(remat.ConfigError, match="full_recompute"):
@@ -85,8 +85,8 @@ def test_offload_frees_what_it_moves_to_host(offload_traced) -> None:
     assert trace.layers[0].offloaded_groups[1].host_bytes == trace.layers[0].input_bytes > 0
 
 
-def test_offload_is_predicted_only_from_a_trace_that_measured_it(traced, offload_traced) -> None:
-    _, _, plain = traced
+def test_offload_is_predicted_only_from_a_trace_that_measured_it(backend_trace, offload_traced) -> None:
+    _, _, plain = backend_trace
     with pytest.raises(remat.ConfigError, match=r"offload=True \(remat plan --offload\)"):
         plain.predict(Plan([{"layer": "offload"}] + [{}] * (LAYERS - 1)))
     _, _, trace = offload_traced
@@ -200,15 +200,15 @@ def _freed_alone_from_what_sites_save(trace, layer: int, label: str) -> int:
     return s.saved_bytes - s.input_bytes - s.shared_bytes
 
 
-def test_what_each_site_saves_accounts_for_what_recomputing_it_frees(traced) -> None:
-    _, _, trace = traced
+def test_what_each_site_saves_accounts_for_what_recomputing_it_frees(backend_trace) -> None:
+    _, _, trace = backend_trace
     for i in range(LAYERS):
         for label in LABELS:
             freed = trace.layers[i].combos[frozenset({(label, "recompute")})].freed_bytes
             assert freed == _freed_alone_from_what_sites_save(trace, i, label) > 0
     assert trace.storages[(None, "loss head")].saved_bytes > 0
     # discarding the activation frees what recomputing it would, and the output linear_fc2 saves
-    model, (ids, _), _ = traced
+    model, (ids, _), _ = backend_trace
     activation = ids.numel() * model.config.ffn_hidden_size * 8  # [tokens, ffn] in float64
     for i in range(LAYERS):
         freed = trace.layers[i].combos[frozenset({("mlp_act", "discard")})].freed_bytes

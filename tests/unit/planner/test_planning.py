@@ -59,21 +59,21 @@ def test_parse_bytes_takes_zero_only_where_asked() -> None:
             parse_bytes(size, zero=True)
 
 
-def test_a_budget_below_every_plan_says_by_how_much(traced) -> None:
-    _, _, trace = traced
+def test_a_budget_below_every_plan_says_by_how_much(budget_trace) -> None:
+    _, _, trace = budget_trace
     with pytest.raises(NoPlanFits, match="more, in window .* optimizer state take .* alone") as info:
         plan_from_trace(trace, 1024)
     assert info.value.lowest.peak_bytes > 1024
 
 
-def test_a_host_budget_needs_an_offload_trace(traced) -> None:
-    _, _, plain = traced
+def test_a_host_budget_needs_an_offload_trace(budget_trace) -> None:
+    _, _, plain = budget_trace
     with pytest.raises(remat.ConfigError, match="turn offload on"):
         plan_from_trace(plain, "1GiB", host_budget="1GiB")
 
 
-def test_uniform_plans_come_back_as_megatron_configs(traced) -> None:
-    _, _, trace = traced
+def test_uniform_plans_come_back_as_megatron_configs(budget_trace) -> None:
+    _, _, trace = budget_trace
     mlp = uniform_config(Plan([{"mlp": "recompute"}] * 4), trace)
     assert mlp.recompute_granularity == "selective" and mlp.recompute_modules == ["mlp"]
     ln = uniform_config(Plan([{"layernorm": "discard", "core_attn": "recompute"}] * 4), trace)
