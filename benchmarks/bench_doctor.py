@@ -11,6 +11,7 @@ Each fragmentation variant runs in its own process: the allocator reads PYTORCH_
 --limit-gib caps the process with torch.cuda.set_per_process_memory_fraction (an 80 GiB card's
 budget by default), so the W1 OOM is certain on an H200 and both parts stay quick.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ import torch
 from remat import doctor
 from remat.bench import BenchSpec
 from remat.bench.run import run_bench
-from remat.run.step import trace_spec
 from remat.core.problems import RematWarning
 from remat.planner import plan_from_trace
+from remat.run.step import trace_spec
 
 OUT = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
 GIB, MIB = 2**30, 2**20
@@ -56,13 +57,20 @@ def fragmentation_child() -> None:
         big = torch.empty(REQUEST, dtype=torch.uint8, device="cuda")
         del big
     # reserved after the request, against the cap: the rerun passed within it, not around it
-    record = dict(alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), kept=len(kept),
-                  status="oom" if doc.report else "ok", cap=SEGMENTS * (KEEP + HOLE) + SPARE,
-                  reserved_after=torch.cuda.memory_reserved())
+    record = dict(
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        kept=len(kept),
+        status="oom" if doc.report else "ok",
+        cap=SEGMENTS * (KEEP + HOLE) + SPARE,
+        reserved_after=torch.cuda.memory_reserved(),
+    )
     if doc.report:
-        record.update(kind=doc.report.diagnosis.kind, evidence=doc.report.diagnosis.evidence(),
-                      explanation=doc.report.diagnosis.explanation,
-                      recommendations=[r.setting for r in doc.report.recommendations])
+        record.update(
+            kind=doc.report.diagnosis.kind,
+            evidence=doc.report.diagnosis.evidence(),
+            explanation=doc.report.diagnosis.explanation,
+            recommendations=[r.setting for r in doc.report.recommendations],
+        )
     print(json.dumps(record), flush=True)
 
 
@@ -81,15 +89,29 @@ def fragmentation() -> dict:
     suggested = (default.get("recommendations") or [None])[0]
     rerun = _run_child(suggested) if suggested == doctor.EXPANDABLE_SEGMENTS else None
     print("with the suggestion:", json.dumps(rerun), flush=True)
-    return dict(default=default, suggested=suggested, rerun=rerun,
-                passed=default.get("kind") == "fragmentation" and rerun is not None and rerun["status"] == "ok"
-                and rerun["reserved_after"] <= rerun["cap"])
+    return dict(
+        default=default,
+        suggested=suggested,
+        rerun=rerun,
+        passed=default.get("kind") == "fragmentation"
+        and rerun is not None
+        and rerun["status"] == "ok"
+        and rerun["reserved_after"] <= rerun["cap"],
+    )
 
 
 def _spec(mb: int) -> BenchSpec:
     # W1 as benchmarks/bench_plan.py runs it: forward+backward, compiled regions
-    return BenchSpec(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=mb,
-                     max_steps=6, warmup_steps=2, device="cuda", compile=True, optimizer=False)
+    return BenchSpec(
+        recipe="llama3_8b",
+        overrides={"num_layers": 8, "seq_length": 8192},
+        micro_batch_size=mb,
+        max_steps=6,
+        warmup_steps=2,
+        device="cuda",
+        compile=True,
+        optimizer=False,
+    )
 
 
 def capacity(mb: int, limit: int) -> dict:
@@ -100,8 +122,12 @@ def capacity(mb: int, limit: int) -> dict:
     if doc.report is None:
         return dict(record, passed=False, note="no OOM: lower --limit-gib or raise --mb")
     diagnosis = doc.report.diagnosis
-    record.update(kind=diagnosis.kind, evidence=diagnosis.evidence(), explanation=diagnosis.explanation,
-                  advice=[r.setting for r in doc.report.recommendations])
+    record.update(
+        kind=diagnosis.kind,
+        evidence=diagnosis.evidence(),
+        explanation=diagnosis.explanation,
+        advice=[r.setting for r in doc.report.recommendations],
+    )
     print("capacity OOM:", json.dumps(record), flush=True)
     # The planner's trace runs the no-recompute step: trace without the cap (as on a larger card), at
     # this micro-batch if the GPU holds it, else a smaller one; plan for the doctor's budget; bench
@@ -116,8 +142,9 @@ def capacity(mb: int, limit: int) -> dict:
             continue
         finally:
             _cap(limit)
-        recs = doctor.recommend(diagnosis, plan_fn=lambda budget: plan_from_trace(measured, budget),
-                                micro_batch_size=traced)
+        recs = doctor.recommend(
+            diagnosis, plan_fn=lambda budget: plan_from_trace(measured, budget), micro_batch_size=traced
+        )
         chosen = next((r.plan for r in recs if r.plan is not None), None)
         record.update(traced_micro_batch_size=traced, advice_with_plan=[r.setting for r in recs])
         if chosen is None:
@@ -125,12 +152,20 @@ def capacity(mb: int, limit: int) -> dict:
             continue
         bench = run_bench(_spec(traced), chosen.config or chosen.plan, model=model, name="doctor plan")
         predicted, peak = chosen.prediction.peak_bytes, bench.peak_allocated_bytes
-        record.update(plan=(chosen.plan.to_dict() if chosen.config is None else
-                            {k: v for k, v in chosen.config.to_megatron().items() if k.startswith("recompute_")}),
-                      budget_gib=chosen.budget_bytes / GIB, predicted_peak_gib=predicted / GIB,
-                      measured_status=bench.status, measured_peak_gib=peak / GIB if peak else None,
-                      measured_reserved_gib=(bench.peak_reserved_bytes or 0) / GIB,
-                      peak_error=(predicted - peak) / peak if peak else None, tflops=bench.tflops_fwd_bwd)
+        record.update(
+            plan=(
+                chosen.plan.to_dict()
+                if chosen.config is None
+                else {k: v for k, v in chosen.config.to_megatron().items() if k.startswith("recompute_")}
+            ),
+            budget_gib=chosen.budget_bytes / GIB,
+            predicted_peak_gib=predicted / GIB,
+            measured_status=bench.status,
+            measured_peak_gib=peak / GIB if peak else None,
+            measured_reserved_gib=(bench.peak_reserved_bytes or 0) / GIB,
+            peak_error=(predicted - peak) / peak if peak else None,
+            tflops=bench.tflops_fwd_bwd,
+        )
         return dict(record, passed=diagnosis.kind == "capacity" and bench.status == "ok")
     return dict(record, passed=False, note="no micro-batch traced with a plan that fits")
 
@@ -147,10 +182,15 @@ def main() -> None:
     start = time.perf_counter()
     frag = fragmentation()
     cap = capacity(args.mb, int(args.limit_gib * GIB))
-    record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  command=f"PYTHONPATH=src python benchmarks/bench_doctor.py --limit-gib {args.limit_gib:g}"
-                          f" --mb {args.mb}",
-                  seconds=round(time.perf_counter() - start, 1), fragmentation=frag, capacity=cap)
+    record = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command=f"PYTHONPATH=src python benchmarks/bench_doctor.py --limit-gib {args.limit_gib:g} --mb {args.mb}",
+        seconds=round(time.perf_counter() - start, 1),
+        fragmentation=frag,
+        capacity=cap,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "doctor.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(dict(fragmentation=frag["passed"], capacity=cap["passed"])), flush=True)

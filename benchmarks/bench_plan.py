@@ -11,6 +11,7 @@ anchor measures.
 The anchor (benchmarks/anchors/torch_baseline.py) has Llama-3-8B shapes built in, so only W1 has
 anchor points; the 70B-dims shape checks prediction.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,10 @@ from matplotlib.figure import Figure
 from remat.bench import BenchSpec
 from remat.bench.presets import megatron_presets, parse_entry
 from remat.bench.run import run_bench
-from remat.run.step import trace_spec
+from remat.config.plan import Plan
 from remat.core.problems import RematWarning
 from remat.planner import NoPlanFits, megatron_keys, plan_from_trace
-from remat.config.plan import Plan
+from remat.run.step import trace_spec
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30
@@ -51,16 +52,20 @@ def _row(name: str, plan, prediction, result) -> dict:
         written = plan.to_dict()
     else:
         written = megatron_keys(plan) if plan else {}
-    return dict(name=name, plan=written,
-                status=result.status, predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
-                measured_peak_gib=round(measured / GIB, 3) if ok else None,
-                peak_error=round((prediction.peak_bytes - measured) / measured, 4) if ok else None,
-                peak_window=prediction.peak_window,
-                predicted_step_s=round(prediction.step_time_s, 4),
-                measured_step_s=round(result.fwd_bwd_time_s, 4) if ok else None,
-                tflops=round(result.tflops_fwd_bwd, 1) if ok else None,
-                predicted_host_gib=round(prediction.host_bytes / GIB, 3),
-                measured_host_gib=round(result.peak_host_bytes / GIB, 3) if ok and result.peak_host_bytes else None)
+    return dict(
+        name=name,
+        plan=written,
+        status=result.status,
+        predicted_peak_gib=round(prediction.peak_bytes / GIB, 3),
+        measured_peak_gib=round(measured / GIB, 3) if ok else None,
+        peak_error=round((prediction.peak_bytes - measured) / measured, 4) if ok else None,
+        peak_window=prediction.peak_window,
+        predicted_step_s=round(prediction.step_time_s, 4),
+        measured_step_s=round(result.fwd_bwd_time_s, 4) if ok else None,
+        tflops=round(result.tflops_fwd_bwd, 1) if ok else None,
+        predicted_host_gib=round(prediction.host_bytes / GIB, 3),
+        measured_host_gib=round(result.peak_host_bytes / GIB, 3) if ok and result.peak_host_bytes else None,
+    )
 
 
 def main() -> None:
@@ -74,10 +79,16 @@ def main() -> None:
     tag = args.shape + ("_offload" if args.offload else "")
     shape = SHAPES[args.shape]
     anchor = run_anchor(args.anchor) if args.anchor and args.shape == "w1" else []
-    spec = BenchSpec(recipe=shape["recipe"], overrides=shape["overrides"],
-                     micro_batch_size=shape["micro_batch_size"], max_steps=8, warmup_steps=3,
-                     device="cuda" if torch.cuda.is_available() else "cpu",
-                     compile=torch.cuda.is_available(), optimizer=False)
+    spec = BenchSpec(
+        recipe=shape["recipe"],
+        overrides=shape["overrides"],
+        micro_batch_size=shape["micro_batch_size"],
+        max_steps=8,
+        warmup_steps=3,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        compile=torch.cuda.is_available(),
+        optimizer=False,
+    )
     start = time.perf_counter()
     model, trace = trace_spec(spec, offload=args.offload, progress=lambda what: print("trace:", what, flush=True))
     trace_s = time.perf_counter() - start
@@ -88,8 +99,14 @@ def main() -> None:
         plan_from_trace(trace, 1)
     except NoPlanFits as e:
         lowest = e.lowest.peak_bytes
-    print(json.dumps(dict(trace_s=round(trace_s, 1), solve_s=round(solve_s, 2),
-                          lowest_gib=lowest / GIB, highest_gib=highest / GIB)), flush=True)
+    print(
+        json.dumps(
+            dict(
+                trace_s=round(trace_s, 1), solve_s=round(solve_s, 2), lowest_gib=lowest / GIB, highest_gib=highest / GIB
+            )
+        ),
+        flush=True,
+    )
 
     # plans spanning the range: the planner's at evenly spaced budgets, then Megatron's presets
     candidates: list[tuple[str, object]] = []
@@ -100,15 +117,20 @@ def main() -> None:
     facts = {"num_layers": model.config.num_layers, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        candidates += [parse_entry(e, facts) for e in megatron_presets(frozenset({"core_attn", "layernorm", "mlp", "mlp_act"}),
-                                                                       model.config.num_layers)]
+        candidates += [
+            parse_entry(e, facts)
+            for e in megatron_presets(frozenset({"core_attn", "layernorm", "mlp", "mlp_act"}), model.config.num_layers)
+        ]
     if args.offload:
         candidates += _offload_plans(model.config.num_layers)
     measured: dict[str, object] = {}  # plan -> bench result: each plan runs once
 
     def bench(name: str, plan):
-        lowered = plan if isinstance(plan, Plan) else (
-            Plan.from_config(plan, trace.model_sites) if plan else Plan.none(trace.model_sites.num_layers))
+        lowered = (
+            plan
+            if isinstance(plan, Plan)
+            else (Plan.from_config(plan, trace.model_sites) if plan else Plan.none(trace.model_sites.num_layers))
+        )
         key = json.dumps(lowered.to_dict(), sort_keys=True)
         if key not in measured:
             measured[key] = run_bench(spec, plan, model=model, name=name)
@@ -136,19 +158,32 @@ def main() -> None:
         plan = chosen.config or chosen.plan
         result, _ = bench(f"plan for {point['mode']}", plan)
         row = _row(f"plan for {point['mode']}", plan, chosen.prediction, result)
-        row.update(anchor=point["mode"], budget_gib=point["peak_gib"], anchor_tflops=point["tflops"],
-                   ratio=round(row["tflops"] / point["tflops"], 3) if row["tflops"] else None,
-                   fits=row["measured_peak_gib"] is not None and row["measured_peak_gib"] <= point["peak_gib"])
+        row.update(
+            anchor=point["mode"],
+            budget_gib=point["peak_gib"],
+            anchor_tflops=point["tflops"],
+            ratio=round(row["tflops"] / point["tflops"], 3) if row["tflops"] else None,
+            fits=row["measured_peak_gib"] is not None and row["measured_peak_gib"] <= point["peak_gib"],
+        )
         pareto.append(row)
         print(json.dumps(row), flush=True)
 
-    record = dict(shape=args.shape, spec=dict(recipe=spec.recipe, overrides=spec.overrides,
-                                              micro_batch_size=spec.micro_batch_size, compile=spec.compile),
-                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d"),
-                  command="PYTHONPATH=src python benchmarks/bench_plan.py " + " ".join(sys.argv[1:]),
-                  trace_s=round(trace_s, 1), solve_s=round(solve_s, 2),
-                  base_step_s=trace.base_step_time_s, anchor=anchor, plans=rows, pareto=pareto)
+    record = dict(
+        shape=args.shape,
+        spec=dict(
+            recipe=spec.recipe, overrides=spec.overrides, micro_batch_size=spec.micro_batch_size, compile=spec.compile
+        ),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src python benchmarks/bench_plan.py " + " ".join(sys.argv[1:]),
+        trace_s=round(trace_s, 1),
+        solve_s=round(solve_s, 2),
+        base_step_s=trace.base_step_time_s,
+        anchor=anchor,
+        plans=rows,
+        pareto=pareto,
+    )
     (OUT / f"plan_{tag}.json").write_text(json.dumps(record, indent=1))
     _plot(record, OUT / f"plan_{tag}.png")
 
@@ -158,8 +193,10 @@ def _offload_plans(n: int) -> list[tuple[str, Plan]]:
     (issue 5's case), and every layer but the last offloading what mlp recompute and layernorm
     discard leave."""
     inputs = Plan([{"layer": "offload"} for _ in range(n - 1)] + [{}], [(i, i + 1) for i in range(n)])
-    selective = Plan([{"layer": "offload", "mlp": "recompute", "layernorm": "discard"} for _ in range(n - 1)]
-                     + [{"mlp": "recompute", "layernorm": "discard"}])
+    selective = Plan(
+        [{"layer": "offload", "mlp": "recompute", "layernorm": "discard"} for _ in range(n - 1)]
+        + [{"mlp": "recompute", "layernorm": "discard"}]
+    )
     return [("full_uniform_1, inputs offloaded", inputs), ("mlp+layernorm, rest offloaded", selective)]
 
 
@@ -168,11 +205,16 @@ def _plot(record: dict, path: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     plans = [r for r in record["plans"] + record["pareto"] if r.get("tflops")]
-    ax.scatter([r["measured_peak_gib"] for r in plans], [r["tflops"] for r in plans], color="tab:blue",
-               label="remat plans (measured)")
+    ax.scatter(
+        [r["measured_peak_gib"] for r in plans],
+        [r["tflops"] for r in plans],
+        color="tab:blue",
+        label="remat plans (measured)",
+    )
     anchors = [a for a in record["anchor"] if "peak_gib" in a]
-    ax.scatter([a["peak_gib"] for a in anchors], [a["tflops"] for a in anchors], color="grey", marker="D",
-               label="torch anchor")
+    ax.scatter(
+        [a["peak_gib"] for a in anchors], [a["tflops"] for a in anchors], color="grey", marker="D", label="torch anchor"
+    )
     for a in anchors:
         ax.annotate(a["mode"], (a["peak_gib"], a["tflops"]), textcoords="offset points", xytext=(5, -10), fontsize=8)
     ax.set_xlabel("peak allocated memory (GiB)")

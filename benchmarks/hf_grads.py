@@ -4,6 +4,7 @@ with the models on the GPU; and core_attn under flex attention (no backward on C
 
   PYTHONPATH=src:tests python benchmarks/hf_grads.py      writes $OUT/hf_grads.json
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,11 @@ def check(model: torch.nn.Module, config: remat.RecomputeConfig) -> dict:
     remat.adapt(model)
     report = verify(model, config, ids, labels, seed=5)
     same = torch.equal(plain.loss, report.candidate.loss) and all(
-        torch.equal(plain.grads[n], g) for n, g in report.candidate.grads.items())
-    return dict(bit_identical=bool(report.bit_identical and same), freed_bytes=report.freed_bytes,
-                max_diff=report.max_grad_diff)
+        torch.equal(plain.grads[n], g) for n, g in report.candidate.grads.items()
+    )
+    return dict(
+        bit_identical=bool(report.bit_identical and same), freed_bytes=report.freed_bytes, max_diff=report.max_grad_diff
+    )
 
 
 def main() -> None:
@@ -45,9 +48,16 @@ def main() -> None:
     flex = build("llama", attention="flex_attention", dropout=0.0).float().cuda()
     rows.append(dict(case="llama-flex_attention-core_attn-fp32", **check(flex, selective("core_attn"))))
     print(json.dumps(rows[-1]), flush=True)
-    summary = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-                   date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src:tests python benchmarks/hf_grads.py",
-                   identical=sum(r["bit_identical"] for r in rows), cases=len(rows), rows=rows)
+    summary = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src:tests python benchmarks/hf_grads.py",
+        identical=sum(r["bit_identical"] for r in rows),
+        cases=len(rows),
+        rows=rows,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "hf_grads.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))

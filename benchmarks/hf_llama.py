@@ -10,6 +10,7 @@ compiled between the Sites), a trace, and the planner's plan at each HF run's me
 the budget (and no recompute), and at tighter budgets (--budgets). TFLOP/s counts the model FLOPs of remat's Llama (6 x parameters x
 tokens + attention), the same for every mode; recompute is not counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,19 +25,27 @@ import torch
 import transformers
 
 import remat
-from remat.sites.placement import compile_sites
-from remat.sites.calls import forward_loss
-from remat.planner import NoPlanFits, PlanResult, plan_from_trace
 from remat.core.problems import RematWarning
+from remat.planner import NoPlanFits, PlanResult, plan_from_trace
+from remat.sites.calls import forward_loss
+from remat.sites.placement import compile_sites
 
 OUT = Path(os.environ.get("OUT", "."))
 GIB = 2**30
 
 
 def llama_config(layers: int, seq: int, attention: str = "sdpa") -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                    num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                                    max_position_embeddings=seq, attn_implementation=attention, use_cache=False)
+    return transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=seq,
+        attn_implementation=attention,
+        use_cache=False,
+    )
 
 
 def model_flops(c: transformers.LlamaConfig, batch: int, seq: int) -> float:
@@ -50,8 +59,11 @@ def timing_fields(result: dict, flops: float) -> dict:
     """A measured step as a row's fields (step time, TFLOP/s, peak), or its failure as it is."""
     if "step_s" not in result:
         return dict(result)
-    return dict(step_s=round(result["step_s"], 4), tflops=round(flops / result["step_s"] / 1e12, 1),
-                peak_gib=round(result["peak_bytes"] / GIB, 3))
+    return dict(
+        step_s=round(result["step_s"], 4),
+        tflops=round(flops / result["step_s"] / 1e12, 1),
+        peak_gib=round(result["peak_bytes"] / GIB, 3),
+    )
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, warmup: int = 3, steps: int = 6) -> dict:
@@ -80,7 +92,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, warmup: int = 3, steps: i
     except torch.OutOfMemoryError:
         return dict(status="oom")
     finally:
-        del optimizer
+        optimizer.state.clear()  # the moments, freed with the gradients
         for p in model.parameters():
             p.grad = None
         torch.cuda.empty_cache()
@@ -92,8 +104,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--mb", type=int, default=2)
-    parser.add_argument("--budgets", type=float, nargs="*", default=[30.0, 26.0, 22.0],
-                        help="more budgets (GiB) whose plans are run, predicted peak against measured")
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=[30.0, 26.0, 22.0],
+        help="more budgets (GiB) whose plans are run, predicted peak against measured",
+    )
     parser.add_argument("--attention", default="sdpa", help="transformers' attn_implementation (sdpa, flex_attention)")
     parser.add_argument("--name", default="hf_llama", help="writes $OUT/NAME.json")
     args = parser.parse_args()
@@ -116,8 +133,14 @@ def main() -> None:
         predicted = chosen.prediction.peak_bytes
         if "peak_bytes" in result:
             extra["peak_error"] = round(predicted / result["peak_bytes"] - 1, 4)
-        record(name, result, predicted_peak_gib=round(predicted / GIB, 3), plan=[list(r) for r in chosen.explain()],
-               megatron=chosen.megatron_keys(), **extra)
+        record(
+            name,
+            result,
+            predicted_peak_gib=round(predicted / GIB, 3),
+            plan=[list(r) for r in chosen.explain()],
+            megatron=chosen.megatron_keys(),
+            **extra,
+        )
 
     hf = record("hf", measure(model, ids))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -133,9 +156,16 @@ def main() -> None:
     del optimizer
     torch.cuda.empty_cache()
     none = measure(model, ids)
-    record("remat_none", none, predicted_peak_gib=round(trace.predict(None).peak_bytes / GIB, 3),
-           **({"peak_error": round(trace.predict(None).peak_bytes / none["peak_bytes"] - 1, 4)}
-              if "peak_bytes" in none else {}))
+    record(
+        "remat_none",
+        none,
+        predicted_peak_gib=round(trace.predict(None).peak_bytes / GIB, 3),
+        **(
+            {"peak_error": round(trace.predict(None).peak_bytes / none["peak_bytes"] - 1, 4)}
+            if "peak_bytes" in none
+            else {}
+        ),
+    )
     for anchor in (hf_gc, hf):
         if "peak_gib" not in anchor:
             continue
@@ -160,10 +190,17 @@ def main() -> None:
         plan_row(f"remat_plan_at_{gib}_gib", chosen, measure(model, ids), budget_gib=gib)
         remat.apply(model, None)
 
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-                  date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src python benchmarks/hf_llama.py "
-                  + " ".join(sys.argv[1:]), shape=vars(args), compiled_sites=compiled, trace_s=round(trace_s, 1),
-                  rows=rows)
+    result = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src python benchmarks/hf_llama.py " + " ".join(sys.argv[1:]),
+        shape=vars(args),
+        compiled_sites=compiled,
+        trace_s=round(trace_s, 1),
+        rows=rows,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps(result, indent=1))
 

@@ -12,6 +12,7 @@ run and writes them to $OUT/issue27_overhead.json.
 
   torchrun --standalone --nproc-per-node 1 benchmarks/issue27_overhead.py [--layers 4] [--seq 8192] [--main-params]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,15 @@ import torch.distributed as dist
 
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
-from remat.run.optimizer import OptimizerPrecision
-from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
 from remat.config.recompute import RecomputeConfig
+from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
+from remat.run.optimizer import OptimizerPrecision
 from remat.run.step import build_model
 
-PLANS = {"none": None, "full_uniform_1": RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                                          recompute_num_layers=1)}
+PLANS = {
+    "none": None,
+    "full_uniform_1": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def layouts(spec: BenchSpec, main_params: bool) -> dict[str, object]:
@@ -43,16 +46,24 @@ def layouts(spec: BenchSpec, main_params: bool) -> dict[str, object]:
     def sharded(reshard_after_forward: bool = True, reduce_once_a_step: bool = False) -> torch.nn.Module:
         model = build_model(spec)
         if main_params:  # fp32 shards gathered in bf16, gradients reduced in fp32
-            return fully_shard_layers(model.float(), compute_dtype=spec.dtype, reshard_after_forward=reshard_after_forward,
-                                      reduce_once_a_step=reduce_once_a_step)
-        return fully_shard_layers(model, reshard_after_forward=reshard_after_forward,
-                                  reduce_once_a_step=reduce_once_a_step)
+            return fully_shard_layers(
+                model.float(),
+                compute_dtype=spec.dtype,
+                reshard_after_forward=reshard_after_forward,
+                reduce_once_a_step=reduce_once_a_step,
+            )
+        return fully_shard_layers(
+            model, reshard_after_forward=reshard_after_forward, reduce_once_a_step=reduce_once_a_step
+        )
 
     def pipeline() -> torch.nn.Module:
-        hidden = torch.empty(spec.micro_batch_size, config.seq_length, config.hidden_size, dtype=spec.dtype,
-                             device="meta")
-        return Pipeline([build_model(spec)], PipelineLayout(1), pipeline_rank=0, hidden=hidden,
-                        micro_batches=spec.micro_batches)
+        hidden = torch.empty(
+            spec.micro_batch_size, config.seq_length, config.hidden_size, dtype=spec.dtype, device="meta"
+        )
+        return Pipeline(
+            [build_model(spec)], PipelineLayout(1), pipeline_rank=0, hidden=hidden, micro_batches=spec.micro_batches
+        )
+
     def sync_last(model: torch.nn.Module) -> torch.nn.Module:
         """Reduce gradients on the last micro-batch of a step only (FSDP2's no-sync accumulation:
         unsharded gradients held across micro-batches, as Megatron's full gradient buffer)."""
@@ -61,14 +72,19 @@ def layouts(spec: BenchSpec, main_params: bool) -> dict[str, object]:
         def before(module: torch.nn.Module, args: object) -> None:
             module.set_requires_gradient_sync(calls[0] % spec.micro_batches == spec.micro_batches - 1)  # type: ignore[operator]
             calls[0] += 1
+
         model.register_forward_pre_hook(before)
         return model
-    return {"plain": lambda: build_model(spec), "fsdp2_1rank": sharded,
-            "fsdp2_1rank_no_reshard": lambda: sharded(reshard_after_forward=False),
-            "fsdp2_1rank_no_reshard_sync_last": lambda: sync_last(sharded(reshard_after_forward=False)),
-            # what remat bench runs for --use_distributed_optimizer: gathered once a step, reduced once
-            "fsdp2_1rank_reduce_once": lambda: sharded(reduce_once_a_step=True),
-            "pipeline_1stage": pipeline}
+
+    return {
+        "plain": lambda: build_model(spec),
+        "fsdp2_1rank": sharded,
+        "fsdp2_1rank_no_reshard": lambda: sharded(reshard_after_forward=False),
+        "fsdp2_1rank_no_reshard_sync_last": lambda: sync_last(sharded(reshard_after_forward=False)),
+        # what remat bench runs for --use_distributed_optimizer: gathered once a step, reduced once
+        "fsdp2_1rank_reduce_once": lambda: sharded(reduce_once_a_step=True),
+        "pipeline_1stage": pipeline,
+    }
 
 
 def main() -> None:
@@ -85,9 +101,16 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(0)
-    spec = BenchSpec(recipe=args.recipe, overrides={"num_layers": args.layers, "seq_length": args.seq},
-                     micro_batch_size=1, global_batch_size=args.micro_batches, max_steps=10, warmup_steps=3,
-                     device=args.device, command="benchmarks/issue27_overhead.py")
+    spec = BenchSpec(
+        recipe=args.recipe,
+        overrides={"num_layers": args.layers, "seq_length": args.seq},
+        micro_batch_size=1,
+        global_batch_size=args.micro_batches,
+        max_steps=10,
+        warmup_steps=3,
+        device=args.device,
+        command="benchmarks/issue27_overhead.py",
+    )
     # FSDP2's fp32 shards are the main parameters: its models step plain AdamW on them
     main = dataclasses.replace(spec, precision=OptimizerPrecision("fp32")) if args.main_params else spec
     rows = []
@@ -99,12 +122,20 @@ def main() -> None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     result = run_bench(run_spec, plan, model=model, name=plan_name)
-                row = dict(layout=name, plan=plan_name, repeat=repeat, main_params=args.main_params, status=result.status,
-                           step_s=result.step_time_s, tflops=result.tflops_per_gpu,
-                           peak_gib=(result.peak_allocated_bytes or 0) / 2**30,
-                           reserved_gib=(result.peak_reserved_bytes or 0) / 2**30,
-                           loss=result.losses[-1] if result.losses else None,
-                           gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+                row = dict(
+                    layout=name,
+                    plan=plan_name,
+                    repeat=repeat,
+                    main_params=args.main_params,
+                    status=result.status,
+                    step_s=result.step_time_s,
+                    tflops=result.tflops_per_gpu,
+                    peak_gib=(result.peak_allocated_bytes or 0) / 2**30,
+                    reserved_gib=(result.peak_reserved_bytes or 0) / 2**30,
+                    loss=result.losses[-1] if result.losses else None,
+                    gpu=torch.cuda.get_device_name() if cuda else "cpu",
+                    torch=torch.__version__,
+                )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del model

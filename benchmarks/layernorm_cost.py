@@ -26,6 +26,7 @@ after the other in a call also drift with the GPU's clocks (it runs at its power
   on one H200 (12 blocks of 22 steps of ~0.2 s, 20 s of warm-up, the first compile, 4 profiled
   steps, the eager round), 4 with a cold compile cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,10 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters as dynamo_counters
@@ -99,6 +101,7 @@ def recompute_config(name: str) -> RecomputeConfig | None:
 
 # ---- one training step ---------------------------------------------------------------------------
 
+
 @dataclass
 class Run:
     """A model with its optimizer and one fixed batch: what every step of a phase trains on."""
@@ -121,8 +124,9 @@ def build_run(shape: Shape, device: str, compiled: bool) -> Run:
     vocab, seq = model.config.vocab_size, model.config.seq_length
     tokens = torch.randint(0, vocab, (shape.micro_batch, seq + 1), device=device)
     # fused AdamW as remat's bench harness runs it on the GPU
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda"
+    )
     return Run(model, optimizer, tokens[:, :-1], tokens[:, 1:].clone())
 
 
@@ -165,6 +169,7 @@ def train_step(run: Run, clock: Clock) -> StepTime:
 
 # ---- timed blocks --------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def gpu_sampled(enabled: bool) -> Iterator[dict[str, float]]:
     """Medians of the SM clock (MHz), temperature (C) and power (W) that nvidia-smi (read only)
@@ -174,8 +179,11 @@ def gpu_sampled(enabled: bool) -> Iterator[dict[str, float]]:
     if not enabled or shutil.which("nvidia-smi") is None:
         yield medians
         return
-    sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
-                                "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    sampler = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield medians
     finally:
@@ -239,17 +247,19 @@ def time_block(run: Run, clock: Clock, name: str, round_: int, warmup: int, step
         times = [train_step(run, clock) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if run.cuda else None
     block = Block(name, round_, times, peak, warm - frames, dynamo_frames() - warm, gpu, said)
-    print(f"round {round_} {name:<10} fwd+bwd {block.median_ms():8.2f} ms  step {block.median_ms('step_s'):8.2f} ms"
-          f"  {gpu}", flush=True)
+    print(
+        f"round {round_} {name:<10} fwd+bwd {block.median_ms():8.2f} ms  step {block.median_ms('step_s'):8.2f} ms"
+        f"  {gpu}",
+        flush=True,
+    )
     return block
 
 
-def time_rounds(run: Run, clock: Clock, configs: tuple[str, ...], rounds: int, warmup: int,
-                steps: int) -> list[Block]:
+def time_rounds(run: Run, clock: Clock, configs: tuple[str, ...], rounds: int, warmup: int, steps: int) -> list[Block]:
     """Every config once a round, the order rotated each round so none is not always first."""
     blocks = []
     for r in range(rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         blocks += [time_block(run, clock, name, r, warmup, steps) for name in order]
     return blocks
 
@@ -264,17 +274,27 @@ def gpu_warmup(run: Run, clock: Clock, seconds: float) -> dict[str, Any]:
         while time.perf_counter() - start < seconds or len(times) < 2:
             times.append(train_step(run, clock).fwd_bwd_s * 1e3)
     edge = max(1, min(5, len(times) // 2))
-    return dict(seconds=round(time.perf_counter() - start, 1), fwd_bwd_ms=[round(t, 3) for t in times],
-                first_ms=round(statistics.median(times[:edge]), 3), last_ms=round(statistics.median(times[-edge:]), 3),
-                gpu=gpu)
+    return dict(
+        seconds=round(time.perf_counter() - start, 1),
+        fwd_bwd_ms=[round(t, 3) for t in times],
+        first_ms=round(statistics.median(times[:edge]), 3),
+        last_ms=round(statistics.median(times[-edge:]), 3),
+        gpu=gpu,
+    )
 
 
 # ---- statistics ----------------------------------------------------------------------------------
 
+
 def spread(values_ms: list[float]) -> dict[str, float]:
     q1, _, q3 = statistics.quantiles(values_ms, n=4)
-    return dict(median=round(statistics.median(values_ms), 3), min=round(min(values_ms), 3),
-                q1=round(q1, 3), q3=round(q3, 3), max=round(max(values_ms), 3))
+    return dict(
+        median=round(statistics.median(values_ms), 3),
+        min=round(min(values_ms), 3),
+        q1=round(q1, 3),
+        q3=round(q3, 3),
+        max=round(max(values_ms), 3),
+    )
 
 
 def config_summary(blocks: list[Block], name: str, flops: float) -> dict[str, Any]:
@@ -284,7 +304,8 @@ def config_summary(blocks: list[Block], name: str, flops: float) -> dict[str, An
     peaks = [b.peak_bytes for b in mine if b.peak_bytes is not None]
     return dict(
         steps=len(fwd_bwd),
-        fwd_bwd_ms=spread(fwd_bwd), step_ms=spread(step),
+        fwd_bwd_ms=spread(fwd_bwd),
+        step_ms=spread(step),
         tflops_fwd_bwd=round(flops / statistics.median(fwd_bwd) / 1e9, 1),
         tflops_step=round(flops / statistics.median(step) / 1e9, 1),
         round_medians_fwd_bwd_ms=[round(b.median_ms(), 3) for b in mine],
@@ -300,6 +321,7 @@ def versus_none(blocks: list[Block], name: str) -> dict[str, Any]:
     """The config's forward+backward time against none's: pooled medians, and round by round
     (blocks of one round ran next to each other). The noise band is how far none's own round
     medians spread; with one round there is none to measure and no verdict."""
+
     def rounds_of(config: str) -> dict[int, float]:
         return {b.round: b.median_ms() for b in blocks if b.config == config}
 
@@ -311,15 +333,27 @@ def versus_none(blocks: list[Block], name: str) -> dict[str, Any]:
     diff = 100 * (pooled(name) / pooled("none") - 1)
     noise = 100 * (max(base.values()) - min(base.values())) / pooled("none")
     same_sign = all(d > 0 for d in per_round) or all(d < 0 for d in per_round)
-    return dict(diff_ms=round(pooled(name) - pooled("none"), 3), diff_pct=round(diff, 3),
-                round_diffs_pct=[round(d, 3) for d in per_round], noise_pct=round(noise, 3),
-                outside_noise=(same_sign and abs(diff) > noise) if len(base) > 1 else None)
+    return dict(
+        diff_ms=round(pooled(name) - pooled("none"), 3),
+        diff_pct=round(diff, 3),
+        round_diffs_pct=[round(d, 3) for d in per_round],
+        noise_pct=round(noise, 3),
+        outside_noise=(same_sign and abs(diff) > noise) if len(base) > 1 else None,
+    )
 
 
 def summarize(blocks: list[Block], configs: tuple[str, ...], flops: float) -> dict[str, Any]:
     return dict(
-        blocks=[dict(config=b.config, round=b.round, fwd_bwd_ms=[round(s.fwd_bwd_s * 1e3, 3) for s in b.steps],
-                     step_ms=[round(s.step_s * 1e3, 3) for s in b.steps], gpu=b.gpu) for b in blocks],
+        blocks=[
+            dict(
+                config=b.config,
+                round=b.round,
+                fwd_bwd_ms=[round(s.fwd_bwd_s * 1e3, 3) for s in b.steps],
+                step_ms=[round(s.step_s * 1e3, 3) for s in b.steps],
+                gpu=b.gpu,
+            )
+            for b in blocks
+        ],
         configs={name: config_summary(blocks, name, flops) for name in configs},
         vs_none={name: versus_none(blocks, name) for name in configs if name != "none"},
     )
@@ -357,8 +391,15 @@ def extra_kernels(table: KernelTable, base: KernelTable) -> list[dict[str, Any]]
     for name, (calls, us) in table.items():
         base_calls, base_us = base.get(name, (0, 0.0))
         if calls > base_calls:
-            extra.append(dict(name=name[:160], group=group_of(name), calls=calls - base_calls,
-                              us=round(us - base_us, 1), us_per_call=round(us / calls, 1)))
+            extra.append(
+                dict(
+                    name=name[:160],
+                    group=group_of(name),
+                    calls=calls - base_calls,
+                    us=round(us - base_us, 1),
+                    us_per_call=round(us / calls, 1),
+                )
+            )
     return sorted(extra, key=lambda e: -e["us"])
 
 
@@ -377,13 +418,18 @@ def profile_configs(run: Run, clock: Clock, configs: tuple[str, ...], warmup: in
         groups = by_group_ms(table)
         extra = extra_kernels(table, base) if name != "none" else []
         result[name] = dict(
-            step_ms=round(step_s * 1e3, 3), kernel_ms=round(kernel_ms, 3),
+            step_ms=round(step_s * 1e3, 3),
+            kernel_ms=round(kernel_ms, 3),
             idle_ms=round(step_s * 1e3 - kernel_ms, 3),  # the step's time no kernel ran (on CPU: Python)
             by_group_ms=groups,
-            group_delta_vs_none_ms={g: round(groups.get(g, 0.0) - base_groups.get(g, 0.0), 3)
-                                    for g in sorted(set(groups) | set(base_groups))},
-            top=[dict(name=n[:160], group=group_of(n), calls=c, us=round(us, 1))
-                 for n, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:15]],
+            group_delta_vs_none_ms={
+                g: round(groups.get(g, 0.0) - base_groups.get(g, 0.0), 3)
+                for g in sorted(set(groups) | set(base_groups))
+            },
+            top=[
+                dict(name=n[:160], group=group_of(n), calls=c, us=round(us, 1))
+                for n, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:15]
+            ],
             extra_vs_none=extra,
             # what the added kernels take, to set beside the step time measured against none
             extra_kernel_ms=round(sum(e["us"] for e in extra) / 1e3, 3),
@@ -393,20 +439,32 @@ def profile_configs(run: Run, clock: Clock, configs: tuple[str, ...], warmup: in
 
 # ---- main ----------------------------------------------------------------------------------------
 
+
 def reference(run: Run, shape: Shape, device: str) -> tuple[float, dict[str, Any]]:
     """remat's bench harness on the same model with no recompute: its first step compiles the
     regions, its result gives the FLOPs of a step (as its TFLOP/s count them) and a harness
     number to set beside this script's loop."""
-    spec = BenchSpec(recipe=shape.recipe, overrides=shape.overrides, micro_batch_size=shape.micro_batch,
-                     max_steps=6, warmup_steps=2, compile=True, device=device, optimizer=True)
+    spec = BenchSpec(
+        recipe=shape.recipe,
+        overrides=shape.overrides,
+        micro_batch_size=shape.micro_batch,
+        max_steps=6,
+        warmup_steps=2,
+        compile=True,
+        device=device,
+        optimizer=True,
+    )
     result = run_bench(spec, None, model=run.model, name="none")
     if result.status != "ok" or result.step_time_s is None or result.tflops_per_gpu is None:
         raise SystemExit(f"the harness run ended {result.status}")
     flops = result.tflops_per_gpu * 1e12 * result.step_time_s
     peak = result.peak_allocated_bytes
-    return flops, dict(step_ms=round(result.step_time_s * 1e3, 3), tflops_step=round(result.tflops_per_gpu, 1),
-                       peak_allocated_gib=round(peak / GIB, 3) if peak is not None else None,
-                       losses=result.losses)
+    return flops, dict(
+        step_ms=round(result.step_time_s * 1e3, 3),
+        tflops_step=round(result.tflops_per_gpu, 1),
+        peak_allocated_gib=round(peak / GIB, 3) if peak is not None else None,
+        losses=result.losses,
+    )
 
 
 def save(result: dict[str, Any]) -> None:
@@ -420,13 +478,23 @@ def print_verdict(summary: dict[str, Any], label: str) -> None:
         versus = summary["vs_none"].get(name)
         line = f"  {name:<10} {stats['fwd_bwd_ms']['median']:9.3f} {stats['tflops_fwd_bwd']:7.1f}"
         if versus:
-            line += (f"  {versus['diff_pct']:+6.2f}% {versus['round_diffs_pct']}  noise {versus['noise_pct']:.2f}%"
-                     f"  {versus['outside_noise']}")
+            line += (
+                f"  {versus['diff_pct']:+6.2f}% {versus['round_diffs_pct']}  noise {versus['noise_pct']:.2f}%"
+                f"  {versus['outside_noise']}"
+            )
         print(line, flush=True)
 
 
-def compiled_phase(shape: Shape, device: str, clock: Clock, rounds: int, steps: int, warmup: int,
-                   gpu_warmup_s: float, result: dict[str, Any]) -> float:
+def compiled_phase(
+    shape: Shape,
+    device: str,
+    clock: Clock,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    gpu_warmup_s: float,
+    result: dict[str, Any],
+) -> float:
     """Everything with compiled regions, recorded into `result` (saved after each part); returns
     the FLOPs of a step. The model and its optimizer state are freed when it returns."""
     run = build_run(shape, device, compiled=True)
@@ -440,15 +508,18 @@ def compiled_phase(shape: Shape, device: str, clock: Clock, rounds: int, steps: 
     save(result)
     compiled["profile"] = profile_configs(run, clock, CONFIGS, warmup)
     for name, prof in compiled["profile"].items():
-        print(f"profile {name:<10} step {prof['step_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms, added "
-              f"{prof['extra_kernel_ms']:.3f} ms: {[(e['name'][:50], e['calls'], e['us']) for e in prof['extra_vs_none'][:4]]}",
-              flush=True)
+        print(
+            f"profile {name:<10} step {prof['step_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms, added "
+            f"{prof['extra_kernel_ms']:.3f} ms: {[(e['name'][:50], e['calls'], e['us']) for e in prof['extra_vs_none'][:4]]}",
+            flush=True,
+        )
     save(result)
     return flops
 
 
-def eager_phase(shape: Shape, device: str, clock: Clock, steps: int, warmup: int, flops: float,
-                result: dict[str, Any]) -> None:
+def eager_phase(
+    shape: Shape, device: str, clock: Clock, steps: int, warmup: int, flops: float, result: dict[str, Any]
+) -> None:
     """One round of none and layernorm without compiled regions (torch's RMSNorm and eager code
     between the Sites), for contrast."""
     run = build_run(shape, device, compiled=False)
@@ -477,7 +548,8 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --tiny on CPU")
 
     result: dict[str, Any] = dict(
-        gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+        gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command="PYTHONPATH=src python " + shlex.join(sys.argv),
         shape=dict(recipe=shape.recipe, overrides=shape.overrides, micro_batch=shape.micro_batch, dtype="bf16"),

@@ -11,6 +11,7 @@ per-expert loop (the fallback) for agreement.
 
 TFLOP/s counts active parameters (remat's moe family FLOPs) for every row, HF's included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,18 +28,21 @@ from hf_llama import GIB, measure, timing_fields
 from hf_moe import SLICES as HF_SLICES
 
 import remat
-from remat.models import build, family_of
+from remat.config.megatron import TrainingFacts
+from remat.config.recompute import RecomputeConfig
+from remat.core.problems import RematWarning
+from remat.models import family_of
 from remat.models.moe.moe_layer import grouped_mm_loop, grouped_mm_torch
 from remat.planner import NoPlanFits, plan_from_trace
-from remat.core.problems import RematWarning
-from remat.config.recompute import RecomputeConfig
-from remat.config.megatron import TrainingFacts
 
 OUT = Path(os.environ.get("OUT", "."))
 # slice -> (remat recipe, overrides, Bridge's presets for the family)
 SLICES = {
-    "deepseek_v3": ("deepseek_v3", dict(num_layers=4, num_moe_experts=16, moe_layer_freq="[0]*1+[1]*3"),
-                    ["mla_up_proj", "mla_up_proj,mlp", "layernorm,moe_act", "moe"]),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(num_layers=4, num_moe_experts=16, moe_layer_freq="[0]*1+[1]*3"),
+        ["mla_up_proj", "mla_up_proj,mlp", "layernorm,moe_act", "moe"],
+    ),
     "qwen3_moe": ("qwen3_30b_a3b", dict(num_layers=4), ["moe_act", "moe"]),
 }
 LABELS = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj")
@@ -50,8 +54,9 @@ def selective(labels: str, facts: TrainingFacts) -> RecomputeConfig:
 
 def hf_anchor(name: str, seq: int, mb: int, flops: float) -> list[dict]:
     fields = HF_SLICES[name][0]
-    hf = transformers.AutoConfig.for_model(name, max_position_embeddings=seq, use_cache=False,
-                                           attn_implementation="sdpa", **fields)
+    hf = transformers.AutoConfig.for_model(
+        name, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa", **fields
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
@@ -78,7 +83,9 @@ def run_slice(name: str, single_labels: bool = True) -> list[dict]:
     model = family.build(config, dtype=torch.bfloat16, device="cuda").train()
     family.use_kernels(model, "cuda", compiled=True)
     ids = torch.randint(0, config.vocab_size, (mb, seq), device="cuda")
-    facts = TrainingFacts(**{k: v for k, v in config.megatron_facts().items() if k in TrainingFacts.__dataclass_fields__})
+    facts = TrainingFacts(
+        **{k: v for k, v in config.megatron_facts().items() if k in TrainingFacts.__dataclass_fields__}
+    )
     labels = [label for label in LABELS if label in set().union(*remat.find_sites(model).model_sites.labels)]
 
     def record(mode: str, result: dict, **extra: object) -> dict:
@@ -93,8 +100,8 @@ def run_slice(name: str, single_labels: bool = True) -> list[dict]:
     torch.cuda.empty_cache()
 
     def run(mode: str, plan: object) -> dict:
-        remat.apply(model, plan)  # type: ignore[arg-type]
-        result = measure(model, ids)
+        remat.apply(model, plan)  # type: ignore[arg-type]  # noqa: F821 (run before the model is deleted)
+        result = measure(model, ids)  # noqa: F821 (run before the model is deleted)
         predicted = trace.predict(plan).peak_bytes  # type: ignore[arg-type]
         extra = dict(predicted_peak_gib=round(predicted / GIB, 3))
         if "peak_bytes" in result:
@@ -105,8 +112,10 @@ def run_slice(name: str, single_labels: bool = True) -> list[dict]:
     for label in labels if single_labels else []:
         run(f"remat_{label}", selective(label, facts))
     preset_rows = [run(f"preset_{preset}", selective(preset, facts)) for preset in presets]
-    run("remat_full_uniform_1", RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                                recompute_num_layers=1, facts=facts))
+    run(
+        "remat_full_uniform_1",
+        RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, facts=facts),
+    )
     # the plan at every preset's measured peak; the issue's target is the one at the fastest preset's
     for preset in sorted((row for row in preset_rows if "tflops" in row), key=lambda row: -row["tflops"]):
         try:
@@ -115,8 +124,12 @@ def run_slice(name: str, single_labels: bool = True) -> list[dict]:
             rows.append(dict(model=name, mode="remat_plan", preset=preset["mode"], status=str(err)))
             continue
         row = run(f"remat_plan_at_{preset['mode']}_peak", chosen.plan)
-        row.update(budget_gib=preset["peak_gib"], preset=preset["mode"], plan=[list(r) for r in chosen.explain()],
-                   **({"ratio_to_preset": round(row["tflops"] / preset["tflops"], 3)} if "tflops" in row else {}))
+        row.update(
+            budget_gib=preset["peak_gib"],
+            preset=preset["mode"],
+            plan=[list(r) for r in chosen.explain()],
+            **({"ratio_to_preset": round(row["tflops"] / preset["tflops"], 3)} if "tflops" in row else {}),
+        )
     remat.apply(model, None)
     del model
     torch.cuda.empty_cache()
@@ -145,11 +158,28 @@ def gemm_rows(experts: int, tokens: int, hidden: int, ffn: int) -> list[dict]:
     flops = 2 * tokens * hidden * 2 * ffn
     grouped = timed(lambda: grouped_mm_torch(x, w.transpose(1, 2), offsets))
     plain = timed(lambda: x @ dense.T)
-    diff = (grouped_mm_torch(x, w.transpose(1, 2), offsets).float() - grouped_mm_loop(
-        x, w.transpose(1, 2), offsets).float()).abs().max().item()
-    return [dict(mode="expert_fc1_gemm", experts=experts, tokens=tokens, hidden=hidden, ffn=ffn,
-                 grouped_tflops=round(flops / grouped / 1e12, 1), dense_tflops=round(flops / plain / 1e12, 1),
-                 ratio=round(plain / grouped, 3), grouped_vs_loop_max_abs_diff=diff)]
+    diff = (
+        (
+            grouped_mm_torch(x, w.transpose(1, 2), offsets).float()
+            - grouped_mm_loop(x, w.transpose(1, 2), offsets).float()
+        )
+        .abs()
+        .max()
+        .item()
+    )
+    return [
+        dict(
+            mode="expert_fc1_gemm",
+            experts=experts,
+            tokens=tokens,
+            hidden=hidden,
+            ffn=ffn,
+            grouped_tflops=round(flops / grouped / 1e12, 1),
+            dense_tflops=round(flops / plain / 1e12, 1),
+            ratio=round(plain / grouped, 3),
+            grouped_vs_loop_max_abs_diff=diff,
+        )
+    ]
 
 
 def main() -> None:
@@ -163,9 +193,15 @@ def main() -> None:
     print(*map(json.dumps, rows), sep="\n", flush=True)
     for name in [args.only] if args.only else SLICES:
         rows += run_slice(name, single_labels=not args.presets_only)
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-                  date=time.strftime("%Y-%m-%d"), command="PYTHONPATH=src:benchmarks python benchmarks/moe_slices.py "
-                  + " ".join(sys.argv[1:]), slices={k: dict(recipe=v[0], **v[1]) for k, v in SLICES.items()}, rows=rows)
+    result = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src:benchmarks python benchmarks/moe_slices.py " + " ".join(sys.argv[1:]),
+        slices={k: dict(recipe=v[0], **v[1]) for k, v in SLICES.items()},
+        rows=rows,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "moe_slices.json").write_text(json.dumps(result, indent=1))
 

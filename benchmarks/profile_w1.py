@@ -10,6 +10,7 @@ and the top kernels, from torch.profiler over two forward+backward steps after w
   the CPU time to issue the forward and the backward beside their GPU time, and the largest
   idle gaps with the CPU ops that launched the kernel after each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,11 @@ from remat.run.step import MockData, build_model
 
 OUT = Path(os.environ.get("OUT", "."))
 ANCHOR = Path(__file__).parent / "anchors" / "torch_baseline.py"
-KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-         ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
-         ("triton", ("triton", "silu_mul", "rms_norm", "cross_entropy", "rotary_qkv")))  # remat's own Triton kernels too
+KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("triton", ("triton", "silu_mul", "rms_norm", "cross_entropy", "rotary_qkv")),
+)  # remat's own Triton kernels too
 
 
 def _kind(name: str) -> str:
@@ -88,9 +91,14 @@ def _profile(step, warm: int = 3, steps: int = 2, trace: Path | None = None) -> 
         kernels.append((seconds, event.count // steps, event.key[:120]))
     kernels.sort(reverse=True)
     busy = sum(by_kind.values())
-    return dict(plain_step_s=plain_step_s, step_s=round(wall, 4), kernel_s=round(busy, 4), idle_s=round(wall - busy, 4),
-                by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-                top=[dict(s=round(s, 5), calls=c, name=n) for s, c, n in kernels[:30]])
+    return dict(
+        plain_step_s=plain_step_s,
+        step_s=round(wall, 4),
+        kernel_s=round(busy, 4),
+        idle_s=round(wall - busy, 4),
+        by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        top=[dict(s=round(s, 5), calls=c, name=n) for s, c, n in kernels[:30]],
+    )
 
 
 def _phases(forward, reps: int = 5) -> dict:
@@ -111,8 +119,9 @@ def _phases(forward, reps: int = 5) -> dict:
         torch.cuda.synchronize()
         rows.append((t1 - t0, t2 - t1, marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3))
     columns = [sorted(column)[reps // 2] for column in zip(*rows)]
-    return dict(zip(("cpu_forward_s", "cpu_backward_s", "gpu_forward_s", "gpu_backward_s"),
-                    (round(c, 4) for c in columns)))
+    return dict(
+        zip(("cpu_forward_s", "cpu_backward_s", "gpu_forward_s", "gpu_backward_s"), (round(c, 4) for c in columns))
+    )
 
 
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -129,8 +138,11 @@ def _gaps(step, path: Path, top: int = 15, min_us: float = 20.0) -> dict:
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in GPU_EVENTS), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     ops = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e]
     start = min(e["ts"] for e in ops)
 
@@ -145,19 +157,36 @@ def _gaps(step, path: Path, top: int = 15, min_us: float = 20.0) -> dict:
             gaps.append((idle, before, after))
     first = kernels[0]
     launch = launches.get(first["args"].get("correlation"))
-    rows = [dict(idle_us=round(idle, 1), at_ms=round((after["ts"] - start) / 1e3, 2), before=before["name"][:80],
-                 after=after["name"][:80],
-                 cpu=cpu_stack(launches[after["args"]["correlation"]]["ts"], launches[after["args"]["correlation"]]["tid"])
-                 if after["args"].get("correlation") in launches else [])
-            for idle, before, after in sorted(gaps, key=lambda g: -g[0])[:top]]
-    return dict(step_ms=round((kernels[-1]["ts"] + kernels[-1]["dur"] - start) / 1e3, 2),
-                first_kernel_at_ms=round((first["ts"] - start) / 1e3, 2),
-                first_kernel_cpu=cpu_stack(launch["ts"], launch["tid"]) if launch else [],
-                idle_ms=round(sum(g[0] for g in gaps) / 1e3, 2), gaps_over_min=len(gaps), top=rows)
+    rows = [
+        dict(
+            idle_us=round(idle, 1),
+            at_ms=round((after["ts"] - start) / 1e3, 2),
+            before=before["name"][:80],
+            after=after["name"][:80],
+            cpu=cpu_stack(launches[after["args"]["correlation"]]["ts"], launches[after["args"]["correlation"]]["tid"])
+            if after["args"].get("correlation") in launches
+            else [],
+        )
+        for idle, before, after in sorted(gaps, key=lambda g: -g[0])[:top]
+    ]
+    return dict(
+        step_ms=round((kernels[-1]["ts"] + kernels[-1]["dur"] - start) / 1e3, 2),
+        first_kernel_at_ms=round((first["ts"] - start) / 1e3, 2),
+        first_kernel_cpu=cpu_stack(launch["ts"], launch["tid"]) if launch else [],
+        idle_ms=round(sum(g[0] for g in gaps) / 1e3, 2),
+        gaps_over_min=len(gaps),
+        top=rows,
+    )
 
 
-W1_SPEC = dict(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=2,
-               device="cuda", compile=True, optimizer=False)
+W1_SPEC = dict(
+    recipe="llama3_8b",
+    overrides={"num_layers": 8, "seq_length": 8192},
+    micro_batch_size=2,
+    device="cuda",
+    compile=True,
+    optimizer=False,
+)
 
 
 def harness_step_s() -> float:
@@ -208,11 +237,16 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="export one step of each as a Chrome trace")
     parser.add_argument("--harness", action="store_true", help="also time remat's step through the harness")
     parser.add_argument("--gaps", action="store_true", help="also find where the GPU waits for the CPU")
-    parser.add_argument("--nofuse", action="store_true",
-                        help="also profile remat with gradient_accumulation_fusion off")
+    parser.add_argument(
+        "--nofuse", action="store_true", help="also profile remat with gradient_accumulation_fusion off"
+    )
     args = parser.parse_args()
-    record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="PYTHONPATH=src python benchmarks/profile_w1.py", runs={})
+    record = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        command="PYTHONPATH=src python benchmarks/profile_w1.py",
+        runs={},
+    )
     if args.harness:
         record["remat_harness_step_s"] = harness_step_s()
         print(json.dumps(dict(remat_harness_step_s=record["remat_harness_step_s"])), flush=True)
@@ -221,7 +255,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.nofuse:
         record["runs"]["remat_none_compiled_nofuse"] = _run(
-            remat_forward(gradient_accumulation_fusion=False), "remat_nofuse", args, warm=3)
+            remat_forward(gradient_accumulation_fusion=False), "remat_nofuse", args, warm=3
+        )
         torch.cuda.empty_cache()
     if not args.skip_anchor:
         record["runs"]["anchor_compile_1.0"] = _run(anchor_forward(), "anchor", args, warm=2)

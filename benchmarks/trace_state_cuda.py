@@ -1,5 +1,6 @@
 """On CUDA: remat.trace puts back the gradients and AdamW state (fused, as the bench's) it finds, and
 leaves none behind on a fresh run; prints one JSON line. PYTHONPATH=src python benchmarks/trace_state_cuda.py"""
+
 import json
 
 import torch
@@ -19,8 +20,17 @@ grads = [p.grad.clone() for p in model.parameters()]
 states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
 weights = [p.detach().clone() for p in model.parameters()]
 remat.trace(model, batch, optimizer=optimizer, timing_repeats=1)
-print(json.dumps(dict(
-    fresh, weights_equal=all(torch.equal(w, p) for w, p in zip(weights, model.parameters())),
-    grads_equal=all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters())),
-    states_equal=all(torch.equal(v, optimizer.state[p][k]) and v.device == optimizer.state[p][k].device
-                     for s, p in zip(states, model.parameters()) for k, v in s.items()))))
+print(
+    json.dumps(
+        dict(
+            fresh,
+            weights_equal=all(torch.equal(w, p) for w, p in zip(weights, model.parameters())),
+            grads_equal=all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters())),
+            states_equal=all(
+                torch.equal(v, optimizer.state[p][k]) and v.device == optimizer.state[p][k].device
+                for s, p in zip(states, model.parameters())
+                for k, v in s.items()
+            ),
+        )
+    )
+)

@@ -1,5 +1,6 @@
 """Shared test helpers; the fixtures both the unit and the integration tests of a module use come
 from helpers/ (registered here)."""
+
 from __future__ import annotations
 
 import os
@@ -58,9 +59,11 @@ def allocations(forward, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, li
 def verify_preset(model, ids, preset: str):
     """remat.run.verify of a Megatron preset ("full": uniform, one layer; else one selective label) on
     next-token batch ids [b, s + 1]."""
-    config = (remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-              if preset == "full" else remat.RecomputeConfig(recompute_granularity="selective",
-                                                             recompute_modules=[preset]))
+    config = (
+        remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if preset == "full"
+        else remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=[preset])
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
         return remat.verify(model, config, ids[:, :-1], ids[:, 1:])
@@ -91,9 +94,12 @@ def worker_env() -> dict[str, str]:
     """The environment of a process a test starts: this tree's remat, one thread, no warnings, and
     output as a log gets it (no COLUMNS: pytest-xdist's workers get the terminal's)."""
     env = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
-    return {**env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                   os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
 
 
 def torchrun_results(tmp_path_factory: Any, worker: Path, nproc: int = 2) -> Any:
@@ -105,7 +111,20 @@ def torchrun_results(tmp_path_factory: Any, worker: Path, nproc: int = 2) -> Any
 
 def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:
     """Run the script `worker` (its argv[1]: `out`) under torchrun with `nproc` CPU processes."""
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(nproc), str(worker), str(out)], env=worker_env(), capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(worker),
+            str(out),
+        ],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -9,6 +9,7 @@ Writes $OUT/blas_library.json.
 
     PYTHONPATH=src python benchmarks/investigations/blas_library.py [--repeats 30] [--step-runs 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,13 @@ def _gemms(repeats: int) -> dict:
                 times[lib].append(_time(lambda x, y: x @ y, a, b, repeats))
         ms = {lib: statistics.median(t) * 1e3 for lib, t in times.items()}
         diff = (outputs["cublas"].float() - outputs["cublaslt"].float()).abs().max().item()
-        rows[name] = {"mnk": [m, n, k], **{f"{lib}_ms": round(v, 4) for lib, v in ms.items()},
-                      **{f"{lib}_tflops": round(2 * m * k * n / v / 1e9, 1) for lib, v in ms.items()},
-                      "lt_speedup": round(ms["cublas"] / ms["cublaslt"], 3), "max_abs_diff": diff}
+        rows[name] = {
+            "mnk": [m, n, k],
+            **{f"{lib}_ms": round(v, 4) for lib, v in ms.items()},
+            **{f"{lib}_tflops": round(2 * m * k * n / v / 1e9, 1) for lib, v in ms.items()},
+            "lt_speedup": round(ms["cublas"] / ms["cublaslt"], 3),
+            "max_abs_diff": diff,
+        }
         print(json.dumps({name: rows[name]}), flush=True)
         del a, b, outputs
     torch.backends.cuda.preferred_blas_library("cublas")
@@ -49,9 +54,16 @@ def _gemms(repeats: int) -> dict:
 
 
 def _steps(runs: int) -> list[dict]:
-    spec = BenchSpec(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192},
-                     micro_batch_size=2, max_steps=11, warmup_steps=3, device="cuda", compile=True,
-                     optimizer=False)
+    spec = BenchSpec(
+        recipe="llama3_8b",
+        overrides={"num_layers": 8, "seq_length": 8192},
+        micro_batch_size=2,
+        max_steps=11,
+        warmup_steps=3,
+        device="cuda",
+        compile=True,
+        optimizer=False,
+    )
     rows = []
     for i in range(runs):
         for lib in LIBRARIES:
@@ -59,9 +71,16 @@ def _steps(runs: int) -> list[dict]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 r = run_bench(spec, None, name=f"none-{lib}")
-            rows.append({"run": i, "library": lib, "tflops": round(r.tflops_fwd_bwd, 1),
-                         "step_s": round(r.fwd_bwd_time_s, 4),
-                         "peak_gib": round(r.peak_allocated_bytes / 2**30, 2), "loss": r.losses[-1]})
+            rows.append(
+                {
+                    "run": i,
+                    "library": lib,
+                    "tflops": round(r.tflops_fwd_bwd, 1),
+                    "step_s": round(r.fwd_bwd_time_s, 4),
+                    "peak_gib": round(r.peak_allocated_bytes / 2**30, 2),
+                    "loss": r.losses[-1],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     torch.backends.cuda.preferred_blas_library("cublas")
@@ -73,10 +92,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--step-runs", type=int, default=2, help="A/B pairs of W1 steps (0: GEMMs only)")
     args = parser.parse_args()
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": f"PYTHONPATH=src python benchmarks/investigations/blas_library.py --repeats {args.repeats} "
-                         f"--step-runs {args.step_runs}",
-              "gemms": _gemms(args.repeats)}
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": f"PYTHONPATH=src python benchmarks/investigations/blas_library.py --repeats {args.repeats} "
+        f"--step-runs {args.step_runs}",
+        "gemms": _gemms(args.repeats),
+    }
     out = Path(os.environ.get("OUT", "."))
     (out / "blas_library.json").write_text(json.dumps(record, indent=1))
     record["w1_steps"] = _steps(args.step_runs)

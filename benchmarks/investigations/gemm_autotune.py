@@ -7,6 +7,7 @@ of the same expression, interleaved, CUDA-event timed; writes $OUT/gemm_autotune
 
     PYTHONPATH=src python benchmarks/investigations/gemm_autotune.py [--shapes fc1_fwd,...] [--repeats 30]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,11 @@ SHAPES = {
 
 def _operands(m: int, k: int, n: int, weight_layout: bool) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_layout else \
-        torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    b = (
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        if weight_layout
+        else torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    )
     return a, b
 
 
@@ -57,8 +61,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "PYTHONPATH=src python benchmarks/investigations/gemm_autotune.py", "shapes": {}}
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": "PYTHONPATH=src python benchmarks/investigations/gemm_autotune.py",
+        "shapes": {},
+    }
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
@@ -77,9 +85,15 @@ def main() -> None:
         rounds = [(_time(matmul, a, b, args.repeats), _time(tuned, a, b, args.repeats)) for _ in range(3)]
         cublas, autotuned = (statistics.median(r[i] for r in rounds) for i in (0, 1))
         flops = 2 * m * k * n
-        row = {"mnk": [m, n, k], "cublas_ms": round(cublas * 1e3, 4), "autotuned_ms": round(autotuned * 1e3, 4),
-               "cublas_tflops": round(flops / cublas / 1e12, 1), "autotuned_tflops": round(flops / autotuned / 1e12, 1),
-               "speedup": round(cublas / autotuned, 3), "tune_s": round(tune_s, 1)}
+        row = {
+            "mnk": [m, n, k],
+            "cublas_ms": round(cublas * 1e3, 4),
+            "autotuned_ms": round(autotuned * 1e3, 4),
+            "cublas_tflops": round(flops / cublas / 1e12, 1),
+            "autotuned_tflops": round(flops / autotuned / 1e12, 1),
+            "speedup": round(cublas / autotuned, 3),
+            "tune_s": round(tune_s, 1),
+        }
         record["shapes"][name] = row
         print(json.dumps({name: row}), flush=True)
         (out / "gemm_autotune.json").write_text(json.dumps(record, indent=1))

@@ -4,14 +4,15 @@ trace. Prints one JSON line per rank and window.
 
   python benchmarks/investigations/stage_windows.py [--layers 8] [--seq 4096] [--pp 2]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 
-from remat.estimate.stages import EstimateSpec, trace_stages
 from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
+from remat.estimate.stages import EstimateSpec, trace_stages
 
 
 def main() -> None:
@@ -22,15 +23,28 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    spec = EstimateSpec(recipe=args.recipe, overrides={"num_layers": args.layers, "seq_length": args.seq},
-                        facts=TrainingFacts(layout=ParallelLayout(pp=args.pp)), micro_batch_size=1,
-                        global_batch_size=2 * args.pp, device=args.device)
+    spec = EstimateSpec(
+        recipe=args.recipe,
+        overrides={"num_layers": args.layers, "seq_length": args.seq},
+        facts=TrainingFacts(layout=ParallelLayout(pp=args.pp)),
+        micro_batch_size=1,
+        global_batch_size=2 * args.pp,
+        device=args.device,
+    )
     traced = {"device": trace_stages(spec, device=args.device), "meta": trace_stages(spec)}
     for rank in range(args.pp):
         windows = {where: {w.name: w.base_bytes for w in t[rank].trace.windows} for where, t in traced.items()}
         for name, on_device in windows["device"].items():
-            print(json.dumps({"rank": rank, "window": name, "device_gib": on_device / 2**30,
-                              "meta_gib": windows["meta"].get(name, 0) / 2**30}))
+            print(
+                json.dumps(
+                    {
+                        "rank": rank,
+                        "window": name,
+                        "device_gib": on_device / 2**30,
+                        "meta_gib": windows["meta"].get(name, 0) / 2**30,
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and compiled ones. Tells run-to-run noise from a real difference before the two 
       [--blocks 4]
   (remat:N: loss_chunk_size N; remat:nofuse: gradient_accumulation_fusion off) writes $OUT/step_drift.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,13 @@ def drift(name: str, n: int) -> dict:
         step()
         torch.cuda.synchronize()
     after = blocks(step, n)
-    row = dict(before_profiler_s=before, back_to_back_s=unsynced, after_profiler_s=after,
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), wall_s=round(time.perf_counter() - start, 1))
+    row = dict(
+        before_profiler_s=before,
+        back_to_back_s=unsynced,
+        after_profiler_s=after,
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
     print(name, json.dumps(row), flush=True)
     return row
 
@@ -75,9 +81,14 @@ def main() -> None:
     parser.add_argument("--what", default="remat,anchor_eager,anchor_compile")
     parser.add_argument("--blocks", type=int, default=4)
     args = parser.parse_args()
-    record = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  command="PYTHONPATH=src python benchmarks/investigations/step_drift.py " + f"--what {args.what} --blocks {args.blocks}",
-                  runs={})
+    record = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="PYTHONPATH=src python benchmarks/investigations/step_drift.py "
+        + f"--what {args.what} --blocks {args.blocks}",
+        runs={},
+    )
     for name in args.what.split(","):
         torch.cuda.reset_peak_memory_stats()
         record["runs"][name] = drift(name, args.blocks)

@@ -13,6 +13,7 @@ Each case runs in a fresh process (workspaces live as long as the process) and p
   PYTHONPATH=src python benchmarks/investigations/workspace_bytes.py [--env CUBLAS_WORKSPACE_CONFIG=:4096:2]
 writes $OUT/workspace_bytes.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,13 @@ def _case() -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="also run with this environment variable set (repeatable)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run with this environment variable set (repeatable)",
+    )
     parser.add_argument("--case", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.case:
@@ -77,13 +83,18 @@ def main() -> None:
         if setting:
             name, value = setting.split("=", 1)
             env[name] = value
-        out = subprocess.run([sys.executable, __file__, "--case"], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--case"], env=env, check=True, capture_output=True, text=True
+        ).stdout
         runs[setting or "default"] = json.loads(out.strip().splitlines()[-1])
         print(setting or "default", runs[setting or "default"], flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "PYTHONPATH=src python benchmarks/investigations/workspace_bytes.py " + " ".join(
-                  f"--env {e}" for e in args.env), "bytes_grown": runs}
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": "PYTHONPATH=src python benchmarks/investigations/workspace_bytes.py "
+        + " ".join(f"--env {e}" for e in args.env),
+        "bytes_grown": runs,
+    }
     (OUT / "workspace_bytes.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -5,31 +5,53 @@ Megatron-style `RecomputeConfig`, a per-layer `Plan`, or None. `trace` measures 
 site saves and costs, `plan` picks the fastest plan under a memory budget, `estimate` predicts
 peak memory from shapes alone, `verify` checks a plan's gradients, and `doctor` explains OOMs.
 """
+
 from importlib.metadata import version
 
-from remat import models
-from remat import doctor
-from remat.models.adapt import adapt, unadapt
-from remat.sites.apply import apply, find_sites
-from remat.engine import checkpoint
-from remat.estimate.spec import EstimateSpec
-from remat.estimate.stages import estimate
-from remat.config.plan import Plan
-from remat.memory import measure_saved
-from remat.memory.measure import trace
-from remat.memory.prediction import Trace
-from remat.planner import PlanResult, plan
-from remat.core.problems import ConfigError, RematWarning
-from remat.config.recompute import RecomputeConfig
+from remat import doctor, models
 from remat.config.capture import Capture
 from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
+from remat.config.plan import Plan
 from remat.config.precision import Precision
-from remat.sites.site import Site
+from remat.config.recompute import RecomputeConfig
+from remat.core.problems import ConfigError, RematWarning
+from remat.engine import checkpoint
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import estimate
+from remat.memory import measure_saved
+from remat.memory.measure import trace
+from remat.memory.prediction import Trace
+from remat.models.adapt import adapt, unadapt
+from remat.planner import PlanResult, plan
 from remat.run.verify import verify
+from remat.sites.apply import apply, find_sites
+from remat.sites.site import Site
 
 __all__ = [
-    "Capture", "ConfigError", "EstimateSpec", "ParallelLayout", "Precision", "doctor", "Plan", "RecomputeConfig", "RematWarning", "Site", "Trace", "TrainingFacts",
-    "PlanResult", "adapt", "apply", "checkpoint", "estimate", "find_sites", "measure_saved", "models", "plan", "trace", "unadapt", "verify",
+    "Capture",
+    "ConfigError",
+    "EstimateSpec",
+    "ParallelLayout",
+    "Precision",
+    "doctor",
+    "Plan",
+    "RecomputeConfig",
+    "RematWarning",
+    "Site",
+    "Trace",
+    "TrainingFacts",
+    "PlanResult",
+    "adapt",
+    "apply",
+    "checkpoint",
+    "estimate",
+    "find_sites",
+    "measure_saved",
+    "models",
+    "plan",
+    "trace",
+    "unadapt",
+    "verify",
 ]
 __version__ = version("remat")

@@ -1,4 +1,5 @@
 """`python -m remat`: the remat command."""
+
 import sys
 
 from remat.cli import main

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of bench."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,19 @@ NUM_LAYERS, SEQ, MB, STEPS, WARMUP = 2, 16, 2, 3, 1
 
 
 # The shape every run here uses: two layers, 16 tokens, two sequences a micro-batch, 3 steps (1 warm-up).
-TINY = ["--num_layers", str(NUM_LAYERS), "-sl", str(SEQ), "-mb", str(MB), "-ms", str(STEPS),
-        "--warmup_steps", str(WARMUP), "--no_progress"]
+TINY = [
+    "--num_layers",
+    str(NUM_LAYERS),
+    "-sl",
+    str(SEQ),
+    "-mb",
+    str(MB),
+    "-ms",
+    str(STEPS),
+    "--warmup_steps",
+    str(WARMUP),
+    "--no_progress",
+]
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -27,8 +39,14 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def tiny_spec(**kwargs: Any) -> BenchSpec:
-    fields: dict[str, Any] = dict(recipe="llama3_tiny", overrides={"num_layers": NUM_LAYERS, "seq_length": SEQ},
-                                  micro_batch_size=MB, max_steps=STEPS, warmup_steps=WARMUP, device="cpu")
+    fields: dict[str, Any] = dict(
+        recipe="llama3_tiny",
+        overrides={"num_layers": NUM_LAYERS, "seq_length": SEQ},
+        micro_batch_size=MB,
+        max_steps=STEPS,
+        warmup_steps=WARMUP,
+        device="cpu",
+    )
     fields.update(kwargs)
     return BenchSpec(**fields)
 

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of cli."""
+
 from __future__ import annotations
 
 from remat.cli import main

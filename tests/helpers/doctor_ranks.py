@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of doctor ranks."""
+
 from __future__ import annotations
 
 GIB = 1 << 30

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of estimate."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,14 @@ FULL = RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
 
 
 def _spec(**kw) -> EstimateSpec:
-    base = dict(recipe="llama3_tiny", overrides=dict(SMALL), micro_batch_size=MB, optimizer=False,
-                precision=Precision("fp32"), device="cpu")
+    base = dict(
+        recipe="llama3_tiny",
+        overrides=dict(SMALL),
+        micro_batch_size=MB,
+        optimizer=False,
+        precision=Precision("fp32"),
+        device="cpu",
+    )
     return EstimateSpec(**{**base, **kw})
 
 

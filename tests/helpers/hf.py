@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of hf."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,9 +39,11 @@ def batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 def selective(*labels: str) -> RecomputeConfig:
     # moe_act: Megatron asks for grouped GEMM experts; transformers' experts stand in for them
-    return RecomputeConfig(recompute_granularity="selective", recompute_modules=list(labels),
-                           facts=TrainingFacts(moe_grouped_gemm="moe_act" in labels,
-                                               multi_latent_attention="mla_up_proj" in labels))
+    return RecomputeConfig(
+        recompute_granularity="selective",
+        recompute_modules=list(labels),
+        facts=TrainingFacts(moe_grouped_gemm="moe_act" in labels, multi_latent_attention="mla_up_proj" in labels),
+    )
 
 
 def full(method: str, k: int) -> RecomputeConfig:
@@ -48,8 +51,10 @@ def full(method: str, k: int) -> RecomputeConfig:
 
 
 LABELS = {
-    **{f: ("core_attn", "layernorm", "mlp") for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-                                                      "gpt2")},
+    **{
+        f: ("core_attn", "layernorm", "mlp")
+        for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+    },
     "mixtral": ("core_attn", "layernorm", "moe", "moe_act"),
     "qwen2_moe": ("core_attn", "layernorm", "moe", "moe_act", "shared_experts"),
     "qwen3_moe": ("core_attn", "layernorm", "mlp", "moe", "moe_act"),

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of hostile."""
+
 from __future__ import annotations
 
 import time
@@ -7,8 +8,7 @@ import pytest
 
 from remat.cli import main
 
-TINY_RUN = ["-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "-ms", "3", "--warmup_steps", "1",
-            "--no_progress"]
+TINY_RUN = ["-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "-ms", "3", "--warmup_steps", "1", "--no_progress"]
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str, float]:

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of moe."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,15 @@ RECIPES = ("moe_tiny", "deepseek_tiny")
 
 def _model(recipe: str, dropout: float = 0.1, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build(recipe, dtype=torch.float64, hidden_dropout=dropout, attention_dropout=dropout,
-                 attention_backend="eager", seq_length=SEQ, **overrides)
+    return build(
+        recipe,
+        dtype=torch.float64,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        attention_backend="eager",
+        seq_length=SEQ,
+        **overrides,
+    )
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of planning."""
+
 from __future__ import annotations
 
 import pytest

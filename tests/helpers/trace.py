@@ -1,4 +1,5 @@
 """Shared by the unit and integration tests of trace."""
+
 from __future__ import annotations
 
 import gc
@@ -19,15 +20,26 @@ LAYERS = 4
 LABELS = ("core_attn", "layernorm", "mlp")
 
 
-OPTIONS = {"core_attn": ["keep", "recompute"], "layernorm": ["keep", "recompute", "discard"],
-           "mlp": ["keep", "recompute"], "mlp_act": ["keep", "discard"]}
+OPTIONS = {
+    "core_attn": ["keep", "recompute"],
+    "layernorm": ["keep", "recompute", "discard"],
+    "mlp": ["keep", "recompute"],
+    "mlp_act": ["keep", "discard"],
+}
 
 
 @pytest.fixture(scope="module", params=[pytest.param("sdpa", marks=pytest.mark.slow), "eager"])
 def backend_trace(request):
     torch.manual_seed(0)
-    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
-                               attention_backend=request.param, hidden_dropout=0.1, attention_dropout=0.1)
+    model = remat.models.build(
+        "llama3_tiny",
+        dtype=torch.float64,
+        num_layers=LAYERS,
+        seq_length=16,
+        attention_backend=request.param,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     batch = ids[:, :-1], ids[:, 1:]
     with warnings.catch_warnings():
@@ -75,8 +87,10 @@ def _measured(model, batch, plan) -> int:
 
 @st.composite
 def plans(draw) -> Plan:
-    layers = [{label: draw(st.sampled_from(OPTIONS[label])) for label in draw(st.sets(st.sampled_from(list(OPTIONS))))}
-              for _ in range(LAYERS)]
+    layers = [
+        {label: draw(st.sampled_from(OPTIONS[label])) for label in draw(st.sets(st.sampled_from(list(OPTIONS))))}
+        for _ in range(LAYERS)
+    ]
     groups, i = [], 0
     while i < LAYERS:
         if draw(st.booleans()):
@@ -93,11 +107,17 @@ def plans(draw) -> Plan:
 @pytest.fixture(scope="module")
 def offload_traced():
     torch.manual_seed(0)
-    model = remat.models.build("llama3_tiny", dtype=torch.float64, num_layers=LAYERS, seq_length=16,
-                               attention_backend="eager", hidden_dropout=0.1, attention_dropout=0.1)
+    model = remat.models.build(
+        "llama3_tiny",
+        dtype=torch.float64,
+        num_layers=LAYERS,
+        seq_length=16,
+        attention_backend="eager",
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     batch = ids[:, :-1], ids[:, 1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True,
-                           min_offloaded_tensor_size=256)
+        return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True, min_offloaded_tensor_size=256)

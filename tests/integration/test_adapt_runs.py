@@ -4,7 +4,6 @@ adapt leaves parameters, state_dict, .to(), compile and saving as they were.
 
 The quick tests of the same code: tests/unit/sites/test_adapt.py."""
 
-
 from __future__ import annotations
 
 import itertools
@@ -27,13 +26,26 @@ from remat.run.verify import run_step, verify
 
 def _configs() -> list[RecomputeConfig]:
     subsets = [c for r in range(1, 4) for c in itertools.combinations(SELECTIVE, r)]
-    return ([RecomputeConfig(recompute_granularity="selective", recompute_modules=list(s)) for s in subsets]
-            + [RecomputeConfig(recompute_granularity="full", recompute_method=m, recompute_num_layers=k)
-               for m in ("uniform", "block") for k in (1, LAYERS)])
+    return [RecomputeConfig(recompute_granularity="selective", recompute_modules=list(s)) for s in subsets] + [
+        RecomputeConfig(recompute_granularity="full", recompute_method=m, recompute_num_layers=k)
+        for m in ("uniform", "block")
+        for k in (1, LAYERS)
+    ]
 
 
-@pytest.mark.parametrize("config", _configs(), ids=lambda c: c.recompute_granularity + ":" + (
-    ",".join(c.recompute_modules) if c.recompute_granularity == "selective" else f"{c.recompute_method}{c.recompute_num_layers}"))
+@pytest.mark.parametrize(
+    "config",
+    _configs(),
+    ids=lambda c: (
+        c.recompute_granularity
+        + ":"
+        + (
+            ",".join(c.recompute_modules)
+            if c.recompute_granularity == "selective"
+            else f"{c.recompute_method}{c.recompute_num_layers}"
+        )
+    ),
+)
 def test_every_plan_on_an_adapted_model_is_bit_identical_to_the_unmodified_model(config) -> None:
     model = _model()
     model.train()
@@ -48,8 +60,26 @@ def test_every_plan_on_an_adapted_model_is_bit_identical_to_the_unmodified_model
 
 def test_any_model_runs_through_the_command_line_from_a_factory(capsys) -> None:
     from remat.cli import main
-    code = main(["bench", "--model", "helpers.adapt:titan_model", "-sl", str(SEQ), "-ms", "2", "--warmup_steps", "1",
-                 "--recompute_modules", "mlp,layernorm", "--no_history", "--no_progress", "--device", "cpu"])
+
+    code = main(
+        [
+            "bench",
+            "--model",
+            "helpers.adapt:titan_model",
+            "-sl",
+            str(SEQ),
+            "-ms",
+            "2",
+            "--warmup_steps",
+            "1",
+            "--recompute_modules",
+            "mlp,layernorm",
+            "--no_history",
+            "--no_progress",
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "ok" in out

@@ -6,7 +6,6 @@ simulated out-of-memory errors, sweeps and presets, determinism of the mock data
 
 The quick tests of the same code: tests/unit/bench/test_bench.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -58,61 +57,95 @@ REJECTED = [
     pytest.param(["-c", "fp8_cs"], ["compute_dtype: 'fp8_cs' is not supported yet", "use -c bf16"], id="fp8"),
     pytest.param(["-c", "nonsense"], ["compute_dtype: 'nonsense' is not a compute dtype"], id="dtype-unknown"),
     pytest.param(["-c", "bf61"], ["did you mean 'bf16'?"], id="dtype-typo"),
-    pytest.param(["-c", "fp8"], ["'fp8' is not a compute dtype; Megatron Bridge's are ", "'fp8_cs'", "use -c bf16"],
-                 id="dtype-bridge-prefix"),
+    pytest.param(
+        ["-c", "fp8"],
+        ["'fp8' is not a compute dtype; Megatron Bridge's are ", "'fp8_cs'", "use -c bf16"],
+        id="dtype-bridge-prefix",
+    ),
     pytest.param(["-ng", "0"], ["num_gpus: is 0"], id="num-gpus"),
     pytest.param(["-tp", "3"], ["tensor_model_parallel_size: num_attention_heads=4 does not split over 3"], id="tp"),
-    pytest.param(["-pp", "2"], ["global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages needs at least"
-                                " 2: raise -gb"], id="pp"),
-    pytest.param(["-cp", "3"], ["context_parallel_size: seq_length=16 (-sl 16) does not split into 6 chunks"],
-                 id="cp"),
+    pytest.param(
+        ["-pp", "2"],
+        ["global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages needs at least 2: raise -gb"],
+        id="pp",
+    ),
+    pytest.param(["-cp", "3"], ["context_parallel_size: seq_length=16 (-sl 16) does not split into 6 chunks"], id="cp"),
     pytest.param(["-vp", "2"], ["virtual_pipeline_model_parallel_size"], id="vp"),
-    pytest.param(["--num_layers", "4", "-pp", "2", "-vp", "2", "-gb", "6"],
-                 ["interleaved 1F1B runs them in rounds of pp = 2: use a multiple"], id="pp-vp"),
-    pytest.param(["-pp", "2", "-gb", "2", "-ng", "3"], ["num_gpus: 3 GPUs do not split into data-parallel groups"],
-                 id="ng-not-multiple"),
-    pytest.param(["-mb", "2", "-gb", "3"], ["global_batch_size: 3 is not a positive multiple of the micro-batch size 2"],
-                 id="gb-not-multiple"),
+    pytest.param(
+        ["--num_layers", "4", "-pp", "2", "-vp", "2", "-gb", "6"],
+        ["interleaved 1F1B runs them in rounds of pp = 2: use a multiple"],
+        id="pp-vp",
+    ),
+    pytest.param(
+        ["-pp", "2", "-gb", "2", "-ng", "3"],
+        ["num_gpus: 3 GPUs do not split into data-parallel groups"],
+        id="ng-not-multiple",
+    ),
+    pytest.param(
+        ["-mb", "2", "-gb", "3"],
+        ["global_batch_size: 3 is not a positive multiple of the micro-batch size 2"],
+        id="gb-not-multiple",
+    ),
     pytest.param(["-mb", "4", "-gb", "2"], ["global_batch_size: 2 is not a positive multiple"], id="gb-below-mb"),
     pytest.param(["-mb", "0"], ["micro_batch_size: is 0"], id="mb-zero"),
     pytest.param(["-ms", "3", "--warmup_steps", "3"], ["max_steps: 3 steps leave no steady step"], id="ms-eq-warmup"),
     pytest.param(["-ms", "2", "--warmup_steps", "3"], ["max_steps: 2 steps"], id="ms-below-warmup"),
     pytest.param(["--warmup_steps", "-1"], ["warmup_steps: is -1; use --warmup_steps 0 or more"], id="warmup-negative"),
-    pytest.param(["--compile", "--warmup_steps", "0"], ["warmup_steps: is 0 with --compile: the first step compiles"],
-                 id="compile-no-warmup"),
-    pytest.param(["--task", "bogus"], ["task: 'bogus' is not a task; Megatron Bridge's are 'pretrain', 'sft', 'peft'",
-                                       "use pretrain or sft"], id="task"),
+    pytest.param(
+        ["--compile", "--warmup_steps", "0"],
+        ["warmup_steps: is 0 with --compile: the first step compiles"],
+        id="compile-no-warmup",
+    ),
+    pytest.param(
+        ["--task", "bogus"],
+        ["task: 'bogus' is not a task; Megatron Bridge's are 'pretrain', 'sft', 'peft'", "use pretrain or sft"],
+        id="task",
+    ),
     pytest.param(["--task", "sfft"], ["did you mean 'sft'?"], id="task-typo"),
     pytest.param(["--task", "peft"], ["task: 'peft' is not supported yet; use pretrain or sft"], id="task-peft"),
     pytest.param(["-g", "h300"], ["gpu: 'h300' is not a GPU name (did you mean 'h200'?)"], id="gpu-unknown"),
     pytest.param(["-g", "h100", "--device", "cpu"], ["-g h100 names a GPU but this run is on CPU"], id="gpu-on-cpu"),
     pytest.param(["--device", "cuda"], ["device: a CUDA GPU was asked for"], id="cuda-missing", marks=NO_CUDA),
-    pytest.param(["-mr", "llama3_8b", "--num_layers", "32", "-sl", "8192", "--device", "cpu"],
-                 ["8.03B parameters is a GPU job"], id="big-on-cpu"),
+    pytest.param(
+        ["-mr", "llama3_8b", "--num_layers", "32", "-sl", "8192", "--device", "cpu"],
+        ["8.03B parameters is a GPU job"],
+        id="big-on-cpu",
+    ),
     pytest.param(["-rl", "1", "--recompute_modules", "mlp"], ["pass one of them"], id="rl-and-modules"),
-    pytest.param(["--recompute_granularity", "full", "--recompute_modules", "mlp"],
-                 ["invalid config (1 problem)", "--recompute_granularity: full recomputes whole layers"],
-                 id="full-and-modules"),
+    pytest.param(
+        ["--recompute_granularity", "full", "--recompute_modules", "mlp"],
+        ["invalid config (1 problem)", "--recompute_granularity: full recomputes whole layers"],
+        id="full-and-modules",
+    ),
     pytest.param(["-rl", "3"], ["recompute_num_layers: 3 is out of range", "between 1 and 2"], id="rl-too-many"),
     pytest.param(["--recompute_modules", "moe"], ["'moe' matches no site in LlamaModel"], id="label-moe"),
-    pytest.param(["--recompute_modules", "mlp,shared_experts"], ["'shared_experts' matches no site"],
-                 id="label-shared-experts"),
+    pytest.param(
+        ["--recompute_modules", "mlp,shared_experts"], ["'shared_experts' matches no site"], id="label-shared-experts"
+    ),
     pytest.param(["--recompute_modules", "moe_act"], ["recompute_modules: 'moe_act'"], id="label-moe-act"),
     pytest.param(["--recompute_modules", "mlpp"], ["unknown label 'mlpp' (did you mean 'mlp'?)"], id="label-typo"),
-    pytest.param(["--recompute_method", "uniform", "--recompute_granularity", "full"], ["recompute_num_layers"],
-                 id="full-without-layers"),
-    pytest.param(["--recompute_method", "uniform"],
-                 ["recompute_method: 'uniform' applies only to full recompute, which is off (recompute_granularity"
-                  " is null), so it would do nothing; set recompute_granularity: full (on the command line -rl N)"],
-                 id="method-without-rl"),
+    pytest.param(
+        ["--recompute_method", "uniform", "--recompute_granularity", "full"],
+        ["recompute_num_layers"],
+        id="full-without-layers",
+    ),
+    pytest.param(
+        ["--recompute_method", "uniform"],
+        [
+            "recompute_method: 'uniform' applies only to full recompute, which is off (recompute_granularity"
+            " is null), so it would do nothing; set recompute_granularity: full (on the command line -rl N)"
+        ],
+        id="method-without-rl",
+    ),
     pytest.param(["-mr", "llama3_tin"], ["did you mean 'llama3_tiny'?"], id="recipe-typo"),
 ]
 
 
 @pytest.mark.parametrize(("flags", "messages"), REJECTED)
 @pytest.mark.usefixtures("no_steps")
-def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str],
-                                 messages: list[str]) -> None:
+def test_bench_rejects_bad_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], messages: list[str]
+) -> None:
     out_json = tmp_path / "r.json"
     code, out, err = cli(capsys, "bench", *TINY, *flags, "--json", str(out_json))
     assert code == 1
@@ -123,8 +156,9 @@ def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert not (tmp_path / "default-history.sqlite").exists()
 
 
-def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sweep_prints_its_advice_before_it_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sweep can take hours: what its check advised is printed before the first run, once."""
     import remat.cli.sweep as sweep_command
 
@@ -138,8 +172,9 @@ def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[
     offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
     real_sweep = sweep_command.sweep
     monkeypatch.setattr(sweep_command, "sweep", sweep)
-    code, _, err = cli(capsys, "sweep", *TINY, "--configs", str(offload), "--no_history", "--plot",
-                       str(tmp_path / "p.png"))
+    code, _, err = cli(
+        capsys, "sweep", *TINY, "--configs", str(offload), "--no_history", "--plot", str(tmp_path / "p.png")
+    )
     assert code == 0 and "offload on CPU (offload) copies CPU memory" in seen_before_running[0]
     assert "offload on CPU" not in err  # not again after the runs
     assert seen_before_running[0].count("offload on CPU") == 1
@@ -147,13 +182,19 @@ def test_a_sweep_prints_its_advice_before_it_runs(capsys: pytest.CaptureFixture[
 
 def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out_json = tmp_path / "new" / "r.json"  # missing folders are created, as for --save-golden and --plot
-    code, out, err = cli(capsys, "bench", *TINY, "-gb", "4", "--recompute_modules", "mlp", "--no_history",
-                         "--json", str(out_json))
+    code, out, err = cli(
+        capsys, "bench", *TINY, "-gb", "4", "--recompute_modules", "mlp", "--no_history", "--json", str(out_json)
+    )
     assert code == 0, err
     data = json.loads(out_json.read_text())
     result = BenchResult.from_dict(data)
     assert (result.status, result.name, result.recipe, result.device, result.gpu) == (
-        "ok", "mlp", "llama3_tiny", "cpu", "cpu")
+        "ok",
+        "mlp",
+        "llama3_tiny",
+        "cpu",
+        "cpu",
+    )
     assert result.config["recompute_granularity"] == "selective"
     assert result.config["recompute_modules"] == ["mlp"]
     assert result.shape["num_layers"] == NUM_LAYERS and result.shape["seq_length"] == SEQ
@@ -166,7 +207,9 @@ def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], 
     assert result.tflops_fwd_bwd is not None and result.tflops_fwd_bwd >= result.tflops_per_gpu
     model = build("llama3_tiny", device="meta", num_layers=NUM_LAYERS, seq_length=SEQ)
     tokens = 4 * SEQ  # two micro-batches of two sequences
-    assert result.tflops_per_gpu * 1e12 * result.step_time_s == pytest.approx(family_of("llama3_tiny").flops(model.config, SEQ, 4))
+    assert result.tflops_per_gpu * 1e12 * result.step_time_s == pytest.approx(
+        family_of("llama3_tiny").flops(model.config, SEQ, 4)
+    )
     assert result.tokens_per_s_per_gpu == pytest.approx(tokens / result.step_time_s)
     memory = result.memory
     assert memory is not None
@@ -183,11 +226,18 @@ def test_bench_run_writes_a_sensible_result(capsys: pytest.CaptureFixture[str], 
     assert "optimizer state" in out and " ok " in out
 
 
-@pytest.mark.parametrize(("flags", "name"), [([], "none"), (["-rl", "1"], "full_block_1"),
-                                             (["-rl", "2", "--recompute_method", "uniform"], "full_uniform_2"),
-                                             (["--recompute_modules", "mlp,layernorm"], "mlp+layernorm")])
-def test_bench_result_name_matches_the_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                              flags: list[str], name: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        ([], "none"),
+        (["-rl", "1"], "full_block_1"),
+        (["-rl", "2", "--recompute_method", "uniform"], "full_uniform_2"),
+        (["--recompute_modules", "mlp,layernorm"], "mlp+layernorm"),
+    ],
+)
+def test_bench_result_name_matches_the_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], name: str
+) -> None:
     out_json = tmp_path / "r.json"
     code, _, err = cli(capsys, "bench", *TINY, *flags, "--no_history", "--json", str(out_json))
     assert code == 0, err
@@ -195,8 +245,9 @@ def test_bench_result_name_matches_the_config(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_bench_records_whether_gradient_accumulation_is_fused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                              fused: bool) -> None:
+def test_bench_records_whether_gradient_accumulation_is_fused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fused: bool
+) -> None:
     out_json = tmp_path / "r.json"
     flags = [] if fused else ["--no_gradient_accumulation_fusion"]
     code, _, err = cli(capsys, "bench", *TINY, *flags, "--no_history", "--json", str(out_json))
@@ -209,8 +260,13 @@ def _verdicts(out: str) -> dict[str, str]:
     verdicts = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if len(cells) == 6 and cells[0] in ("tflops_per_gpu", "peak_allocated_bytes", "peak_reserved_bytes",
-                                            "loss", "status"):
+        if len(cells) == 6 and cells[0] in (
+            "tflops_per_gpu",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "loss",
+            "status",
+        ):
             verdicts[cells[0]] = cells[5]
     return verdicts
 
@@ -246,8 +302,9 @@ def test_golden_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert "REGRESSION" not in out
 
     # timing left out of the golden, so only the (exact) memory decides
-    smaller = _edit_golden(golden, tmp_path / "smaller.json", tflops_per_gpu=None,
-                           peak_allocated_bytes=lambda b: int(b * 0.9))
+    smaller = _edit_golden(
+        golden, tmp_path / "smaller.json", tflops_per_gpu=None, peak_allocated_bytes=lambda b: int(b * 0.9)
+    )
     code, out, _ = cli(capsys, "bench", *flags, "--golden", str(smaller), "--threshold", "0.05")
     assert code == 1
     assert _verdicts(out) == {"peak_allocated_bytes": "REGRESSION", "loss": "ok"}
@@ -257,8 +314,9 @@ def test_golden_of_another_config_gpu_or_metrics_is_noted(capsys: pytest.Capture
     golden = tmp_path / "none.json"
     code, _, _ = cli(capsys, "bench", *TINY, "--no_history", "--save-golden", str(golden))
     assert code == 0
-    code, _, err = cli(capsys, "bench", *TINY, "-rl", "1", "--no_history", "--golden", str(golden),
-                       "--threshold", "1e9")
+    code, _, err = cli(
+        capsys, "bench", *TINY, "-rl", "1", "--no_history", "--golden", str(golden), "--threshold", "1e9"
+    )
     assert code == 0 and "note: config.recompute_granularity differs" in err
     # a GPU golden: reserved memory, which a CPU run has none of, is named as not compared
     on_gpu = _edit_golden(golden, tmp_path / "gpu.json", gpu="NVIDIA H200", peak_reserved_bytes=2**30)
@@ -270,8 +328,9 @@ def test_golden_of_another_config_gpu_or_metrics_is_noted(capsys: pytest.Capture
 
 
 @pytest.mark.usefixtures("fake_cuda_memory")
-def test_cli_bench_fails_on_oom(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                tmp_path: Path) -> None:
+def test_cli_bench_fails_on_oom(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     golden = tmp_path / "golden.json"
     code, _, _ = cli(capsys, "bench", *TINY, "--no_history", "--save-golden", str(golden))
     assert code == 0
@@ -296,8 +355,9 @@ def test_cli_bench_fails_on_oom(capsys: pytest.CaptureFixture[str], monkeypatch:
     assert _verdicts(out) == {"status": "REGRESSION"}
 
 
-def test_history_records_one_row_per_bench(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_history_records_one_row_per_bench(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     db = tmp_path / "h.sqlite"
     argv = ["bench", *TINY, "-rl", "1", "--history", str(db)]
     monkeypatch.setattr(sys, "argv", ["remat", *argv])  # as the console script sees it
@@ -319,8 +379,7 @@ def test_history_records_one_row_per_bench(capsys: pytest.CaptureFixture[str], m
     assert len(recent(path=db)) == 2  # appended, not replaced
 
 
-def test_no_history_writes_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                   _private_history: Path) -> None:
+def test_no_history_writes_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path, _private_history: Path) -> None:
     code, _, _ = cli(capsys, "bench", *TINY, "--no_history")
     assert code == 0 and not _private_history.exists()
     code, _, _ = cli(capsys, "bench", *TINY)  # default: $REMAT_HISTORY
@@ -331,8 +390,19 @@ def test_no_history_writes_nothing(capsys: pytest.CaptureFixture[str], tmp_path:
 def test_sweep_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     entries = ["none", "mlp", "full_uniform_1", "core_attn+layernorm"]
     plot, out_json, db = tmp_path / "p.png", tmp_path / "s.json", tmp_path / "h.sqlite"
-    code, out, err = cli(capsys, "sweep", *TINY, "--plot", str(plot), "--json", str(out_json),
-                         "--history", str(db), "--configs", *entries)
+    code, out, err = cli(
+        capsys,
+        "sweep",
+        *TINY,
+        "--plot",
+        str(plot),
+        "--json",
+        str(out_json),
+        "--history",
+        str(db),
+        "--configs",
+        *entries,
+    )
     assert code == 0, err
     assert "remat sweep: llama3_tiny" in out
     for name in entries:
@@ -361,8 +431,11 @@ def test_no_optimizer_measures_forward_and_backward_with_gradients_accumulating(
     spec = tiny_spec(optimizer=False, micro_batch_size=1, global_batch_size=2)
     left = {}
     release = step.release_memory
-    monkeypatch.setattr(step, "release_memory", lambda model: left.update(
-        {n: p.grad.clone() for n, p in model.named_parameters()}) or release(model))
+    monkeypatch.setattr(
+        step,
+        "release_memory",
+        lambda model: left.update({n: p.grad.clone() for n, p in model.named_parameters()}) or release(model),
+    )
     model = run_build.build_model(spec)
     bench_run.run_bench(spec, model=model)
     data = MockData(spec)

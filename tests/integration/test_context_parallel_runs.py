@@ -16,7 +16,6 @@ ranks' gradients, in another order than one kernel's softmax and one backward.
 
 The quick tests of the same code: tests/unit/parallel/test_context_parallel.py."""
 
-
 from __future__ import annotations
 
 import functools
@@ -137,8 +136,11 @@ def gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("recipe,plan,sp", cp_worker.MOE_TP)
 def test_an_moe_step_beside_tensor_parallelism_matches_one_process(four, recipe, plan, sp) -> None:
-    assert_matches_one_process(four[f"{recipe}:{plan}@sp={sp}"], one_process(recipe),  # type: ignore[arg-type]
-                               tensor_parallel=True)
+    assert_matches_one_process(
+        four[f"{recipe}:{plan}@sp={sp}"],
+        one_process(recipe),  # type: ignore[arg-type]
+        tensor_parallel=True,
+    )
 
 
 def test_selective_moe_recompute_beside_tensor_parallelism_is_bit_identical_to_none(four) -> None:
@@ -174,8 +176,11 @@ def test_context_beside_pipeline_and_tensor_parallelism_matches_one_process(tmp_
     """pp 2 x cp 2 x tp 2: 8 processes, about 25 s on 2 cores."""
     found = _run(tmp_path_factory, cp_worker.PP * cp_worker.CP * cp_worker.TP)
     for sp in SPLIT:
-        assert_matches_one_process(found[f"sp={sp}"], one_process(task="sft"),  # type: ignore[arg-type]
-                                   tensor_parallel=True)
+        assert_matches_one_process(
+            found[f"sp={sp}"],
+            one_process(task="sft"),  # type: ignore[arg-type]
+            tensor_parallel=True,
+        )
     assert_same_step(found["full"], found["sp=True"])  # type: ignore[arg-type]
 
 
@@ -188,6 +193,7 @@ def test_hidden_dropout_masks_beside_tensor_parallelism_are_megatrons(four) -> N
     """Megatron seeds a tensor-parallel rank's stream seed + 2718 + its tp rank, whatever its cp
     rank, and the default generators alike: without sequence parallelism every rank draws the
     same hidden masks; with it, each tp rank its own, the same on its cp peers' tokens."""
+
     def same(ranks: list[list[torch.Tensor]], a: int, b: int) -> bool:
         return all(torch.equal(x, y) for x, y in zip(ranks[a], ranks[b], strict=True))
 
@@ -198,9 +204,11 @@ def test_hidden_dropout_masks_beside_tensor_parallelism_are_megatrons(four) -> N
 
 
 def test_context_parallelism_refuses_too_few_tokens_to_split_over_the_sequence_parallel_ranks(four) -> None:
-    assert four["sequence split"] == ["sequence_parallel: each rank's 10 tokens do not split over 4 tensor-parallel"
-                                       " ranks; use a sequence length that is a multiple of 8, or turn sequence"
-                                       " parallelism off"]
+    assert four["sequence split"] == [
+        "sequence_parallel: each rank's 10 tokens do not split over 4 tensor-parallel"
+        " ranks; use a sequence length that is a multiple of 8, or turn sequence"
+        " parallelism off"
+    ]
 
 
 def test_bench_runs_beside_tensor_parallelism(four) -> None:
@@ -222,8 +230,10 @@ def test_what_context_parallelism_refuses_at_run_time(cp) -> None:
     assert said["mesh"][0].startswith("mesh: has 2 dimensions ('dp', 'cp'); pass its context-parallel one")
     assert "attention_backend: is 'eager'; torch's context parallelism runs" in said["model"][0]
     assert "attention_dropout: is 0.1; torch's ring attention draws it per block of keys" in said["model"][0]
-    assert said["short"] == ["the batch, its labels and the model's position tables have [8, 16] positions;"
-                             " context parallelism needs a batch of the model's seq_length"]
+    assert said["short"] == [
+        "the batch, its labels and the model's position tables have [8, 16] positions;"
+        " context parallelism needs a batch of the model's seq_length"
+    ]
 
 
 def test_experts_split_beside_context_parallelism_train_as_without_the_split(four) -> None:
@@ -233,8 +243,9 @@ def test_experts_split_beside_context_parallelism_train_as_without_the_split(fou
     value (an expert's GEMMs take both ranks' rows at once, and FSDP2 sums other groups of ranks);
     the expert bias moves on the same counts, exact. Selective recompute of the MoE layer, which
     exchanges the token slots again in its replay, is bit-identical to none."""
-    (loss, grads, bias, held), (split_loss, split_grads, split_bias, split_held) = (four[f"ep:{ep}:none"]
-                                                                                  for ep in (1, 2))
+    (loss, grads, bias, held), (split_loss, split_grads, split_bias, split_held) = (
+        four[f"ep:{ep}:none"] for ep in (1, 2)
+    )
     assert {int(n) for n in held.values()} == {4} and {int(n) for n in split_held.values()} == {2}
     assert split_loss == pytest.approx(loss, rel=1e-12)
     assert split_grads.keys() == grads.keys() and any(".experts." in name for name in grads)

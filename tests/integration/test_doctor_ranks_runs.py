@@ -7,7 +7,6 @@ checks the whole path; the rest runs in this process.
 
 The quick tests of the same code: tests/unit/doctor/test_doctor_ranks.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -38,8 +37,14 @@ SECONDS = 120  # the launch takes ~15 s on 2 busy cores; a hang would take torch
 def _run_to_end(argv: list[str]) -> tuple[int, str, str]:
     """Run `python oom_worker.py ARGV` (it starts torchrun) to its end; fail, stopping every process
     it started, if it outlives SECONDS."""
-    process = subprocess.Popen([sys.executable, oom_worker.__file__, *argv], env=worker_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, oom_worker.__file__, *argv],
+        env=worker_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=SECONDS)
     except subprocess.TimeoutExpired:
@@ -51,9 +56,28 @@ def _run_to_end(argv: list[str]) -> tuple[int, str, str]:
 
 def test_an_oom_on_rank_1_is_diagnosed_with_its_numbers_and_ends_the_run(tmp_path, capsys) -> None:
     result, history = tmp_path / "bench.json", tmp_path / "history.sqlite"
-    code, out, err = _run_to_end(["bench", "-mr", "llama3_tiny", "--device", "cpu", "-ng", "2", "--num_layers", "2",
-                                  "-ms", "2", "--warmup_steps", "1", "--no_progress", "--json", str(result),
-                                  "--history", str(history)])
+    code, out, err = _run_to_end(
+        [
+            "bench",
+            "-mr",
+            "llama3_tiny",
+            "--device",
+            "cpu",
+            "-ng",
+            "2",
+            "--num_layers",
+            "2",
+            "-ms",
+            "2",
+            "--warmup_steps",
+            "1",
+            "--no_progress",
+            "--json",
+            str(result),
+            "--history",
+            str(history),
+        ]
+    )
     assert code == 1, err[-3000:]
     # the process that started torchrun reports rank 1's OOM, diagnosed with rank 1's numbers
     assert f"{RANK1} ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB." in out
@@ -66,7 +90,10 @@ def test_an_oom_on_rank_1_is_diagnosed_with_its_numbers_and_ends_the_run(tmp_pat
     oom = json.loads(result.read_text())["oom"]
     assert (oom["rank"], oom["coordinates"]) == (1, {"pp": 0, "dp": 1, "cp": 0, "tp": 0})
     assert (oom["allocated_bytes"], oom["allocator"]["allocated"], oom["allocator"]["limit"]) == (
-        RANK1_ALLOCATED, RANK1_ALLOCATED, RANK1_LIMIT)
+        RANK1_ALLOCATED,
+        RANK1_ALLOCATED,
+        RANK1_LIMIT,
+    )
     (recorded,) = recent(path=history)
     assert recorded.status == "oom" and recorded.oom is not None and recorded.oom.rank == 1
     # remat doctor on those results names the rank and classifies it by its numbers

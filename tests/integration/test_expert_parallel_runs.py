@@ -9,7 +9,6 @@ layout problem is named before any process starts.
 
 The quick tests of the same code: tests/unit/parallel/test_expert_parallel.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -50,10 +49,17 @@ def test_every_plan_under_expert_parallelism_is_bit_identical_to_it_without_reco
         assert torch.equal(grad, plain_grads[name]), name
 
 
-@pytest.mark.parametrize("plan, exchanges", [
-    ("none", MOE_LAYERS), ("moe_act", MOE_LAYERS), ("shared_experts", MOE_LAYERS),
-    ("moe", 2 * MOE_LAYERS),  # Megatron's moe recompute checkpoints the layer with its dispatch and combine
-    ("full_uniform_1", 2 * MOE_LAYERS), ("full_block_3", MOE_LAYERS + 2)])  # layers 1 and 2 of 0-2 are MoE
+@pytest.mark.parametrize(
+    "plan, exchanges",
+    [
+        ("none", MOE_LAYERS),
+        ("moe_act", MOE_LAYERS),
+        ("shared_experts", MOE_LAYERS),
+        ("moe", 2 * MOE_LAYERS),  # Megatron's moe recompute checkpoints the layer with its dispatch and combine
+        ("full_uniform_1", 2 * MOE_LAYERS),
+        ("full_block_3", MOE_LAYERS + 2),
+    ],
+)  # layers 1 and 2 of 0-2 are MoE
 def test_a_replay_of_an_moe_layer_exchanges_its_tokens_again(split, plan, exchanges) -> None:
     assert split[plan][2] == exchanges
 
@@ -81,22 +87,34 @@ def test_parallelize_experts_names_every_problem_and_changes_nothing(split) -> N
         "expert_model_parallel_size: the model was built for 1 expert-parallel rank(s), not 2; build it with"
         " expert_model_parallel_size=2",
         "expert_tensor_parallel_size: is 2; each expert runs whole on its rank (no expert tensor parallelism yet;"
-        " remat estimate predicts it); use 1"]
+        " remat estimate predicts it); use 1",
+    ]
     assert refusals["not_dividing"].splitlines()[0] == (
         "expert_model_parallel_size: (4) does not divide the 2 data-parallel rank(s) (2 GPUs / tp x pp x cp 1);"
-        " expert-parallel ranks are data-parallel ranks that split the experts: use a multiple of 4 GPUs")
-    assert refusals["dense"] == ("expert_model_parallel_size: is 2, but dense Llama models have no routed experts"
-                                 " that remat splits; use an MoE recipe (remat recipes lists them) or drop it")
+        " expert-parallel ranks are data-parallel ranks that split the experts: use a multiple of 4 GPUs"
+    )
+    assert refusals["dense"] == (
+        "expert_model_parallel_size: is 2, but dense Llama models have no routed experts"
+        " that remat splits; use an MoE recipe (remat recipes lists them) or drop it"
+    )
     assert refusals["mesh"] == "mesh: has 2 dimensions ('pp', 'dp'); pass its data-parallel one, e.g. mesh['dp']"
-    assert refusals["unnamed"] == ("mesh: has no dimension names; make it with init_device_mesh(...,"
-                                   " mesh_dim_names=('dp',))")
+    assert refusals["unnamed"] == (
+        "mesh: has no dimension names; make it with init_device_mesh(..., mesh_dim_names=('dp',))"
+    )
 
 
 def test_the_estimate_holds_fsdp2_s_expert_shards_to_the_byte(split) -> None:
     """FSDP2 shards the experts over the ranks holding the same ones (here 1: 2 ranks, ep 2) and
     the rest over both; the estimate's weights are rank 0's shards (FSDP2 pads the last rank's)."""
     spec = EstimateSpec.of_run(ep_worker.spec(EP))
-    shard = spec.family.shard(spec.model_config, spec.layout,  # one expert-parallel rank's experts
-                              range(spec.model_config.num_layers))
-    assert sharded_state_bytes(spec.family.build(shard, dtype=spec.state_dtype, device="meta"), spec.family,
-                               spec.layout, spec.state_dtype) == split["held_bytes"][0]
+    shard = spec.family.shard(
+        spec.model_config,
+        spec.layout,  # one expert-parallel rank's experts
+        range(spec.model_config.num_layers),
+    )
+    assert (
+        sharded_state_bytes(
+            spec.family.build(shard, dtype=spec.state_dtype, device="meta"), spec.family, spec.layout, spec.state_dtype
+        )
+        == split["held_bytes"][0]
+    )

@@ -15,7 +15,6 @@ run), and the step sums its loss in float32.
 
 The quick tests of the same code: tests/unit/models/test_hf_context_parallel.py."""
 
-
 from __future__ import annotations
 
 import functools
@@ -51,8 +50,11 @@ def one_process(recipe: str = "hf:llama", task: str = "pretrain") -> hf_cp_worke
     """One process's step on the batches every run of the worker draws, from the same seed (SFT's
     through the chunked loss head, as the worker's)."""
     sft = task == "sft"
-    return hf_cp_worker.step(hf_cp_worker.spec(recipe, task, context_parallel=1, compile=sft,
-                                               seq_length=hf_cp_worker.SFT_SEQ if sft else hf_cp_worker.SEQ))
+    return hf_cp_worker.step(
+        hf_cp_worker.spec(
+            recipe, task, context_parallel=1, compile=sft, seq_length=hf_cp_worker.SFT_SEQ if sft else hf_cp_worker.SEQ
+        )
+    )
 
 
 def assert_matches_one_process(found: hf_cp_worker.Step, one: hf_cp_worker.Step) -> None:
@@ -62,9 +64,14 @@ def assert_matches_one_process(found: hf_cp_worker.Step, one: hf_cp_worker.Step)
         torch.testing.assert_close(grad, one[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("case,recipe,task", [("llama:none", "hf:llama", "pretrain"),
-                                              ("llama:sft", "hf:llama", "sft"),
-                                              ("mixtral:none", "hf:mixtral", "pretrain")])
+@pytest.mark.parametrize(
+    "case,recipe,task",
+    [
+        ("llama:none", "hf:llama", "pretrain"),
+        ("llama:sft", "hf:llama", "sft"),
+        ("mixtral:none", "hf:mixtral", "pretrain"),
+    ],
+)
 def test_a_context_parallel_step_matches_one_process(cp, case, recipe, task) -> None:
     """SFT masks the first quarter: rank 0's head chunk is all prompt, so the ranks' losses are
     means over unequal shares, weighted back to the sequence's mean; its loss is the chunked

@@ -22,7 +22,6 @@ which take the gradient out of .grad, are summed where they are (`main_grad`).
 
 The quick tests of the same code: tests/unit/models/test_hf_pipeline.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -128,8 +127,29 @@ def test_a_tied_embedding_on_stages_sharded_by_fsdp2_matches_one_process(piped_f
 
 def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:
     out = tmp_path / "estimate.json"
-    assert main(["estimate", "-mr", "hf:llama", "-pp", "2", "-ng", "2", "-gb", "4", "--configs", "none",
-                 "--target", "cpu", "--no_progress", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "-mr",
+                "hf:llama",
+                "-pp",
+                "2",
+                "-ng",
+                "2",
+                "-gb",
+                "4",
+                "--configs",
+                "none",
+                "--target",
+                "cpu",
+                "--no_progress",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (found,) = json.loads(out.read_text())
     assert [(s["stage"], s["layers"], s["in_flight"]) for s in found["stages"]] == [(0, 1, 2), (1, 1, 1)]
 
@@ -137,10 +157,38 @@ def test_estimate_gives_each_hf_stage_its_numbers(tmp_path) -> None:
 @pytest.mark.slow
 def test_bench_runs_hf_stages_under_torchrun(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "hf:llama", "--device", "cpu", "-ms", "2",
-                          "--warmup_steps", "1", "--no_history", "--no_progress", "-pp", "2", "-gb", "2", "-rl", "1",
-                          "-ng", "2", "--json", str(out)], env=worker_env(), capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remat",
+            "bench",
+            "-mr",
+            "hf:llama",
+            "--device",
+            "cpu",
+            "-ms",
+            "2",
+            "--warmup_steps",
+            "1",
+            "--no_history",
+            "--no_progress",
+            "-pp",
+            "2",
+            "-gb",
+            "2",
+            "-rl",
+            "1",
+            "-ng",
+            "2",
+            "--json",
+            str(out),
+        ],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "remat bench: hf:llama, 2 pipeline stages (1f1b)" in run.stdout
     result = json.loads(out.read_text())

@@ -4,7 +4,6 @@ float64 with dropout on.
 
 The quick tests of the same code: tests/unit/models/test_hf.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -19,13 +18,19 @@ from remat.config.recompute import RecomputeConfig  # noqa: E402
 from remat.run.verify import run_step, verify  # noqa: E402
 
 CASES = [(family, selective(label)) for family, labels in LABELS.items() for label in labels] + [
-    (family, config) for family in LABELS for config in (full("uniform", 1), full("block", 2), selective(*LABELS[family]))]
+    (family, config)
+    for family in LABELS
+    for config in (full("uniform", 1), full("block", 2), selective(*LABELS[family]))
+]
 
 
 def _case_id(case) -> str:
     family, c = case
-    what = (",".join(c.recompute_modules) if c.recompute_granularity == "selective"
-            else f"{c.recompute_method}{c.recompute_num_layers}")
+    what = (
+        ",".join(c.recompute_modules)
+        if c.recompute_granularity == "selective"
+        else f"{c.recompute_method}{c.recompute_num_layers}"
+    )
     return f"{family}-{what}"
 
 
@@ -47,9 +52,30 @@ def test_every_label_and_full_recompute_is_bit_identical_with_dropout(case) -> N
 
 def test_remat_bench_runs_a_transformers_model_from_a_config(capsys) -> None:
     from remat.cli import main
-    code = main(["bench", "-m", "hf", "--hf_config", "qwen3_moe", "--num_layers", "2", "-sl", "16", "-ms", "2",
-                 "--warmup_steps", "1", "--recompute_modules", "moe", "--no_history", "--no_progress",
-                 "--device", "cpu"])
+
+    code = main(
+        [
+            "bench",
+            "-m",
+            "hf",
+            "--hf_config",
+            "qwen3_moe",
+            "--num_layers",
+            "2",
+            "-sl",
+            "16",
+            "-ms",
+            "2",
+            "--warmup_steps",
+            "1",
+            "--recompute_modules",
+            "moe",
+            "--no_history",
+            "--no_progress",
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "moe" in out and "ok" in out
@@ -68,6 +94,7 @@ def test_the_trace_predicts_the_bytes_saved_tensors_hooks_find(family) -> None:
     branch saves and frees), besides weights and the batch; plus the loss."""
     import gc
     import weakref
+
     model = remat.adapt(build(family))
     trace = _trace(model)
     ids, labels = batch(model)
@@ -84,6 +111,7 @@ def test_the_trace_predicts_the_bytes_saved_tensors_hooks_find(family) -> None:
 @pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_trace_predicts_what_each_plan_leaves_allocated(family) -> None:
     from helpers.trace import _held_by_ops
+
     model = remat.adapt(build(family))
     trace = _trace(model)
     ids, labels = batch(model)
@@ -110,14 +138,24 @@ def test_the_trace_predicts_what_each_plan_leaves_allocated(family) -> None:
 def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> None:
     from remat.estimate.spec import EstimateSpec
     from remat.estimate.stages import estimate
+
     overrides, mb = {"num_layers": 2, "seq_length": 32}, 2
     # torch's grouped GEMM on meta takes bf16 only: MoE families are estimated (and traced) in bf16
     dtype = "bf16" if family in ("mixtral", "deepseek_v3") else "fp32"
     plans = [("none", None), ("all", selective(*LABELS[family])), ("full", full("uniform", 1))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        estimates = estimate(EstimateSpec(recipe=f"hf:{family}", overrides=overrides, micro_batch_size=mb,
-                                          optimizer=False, precision=Precision(dtype), device="cpu"), plans)
+        estimates = estimate(
+            EstimateSpec(
+                recipe=f"hf:{family}",
+                overrides=overrides,
+                micro_batch_size=mb,
+                optimizer=False,
+                precision=Precision(dtype),
+                device="cpu",
+            ),
+            plans,
+        )
         torch.manual_seed(0)
         model = remat.models.build(f"hf:{family}", dtype=Precision(dtype).dtype, **overrides)
         ids = torch.randint(0, model.config.vocab_size, (mb, 32))
@@ -126,14 +164,31 @@ def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> No
             predicted = traced.predict(plan)
             (stage,) = est.stages
             assert (stage.activations, stage.peak, stage.peak_window) == (
-                predicted.saved_bytes, predicted.peak_bytes, predicted.peak_window), name
+                predicted.saved_bytes,
+                predicted.peak_bytes,
+                predicted.peak_window,
+            ), name
 
 
 def test_remat_verify_takes_moe_and_mla_labels_on_a_transformers_model(capsys) -> None:
     """The config's facts (grouped GEMM experts, multi-latent attention) come from the model."""
     from remat.cli import main
-    code = main(["verify", "-m", "hf", "--hf_config", "deepseek_v3", "--num_layers", "2", "-sl", "16",
-                 "--recompute_modules", "moe_act,mla_up_proj,shared_experts"])
+
+    code = main(
+        [
+            "verify",
+            "-m",
+            "hf",
+            "--hf_config",
+            "deepseek_v3",
+            "--num_layers",
+            "2",
+            "-sl",
+            "16",
+            "--recompute_modules",
+            "moe_act,mla_up_proj,shared_experts",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "bit-identical: True" in out

@@ -11,7 +11,6 @@ heads draws from its own stream, which every replay restores.
 
 The quick tests of the same code: tests/unit/models/test_hf_tensor_parallel.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -40,8 +39,11 @@ def split(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
-SPLITS = [(family, sp) for family in hf_tp_worker.FAMILIES
-          for sp in ((False, True) if family in hf_tp_worker.SEQUENCE_PARALLEL else (False,))]
+SPLITS = [
+    (family, sp)
+    for family in hf_tp_worker.FAMILIES
+    for sp in ((False, True) if family in hf_tp_worker.SEQUENCE_PARALLEL else (False,))
+]
 
 
 @pytest.mark.parametrize("family,sp", SPLITS)
@@ -60,8 +62,9 @@ def test_a_split_hf_model_gives_the_loss_and_gradients_of_one_process(split, fam
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("plan", ["selective", "full"])
 @pytest.mark.parametrize("family,sp", SPLITS)
-def test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute(split, family, sp, plan,
-                                                                                  dropout) -> None:
+def test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute(
+    split, family, sp, plan, dropout
+) -> None:
     loss, grads = split[f"{family}@sp={sp}@{plan}@{dropout}"]
     plain_loss, plain_grads = split[f"{family}@sp={sp}@none@{dropout}"]
     assert loss == plain_loss

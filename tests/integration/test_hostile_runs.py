@@ -3,7 +3,6 @@
 
 The quick tests of the same code: tests/unit/cli/test_hostile.py."""
 
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,13 +19,34 @@ def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # rescue files land here
 
 
-@pytest.mark.parametrize("argv", [
-    pytest.param(["estimate", "-mr", "llama3_70b", "-tp", "8", "-pp", "4", "-ng", "32", "--sequence_parallel",
-                  "--no_progress", "--configs", "none", "mlp", "full_block_10"], marks=pytest.mark.slow),
-    ["bench", *TINY_RUN, "--no_history"],
-    ["sweep", *TINY_RUN, "--no_history", "--configs", "none", "core_attn+layernorm", "--plot", "p.png"],
-    ["recipes"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(
+            [
+                "estimate",
+                "-mr",
+                "llama3_70b",
+                "-tp",
+                "8",
+                "-pp",
+                "4",
+                "-ng",
+                "32",
+                "--sequence_parallel",
+                "--no_progress",
+                "--configs",
+                "none",
+                "mlp",
+                "full_block_10",
+            ],
+            marks=pytest.mark.slow,
+        ),
+        ["bench", *TINY_RUN, "--no_history"],
+        ["sweep", *TINY_RUN, "--no_history", "--configs", "none", "core_attn+layernorm", "--plot", "p.png"],
+        ["recipes"],
+    ],
+)
 def test_tables_fit_80_columns(capsys, monkeypatch, argv) -> None:
     for console in (common.out, common.err):
         monkeypatch.setattr(console, "width", 80)

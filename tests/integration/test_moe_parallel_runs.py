@@ -8,7 +8,6 @@ MoE stages.
 
 The quick tests of the same code: tests/unit/parallel/test_moe_parallel.py."""
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -61,15 +60,17 @@ def one_process() -> dict[str, dict]:
         loss = steps.forward_backward(model, moe_worker.Data(moe_worker.batches(4)), 4)  # type: ignore[arg-type]
         grads = {name: p.grad for name, p in model.named_parameters()}
         after_optimizer_step(model)
-        found[recipe] = {"loss": loss.item(), "grads": grads,
-                         "bias": {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")},
-                         "kinds": {i: type(layer.mlp).__name__ for i, layer in enumerate(model.decoder.layers)}}
+        found[recipe] = {
+            "loss": loss.item(),
+            "grads": grads,
+            "bias": {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")},
+            "kinds": {i: type(layer.mlp).__name__ for i, layer in enumerate(model.decoder.layers)},
+        }
     return found
 
 
 @pytest.mark.parametrize("recipe,layout,plan", CASES)
-def test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit(launched, one_process, recipe, layout,
-                                                                     plan) -> None:
+def test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit(launched, one_process, recipe, layout, plan) -> None:
     """Same ops per micro-batch, gradients accumulated in micro-batch order, the aux loss's
     gradient scaled by 1/4 on both: gradients equal bit for bit. The loss to float32's precision:
     one process's forward_backward sums the step's loss in a float32 tensor."""
@@ -92,7 +93,7 @@ def test_the_expert_bias_stays_the_same_on_every_data_parallel_rank_and_as_one_p
     given = moe_worker.batches(2 * per_rank * 2, seed=3)
     model = moe_worker.whole("deepseek_tiny")
     for k in range(2):  # one process runs both ranks' micro-batches of each step
-        steps.forward_backward(model, moe_worker.Data(given[4 * k:4 * k + 4]), 4)  # type: ignore[arg-type]
+        steps.forward_backward(model, moe_worker.Data(given[4 * k : 4 * k + 4]), 4)  # type: ignore[arg-type]
         after_optimizer_step(model)
         whole = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
         assert rank0[k].keys() == rank1[k].keys() == whole.keys()
@@ -132,8 +133,30 @@ def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys,
     out = tmp_path / "estimate.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
-        assert main(["estimate", "-mr", "moe_tiny", "--num_layers", "4", "-pp", "2", "-gb", "4", "-sl", "16",
-                     "--no_progress", "--configs", "none", "moe", "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    "-mr",
+                    "moe_tiny",
+                    "--num_layers",
+                    "4",
+                    "-pp",
+                    "2",
+                    "-gb",
+                    "4",
+                    "-sl",
+                    "16",
+                    "--no_progress",
+                    "--configs",
+                    "none",
+                    "moe",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     none, moe = json.loads(out.read_text())
     assert [s["layers"] for s in none["stages"]] == [2, 2]
@@ -142,16 +165,20 @@ def test_validate_and_estimate_accept_an_moe_recipe_over_pipeline_stages(capsys,
 
 
 @pytest.mark.parametrize("recipe,layout,plan", CASES)
-def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expert_parallel, one_process, recipe,
-                                                                             layout, plan) -> None:
+def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(
+    expert_parallel, one_process, recipe, layout, plan
+) -> None:
     """pp 2 x dp 2, each stage's experts over its 2 data-parallel ranks. Every plan is the same
     run as no recompute, bit for bit (the replays of `moe` exchange again, in the same order on
     both ranks of a group). Against one process on the same 4 micro-batches, to float64 rounding:
     FSDP2 sums the two replicas' gradients and halves them where one process adds the 4
     micro-batches in turn, and an expert's GEMMs take the rows of both ranks of its group at once
     (other associations of the same sums). The expert bias moves on counts, exact."""
-    piped, plain, whole = (expert_parallel[f"{recipe}:{layout}:{plan}"], expert_parallel[f"{recipe}:{layout}:none"],
-                           one_process[recipe])
+    piped, plain, whole = (
+        expert_parallel[f"{recipe}:{layout}:{plan}"],
+        expert_parallel[f"{recipe}:{layout}:none"],
+        one_process[recipe],
+    )
     assert piped["kinds"] == whole["kinds"]
     assert piped["loss"] == pytest.approx(whole["loss"], rel=1e-7)  # one process sums it in float32
     assert piped["grads"].keys() == whole["grads"].keys() and any(".experts." in name for name in piped["grads"])
@@ -165,8 +192,12 @@ def test_expert_parallelism_beside_pipeline_stages_is_the_whole_models_step(expe
     # experts, exchanging with the other dp rank of the same stage
     config, pipe = moe_worker.spec(recipe).model_config, moe_worker.spec(recipe, layout).layout
     held, half = {layer: layer // (4 // pipe.chunks) % pipe.pp for layer in range(4)}, config.num_moe_experts // 2
-    assert piped["experts"] == {(layer, 2 * held[layer] + d): (half * d, [2 * held[layer], 2 * held[layer] + 1])
-                                for layer, kind in whole["kinds"].items() if kind == "MoELayer" for d in (0, 1)}
+    assert piped["experts"] == {
+        (layer, 2 * held[layer] + d): (half * d, [2 * held[layer], 2 * held[layer] + 1])
+        for layer, kind in whole["kinds"].items()
+        if kind == "MoELayer"
+        for d in (0, 1)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +217,8 @@ def one_process_two_micro_batches() -> dict[str, tuple[float, dict[str, torch.Te
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_experts_split_over_expert_and_tensor_parallel_ranks_train_as_one_process(
-        expert_parallel, one_process_two_micro_batches, recipe, sp) -> None:
+    expert_parallel, one_process_two_micro_batches, recipe, sp
+) -> None:
     """dp 2 x tp 2, experts over ep 2 and each expert's FFN over tp 2 (Megatron's default etp =
     tp), with and without sequence parallelism, from build_model's own weights. Against one
     process, float64 within rtol 1e-10: the row-parallel sums and the experts' partial outputs

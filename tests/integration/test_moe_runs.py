@@ -6,7 +6,6 @@ auxiliary losses; grouped GEMMs; config problems; FLOPs; the CLI.
 
 The quick tests of the same code: tests/unit/models/test_moe.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -48,10 +47,12 @@ def _deterministic():
 COMBOS = {"moe_tiny": (), "deepseek_tiny": (("mla_up_proj", "mlp"), ("layernorm", "moe_act"))}
 
 
-CASES = ([(r, ("selective", (label,))) for r in RECIPES for label in LABELS[r]]
-         + [(r, ("selective", combo)) for r in RECIPES for combo in COMBOS[r]]
-         + [(r, ("selective", LABELS[r])) for r in RECIPES]
-         + [(r, ("full", m, k)) for r in RECIPES for m, k in (("uniform", 1), ("block", 2))])
+CASES = (
+    [(r, ("selective", (label,))) for r in RECIPES for label in LABELS[r]]
+    + [(r, ("selective", combo)) for r in RECIPES for combo in COMBOS[r]]
+    + [(r, ("selective", LABELS[r])) for r in RECIPES]
+    + [(r, ("full", m, k)) for r in RECIPES for m, k in (("uniform", 1), ("block", 2))]
+)
 
 
 def _case_id(case) -> str:
@@ -83,8 +84,9 @@ def test_expert_offload_is_bit_identical_and_moves_the_experts_inputs(recipe, mo
     model = _model(recipe)
     c = model.config
     rows, ffn = TOKENS * c.moe_router_topk, c.moe_ffn_hidden_size
-    config = _config(model, fine_grained_activation_offloading=True, offload_modules=modules,
-                     min_offloaded_tensor_size=0)
+    config = _config(
+        model, fine_grained_activation_offloading=True, offload_modules=modules, min_offloaded_tensor_size=0
+    )
     plain = run_step(model, *_batch(), seed=5)
     report = verify(model, config, *_batch(), seed=5)
     moved = offloader_of(model).stats().offloaded_bytes
@@ -101,9 +103,27 @@ def test_expert_offload_is_bit_identical_and_moves_the_experts_inputs(recipe, mo
 
 def test_estimate_runs_an_moe_slice_and_predicts_the_moe_act_saving(capsys, tmp_path) -> None:
     out = tmp_path / "estimate.json"
-    code = main(["estimate", "-mr", "moe_tiny", "--num_moe_experts", "8", "--moe_layer_freq", "[0]*1+[1]*2",
-                 "-sl", "16", "--no_progress", "--configs", "none", "moe", "moe_act", "full_uniform_1",
-                 "--json", str(out)])
+    code = main(
+        [
+            "estimate",
+            "-mr",
+            "moe_tiny",
+            "--num_moe_experts",
+            "8",
+            "--moe_layer_freq",
+            "[0]*1+[1]*2",
+            "-sl",
+            "16",
+            "--no_progress",
+            "--configs",
+            "none",
+            "moe",
+            "moe_act",
+            "full_uniform_1",
+            "--json",
+            str(out),
+        ]
+    )
     capsys.readouterr()
     assert code == 0
     activations = {e["name"]: e["stages"][0]["activations"] for e in json.loads(out.read_text())}
@@ -129,8 +149,24 @@ def test_estimate_with_expert_parallel_holds_one_rank_s_share_of_the_experts(cap
     weights, said = {}, {}
     for ep in (1, 2):
         out = tmp_path / f"ep{ep}.json"
-        code = main(["estimate", "-mr", "moe_tiny", "--num_moe_experts", "8", "-ep", str(ep), "-sl", "16",
-                     "--no_progress", "--configs", "none", "--json", str(out)])
+        code = main(
+            [
+                "estimate",
+                "-mr",
+                "moe_tiny",
+                "--num_moe_experts",
+                "8",
+                "-ep",
+                str(ep),
+                "-sl",
+                "16",
+                "--no_progress",
+                "--configs",
+                "none",
+                "--json",
+                str(out),
+            ]
+        )
         said[ep] = capsys.readouterr().out
         assert code == 0
         weights[ep] = json.loads(out.read_text())[0]["stages"][0]["weights"]
@@ -140,6 +176,7 @@ def test_estimate_with_expert_parallel_holds_one_rank_s_share_of_the_experts(cap
 
 
 def test_verify_runs_an_moe_recipe(capsys) -> None:
-    code = main(["verify", "-mr", "moe_tiny", "-sl", "16", "--hidden_dropout", "0.1",
-                 "--recompute_modules", "moe,moe_act"])
+    code = main(
+        ["verify", "-mr", "moe_tiny", "-sl", "16", "--hidden_dropout", "0.1", "--recompute_modules", "moe,moe_act"]
+    )
     assert code == 0 and "bit-identical: True" in capsys.readouterr().out

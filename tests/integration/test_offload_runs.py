@@ -3,7 +3,6 @@ the tiny Llama, exact byte counts, views and dedup, pool reuse, prefetch order, 
 
 The quick tests of the same code: tests/unit/engine/test_offload.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -25,8 +24,15 @@ def _without_offload(plan):
     """The same recompute with offload off."""
     if isinstance(plan, Plan):
         return Plan([{k: v for k, v in a.items() if v != "offload"} for a in plan.layers], plan.full_recompute)
-    return _config(**{**plan.to_megatron(), "cpu_offloading": False, "cpu_offloading_num_layers": 0,
-                      "fine_grained_activation_offloading": False, "offload_modules": []})
+    return _config(
+        **{
+            **plan.to_megatron(),
+            "cpu_offloading": False,
+            "cpu_offloading_num_layers": 0,
+            "fine_grained_activation_offloading": False,
+            "offload_modules": [],
+        }
+    )
 
 
 @pytest.mark.parametrize("name", PLANS)

@@ -9,7 +9,6 @@ additions differs.
 
 The quick tests of the same code: tests/unit/parallel/test_parallel.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -38,12 +37,28 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(WORLD), str(Path(fsdp_worker.__file__)), str(out)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(WORLD),
+            str(Path(fsdp_worker.__file__)),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(out)
 
@@ -69,7 +84,8 @@ def test_bf16_compute_over_fp32_shards_recomputes_bit_identically(sharded) -> No
 
 
 def test_reducing_gradients_once_a_step_as_the_distributed_optimizer_does_matches_reducing_each_micro_batch(
-        sharded) -> None:
+    sharded,
+) -> None:
     """Layers kept gathered through the step and gradients reduced once sum the micro-batches
     before the reduce-scatter, FSDP2's default after it: float64 rounding apart. A full-recompute
     group replaying layers kept gathered gives the very same gradients."""
@@ -113,9 +129,31 @@ def test_a_layer_holding_weights_of_two_dtypes_shards_each_as_its_own_unit(shard
 def _bench_json(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "llama3_tiny", "--device", "cpu", "-ms", "3",
-                          "--warmup_steps", "1", "--no_history", "--no_progress", "--json", str(out), *flags],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remat",
+            "bench",
+            "-mr",
+            "llama3_tiny",
+            "--device",
+            "cpu",
+            "-ms",
+            "3",
+            "--warmup_steps",
+            "1",
+            "--no_history",
+            "--no_progress",
+            "--json",
+            str(out),
+            *flags,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("remat bench: llama3_tiny") == 1  # rank 0 alone reports
     return json.loads(out.read_text())
@@ -139,13 +177,20 @@ def test_bench_ng_2_with_main_params_keeps_fp32_shards_as_its_estimate_under_fsd
     run = _bench_json(tmp_path, "-ng", "2", "-gb", "4", "--main_params_dtype", "fp32")
     parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
     memory = run["memory"]
-    assert (memory["weights"], memory["grads"], memory["optimizer"]) == (2 * parameters, 2 * parameters,
-                                                                         4 * parameters)
-    spec = EstimateSpec(recipe="llama3_tiny", layout=ParallelLayout(num_gpus=2), global_batch_size=4, device="cpu",
-                        optimizer_precision=OptimizerPrecision("fp32", use_torch_fsdp2=True))
+    assert (memory["weights"], memory["grads"], memory["optimizer"]) == (2 * parameters, 2 * parameters, 4 * parameters)
+    spec = EstimateSpec(
+        recipe="llama3_tiny",
+        layout=ParallelLayout(num_gpus=2),
+        global_batch_size=4,
+        device="cpu",
+        optimizer_precision=OptimizerPrecision("fp32", use_torch_fsdp2=True),
+    )
     predicted = estimate(spec)[0].stages[0]
     assert (predicted.weights, predicted.grads, predicted.optimizer_state) == (
-        memory["weights"], memory["grads"], memory["optimizer"])
+        memory["weights"],
+        memory["grads"],
+        memory["optimizer"],
+    )
     assert predicted.peak == pytest.approx(run["peak_allocated_bytes"], rel=0.03)
 
 
@@ -157,8 +202,13 @@ def test_bench_ng_2_with_the_distributed_optimizer_holds_megatron_s_bytes_at_mos
     run = _bench_json(tmp_path, "-ng", "2", "-gb", "4", "--main_params_dtype", "fp32", "--use_distributed_optimizer")
     parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
     assert (run["memory"]["weights"], run["memory"]["optimizer"]) == (2 * parameters, 4 * parameters)
-    spec = EstimateSpec(recipe="llama3_tiny", layout=ParallelLayout(num_gpus=2), global_batch_size=4, device="cpu",
-                        optimizer_precision=OptimizerPrecision("fp32", use_distributed_optimizer=True))
+    spec = EstimateSpec(
+        recipe="llama3_tiny",
+        layout=ParallelLayout(num_gpus=2),
+        global_batch_size=4,
+        device="cpu",
+        optimizer_precision=OptimizerPrecision("fp32", use_distributed_optimizer=True),
+    )
     predicted = estimate(spec)[0].stages[0]
     assert predicted.weights + predicted.grads + predicted.optimizer_state == (6 + 12 // 2) * parameters
     assert 0.85 * predicted.peak <= run["peak_allocated_bytes"] <= predicted.peak

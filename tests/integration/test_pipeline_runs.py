@@ -10,7 +10,6 @@ against the pipeline without recompute, also bit for bit.
 
 The quick tests of the same code: tests/unit/parallel/test_pipeline.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -47,7 +46,7 @@ def one_process() -> tuple[float, dict[str, torch.Tensor]]:
     inputs, labels = fsdp_worker.global_batch(pp_worker.MICRO_BATCHES // fsdp_worker.PER_RANK)
     total = 0.0
     for i in range(pp_worker.MICRO_BATCHES):
-        loss = forward_loss(model, inputs[i:i + 1], labels[i:i + 1]) / pp_worker.MICRO_BATCHES
+        loss = forward_loss(model, inputs[i : i + 1], labels[i : i + 1]) / pp_worker.MICRO_BATCHES
         loss.backward()
         total += loss.item()
     return total, {name: p.grad for name, p in model.named_parameters()}
@@ -79,9 +78,36 @@ def test_dropout_changes_the_step(piped) -> None:  # the comparison above is not
 def test_bench_pp_2_starts_torchrun_and_runs_the_stages(tmp_path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "remat", "bench", "-mr", "llama3_tiny", "--device", "cpu", "-ms", "3",
-                          "--warmup_steps", "1", "--no_history", "--no_progress", "-pp", "2", "-gb", "2", "-rl", "1",
-                          "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remat",
+            "bench",
+            "-mr",
+            "llama3_tiny",
+            "--device",
+            "cpu",
+            "-ms",
+            "3",
+            "--warmup_steps",
+            "1",
+            "--no_history",
+            "--no_progress",
+            "-pp",
+            "2",
+            "-gb",
+            "2",
+            "-rl",
+            "1",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "remat bench: llama3_tiny, 2 pipeline stages (1f1b)" in run.stdout
     result = json.loads(out.read_text())

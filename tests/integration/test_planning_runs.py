@@ -2,7 +2,6 @@
 
 The quick tests of the same code: tests/unit/planner/test_planning.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -34,12 +33,12 @@ def test_plans_fit_their_budget_when_run(budget_trace, measured_peak) -> None:
 @pytest.fixture(scope="module")
 def offload_traced(budget_trace):
     model, batch, _ = budget_trace
-    return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True,
-                                     min_offloaded_tensor_size=256)
+    return model, batch, remat.trace(model, batch, timing_repeats=1, offload=True, min_offloaded_tensor_size=256)
 
 
-def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(budget_trace, offload_traced,
-                                                                      measured_peak) -> None:
+def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(
+    budget_trace, offload_traced, measured_peak
+) -> None:
     _, _, plain = budget_trace
     model, batch, trace = offload_traced
     with pytest.raises(NoPlanFits) as recompute_only:
@@ -62,9 +61,29 @@ def test_offload_reaches_below_every_recompute_plan_and_fits_when_run(budget_tra
 
 def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) -> None:
     out, record, history = tmp_path / "plan.yaml", tmp_path / "plan.json", tmp_path / "history.sqlite"
-    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--no_progress", "--history", str(history),
-            "--memory-budget", "2.2MiB", "-o", str(out), "--verify", "--json", str(record), "-ms", "2",
-            "--warmup_steps", "1"]
+    argv = [
+        "plan",
+        "-mr",
+        "llama3_tiny",
+        "--num_layers",
+        "3",
+        "-sl",
+        "32",
+        "--no_progress",
+        "--history",
+        str(history),
+        "--memory-budget",
+        "2.2MiB",
+        "-o",
+        str(out),
+        "--verify",
+        "--json",
+        str(record),
+        "-ms",
+        "2",
+        "--warmup_steps",
+        "1",
+    ]
     assert main(argv) == 0
     assert [r.name for r in recent(path=history)] == ["plan"]  # the verifying run is recorded
     text = capsys.readouterr().out
@@ -76,17 +95,57 @@ def test_cli_plan_writes_a_file_bench_takes_and_verifies_it(tmp_path, capsys) ->
     assert data["measured"]["peak_allocated_bytes"] == pytest.approx(data["predicted"]["peak_bytes"], rel=1e-3)
     loaded = load_plan_or_config(out)
     model_sites = remat.find_sites(remat.models.build("llama3_tiny", num_layers=3, seq_length=32)).model_sites
-    assert (loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, model_sites)) == Plan.from_dict(data["plan"])
+    assert (loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, model_sites)) == Plan.from_dict(
+        data["plan"]
+    )
     assert data["megatron"] == (None if isinstance(loaded, Plan) else megatron_keys(loaded))
     assert bool(data["explain"]) == (Plan.from_dict(data["plan"]) != Plan.none(3))
-    assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "32", "--config", str(out),
-                 "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "-mr",
+                "llama3_tiny",
+                "--num_layers",
+                "3",
+                "-sl",
+                "32",
+                "--config",
+                str(out),
+                "--no_progress",
+                "--no_history",
+                "-ms",
+                "1",
+                "--warmup_steps",
+                "0",
+            ]
+        )
+        == 0
+    )
 
 
 def test_cli_plan_under_a_budget_no_recompute_fits_says_so(tmp_path, capsys) -> None:
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progress", "--no_history",
-                 "--memory-budget", "1GiB", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "-mr",
+                "llama3_tiny",
+                "--num_layers",
+                "2",
+                "-sl",
+                "16",
+                "--no_progress",
+                "--no_history",
+                "--memory-budget",
+                "1GiB",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "keep (no recompute)" in text and "a Megatron config expresses this plan: no recompute" in text
     assert load_plan_or_config(out) == remat.RecomputeConfig()
@@ -96,9 +155,28 @@ def test_cli_plan_under_a_budget_no_recompute_fits_says_so(tmp_path, capsys) -> 
 def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsys) -> None:
     out, record = tmp_path / "plan.yaml", tmp_path / "plan.json"
     # with -sl 128 no recompute plan goes below 1.85 MiB; offload reaches 1.77
-    argv = ["plan", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--no_progress", "--no_history",
-            "--offload", "--min_offloaded_tensor_size", "256", "--host-memory-budget", "1GiB",
-            "--memory-budget", "1.8MiB", "-o", str(out), "--json", str(record)]
+    argv = [
+        "plan",
+        "-mr",
+        "llama3_tiny",
+        "--num_layers",
+        "3",
+        "-sl",
+        "128",
+        "--no_progress",
+        "--no_history",
+        "--offload",
+        "--min_offloaded_tensor_size",
+        "256",
+        "--host-memory-budget",
+        "1GiB",
+        "--memory-budget",
+        "1.8MiB",
+        "-o",
+        str(out),
+        "--json",
+        str(record),
+    ]
     assert main(argv) == 0
     out_text, err = capsys.readouterr()
     assert "offloaded to host" in out_text
@@ -106,8 +184,33 @@ def test_cli_plan_with_offload_writes_an_offload_plan_bench_runs(tmp_path, capsy
     data = json.loads(record.read_text())
     assert data["predicted"]["peak_bytes"] <= 1.8 * MiB and data["predicted"]["host_bytes"] > 0
     loaded = load_plan_or_config(out)
-    lowered = loaded if isinstance(loaded, Plan) else Plan.from_config(loaded, remat.find_sites(
-        remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).model_sites)
+    lowered = (
+        loaded
+        if isinstance(loaded, Plan)
+        else Plan.from_config(
+            loaded, remat.find_sites(remat.models.build("llama3_tiny", num_layers=3, seq_length=128)).model_sites
+        )
+    )
     assert lowered.offloads() and lowered.min_offloaded_tensor_size == 256
-    assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "3", "-sl", "128", "--config", str(out),
-                 "--no_progress", "--no_history", "-ms", "1", "--warmup_steps", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "-mr",
+                "llama3_tiny",
+                "--num_layers",
+                "3",
+                "-sl",
+                "128",
+                "--config",
+                str(out),
+                "--no_progress",
+                "--no_history",
+                "-ms",
+                "1",
+                "--warmup_steps",
+                "0",
+            ]
+        )
+        == 0
+    )

@@ -16,7 +16,6 @@ without recompute: the same arithmetic, each replay restoring this rank's dropou
 
 The quick tests of the same code: tests/unit/parallel/test_tensor_parallel_models.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -54,15 +53,18 @@ def test_split_without_recompute_matches_one_process(split, name, sp) -> None:
     assert losses[0] == losses[1] == pytest.approx(loss.item(), rel=1e-13)
     assert grads.keys() == dict(model.named_parameters()).keys()
     for param, p in model.named_parameters():
-        torch.testing.assert_close(worker.one_process_order(param, grads[param]), p.grad, rtol=1e-10, atol=1e-13, msg=param)
+        torch.testing.assert_close(
+            worker.one_process_order(param, grads[param]), p.grad, rtol=1e-10, atol=1e-13, msg=param
+        )
 
 
 @pytest.mark.parametrize("sp", SPLIT)
 @pytest.mark.parametrize("plan", ["selective", "full"])
 @pytest.mark.parametrize("name", list(worker.MODELS))
 def test_every_plan_is_bit_identical_to_the_split_without_recompute(split, name, sp, plan) -> None:
-    (losses, grads), (plain_losses, plain_grads) = (split[f"{name}@sp={sp}@{p}@{worker.DROPOUT}"]
-                                                    for p in (plan, "none"))
+    (losses, grads), (plain_losses, plain_grads) = (
+        split[f"{name}@sp={sp}@{p}@{worker.DROPOUT}"] for p in (plan, "none")
+    )
     assert losses == plain_losses
     assert grads.keys() == plain_grads.keys()
     for param, grad in grads.items():

@@ -11,7 +11,6 @@ and each rank keeps half of each.
 
 The quick tests of the same code: tests/unit/parallel/test_tensor_parallel.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -67,15 +66,15 @@ def _assert_bit_identical(result: tuple, plain: tuple) -> None:
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("sp", SPLIT)
 @pytest.mark.parametrize("plan", [p for p in tp_worker.PLANS if p != "none"])
-def test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute(split, plan, sp,
-                                                                                       dropout) -> None:
+def test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute(split, plan, sp, dropout) -> None:
     _assert_bit_identical(split[f"{plan}@sp={sp}@{dropout}"], split[f"none@sp={sp}@{dropout}"])
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("plan", [p for p in tp_worker.DP_TP_PLANS if p != "none"])
 def test_every_plan_under_fsdp2_over_tensor_parallelism_is_bit_identical_to_it_without_recompute(
-        sharded_split, plan, dropout) -> None:
+    sharded_split, plan, dropout
+) -> None:
     _assert_bit_identical(sharded_split[f"{plan}@{dropout}"], sharded_split[f"none@{dropout}"])
 
 
@@ -86,7 +85,8 @@ LAYER_INPUT = fsdp_worker.PER_RANK * fsdp_worker.SEQ * 64 * 8
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("name", list(tp_worker.FULL))
 def test_split_saved_inputs_are_bit_identical_to_tp_without_recompute_and_with_plain_full_recompute(
-        split, name, dropout) -> None:
+    split, name, dropout
+) -> None:
     distributed = split["distributed"]
     _assert_bit_identical(distributed[f"{name}@True@{dropout}"], split[f"none@sp=False@{dropout}"])
     _assert_bit_identical(distributed[f"{name}@True@{dropout}"], distributed[f"{name}@False@{dropout}"])
@@ -108,7 +108,9 @@ def test_offloading_split_inputs_offloads_each_ranks_shard(split) -> None:
     _assert_bit_identical(distributed["offloaded@False"], split["none@sp=False@0.1"])
     # the first two ranges' inputs, whole or halved
     assert (distributed["offloaded bytes@False"], distributed["offloaded bytes@True"]) == (
-        2 * LAYER_INPUT, 2 * LAYER_INPUT // TP)
+        2 * LAYER_INPUT,
+        2 * LAYER_INPUT // TP,
+    )
 
 
 def test_split_inputs_under_fsdp2_gather_the_layer_then_the_input_before_a_replay(sharded_split) -> None:
@@ -130,12 +132,10 @@ def test_tensor_parallelism_without_recompute_matches_one_process(split, sp, mic
     assert losses[0] == losses[1]  # the loss head is whole on each rank, on every token
     assert losses[0] == pytest.approx(loss.item(), rel=1e-13)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13,
-                                   msg=name)
+        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
-def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_the_global_batch(
-        sharded_split) -> None:
+def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_the_global_batch(sharded_split) -> None:
     losses, grads = sharded_split["none@0.0"]
     model = fsdp_worker.model(0.0)
     loss = forward_loss(model, *fsdp_worker.global_batch(REPLICAS))
@@ -146,8 +146,7 @@ def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_
     assert all(losses[i] == per_replica[i // TP] for i in range(len(losses)))
     assert sum(per_replica) / REPLICAS == pytest.approx(loss.item(), rel=1e-13)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13,
-                                   msg=name)
+        torch.testing.assert_close(tp_worker.gate_then_up(name, grads[name]), p.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
 def _masks(split: dict, sp: bool, dim: int) -> list[list[torch.Tensor]]:
@@ -175,8 +174,10 @@ def test_each_stream_is_seeded_as_megatron_seeds_it(split) -> None:
     for rank, recorded in enumerate(split["masks@sp=False"]):
         first_attention = next((dropped, nonzero) for dropped, nonzero in recorded if dropped.dim() == 4)
         first_hidden = next((dropped, nonzero) for dropped, nonzero in recorded if dropped.dim() == 3)
-        for seed, (dropped, nonzero) in ((RANK_SEED_OFFSET + rank, first_attention),
-                                         (tp_worker.STEP_SEED, first_hidden)):
+        for seed, (dropped, nonzero) in (
+            (RANK_SEED_OFFSET + rank, first_attention),
+            (tp_worker.STEP_SEED, first_hidden),
+        ):
             torch.manual_seed(seed)
             drawn = F.dropout(torch.ones(dropped.shape, dtype=torch.float64), p) == 0
             assert torch.equal(drawn & nonzero, dropped), (rank, seed)
@@ -191,7 +192,8 @@ def test_parallelize_tensor_names_every_problem_of_the_model(split) -> None:
         "tensor_model_parallel_size: ffn_hidden_size=81 does not split over 2 tensor-parallel ranks; use a"
         " tensor-parallel size that divides it",
         "sequence_parallel: each rank's 15 tokens do not split over 2 tensor-parallel ranks; use a sequence length"
-        " that is a multiple of 2, or turn sequence parallelism off"]
+        " that is a multiple of 2, or turn sequence parallelism off",
+    ]
 
 
 def test_megatron_s_main_gradients_of_split_parameters_count_this_rank_s_share(split) -> None:
@@ -204,8 +206,10 @@ def test_parallelize_tensor_refuses_experts_split_otherwise_a_two_dimensional_me
     assert refusals["moe"].splitlines() == [
         "expert_tensor_parallel_size: is 2; beside tensor parallelism remat splits each expert over the"
         " tensor-parallel ranks, as Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run"
-        " yet: drop -etp"]
+        " yet: drop -etp"
+    ]
     assert refusals["mesh"] == "mesh: has 2 dimensions ('dp', 'tp'); pass its tensor-parallel one, e.g. mesh['tp']"
     assert refusals["seed"] == (
         "seed: torch's default generators were seeded [0, 1] on the tensor-parallel ranks, so dropout on the tensors"
-        " they all hold would differ; call torch.manual_seed() with one seed on every tensor-parallel rank first")
+        " they all hold would differ; call torch.manual_seed() with one seed on every tensor-parallel rank first"
+    )

@@ -2,7 +2,6 @@
 
 The quick tests of the same code: tests/unit/memory/test_trace.py."""
 
-
 from __future__ import annotations
 
 from helpers.trace import LABELS, LAYERS, _measured, plans

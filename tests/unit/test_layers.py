@@ -2,7 +2,6 @@
 modules and the folders below it, no module imports itself back through others, and `import
 remat` stays light."""
 
-
 from __future__ import annotations
 
 import ast
@@ -18,8 +17,21 @@ PACKAGE = Path(remat.__file__).parent
 
 
 # remat's folders, bottom first: each may import the ones before it and nothing after
-LAYERS = ("core", "engine", "config", "sites", "models", "parallel", "memory", "planner", "run", "estimate",
-          "doctor", "bench", "cli")
+LAYERS = (
+    "core",
+    "engine",
+    "config",
+    "sites",
+    "models",
+    "parallel",
+    "memory",
+    "planner",
+    "run",
+    "estimate",
+    "doctor",
+    "bench",
+    "cli",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -67,9 +79,12 @@ def test_every_module_sits_in_a_layer_folder() -> None:
 
 def _upward() -> dict[str, set[str]]:
     """Module -> the modules of folders above its own that it imports."""
-    return {module: bad for module, imports in MODULES.items() if (own := _layer(module)) is not None
-            and (bad := {m for name in imports for m in _modules(name)
-                         if (layer := _layer(m)) is None or layer > own})}
+    return {
+        module: bad
+        for module, imports in MODULES.items()
+        if (own := _layer(module)) is not None
+        and (bad := {m for name in imports for m in _modules(name) if (layer := _layer(m)) is None or layer > own})
+    }
 
 
 def test_no_folder_imports_a_folder_above_it() -> None:
@@ -112,8 +127,11 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_engine_imports_nothing_else_of_remat() -> None:
-    assert {m: bad for m, imports in MODULES.items() if _inside(m, "remat.engine")
-            and (bad := {n for n in imports if not _inside(n, "remat.engine")})} == {}
+    assert {
+        m: bad
+        for m, imports in MODULES.items()
+        if _inside(m, "remat.engine") and (bad := {n for n in imports if not _inside(n, "remat.engine")})
+    } == {}
 
 
 def test_nothing_outside_models_names_a_family() -> None:
@@ -121,8 +139,11 @@ def test_nothing_outside_models_names_a_family() -> None:
     seam = {"remat.models", "remat.models.family", "remat.models.adapt"}
     for module, imports in MODULES.items():
         if not _inside(module, "remat.models"):
-            inside = {name for name in imports if _inside(name, "remat.models") and name not in seam
-                      and name.rsplit(".", 1)[0] not in seam}
+            inside = {
+                name
+                for name in imports
+                if _inside(name, "remat.models") and name not in seam and name.rsplit(".", 1)[0] not in seam
+            }
             assert inside == set(), module
 
 

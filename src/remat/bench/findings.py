@@ -5,6 +5,7 @@ confirm the finding and what to change: mlp recompute on a large FFN, layernorm 
 core_attn, full recompute under per-layer CUDA graphs, CPU offload with pipeline parallelism,
 and what kind of out-of-memory each failed run hit.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from remat.bench.result import BenchResult, timing_noise
-from remat.doctor import AllocatorState, report_of
-from remat.core.problems import ConfigError, Problem, count, read_file
 from remat.config.recompute import recorded_config
 from remat.config.rules import rule_cpu_offload_not_with_pipeline, rule_full_recompute_graph_scope
+from remat.core.problems import ConfigError, Problem, count, read_file
 from remat.core.sizes import format_bytes
+from remat.doctor import AllocatorState, report_of
 
 # Every threshold the checks use, with where it comes from.
 MLP_SLOWDOWN = 0.15  # Megatron users' rule of thumb: mlp recompute costs over 15% on a large FFN
@@ -73,19 +74,28 @@ def check_mlp_slowdown(results: Sequence[BenchResult]) -> list[Finding]:
         for labels, r in group.items():
             ffn, hidden = r.shape.get("ffn_hidden_size"), r.shape.get("hidden_size")
             fast, slow = _speed(base) if base else None, _speed(r)
-            if base is None or "mlp" not in labels or not (fast and slow and ffn and hidden) or ffn / hidden < LARGE_FFN:
+            if (
+                base is None
+                or "mlp" not in labels
+                or not (fast and slow and ffn and hidden)
+                or ffn / hidden < LARGE_FFN
+            ):
                 continue
             drop = 1 - slow[0] / fast[0]
             if drop > max(MLP_SLOWDOWN, timing_noise(base, r) or 0.0):
                 rest = ",".join(sorted(labels - {"mlp"}))
                 offload = "" if r.config.get("pipeline_model_parallel_size", 1) > 1 else ", or offload (-ol N)"
-                findings.append(Finding(
-                    "mlp recompute cost", f"{r.name}: {drop:.1%} lower throughput than no recompute",
-                    "mlp recompute reruns a large FFN in backward",
-                    f"{r.name} {slow[0]:.4g} vs none {fast[0]:.4g} {slow[1]} (-{drop:.1%} > {MLP_SLOWDOWN:.0%});"
-                    f" ffn/hidden {ffn}/{hidden} = {ffn / hidden:.2f} >= {LARGE_FFN:g}",
-                    f"drop mlp ({f'--recompute_modules {rest}' if rest else 'no recompute'}), lower -mb"
-                    f"{offload}; `remat plan --memory-budget` finds the cheapest plan that fits"))
+                findings.append(
+                    Finding(
+                        "mlp recompute cost",
+                        f"{r.name}: {drop:.1%} lower throughput than no recompute",
+                        "mlp recompute reruns a large FFN in backward",
+                        f"{r.name} {slow[0]:.4g} vs none {fast[0]:.4g} {slow[1]} (-{drop:.1%} > {MLP_SLOWDOWN:.0%});"
+                        f" ffn/hidden {ffn}/{hidden} = {ffn / hidden:.2f} >= {LARGE_FFN:g}",
+                        f"drop mlp ({f'--recompute_modules {rest}' if rest else 'no recompute'}), lower -mb"
+                        f"{offload}; `remat plan --memory-budget` finds the cheapest plan that fits",
+                    )
+                )
     return findings
 
 
@@ -102,26 +112,40 @@ def check_layernorm_peak(results: Sequence[BenchResult]) -> list[Finding]:
                 continue
             fix = "recompute a module that holds more (mlp), or whole layers (-rl N); `remat plan` picks one"
             if before.status == after.status == "oom":
-                findings.append(Finding(
-                    "layernorm alone", f"{after.name}: still OOM after adding layernorm",
-                    "layernorm activations are too small to move the peak",
-                    f"{before.name} OOM at {format_bytes(before.oom.allocated_bytes)} allocated, {after.name} OOM at"
-                    f" {format_bytes(after.oom.allocated_bytes)}"
-                    if before.oom and after.oom and before.oom.allocated_bytes is not None
-                    and after.oom.allocated_bytes is not None else "both OOM", fix))
+                findings.append(
+                    Finding(
+                        "layernorm alone",
+                        f"{after.name}: still OOM after adding layernorm",
+                        "layernorm activations are too small to move the peak",
+                        f"{before.name} OOM at {format_bytes(before.oom.allocated_bytes)} allocated, {after.name} OOM at"
+                        f" {format_bytes(after.oom.allocated_bytes)}"
+                        if before.oom
+                        and after.oom
+                        and before.oom.allocated_bytes is not None
+                        and after.oom.allocated_bytes is not None
+                        else "both OOM",
+                        fix,
+                    )
+                )
                 continue
             a, b = _peak(before), _peak(after)
             if a and b is not None and abs(a - b) / a < LAYERNORM_PEAK_MOVE:
-                findings.append(Finding(
-                    "layernorm alone", f"{after.name}: peak memory did not move after adding layernorm",
-                    "layernorm activations are too small to move the peak",
-                    f"peak {format_bytes(a)} ({before.name}) -> {format_bytes(b)} ({after.name}),"
-                    f" {(b - a) / a:+.2%} (under {LAYERNORM_PEAK_MOVE:.0%})", fix))
+                findings.append(
+                    Finding(
+                        "layernorm alone",
+                        f"{after.name}: peak memory did not move after adding layernorm",
+                        "layernorm activations are too small to move the peak",
+                        f"peak {format_bytes(a)} ({before.name}) -> {format_bytes(b)} ({after.name}),"
+                        f" {(b - a) / a:+.2%} (under {LAYERNORM_PEAK_MOVE:.0%})",
+                        fix,
+                    )
+                )
     return findings
 
 
-def _rule_findings(results: Sequence[BenchResult], rule: Any, check: str, symptom: str,
-                   cause: str, facts: Callable[[Any], str]) -> list[Finding]:
+def _rule_findings(
+    results: Sequence[BenchResult], rule: Any, check: str, symptom: str, cause: str, facts: Callable[[Any], str]
+) -> list[Finding]:
     """A `remat.config.rules` rule run on each result's recorded config (results from other harnesses may hold
     configs remat itself refuses); the rule's message says what to change."""
     findings = []
@@ -135,19 +159,30 @@ def _rule_findings(results: Sequence[BenchResult], rule: Any, check: str, sympto
 
 def check_full_recompute_graphs(results: Sequence[BenchResult]) -> list[Finding]:
     return _rule_findings(
-        results, rule_full_recompute_graph_scope, "full recompute + CUDA graphs",
+        results,
+        rule_full_recompute_graph_scope,
+        "full recompute + CUDA graphs",
         "AssertionError: full recompute is only supported with full iteration CUDA graph",
         "layer-level recompute with module-scoped graph capture",
-        lambda c: (f"recompute_granularity={c.recompute_granularity}, cuda_graph_impl={c.facts.capture.cuda_graph_impl},"
-                   f" cuda_graph_scope={list(c.facts.capture.cuda_graph_scope) or '[] (whole layers)'}"))
+        lambda c: (
+            f"recompute_granularity={c.recompute_granularity}, cuda_graph_impl={c.facts.capture.cuda_graph_impl},"
+            f" cuda_graph_scope={list(c.facts.capture.cuda_graph_scope) or '[] (whole layers)'}"
+        ),
+    )
 
 
 def check_offload_pipeline(results: Sequence[BenchResult]) -> list[Finding]:
     return _rule_findings(
-        results, rule_cpu_offload_not_with_pipeline, "CPU offload + pipeline",
-        "ValueError: PP + CPU offloading", "cpu_offloading=True with pipeline_model_parallel_size > 1",
-        lambda c: (f"cpu_offloading={c.cpu_offloading} ({count(c.cpu_offloading_num_layers, 'layer')}),"
-                   f" pipeline_model_parallel_size={c.facts.layout.pp}"))
+        results,
+        rule_cpu_offload_not_with_pipeline,
+        "CPU offload + pipeline",
+        "ValueError: PP + CPU offloading",
+        "cpu_offloading=True with pipeline_model_parallel_size > 1",
+        lambda c: (
+            f"cpu_offloading={c.cpu_offloading} ({count(c.cpu_offloading_num_layers, 'layer')}),"
+            f" pipeline_model_parallel_size={c.facts.layout.pp}"
+        ),
+    )
 
 
 def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
@@ -164,11 +199,16 @@ def check_mlp_core_attn(results: Sequence[BenchResult]) -> list[Finding]:
             continue
         a, b = _peak(alone), _peak(both)
         peaks = f"; peak {format_bytes(a)} -> {format_bytes(b)}" if a and b else ""
-        findings.append(Finding(
-            "mlp+core_attn", f"{both.name} slower than {alone.name}", "double recompute overhead",
-            f"{both.name} {slow[0]:.4g} vs {alone.name} {fast[0]:.4g} {slow[1]} ({slow[0] / fast[0] - 1:+.1%},"
-            f" beyond {margin:.1%}{why}){peaks}",
-            "use --recompute_modules mlp alone"))
+        findings.append(
+            Finding(
+                "mlp+core_attn",
+                f"{both.name} slower than {alone.name}",
+                "double recompute overhead",
+                f"{both.name} {slow[0]:.4g} vs {alone.name} {fast[0]:.4g} {slow[1]} ({slow[0] / fast[0] - 1:+.1%},"
+                f" beyond {margin:.1%}{why}){peaks}",
+                "use --recompute_modules mlp alone",
+            )
+        )
     return findings
 
 
@@ -186,14 +226,25 @@ def check_oom_kind(results: Sequence[BenchResult]) -> list[Finding]:
             continue
         report = report_of(state, rank=r.oom.rank, coordinates=r.oom.coordinates)
         fix = report.recommendations[0].setting if report.recommendations else "nothing: the request fits now"
-        findings.append(Finding("OOM kind", f"{r.name}: out of memory{report.where}", report.diagnosis.kind,
-                                report.diagnosis.explanation, fix))
+        findings.append(
+            Finding(
+                "OOM kind",
+                f"{r.name}: out of memory{report.where}",
+                report.diagnosis.kind,
+                report.diagnosis.explanation,
+                fix,
+            )
+        )
     return findings
 
 
 CHECKS: tuple[Callable[[Sequence[BenchResult]], list[Finding]], ...] = (
-    check_oom_kind, check_mlp_slowdown, check_layernorm_peak, check_full_recompute_graphs,
-    check_offload_pipeline, check_mlp_core_attn,
+    check_oom_kind,
+    check_mlp_slowdown,
+    check_layernorm_peak,
+    check_full_recompute_graphs,
+    check_offload_pipeline,
+    check_mlp_core_attn,
 )
 
 
@@ -206,10 +257,18 @@ def load_results(path: str | Path) -> list[BenchResult]:
     """`remat bench --json` (one result) or `remat sweep --json` (a list)."""
     data = read_file(Path(path), json.loads, "JSON")
     if data == []:
-        raise ConfigError([Problem(str(path), "holds no results; pass what `remat bench --json` or `remat sweep "
-                                              "--json` wrote")])
+        raise ConfigError(
+            [Problem(str(path), "holds no results; pass what `remat bench --json` or `remat sweep --json` wrote")]
+        )
     try:
         return [BenchResult.from_dict(d) for d in (data if isinstance(data, list) else [data])]
     except (ValueError, TypeError, AttributeError) as err:
-        raise ConfigError([Problem(str(path), f"is not a remat bench result ({err}); pass what `remat bench "
-                                              "--json` or `remat sweep --json` wrote")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    str(path),
+                    f"is not a remat bench result ({err}); pass what `remat bench "
+                    "--json` or `remat sweep --json` wrote",
+                )
+            ]
+        ) from None

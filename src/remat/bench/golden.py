@@ -5,6 +5,7 @@ faster or smaller one is an UNEXPECTED IMPROVEMENT, since it usually means the r
 the golden did (and if it is real, the golden should be updated). A timing difference inside what noise alone makes
 of the two runs (their step times' spread; on CPU, a factor of two) is not a failure: it is "within noise".
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,9 @@ def _verdict(rel_diff: float, *, higher_is_worse: bool, threshold: float, noise:
     return REGRESSION if worse else UNEXPECTED_IMPROVEMENT
 
 
-def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, threshold: float,
-           noise: float | None = None) -> MetricCheck:
+def _check(
+    name: str, current: float, golden: float, *, higher_is_worse: bool, threshold: float, noise: float | None = None
+) -> MetricCheck:
     rel = _relative_diff(current, golden)
     verdict = _verdict(rel, higher_is_worse=higher_is_worse, threshold=threshold, noise=noise)
     return MetricCheck(name, float(golden), float(current), rel, verdict, noise)
@@ -90,8 +92,7 @@ def _check(name: str, current: float, golden: float, *, higher_is_worse: bool, t
 
 def threshold_problems(threshold: float) -> Iterator[Problem]:
     if not threshold >= 0:
-        yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0,"
-                                   " e.g. 0.05")
+        yield Problem("threshold", f"is {threshold}; a golden comparison needs a relative threshold >= 0, e.g. 0.05")
 
 
 def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAULT_THRESHOLD) -> list[MetricCheck]:
@@ -116,8 +117,16 @@ def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAUL
         golden_value, current_value = metric.read(golden), metric.read(current)
         if golden_value is None or current_value is None:
             continue
-        checks.append(_check(metric.name, current_value, golden_value, higher_is_worse=metric.higher_is_worse,
-                             threshold=threshold, noise=noise if metric.timed else None))
+        checks.append(
+            _check(
+                metric.name,
+                current_value,
+                golden_value,
+                higher_is_worse=metric.higher_is_worse,
+                threshold=threshold,
+                noise=noise if metric.timed else None,
+            )
+        )
     return checks
 
 
@@ -130,9 +139,16 @@ def uncompared(current: BenchResult, golden: BenchResult) -> list[str]:
     golden), each saying which side; none when the statuses differ and only the status counts."""
     if current.status != golden.status:
         return []
-    return [f"{m.name} not compared: " + ("the golden has it, this run has none" if m.read(current) is None
-                                         else "this run has it, the golden has none; save a new golden to compare it")
-            for m in METRICS if (m.read(current) is None) != (m.read(golden) is None)]
+    return [
+        f"{m.name} not compared: "
+        + (
+            "the golden has it, this run has none"
+            if m.read(current) is None
+            else "this run has it, the golden has none; save a new golden to compare it"
+        )
+        for m in METRICS
+        if (m.read(current) is None) != (m.read(golden) is None)
+    ]
 
 
 _ABSENT = "<absent>"
@@ -167,8 +183,11 @@ def run_differences(golden: BenchResult, recipe: str, shape: Mapping[str, Any]) 
 def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
     """A golden of another recipe or shape measured another run (golden.run_differences)."""
     if differences:
-        yield Problem("golden", f"was measured on another run ({'; '.join(differences)}); run with the golden's"
-                                " recipe and shape, or store this run as a new golden with --save-golden")
+        yield Problem(
+            "golden",
+            f"was measured on another run ({'; '.join(differences)}); run with the golden's"
+            " recipe and shape, or store this run as a new golden with --save-golden",
+        )
 
 
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
@@ -198,8 +217,10 @@ def load_golden(path: str | os.PathLike[str]) -> BenchResult:
     try:
         result = BenchResult.from_dict(data)
     except ValueError as err:
-        raise ValueError(f"golden file {source} is not a remat bench result ({err}); pass a file that"
-                         " `remat bench --save-golden` or `--json` wrote") from None
+        raise ValueError(
+            f"golden file {source} is not a remat bench result ({err}); pass a file that"
+            " `remat bench --save-golden` or `--json` wrote"
+        ) from None
     if result.status not in STATUS_VALUES:
         raise ValueError(f"golden file {source} has unknown status {result.status!r}")
     return result

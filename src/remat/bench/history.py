@@ -1,4 +1,5 @@
 """A local history of benchmark runs in SQLite, so runs can be compared across sessions without a server."""
+
 from __future__ import annotations
 
 import json

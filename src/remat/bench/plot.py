@@ -2,12 +2,13 @@
 
 Uses a bare Figure on an Agg canvas rather than pyplot, so plotting never touches a user's interactive backend.
 """
+
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,6 +23,8 @@ _GIB = 1 << 30
 def _memory_unit(largest_gib: float) -> tuple[str, float]:
     """(unit, factor from GiB): MiB where everything is under a tenth of a GiB (tiny CPU recipes)."""
     return ("MiB", 1024.0) if largest_gib < 0.1 else ("GiB", 1.0)
+
+
 Point = tuple[float, float]  # (peak memory GiB, TFLOP/s)
 Anchor = tuple[str, float, float]  # (label, peak memory GiB, TFLOP/s)
 
@@ -37,13 +40,19 @@ def pareto_frontier(points: Iterable[Point]) -> list[Point]:
 
 def _ok_points(ok_runs: Sequence[BenchResult]) -> list[tuple[str, float, float]]:
     # the results table's headline, whole-step TFLOP/s/GPU (forward+backward under --no_optimizer)
-    return [(run.name, run.peak_allocated_bytes / _GIB, run.tflops_per_gpu) for run in ok_runs
-            if run.peak_allocated_bytes is not None and run.tflops_per_gpu is not None]
+    return [
+        (run.name, run.peak_allocated_bytes / _GIB, run.tflops_per_gpu)
+        for run in ok_runs
+        if run.peak_allocated_bytes is not None and run.tflops_per_gpu is not None
+    ]
 
 
 def _oom_points(results: Sequence[BenchResult]) -> list[tuple[str, float]]:
-    return [(r.name, r.oom.allocated_bytes / _GIB) for r in results
-            if r.status == "oom" and r.oom is not None and r.oom.allocated_bytes is not None]
+    return [
+        (r.name, r.oom.allocated_bytes / _GIB)
+        for r in results
+        if r.status == "oom" and r.oom is not None and r.oom.allocated_bytes is not None
+    ]
 
 
 # Where a label may sit beside its point, in points: right, above, left, below, then further out.
@@ -55,8 +64,15 @@ Label = tuple[str, float, float, bool]  # (text, x, y, y in axes coordinates rat
 
 def _annotate(ax: Axes, label: Label, dx: float, dy: float) -> Any:
     text, x, y, bottom = label
-    return ax.annotate(text, (x, y), xycoords=("data", "axes fraction") if bottom else "data",
-                       textcoords="offset points", xytext=(dx, dy), fontsize=8, ha="left" if dx >= 0 else "right")
+    return ax.annotate(
+        text,
+        (x, y),
+        xycoords=("data", "axes fraction") if bottom else "data",
+        textcoords="offset points",
+        xytext=(dx, dy),
+        fontsize=8,
+        ha="left" if dx >= 0 else "right",
+    )
 
 
 def _place_labels(ax: Axes, labels: Sequence[Label]) -> None:
@@ -93,8 +109,14 @@ def pareto_figure(results: Sequence[BenchResult], *, anchors: Sequence[Anchor] =
     """Peak allocated memory against whole-step TFLOP/s per GPU (the results table's figure), the
     Pareto frontier, OOM runs at the bottom where they failed, and `anchors` on the same axes.
     The axes span the points (with a margin), and no label overlaps another."""
-    unit, factor = _memory_unit(max([x for _, x, _ in _ok_points(results)] + [x for _, x in _oom_points(results)]
-                                    + [a[1] for a in anchors] + [0.0]))
+    unit, factor = _memory_unit(
+        max(
+            [x for _, x, _ in _ok_points(results)]
+            + [x for _, x in _oom_points(results)]
+            + [a[1] for a in anchors]
+            + [0.0]
+        )
+    )
     ok_points = [(name, x * factor, y) for name, x, y in _ok_points([r for r in results if r.status == "ok"])]
     oom_points = [(name, x * factor) for name, x in _oom_points(results)]
     anchors = [(label, x * factor, y) for label, x, y in anchors]
@@ -107,11 +129,20 @@ def pareto_figure(results: Sequence[BenchResult], *, anchors: Sequence[Anchor] =
     if ok_points:
         ax.scatter([p[1] for p in ok_points], [p[2] for p in ok_points], color="tab:blue", zorder=3, label="runs")
     if oom_points:
-        ax.scatter([x for _, x in oom_points], [_BOTTOM] * len(oom_points), color="red", marker="x", s=60,
-                   zorder=3, transform=ax.get_xaxis_transform(), label="OOM (allocated at failure)")
+        ax.scatter(
+            [x for _, x in oom_points],
+            [_BOTTOM] * len(oom_points),
+            color="red",
+            marker="x",
+            s=60,
+            zorder=3,
+            transform=ax.get_xaxis_transform(),
+            label="OOM (allocated at failure)",
+        )
     if anchors:
-        ax.scatter([a[1] for a in anchors], [a[2] for a in anchors], color="grey", marker="D", zorder=3,
-                   label="reference")
+        ax.scatter(
+            [a[1] for a in anchors], [a[2] for a in anchors], color="grey", marker="D", zorder=3, label="reference"
+        )
     ax.set_xlabel(f"peak allocated memory ({unit})")
     ax.set_ylabel("TFLOP/s/GPU (whole step, as in the table)")
     ax.margins(x=0.15, y=0.15)  # room for the labels beside the outermost points
@@ -121,9 +152,14 @@ def pareto_figure(results: Sequence[BenchResult], *, anchors: Sequence[Anchor] =
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
     fig.canvas.draw()  # the layout the labels are placed in
-    _place_labels(ax, [*((name, x, y, False) for name, x, y in ok_points),
-                       *((f"{name} (OOM)", x, _BOTTOM, True) for name, x in oom_points),
-                       *((label, x, y, False) for label, x, y in anchors)])
+    _place_labels(
+        ax,
+        [
+            *((name, x, y, False) for name, x, y in ok_points),
+            *((f"{name} (OOM)", x, _BOTTOM, True) for name, x in oom_points),
+            *((label, x, y, False) for label, x, y in anchors),
+        ],
+    )
     return fig
 
 
@@ -141,8 +177,13 @@ def pareto_plot(
     return out
 
 
-_PHASES = (("fwd", "forward", "tab:green"), ("head", "loss head", "tab:purple"), ("bwd", "backward", "tab:orange"),
-           ("tail", "backward", "tab:orange"), ("optimizer", "optimizer", "tab:red"))
+_PHASES = (
+    ("fwd", "forward", "tab:green"),
+    ("head", "loss head", "tab:purple"),
+    ("bwd", "backward", "tab:orange"),
+    ("tail", "backward", "tab:orange"),
+    ("optimizer", "optimizer", "tab:red"),
+)
 
 
 def _phase(window: str) -> tuple[str, str] | None:
@@ -180,8 +221,16 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
         if window[:3] in ("fwd", "bwd"):
             ax.axvline(start, color=color, alpha=0.4, linewidth=0.6)
             # right of its line, so the first window's name stays inside the axes
-            ax.annotate(window, (start, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
-                        va="top", ha="left", color=color)
+            ax.annotate(
+                window,
+                (start, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                va="top",
+                ha="left",
+                color=color,
+            )
     ax.set_xlabel("op of the training step")
     ax.set_ylabel(unit)
     ax.set_xlim(0, max(len(timeline.allocated) - 1, 1))

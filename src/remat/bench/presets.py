@@ -1,14 +1,15 @@
 """Sweep entries: Megatron's usual recompute presets, by name, or config/plan files."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
-from remat.core.labels import recompute_labels
 from remat.config.plan import Plan, PlanLike, load_plan_or_config
-from remat.core.problems import ConfigError, Problem
 from remat.config.recompute import RecomputeConfig
+from remat.core.labels import recompute_labels
+from remat.core.problems import ConfigError, Problem
 
 
 def megatron_presets(labels: frozenset[str], num_layers: int) -> list[str]:
@@ -27,8 +28,9 @@ def parse_entry(text: str, facts: dict[str, Any]) -> tuple[str, PlanLike]:
     try:
         return _parse_entry(text, path, facts)
     except ConfigError as err:  # a file's own problems (unreadable, not YAML) already name it
-        raise ConfigError([p if p.field == str(path) else Problem(f"{text}: {p.field}", p.message)
-                           for p in err.problems]) from None
+        raise ConfigError(
+            [p if p.field == str(path) else Problem(f"{text}: {p.field}", p.message) for p in err.problems]
+        ) from None
 
 
 def _parse_entry(text: str, path: Path, facts: dict[str, Any]) -> tuple[str, PlanLike]:
@@ -42,10 +44,19 @@ def _parse_entry(text: str, path: Path, facts: dict[str, Any]) -> tuple[str, Pla
     if text.startswith("full_"):
         _, method, k = (text.split("_") + ["", ""])[:3]
         if not k:
-            raise ConfigError([Problem("entry", "a full-recompute entry is full_uniform_K or full_block_K,"
-                                                " with K layers, like full_uniform_1")])
-        keys = {"recompute_granularity": "full", "recompute_method": method,
-                "recompute_num_layers": int(k) if k.isdigit() else k}
+            raise ConfigError(
+                [
+                    Problem(
+                        "entry",
+                        "a full-recompute entry is full_uniform_K or full_block_K, with K layers, like full_uniform_1",
+                    )
+                ]
+            )
+        keys = {
+            "recompute_granularity": "full",
+            "recompute_method": method,
+            "recompute_num_layers": int(k) if k.isdigit() else k,
+        }
     else:
         keys = {"recompute_granularity": "selective", "recompute_modules": text.replace("+", ",")}
     return text, RecomputeConfig.from_megatron({**keys, **facts})

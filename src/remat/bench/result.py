@@ -1,12 +1,13 @@
 """What one benchmark run measured, as a plain serializable record."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from remat.doctor import AllocatorState
 from remat.core.timing import spread
+from remat.doctor import AllocatorState
 
 Status = Literal["ok", "oom"]
 # How far apart the step times of one CPU process and another run for the same tiny recipe: tens of
@@ -82,12 +83,15 @@ class BenchResult:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BenchResult":
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
         """A result as `to_dict` wrote it; ValueError naming what is missing or malformed."""
         if not isinstance(data, dict):
             raise ValueError(f"it is {type(data).__name__}, not a mapping of a result's fields")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"it has no {', '.join(missing)}")

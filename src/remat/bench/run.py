@@ -3,6 +3,7 @@
 Timings are CUDA-event medians over the steps after warm-up; memory peaks are taken over those
 steps, once the optimizer state exists. An out-of-memory error is a result, not a crash.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,18 +17,18 @@ import torch
 from torch import nn
 
 from remat import doctor
-from remat.run import build, step
-from remat.sites.apply import offloader_of, warn_if_nothing_offloaded
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
-from remat.sites.calls import after_optimizer_step
 from remat.config.plan import Plan, PlanLike
 from remat.memory import peak_during
 from remat.memory.measure import gradients_persist
 from remat.memory.meter import held_tensors, storage_bytes
-from remat.run.optimizer import main_grad_bytes
 from remat.parallel import max_over_ranks, mean_over_ranks, of_highest_rank, rank, world_size
+from remat.run import build, step
+from remat.run.optimizer import main_grad_bytes
 from remat.run.step import MockData
+from remat.sites.apply import offloader_of, warn_if_nothing_offloaded
+from remat.sites.calls import after_optimizer_step
 
 # A run's progress: (run name, steps done, steps in all, what to show: the last loss, or OOM).
 OnStep = Callable[[str, int, int, str], None]
@@ -85,8 +86,9 @@ class _Steps:
     host_peak: int | None = None  # offloaded bytes held on the host at once, over the steady steps
 
 
-def _iteration(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.optim.Optimizer | None,
-          clock: _Clock) -> tuple[torch.Tensor, Any, Any, Any]:
+def _iteration(
+    model: nn.Module, spec: BenchSpec, data: MockData, optimizer: torch.optim.Optimizer | None, clock: _Clock
+) -> tuple[torch.Tensor, Any, Any, Any]:
     """One iteration: every micro-batch's forward and backward, then the optimizer. Returns the
     loss (on the device, unsynchronized) and the clock marks at start, after backward, at end."""
     start = clock.mark()
@@ -99,8 +101,9 @@ def _iteration(model: nn.Module, spec: BenchSpec, data: MockData, optimizer: tor
     return total, start, mid, clock.mark()
 
 
-def _train(model: nn.Module, spec: BenchSpec,
-           on_step: Callable[[int, float], None]) -> tuple[_Steps, torch.optim.Optimizer | None]:
+def _train(
+    model: nn.Module, spec: BenchSpec, on_step: Callable[[int, float], None]
+) -> tuple[_Steps, torch.optim.Optimizer | None]:
     data = MockData(spec)
     optimizer = step.make_optimizer(model, spec)
     clock, steps = _Clock(spec.device), _Steps()
@@ -127,8 +130,9 @@ def _train(model: nn.Module, spec: BenchSpec,
     return steps, optimizer
 
 
-def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: BenchSpec,
-               peak: int) -> MemoryBreakdown:
+def _breakdown(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: BenchSpec, peak: int
+) -> MemoryBreakdown:
     weights = step.tensor_bytes(model.parameters())
     main_grads = main_grad_bytes(optimizer)  # held by the optimizer through the step
     grads = main_grads or step.tensor_bytes(p for p in model.parameters() if p.requires_grad)
@@ -142,28 +146,51 @@ def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: 
 def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
     layout = spec.layout
-    sizes = {"data_parallel": layout.dp, "tensor_parallel": layout.tp, "sequence_parallel": int(layout.sequence_split > 1),
-             "pipeline_parallel": layout.pp, "virtual_pipeline_parallel": layout.virtual, "context_parallel": layout.cp,
-             "expert_model_parallel_size": layout.ep}
-    return dict(**spec.model_config.record(), **{key: size for key, size in sizes.items() if size > 1},
-                micro_batch_size=spec.micro_batch_size,
-                global_batch_size=spec.global_batch_size or spec.micro_batch_size, max_steps=spec.max_steps,
-                task=spec.task, compute_dtype=spec.precision.compute_dtype, compile=spec.compile)
+    sizes = {
+        "data_parallel": layout.dp,
+        "tensor_parallel": layout.tp,
+        "sequence_parallel": int(layout.sequence_split > 1),
+        "pipeline_parallel": layout.pp,
+        "virtual_pipeline_parallel": layout.virtual,
+        "context_parallel": layout.cp,
+        "expert_model_parallel_size": layout.ep,
+    }
+    return dict(
+        **spec.model_config.record(),
+        **{key: size for key, size in sizes.items() if size > 1},
+        micro_batch_size=spec.micro_batch_size,
+        global_batch_size=spec.global_batch_size or spec.micro_batch_size,
+        max_steps=spec.max_steps,
+        task=spec.task,
+        compute_dtype=spec.precision.compute_dtype,
+        compile=spec.compile,
+    )
 
 
 def _base_record(spec: BenchSpec, plan: PlanLike, name: str | None) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name() if spec.device.startswith("cuda") else "cpu"
     return dict(
-        name=name or plan_name(plan), recipe=spec.recipe, config=_plan_record(plan), shape=run_shape(spec),
-        device=spec.device.split(":")[0], gpu=gpu, torch=torch.__version__,
+        name=name or plan_name(plan),
+        recipe=spec.recipe,
+        config=_plan_record(plan),
+        shape=run_shape(spec),
+        device=spec.device.split(":")[0],
+        gpu=gpu,
+        torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=spec.command,
     )
 
 
-def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None = None,
-              name: str | None = None, on_step: OnStep | None = None,
-              on_oom: Callable[[torch.cuda.OutOfMemoryError], Any] | None = None) -> BenchResult:
+def run_bench(
+    spec: BenchSpec,
+    plan: PlanLike = None,
+    *,
+    model: nn.Module | None = None,
+    name: str | None = None,
+    on_step: OnStep | None = None,
+    on_oom: Callable[[torch.cuda.OutOfMemoryError], Any] | None = None,
+) -> BenchResult:
     """Train `spec.max_steps` steps under `plan` and measure them. An out-of-memory error is a
     result (status "oom"), after which the memory it held is released; `on_oom` sees the error
     first, while the failed step's tensors are alive (remat doctor's `Doctor.observe`)."""
@@ -176,13 +203,17 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     report(record["name"], 0, spec.max_steps, "")
     oom: OomInfo | None = None
     try:
-        steps, optimizer = _train(model, spec, lambda i, loss: report(record["name"], i + 1, spec.max_steps,
-                                                                        f"loss {loss:.4f}"))
+        steps, optimizer = _train(
+            model, spec, lambda i, loss: report(record["name"], i + 1, spec.max_steps, f"loss {loss:.4f}")
+        )
     except torch.cuda.OutOfMemoryError as e:
         # measured while the failed step's tensors are still referenced by the traceback
         state = doctor.oom_state(e)  # this process's GPU: under torchrun, this rank's
-        allocated, reserved = ((state.allocated, state.reserved) if state is not None
-                               else (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        allocated, reserved = (
+            (state.allocated, state.reserved)
+            if state is not None
+            else (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        )
         oom = OomInfo(allocated, reserved, str(e).split("\n")[0], *_place(spec), allocator=state)
         if on_oom is not None:
             on_oom(e)
@@ -201,8 +232,9 @@ def run_bench(spec: BenchSpec, plan: PlanLike = None, *, model: nn.Module | None
     return result
 
 
-def _measured(spec: BenchSpec, model: nn.Module, steps: _Steps, optimizer: torch.optim.Optimizer | None,
-              record: dict[str, Any]) -> BenchResult:
+def _measured(
+    spec: BenchSpec, model: nn.Module, steps: _Steps, optimizer: torch.optim.Optimizer | None, record: dict[str, Any]
+) -> BenchResult:
     """The result of steps run to the end: steady-state times, throughput and the peak memory of
     the rank whose peak is the highest, with that rank's breakdown of it."""
     cuda = spec.device.startswith("cuda")
@@ -217,15 +249,20 @@ def _measured(spec: BenchSpec, model: nn.Module, steps: _Steps, optimizer: torch
     local_peak = torch.cuda.max_memory_allocated() if cuda else steps.cpu_peak or 0
     local = _breakdown(model, optimizer, spec, local_peak)
     peak, (weights, grads, optim, activations) = of_highest_rank(
-        local_peak, [local.weights, local.grads, local.optimizer, local.activations])
+        local_peak, [local.weights, local.grads, local.optimizer, local.activations]
+    )
     return BenchResult(
-        status="ok", step_time_s=step_s, fwd_bwd_time_s=fwd_bwd_s,
-        tflops_per_gpu=flops / step_s / 1e12, tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
+        status="ok",
+        step_time_s=step_s,
+        fwd_bwd_time_s=fwd_bwd_s,
+        tflops_per_gpu=flops / step_s / 1e12,
+        tflops_fwd_bwd=flops / fwd_bwd_s / 1e12,
         tokens_per_s_per_gpu=sequences * config.seq_length / step_s,
         peak_allocated_bytes=peak,
         peak_reserved_bytes=max_over_ranks(torch.cuda.max_memory_reserved()) if cuda else None,
         peak_host_bytes=None if steps.host_peak is None else max_over_ranks(steps.host_peak),
-        memory=MemoryBreakdown(weights, grads, optim, activations, local.grads_persist), losses=steps.losses,
+        memory=MemoryBreakdown(weights, grads, optim, activations, local.grads_persist),
+        losses=steps.losses,
         step_times_s=steps.step[steady],
         harness_overhead=max(0.0, 1 - sum(steps.step[steady]) / sum(steps.wall[steady])),
         **record,
@@ -244,8 +281,9 @@ def _host_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or "can't allocate memory" in str(error)
 
 
-def sweep(spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *,
-          on_step: OnStep | None = None) -> list[BenchResult]:
+def sweep(
+    spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *, on_step: OnStep | None = None
+) -> list[BenchResult]:
     """Run every (name, plan) on one model in one process; OOMs are results, the rest go on."""
     model = build.build_model(spec)
     return [run_bench(spec, plan, model=model, name=name, on_step=on_step) for name, plan in plans]

@@ -1,4 +1,5 @@
 """BenchSpec: what `remat bench` and `remat sweep` run (the step's settings, steps, the GPU), and its checks."""
+
 from __future__ import annotations
 
 import re
@@ -10,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from remat.config.fields import optional, parse_bool, parse_int, parse_str, setting
+from remat.core.problems import ConfigError, Problem, count, did_you_mean, one_of
 from remat.models import parameter_count
 from remat.parallel import launched_world
-from remat.core.problems import ConfigError, Problem, count, did_you_mean, one_of
 from remat.run.spec import RunSpec, device_problems, run_problems
 
 GPUS: tuple[str, ...] = ("h100", "h200", "b200", "b300", "gb200", "gb300", "vr200", "r100")
@@ -30,27 +31,42 @@ class BenchSpec(RunSpec):
 
     max_steps: int = setting(DEFAULT_MAX_STEPS, parse=parse_int, flag=True, short="-ms", metavar="N")
     warmup_steps: int = setting(DEFAULT_WARMUP_STEPS, parse=parse_int, flag=True, metavar="N")
-    gpu: str | None = setting(None, parse=optional(parse_str), flag=True, short="-g",
-                              help="GPU label, checked against the device (h100, h200, b200, ...)")
+    gpu: str | None = setting(
+        None,
+        parse=optional(parse_str),
+        flag=True,
+        short="-g",
+        help="GPU label, checked against the device (h100, h200, b200, ...)",
+    )
     command: str = field(default_factory=lambda: shlex.join(sys.argv))  # recorded with results
     # only built on meta and printed: a full-size recipe is fine on a CPU
-    dryrun: bool = setting(False, parse=parse_bool, flag=True, short="-d", help="build, validate and print; run nothing")
+    dryrun: bool = setting(
+        False, parse=parse_bool, flag=True, short="-d", help="build, validate and print; run nothing"
+    )
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
         if self.gpu is not None and self.gpu not in GPUS:
-            yield Problem("gpu", f"{self.gpu!r} is not a GPU name{did_you_mean(self.gpu, GPUS)}; use one of {one_of(GPUS)}")
+            yield Problem(
+                "gpu", f"{self.gpu!r} is not a GPU name{did_you_mean(self.gpu, GPUS)}; use one of {one_of(GPUS)}"
+            )
         if self.warmup_steps < 0:
             yield Problem("warmup_steps", f"is {self.warmup_steps}; use --warmup_steps 0 or more")
         elif self.max_steps > MAX_STEPS:
             yield Problem("max_steps", f"is {self.max_steps:,}; a benchmark runs at most {MAX_STEPS:,} steps")
         elif self.max_steps <= self.warmup_steps:
             verb = "leaves" if self.max_steps == 1 else "leave"
-            yield Problem("max_steps", f"{count(self.max_steps, 'step')} {verb} no steady step after"
-                                       f" {self.warmup_steps} warm-up steps; use -ms {self.warmup_steps + 1} or more")
+            yield Problem(
+                "max_steps",
+                f"{count(self.max_steps, 'step')} {verb} no steady step after"
+                f" {self.warmup_steps} warm-up steps; use -ms {self.warmup_steps + 1} or more",
+            )
         if self.compile and self.warmup_steps == 0:
-            yield Problem("warmup_steps", "is 0 with --compile: the first step compiles and would be timed as a"
-                                          " steady step; use --warmup_steps 1 or more")
+            yield Problem(
+                "warmup_steps",
+                "is 0 with --compile: the first step compiles and would be timed as a"
+                " steady step; use --warmup_steps 1 or more",
+            )
         yield from self._launch_problems()
         if not device_problems(self.device):
             yield from self._device_checks()
@@ -60,9 +76,12 @@ class BenchSpec(RunSpec):
         gpus, started = self.layout.gpus, launched_world()
         yield from run_problems(self)
         if started > 1 and started != gpus:  # outside torchrun, `remat bench -ng N` starts it
-            yield Problem("num_gpus", f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"
-                                      f" launch with torchrun --nproc-per-node {gpus}, or let remat bench -ng"
-                                      f" {gpus} start it")
+            yield Problem(
+                "num_gpus",
+                f"is {gpus} but torchrun started {count(started, 'process', 'processes')};"
+                f" launch with torchrun --nproc-per-node {gpus}, or let remat bench -ng"
+                f" {gpus} start it",
+            )
 
     def _device_problems(self) -> Iterator[Problem]:
         yield from device_problems(self.device)
@@ -75,9 +94,12 @@ class BenchSpec(RunSpec):
             except (ConfigError, ValueError):  # a bad shape: RunSpec reports it
                 parameters = 0
             if parameters > CPU_MAX_PARAMETERS:
-                yield Problem("device", f"{parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
-                                        " recipe or shrink it (--num_layers, --hidden_size), or predict its"
-                                        " memory without a GPU with `remat estimate`")
+                yield Problem(
+                    "device",
+                    f"{parameters / 1e9:.2f}B parameters is a GPU job; on CPU use a tiny"
+                    " recipe or shrink it (--num_layers, --hidden_size), or predict its"
+                    " memory without a GPU with `remat estimate`",
+                )
         if self.device == "cpu" and self.gpu is not None:
             yield Problem("gpu", f"-g {self.gpu} names a GPU but this run is on CPU; drop -g or run on a GPU")
         elif self.gpu in GPUS and self.device.startswith("cuda"):

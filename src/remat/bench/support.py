@@ -5,6 +5,7 @@ and the precision themselves, as a run asks them), otherwise it names where it i
 benchmarks/results), `NCCL` (measured on several). `remat support` prints the table; the README
 holds it, and a test checks both it and every piece of evidence named here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,45 +19,110 @@ from remat.core.problems import ConfigError, Problem
 # A representative recipe of each family (None: a factory's, which needs a model of the user's).
 FAMILIES: dict[str, str | None] = {"llama": "llama3_tiny", "moe": "moe_tiny", "hf": "hf:llama", "module": None}
 LAYOUTS: dict[str, ParallelLayout] = {
-    "1 device": ParallelLayout(), "FSDP2": ParallelLayout(num_gpus=2), "TP": ParallelLayout(tp=2),
-    "TP+SP": ParallelLayout(tp=2, sp=True), "PP": ParallelLayout(pp=2), "PP+VP": ParallelLayout(pp=2, vp=2),
-    "CP": ParallelLayout(cp=2), "EP": ParallelLayout(ep=2, num_gpus=2),
+    "1 device": ParallelLayout(),
+    "FSDP2": ParallelLayout(num_gpus=2),
+    "TP": ParallelLayout(tp=2),
+    "TP+SP": ParallelLayout(tp=2, sp=True),
+    "PP": ParallelLayout(pp=2),
+    "PP+VP": ParallelLayout(pp=2, vp=2),
+    "CP": ParallelLayout(cp=2),
+    "EP": ParallelLayout(ep=2, num_gpus=2),
 }
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8_cs")
 # the shape each family's cells are judged on: no dropout (context parallelism refuses attention
 # dropout by name, as a property of the run rather than of the family)
-SHAPE: dict[str, dict[str, float]] = {"llama": {"attention_dropout": 0.0, "hidden_dropout": 0.0},
-                                      "moe": {"attention_dropout": 0.0, "hidden_dropout": 0.0},
-                                      "hf": {"attention_dropout": 0.0}}
+SHAPE: dict[str, dict[str, float]] = {
+    "llama": {"attention_dropout": 0.0, "hidden_dropout": 0.0},
+    "moe": {"attention_dropout": 0.0, "hidden_dropout": 0.0},
+    "hf": {"attention_dropout": 0.0},
+}
 
 # Where each cell that runs is checked: (kind, evidence), the evidence a test ("module::test") or a
 # results file. A bf16 cell is checked in fp32/fp64 on CPU; the dtype does not change the layout.
 EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
-    ("llama", "1 device"): (("CPU", "test_apply::test_every_config_is_bit_identical_to_no_recompute"),
-                            ("GPU", "benchmarks/results/w1_h200.json")),
-    ("llama", "FSDP2"): (("gloo", "test_parallel_runs::test_every_plan_under_fsdp2_is_bit_identical_to_fsdp2_without_recompute"),),
-    ("llama", "TP"): (("gloo", "test_tensor_parallel_runs::test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute"),),
-    ("llama", "TP+SP"): (("gloo", "test_tensor_parallel_runs::test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute"),),
+    ("llama", "1 device"): (
+        ("CPU", "test_apply::test_every_config_is_bit_identical_to_no_recompute"),
+        ("GPU", "benchmarks/results/w1_h200.json"),
+    ),
+    ("llama", "FSDP2"): (
+        ("gloo", "test_parallel_runs::test_every_plan_under_fsdp2_is_bit_identical_to_fsdp2_without_recompute"),
+    ),
+    ("llama", "TP"): (
+        (
+            "gloo",
+            "test_tensor_parallel_runs::test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute",
+        ),
+    ),
+    ("llama", "TP+SP"): (
+        (
+            "gloo",
+            "test_tensor_parallel_runs::test_every_plan_under_tensor_parallelism_is_bit_identical_to_it_without_recompute",
+        ),
+    ),
     ("llama", "PP"): (("gloo", "test_pipeline_runs::test_a_pipeline_step_is_the_whole_models_step_bit_for_bit"),),
     ("llama", "PP+VP"): (("gloo", "test_pipeline_runs::test_a_pipeline_step_is_the_whole_models_step_bit_for_bit"),),
-    ("llama", "CP"): (("gloo", "test_context_parallel_runs::test_every_plan_under_context_parallelism_is_bit_identical_to_none"),),
-    ("moe", "1 device"): (("CPU", "test_moe_runs::test_every_label_combination_and_full_recompute_is_bit_identical_with_dropout"),
-                          ("GPU", "benchmarks/results/moe_slices_qwen3_h100.json")),
-    ("moe", "FSDP2"): (("gloo", "test_moe_parallel_runs::test_the_expert_bias_stays_the_same_on_every_data_parallel_rank_and_as_one_process"),),
-    ("moe", "TP"): (("gloo", "test_tensor_parallel_models_runs::test_every_plan_is_bit_identical_to_the_split_without_recompute"),),
-    ("moe", "TP+SP"): (("gloo", "test_tensor_parallel_models_runs::test_every_plan_is_bit_identical_to_the_split_without_recompute"),),
-    ("moe", "PP"): (("gloo", "test_moe_parallel_runs::test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit"),),
-    ("moe", "PP+VP"): (("gloo", "test_moe_parallel_runs::test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit"),),
-    ("moe", "CP"): (("gloo", "test_context_parallel_runs::test_every_moe_plan_under_context_parallelism_is_bit_identical_to_none"),),
-    ("moe", "EP"): (("gloo", "test_expert_parallel_runs::test_every_plan_under_expert_parallelism_is_bit_identical_to_it_without_recompute"),),
-    ("hf", "1 device"): (("CPU", "test_adapt_runs::test_every_plan_on_an_adapted_model_is_bit_identical_to_the_unmodified_model"),
-                         ("GPU", "benchmarks/results/hf_llama_h100.json")),
-    ("hf", "FSDP2"): (("gloo", "test_hf_pipeline_runs::test_a_tied_embedding_on_stages_sharded_by_fsdp2_matches_one_process"),),
-    ("hf", "TP"): (("gloo", "test_hf_tensor_parallel_runs::test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute"),),
-    ("hf", "TP+SP"): (("gloo", "test_hf_tensor_parallel_runs::test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute"),),
-    ("hf", "PP"): (("gloo", "test_hf_pipeline_runs::test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none"),),
-    ("hf", "PP+VP"): (("gloo", "test_hf_pipeline_runs::test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none"),),
-    ("hf", "CP"): (("gloo", "test_hf_context_parallel_runs::test_every_plan_under_context_parallelism_is_bit_identical_to_none"),),
+    ("llama", "CP"): (
+        ("gloo", "test_context_parallel_runs::test_every_plan_under_context_parallelism_is_bit_identical_to_none"),
+    ),
+    ("moe", "1 device"): (
+        ("CPU", "test_moe_runs::test_every_label_combination_and_full_recompute_is_bit_identical_with_dropout"),
+        ("GPU", "benchmarks/results/moe_slices_qwen3_h100.json"),
+    ),
+    ("moe", "FSDP2"): (
+        (
+            "gloo",
+            "test_moe_parallel_runs::test_the_expert_bias_stays_the_same_on_every_data_parallel_rank_and_as_one_process",
+        ),
+    ),
+    ("moe", "TP"): (
+        ("gloo", "test_tensor_parallel_models_runs::test_every_plan_is_bit_identical_to_the_split_without_recompute"),
+    ),
+    ("moe", "TP+SP"): (
+        ("gloo", "test_tensor_parallel_models_runs::test_every_plan_is_bit_identical_to_the_split_without_recompute"),
+    ),
+    ("moe", "PP"): (
+        ("gloo", "test_moe_parallel_runs::test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit"),
+    ),
+    ("moe", "PP+VP"): (
+        ("gloo", "test_moe_parallel_runs::test_a_pipelined_moe_step_is_the_whole_models_step_bit_for_bit"),
+    ),
+    ("moe", "CP"): (
+        ("gloo", "test_context_parallel_runs::test_every_moe_plan_under_context_parallelism_is_bit_identical_to_none"),
+    ),
+    ("moe", "EP"): (
+        (
+            "gloo",
+            "test_expert_parallel_runs::test_every_plan_under_expert_parallelism_is_bit_identical_to_it_without_recompute",
+        ),
+    ),
+    ("hf", "1 device"): (
+        ("CPU", "test_adapt_runs::test_every_plan_on_an_adapted_model_is_bit_identical_to_the_unmodified_model"),
+        ("GPU", "benchmarks/results/hf_llama_h100.json"),
+    ),
+    ("hf", "FSDP2"): (
+        ("gloo", "test_hf_pipeline_runs::test_a_tied_embedding_on_stages_sharded_by_fsdp2_matches_one_process"),
+    ),
+    ("hf", "TP"): (
+        (
+            "gloo",
+            "test_hf_tensor_parallel_runs::test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute",
+        ),
+    ),
+    ("hf", "TP+SP"): (
+        (
+            "gloo",
+            "test_hf_tensor_parallel_runs::test_every_plan_on_a_split_hf_model_is_bit_identical_to_it_without_recompute",
+        ),
+    ),
+    ("hf", "PP"): (
+        ("gloo", "test_hf_pipeline_runs::test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none"),
+    ),
+    ("hf", "PP+VP"): (
+        ("gloo", "test_hf_pipeline_runs::test_every_plan_on_hf_stages_with_dropout_is_bit_identical_to_none"),
+    ),
+    ("hf", "CP"): (
+        ("gloo", "test_hf_context_parallel_runs::test_every_plan_under_context_parallelism_is_bit_identical_to_none"),
+    ),
     ("module", "1 device"): (("CPU", "test_adapt_runs::test_any_model_runs_through_the_command_line_from_a_factory"),),
 }
 

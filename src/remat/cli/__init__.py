@@ -1,12 +1,13 @@
 """The `remat` command: one module per subcommand, each a thin layer over the Python API."""
+
 from __future__ import annotations
 
 import argparse
 import re
 import shlex
 import sys
-from importlib.metadata import version
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from rich.markup import escape
 
@@ -20,7 +21,8 @@ COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, sup
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="remat", description="Activation recompute for PyTorch transformer training.", allow_abbrev=False)
+        prog="remat", description="Activation recompute for PyTorch transformer training.", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"remat {version('remat')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -70,8 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         select_model(args)
         return args.func(args)
     except ConfigError as e:
-        err.print(f"[red]invalid config ({len(e.problems)} problem"
-                  f"{'s' if len(e.problems) != 1 else ''}):[/]")
+        err.print(f"[red]invalid config ({len(e.problems)} problem{'s' if len(e.problems) != 1 else ''}):[/]")
         for problem in e.problems:
             shown = on_command_line(problem, args.command_parser)
             err.print(f"  [bold]{escape(shown.field)}[/]: {escape(shown.message)}")

@@ -1,6 +1,7 @@
 """The flags the commands share, each derived from the setting it sets (`cli/flags.py`), and what
 a command line means: the run's spec, its layout, the recompute config or plan, the model's facts
 for the rules. A config file (--config) gives Megatron's keys; flags override it."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,12 @@ from remat.bench.presets import megatron_presets, parse_entry, run_key
 from remat.bench.result import BenchResult
 from remat.bench.run import plan_name, run_shape
 from remat.bench.spec import BenchSpec
-from remat.cli.checks import golden_flag_problems, offload_device_advice, plan_file_flag_problems, recompute_flag_problems
+from remat.cli.checks import (
+    golden_flag_problems,
+    offload_device_advice,
+    plan_file_flag_problems,
+    recompute_flag_problems,
+)
 from remat.cli.common import Problems
 from remat.cli.flags import add_settings, given
 from remat.config.capture import Capture
@@ -33,25 +39,42 @@ from remat.run.spec import ModelOverrides, RunSpec
 from remat.sites.apply import apply, find_sites
 
 # ModelOverrides a run's recipe takes from the command line (verify adds attention and dropout)
-RUN_OVERRIDES = ("num_layers", "hidden_size", "seq_length", "num_moe_experts", "moe_layer_freq",
-                 "gradient_accumulation_fusion")
+RUN_OVERRIDES = (
+    "num_layers",
+    "hidden_size",
+    "seq_length",
+    "num_moe_experts",
+    "moe_layer_freq",
+    "gradient_accumulation_fusion",
+)
 
 
 def add_model_source_flags(g: argparse._ActionsContainer, recipe_default: str | None = "llama3_tiny") -> None:
     """Which model: a recipe, a Hugging Face config, or any model from a factory."""
     g.add_argument("-m", "--model_family_name", default="llama", choices=list(FAMILIES))
     add_settings(g, RunSpec, only=["recipe"], defaults={"model_recipe_name": recipe_default})
-    g.add_argument("--hf_config", metavar="FAMILY_OR_JSON",
-                   help="with -m hf: a transformers family (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, gpt2,"
-                        " mixtral, qwen2_moe, qwen3_moe, deepseek_v3; small shapes to override) or a config.json;"
-                        " built from the config, never downloaded")
-    g.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
-                   help="any model: a function (no arguments) returning it, or (model, site map); token ids"
-                        " below its first embedding's vocabulary, -sl tokens")
+    g.add_argument(
+        "--hf_config",
+        metavar="FAMILY_OR_JSON",
+        help="with -m hf: a transformers family (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, gpt2,"
+        " mixtral, qwen2_moe, qwen3_moe, deepseek_v3; small shapes to override) or a config.json;"
+        " built from the config, never downloaded",
+    )
+    g.add_argument(
+        "--model",
+        metavar="PACKAGE.MODULE:FUNCTION",
+        help="any model: a function (no arguments) returning it, or (model, site map); token ids"
+        " below its first embedding's vocabulary, -sl tokens",
+    )
 
 
-def add_model_flags(p: argparse.ArgumentParser, *, overrides: Iterable[str] = RUN_OVERRIDES,
-                    defaults: Mapping[str, Any] | None = None, skip: Iterable[str] = ()) -> argparse._ArgumentGroup:
+def add_model_flags(
+    p: argparse.ArgumentParser,
+    *,
+    overrides: Iterable[str] = RUN_OVERRIDES,
+    defaults: Mapping[str, Any] | None = None,
+    skip: Iterable[str] = (),
+) -> argparse._ArgumentGroup:
     """The model, its shape and the step: Megatron Bridge's names."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
     add_model_source_flags(g)
@@ -67,8 +90,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g = add_model_flags(p)
     add_settings(g, BenchSpec, only=["max_steps", "warmup_steps", "gpu"])
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
-    g.add_argument("--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or "
-                                                   "~/.cache/remat/history.sqlite)")
+    g.add_argument(
+        "--history", metavar="DB", help="SQLite run history (default $REMAT_HISTORY or ~/.cache/remat/history.sqlite)"
+    )
     g.add_argument("--no_history", action="store_true", help="do not record the run")
 
 
@@ -83,8 +107,11 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
     """The recompute and offload flags of Megatron Bridge's performance scripts, and a config file."""
     g = p.add_argument_group("recompute (Megatron Bridge names)")
     add_settings(g, RecomputeFields)
-    g.add_argument("--config", metavar="FILE",
-                   help="YAML or JSON with Megatron TransformerConfig keys, or a plan file; flags override it")
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML or JSON with Megatron TransformerConfig keys, or a plan file; flags override it",
+    )
 
 
 def select_model(args: argparse.Namespace) -> None:
@@ -123,8 +150,9 @@ def layout_of(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> Paralle
 
 def run_parts(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> dict[str, Any]:
     """The layout, CUDA graphs and precision a command line (and its config file's `keys`) gives."""
-    return dict(layout=layout_of(args, keys), capture=_setting(Capture, args, keys),
-                precision=_setting(Precision, args, keys))
+    return dict(
+        layout=layout_of(args, keys), capture=_setting(Capture, args, keys), precision=_setting(Precision, args, keys)
+    )
 
 
 def gpus_of(args: argparse.Namespace) -> int:
@@ -158,8 +186,12 @@ def bench_spec(args: argparse.Namespace, keys: Mapping[str, Any] = {}) -> BenchS
     """The run a bench, sweep, plan or doctor command line asks for; ConfigError with every problem."""
     values = {**spec_settings(args, keys), **given(BenchSpec, args)}
     device = values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    values.update(device=device, compile=compile_default(values.get("compile"), device), command=args.command_line,
-                  dryrun=bool(getattr(args, "dryrun", False)))
+    values.update(
+        device=device,
+        compile=compile_default(values.get("compile"), device),
+        command=args.command_line,
+        dryrun=bool(getattr(args, "dryrun", False)),
+    )
     return BenchSpec(**values)
 
 
@@ -190,12 +222,14 @@ def recompute_keys(args: argparse.Namespace) -> dict[str, Any]:
     return keys
 
 
-def resolve_config(args: argparse.Namespace, loaded: RecomputeConfig | Plan | None,
-                   facts: TrainingFacts) -> RecomputeConfig | Plan:
+def resolve_config(
+    args: argparse.Namespace, loaded: RecomputeConfig | Plan | None, facts: TrainingFacts
+) -> RecomputeConfig | Plan:
     """What a command line means to recompute: its config file's settings, then the flags', on
     the run's `facts`; or the plan file it names."""
-    problems = list(recompute_flag_problems(args.recompute_num_layers, args.recompute_modules,
-                                            args.recompute_granularity))
+    problems = list(
+        recompute_flag_problems(args.recompute_num_layers, args.recompute_modules, args.recompute_granularity)
+    )
     if problems:
         raise ConfigError(problems)
     flags = recompute_keys(args)
@@ -219,8 +253,9 @@ def advise_offload(spec: BenchSpec | None, plans: Sequence[tuple[str, PlanLike]]
         advise(offload_device_advice(spec.device, offloading))
 
 
-def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
-                ) -> tuple[BenchSpec, PlanLike, Plan, BenchResult | None]:
+def check_bench(
+    args: argparse.Namespace, more: Iterable[Problem] = ()
+) -> tuple[BenchSpec, PlanLike, Plan, BenchResult | None]:
     """Every problem of a bench command line, from every stage (and `more`), before anything runs:
     the spec, the config (or plan file) as given, as applied to the model, and the golden."""
     found = Problems()
@@ -249,9 +284,14 @@ def check_bench(args: argparse.Namespace, more: Iterable[Problem] = ()
     return spec, plan, resolved, golden
 
 
-def sweep_entries(found: Problems, model: nn.Module, entries: Sequence[str] | None, keys: dict[str, Any],
-                  execution: Callable[[RecomputeConfig], Iterator[Problem]] | None = None,
-                  stage_layers: int | None = None) -> list[tuple[str, PlanLike]]:
+def sweep_entries(
+    found: Problems,
+    model: nn.Module,
+    entries: Sequence[str] | None,
+    keys: dict[str, Any],
+    execution: Callable[[RecomputeConfig], Iterator[Problem]] | None = None,
+    stage_layers: int | None = None,
+) -> list[tuple[str, PlanLike]]:
     """Sweep entries (None, or the entry "presets" among them: Megatron's presets, full block over
     half of the `stage_layers` of a (virtual) pipeline stage) parsed and checked against the model;
     `execution` lists what a config asks that the runner would not run as asked."""

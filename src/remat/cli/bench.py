@@ -2,6 +2,7 @@
 data; report step time, TFLOP/s per GPU, tokens/s, peak memory and its breakdown, loss per step.
 An out-of-memory error is diagnosed with the numbers of the rank that ran out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,24 @@ from remat.bench.result import BenchResult
 from remat.bench.run import plan_name, run_bench
 from remat.bench.spec import BenchSpec
 from remat.cli.args import add_layout_flags, add_recompute_flags, add_run_flags, check_bench, gpus_of
+from remat.cli.common import (
+    Outputs,
+    collected_warnings,
+    err,
+    out,
+    output_problems,
+    print_warnings,
+    progress_bar,
+    show,
+    write_json,
+)
 from remat.cli.flags import add_settings
-from remat.cli.common import (Outputs, collected_warnings, err, out, output_problems, print_warnings, progress_bar,
-                              show, write_json)
 from remat.cli.tables import checks_table, doctor_report, memory_table, results_table
+from remat.config.recompute import RecomputeConfig
+from remat.core.problems import count
 from remat.doctor import report_of
 from remat.parallel import is_main, launched_world, rank, start, stop, torchrun
 from remat.parallel.launch import leave, left_by_ranks, rank_words
-from remat.core.problems import count
-from remat.config.recompute import RecomputeConfig
 
 HELP = "train a recipe under a recompute config and measure it"
 
@@ -34,15 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_layout_flags(p)
     add_recompute_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--golden", metavar="FILE",
-                   help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
-                        "another recipe or shape is refused before running; another GPU name or recompute "
-                        "config is a note, and so is a metric only one side has")
-    p.add_argument("--save-golden", "--save_golden", dest="save_golden", metavar="FILE",
-                   help="store this result as golden")
-    p.add_argument("--threshold", type=float,
-                   help=f"with --golden: relative difference that fails the comparison, both ways (default "
-                        f"{DEFAULT_THRESHOLD})")
+    p.add_argument(
+        "--golden",
+        metavar="FILE",
+        help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
+        "another recipe or shape is refused before running; another GPU name or recompute "
+        "config is a note, and so is a metric only one side has",
+    )
+    p.add_argument(
+        "--save-golden", "--save_golden", dest="save_golden", metavar="FILE", help="store this result as golden"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help=f"with --golden: relative difference that fails the comparison, both ways (default {DEFAULT_THRESHOLD})",
+    )
 
 
 class RankFailed(Exception):
@@ -71,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
         if not (isinstance(error, Exception) and left_by_ranks()):
             raise
         # a collective that lost the rank which failed first: one line, not a traceback to mistake for the failure
-        err.print(f"rank {here} stopped after another rank failed: {type(error).__name__}: "
-                  f"{escape((str(error).splitlines() or [''])[0])}")
+        err.print(
+            f"rank {here} stopped after another rank failed: {type(error).__name__}: "
+            f"{escape((str(error).splitlines() or [''])[0])}"
+        )
         return 1
     stop()
     return status
@@ -86,8 +104,9 @@ def _launch(args: argparse.Namespace, gpus: int) -> int:
     failed = [BenchResult.from_dict(record) for record in launched.records.values()]  # in rank order
     if not failed:
         return launched.status
-    out.print("torchrun stopped the other ranks: what they printed about a closed connection or a timeout"
-              " follows from this")
+    out.print(
+        "torchrun stopped the other ranks: what they printed about a closed connection or a timeout follows from this"
+    )
     return max(_report(args, spec, failed, golden), 1)
 
 
@@ -97,8 +116,11 @@ def _layout_words(spec: BenchSpec) -> str:
     if layout.tp > 1:
         words.append(f"tensor parallel over {layout.tp} ranks" + (" with sequence parallel" if layout.sp else ""))
     if layout.pp > 1:
-        words.append(f"{layout.pp} pipeline stages" + (f" x {layout.virtual} virtual" if layout.virtual > 1 else "")
-                     + f" ({layout.pipeline_schedule})")
+        words.append(
+            f"{layout.pp} pipeline stages"
+            + (f" x {layout.virtual} virtual" if layout.virtual > 1 else "")
+            + f" ({layout.pipeline_schedule})"
+        )
     if layout.cp > 1:
         words.append(f"context parallel over {layout.cp} ranks (ring attention)")
     if layout.ep > 1:
@@ -113,9 +135,11 @@ def _run(args: argparse.Namespace) -> int:
         spec, plan, resolved, golden = check_bench(args, output_problems(args))
     print_warnings(caught)
     if args.dryrun:
-        out.print(f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
-                  f"{count(spec.micro_batches, 'micro-batch', 'micro-batches')} a step, {count(spec.max_steps, 'step')} "
-                  f"({spec.warmup_steps} warm-up), {spec.precision.compute_dtype}")
+        out.print(
+            f"[bold]{spec.recipe}[/] on {spec.device}: micro-batch {spec.micro_batch_size}, "
+            f"{count(spec.micro_batches, 'micro-batch', 'micro-batches')} a step, {count(spec.max_steps, 'step')} "
+            f"({spec.warmup_steps} warm-up), {spec.precision.compute_dtype}"
+        )
         if isinstance(plan, RecomputeConfig):
             out.print(plan.describe())
         out.print(resolved.describe())
@@ -139,8 +163,10 @@ def _leave(spec: BenchSpec, result: BenchResult) -> None:
         return
     out.quiet = False
     _show(spec, [result])
-    err.print("[yellow]note:[/] a rank of a torchrun started by hand writes no --json, history or golden (several"
-              " may run out at once); `remat bench -ng N` starts torchrun itself and writes them")
+    err.print(
+        "[yellow]note:[/] a rank of a torchrun started by hand writes no --json, history or golden (several"
+        " may run out at once); `remat bench -ng N` starts torchrun itself and writes them"
+    )
 
 
 def _show(spec: BenchSpec, results: Sequence[BenchResult]) -> None:
@@ -153,12 +179,22 @@ def _show(spec: BenchSpec, results: Sequence[BenchResult]) -> None:
         if oom.rank is not None:
             out.print(f"[bold red]{rank_words(oom.rank, oom.coordinates)} ran out of memory:[/] {escape(oom.message)}")
         if oom.allocator is not None:
-            show(doctor_report(report_of(oom.allocator, oom.message, rank=oom.rank, coordinates=oom.coordinates,
-                                         micro_batch_size=spec.micro_batch_size)))
+            show(
+                doctor_report(
+                    report_of(
+                        oom.allocator,
+                        oom.message,
+                        rank=oom.rank,
+                        coordinates=oom.coordinates,
+                        micro_batch_size=spec.micro_batch_size,
+                    )
+                )
+            )
 
 
-def _report(args: argparse.Namespace, spec: BenchSpec, results: Sequence[BenchResult],
-            golden: BenchResult | None) -> int:
+def _report(
+    args: argparse.Namespace, spec: BenchSpec, results: Sequence[BenchResult], golden: BenchResult | None
+) -> int:
     """Show the run's result (the first of `results`, the rest other ranks that ran out of memory
     with it), write it, compare it with the golden; the exit status."""
     _show(spec, results)

@@ -1,4 +1,5 @@
 """Checks of command lines: flag combinations, and the files a command will write (before it runs)."""
+
 from __future__ import annotations
 
 import os
@@ -8,35 +9,46 @@ from pathlib import Path
 from typing import IO, Any
 
 from remat.bench.golden import threshold_problems
-from remat.core.problems import Problem
 from remat.cli.flags import flag_of
 from remat.config.megatron import RecomputeFields
+from remat.config.offload_rules import min_offload_size_problems
 from remat.config.recompute import RecomputeConfig
-from remat.config.rules import min_offload_size_problems
+from remat.core.problems import Problem
 
 
-def recompute_flag_problems(recompute_num_layers: int | None, recompute_modules: str | None,
-                            recompute_granularity: str | None = None) -> Iterator[Problem]:
+def recompute_flag_problems(
+    recompute_num_layers: int | None, recompute_modules: str | None, recompute_granularity: str | None = None
+) -> Iterator[Problem]:
     """Bridge's perf flags: -rl and --recompute_modules each choose the granularity."""
     if recompute_num_layers is not None and recompute_modules is not None:
-        yield Problem("-rl/--recompute_modules", "pass one of them: -rl N recomputes whole layers, "
-                                                 "--recompute_modules recomputes the listed modules in every layer")
+        yield Problem(
+            "-rl/--recompute_modules",
+            "pass one of them: -rl N recomputes whole layers, "
+            "--recompute_modules recomputes the listed modules in every layer",
+        )
     elif recompute_modules is not None and recompute_granularity == "full":
-        yield Problem("--recompute_granularity", "full recomputes whole layers and --recompute_modules lists modules"
-                                                 " for selective recompute; drop --recompute_granularity full (the"
-                                                 " modules imply selective), or drop --recompute_modules and pass"
-                                                 " -rl N")
+        yield Problem(
+            "--recompute_granularity",
+            "full recomputes whole layers and --recompute_modules lists modules"
+            " for selective recompute; drop --recompute_granularity full (the"
+            " modules imply selective), or drop --recompute_modules and pass"
+            " -rl N",
+        )
     elif recompute_num_layers is not None and recompute_granularity == "selective":
-        yield Problem("--recompute_granularity", "selective recomputes modules in every layer and -rl N recomputes"
-                                                 " N whole layers (full); drop --recompute_granularity selective (-rl"
-                                                 " implies full), or drop -rl and pass --recompute_modules")
+        yield Problem(
+            "--recompute_granularity",
+            "selective recomputes modules in every layer and -rl N recomputes"
+            " N whole layers (full); drop --recompute_granularity selective (-rl"
+            " implies full), or drop -rl and pass --recompute_modules",
+        )
 
 
 def plan_file_flag_problems(other_flags: Mapping[str, Any], model_given: bool = True) -> Iterator[Problem]:
     """A per-layer plan file passed with --config, beside the command's other flags."""
     if other_flags:
-        yield Problem("--config", "a per-layer plan file sets every action itself; drop the recompute and "
-                                  "offload flags")
+        yield Problem(
+            "--config", "a per-layer plan file sets every action itself; drop the recompute and offload flags"
+        )
     if not model_given:
         yield Problem("--config", "a per-layer plan is checked against a model: pass -mr RECIPE")
 
@@ -47,9 +59,12 @@ def configs_flag_problems(flags: RecomputeConfig | None) -> Iterator[Problem]:
     to; None for a per-layer plan file."""
     chosen = ["--config (a per-layer plan)"] if flags is None else flags.changed()
     if chosen:
-        yield Problem("--configs", f"estimates only the entries it lists, so what the flags set ({', '.join(chosen)})"
-                                   " would be ignored; give it as an entry (like mlp+core_attn or full_block_2; "
-                                   "offload in a config or plan file) or drop either the flags or --configs")
+        yield Problem(
+            "--configs",
+            f"estimates only the entries it lists, so what the flags set ({', '.join(chosen)})"
+            " would be ignored; give it as an entry (like mlp+core_attn or full_block_2; "
+            "offload in a config or plan file) or drop either the flags or --configs",
+        )
 
 
 def output_path_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
@@ -91,17 +106,25 @@ def _open_error(opener: Callable[[], IO[bytes]]) -> str | None:
     return None
 
 
-def doctor_flag_problems(*, results: bool, state: bool, oom_message: bool, timeline: bool, request: bool,
-                         limit: bool) -> list[Problem]:
+def doctor_flag_problems(
+    *, results: bool, state: bool, oom_message: bool, timeline: bool, request: bool, limit: bool
+) -> list[Problem]:
     """remat doctor does one thing per call: flags that the chosen one would ignore are refused."""
     problems = []
     if timeline and (results or state):
-        problems.append(Problem("--timeline", "plots a run of the recipe, not a file or message; drop --timeline or"
-                                              " the --results / --snapshot / --oom_message"))
+        problems.append(
+            Problem(
+                "--timeline",
+                "plots a run of the recipe, not a file or message; drop --timeline or"
+                " the --results / --snapshot / --oom_message",
+            )
+        )
     if not state:
-        problems += [Problem(flag, "describes an OOM's allocator state, for --snapshot or --oom_message only;"
-                                   f" drop {flag}") for flag, given in (("--request", request), ("--limit", limit))
-                     if given]
+        problems += [
+            Problem(flag, f"describes an OOM's allocator state, for --snapshot or --oom_message only; drop {flag}")
+            for flag, given in (("--request", request), ("--limit", limit))
+            if given
+        ]
     elif limit and oom_message:
         problems.append(Problem("--limit", "the OOM message gives the device's capacity; drop --limit"))
     elif not limit and not oom_message:
@@ -114,23 +137,31 @@ def one_process_problems(command: str, gpus: int, started: int) -> Iterator[Prob
     `gpus`, or the processes torchrun `started`) is remat bench's, which diagnoses an OOM on any
     rank with that rank's numbers."""
     if max(gpus, started) > 1:
-        yield Problem(command, f"runs one process, and this run takes {max(gpus, started)} GPUs (-ng, tp x pp x cp, or"
-                               " torchrun's processes); `remat bench` with the same flags runs one config on them and"
-                               " diagnoses an OOM on any rank with that rank's numbers")
+        yield Problem(
+            command,
+            f"runs one process, and this run takes {max(gpus, started)} GPUs (-ng, tp x pp x cp, or"
+            " torchrun's processes); `remat bench` with the same flags runs one config on them and"
+            " diagnoses an OOM on any rank with that rank's numbers",
+        )
 
 
 def doctor_run_problems(cuda_available: bool) -> Iterator[Problem]:
     """remat doctor -mr runs the bench to catch an OOM, and an OOM is a GPU's."""
     if not cuda_available:
-        yield Problem("doctor", "without --results, --snapshot, --oom_message or --timeline it runs the bench of a"
-                                " recipe (-mr) on a CUDA GPU to diagnose an OOM, and this machine has none; pass"
-                                " --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or"
-                                " --oom_message to diagnose a past run")
+        yield Problem(
+            "doctor",
+            "without --results, --snapshot, --oom_message or --timeline it runs the bench of a"
+            " recipe (-mr) on a CUDA GPU to diagnose an OOM, and this machine has none; pass"
+            " --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or"
+            " --oom_message to diagnose a past run",
+        )
 
 
 def tolerance_problems(tolerance: float) -> Iterator[Problem]:
     if not tolerance >= 0:  # NaN too
-        yield Problem("tolerance", f"is {tolerance}; use 0 (bit-identical) or the largest gradient difference to accept")
+        yield Problem(
+            "tolerance", f"is {tolerance}; use 0 (bit-identical) or the largest gradient difference to accept"
+        )
 
 
 def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
@@ -168,16 +199,20 @@ def planning_flag_problems(configs: Sequence[str] | None, recompute_flags: Mappi
         yield Problem("--configs", "--memory-budget plans instead of estimating given configs; drop one of them")
     for key in recompute_flags:
         if key != "min_offloaded_tensor_size":
-            yield Problem(flag_of(RecomputeFields, key), "--memory-budget chooses what to recompute or offload; drop"
-                                                         " the flag")
+            yield Problem(
+                flag_of(RecomputeFields, key), "--memory-budget chooses what to recompute or offload; drop the flag"
+            )
 
 
 def per_stage_verify_problems(verify: bool, model_parallel: int) -> Iterator[Problem]:
     """--verify benches the plan in this process; a plan per stage runs on tp x pp x cp processes."""
     if verify and model_parallel > 1:
-        yield Problem("--verify", f"benches the plan in this one process, and this layout needs {model_parallel};"
-                                  " drop --verify and run the written plan with remat bench --config FILE and the"
-                                  " same layout flags")
+        yield Problem(
+            "--verify",
+            f"benches the plan in this one process, and this layout needs {model_parallel};"
+            " drop --verify and run the written plan with remat bench --config FILE and the"
+            " same layout flags",
+        )
 
 
 def plan_output_problems(flag: str, path: str | os.PathLike[str]) -> Iterator[Problem]:
@@ -195,8 +230,10 @@ def dryrun_output_problems(flags: Iterable[str]) -> Iterator[Problem]:
 def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterator[Problem]:
     """--threshold only means something for a golden comparison."""
     if threshold is not None and not golden_given:
-        yield Problem("threshold", "sets how much a golden comparison may differ, and there is none; pass"
-                                   " --golden FILE or drop --threshold")
+        yield Problem(
+            "threshold",
+            "sets how much a golden comparison may differ, and there is none; pass --golden FILE or drop --threshold",
+        )
     elif threshold is not None:
         yield from threshold_problems(threshold)
 
@@ -204,9 +241,12 @@ def golden_flag_problems(threshold: float | None, golden_given: bool) -> Iterato
 def offload_device_advice(device: str, offloading: Sequence[str]) -> Iterator[Problem]:
     """Runs that offload, on a device where that saves nothing (advice: the CPU path tests the mechanism)."""
     if offloading and device == "cpu":
-        yield Problem("device", f"offload on CPU ({', '.join(offloading)}) copies CPU memory to CPU memory: it"
-                                " exercises the mechanism only, and the lower peak allocated and the peak host it"
-                                " reports are no saving; measure offload on a GPU")
+        yield Problem(
+            "device",
+            f"offload on CPU ({', '.join(offloading)}) copies CPU memory to CPU memory: it"
+            " exercises the mechanism only, and the lower peak allocated and the peak host it"
+            " reports are no saving; measure offload on a GPU",
+        )
 
 
 def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | None) -> Iterator[Problem]:
@@ -214,7 +254,9 @@ def offload_threshold_problems(offload: bool, min_offloaded_tensor_size: int | N
     if min_offloaded_tensor_size is None:
         return
     if not offload:
-        yield Problem("min_offloaded_tensor_size", "sets which tensors offload moves, and offload is off; pass "
-                                                   "--offload or drop it")
+        yield Problem(
+            "min_offloaded_tensor_size",
+            "sets which tensors offload moves, and offload is off; pass --offload or drop it",
+        )
     else:
         yield from min_offload_size_problems(min_offloaded_tensor_size)

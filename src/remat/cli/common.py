@@ -1,5 +1,6 @@
 """What every command shares: the consoles, problems gathered from every stage before anything
 runs, warnings printed once, progress bars, and the files a command writes."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ from remat.cli.checks import (
 )
 from remat.cli.tables import fit_width
 from remat.core.problems import ConfigError, Problem, RematWarning
+
 
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False, emoji=False)
@@ -102,6 +104,7 @@ class Bar:
                 self.tasks[name] = self.progress.add_task(name, total=total, loss="")
             shown = "[red]OOM[/]" if status == "OOM" else status
             self.progress.update(self.tasks[name], completed=done, loss=shown)
+
         return update
 
     def note(self, description: str) -> Callable[[str], None]:
@@ -111,6 +114,7 @@ class Bar:
         def show(what: str) -> None:
             if self.progress is not None and task is not None:
                 self.progress.update(task, loss=what)
+
         return show
 
 
@@ -119,8 +123,14 @@ def progress_bar(enabled: bool = True) -> Iterator[Bar]:
     if not enabled:
         yield Bar(None)
         return
-    with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), console=err) as progress:
+    with Progress(
+        TextColumn("{task.description:<24}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=err,
+    ) as progress:
         yield Bar(progress)
 
 
@@ -189,5 +199,8 @@ def output_problems(args: argparse.Namespace, default_plot: str | None = None) -
     if conflict := list(history_flag_problems(args.history, args.no_history)):
         return conflict
     history = None if args.no_history else args.history or default_history_path()
-    return [*path_problems({"--plot": default_plot, **given, "--history": history}),
-            *(history_file_problems(history) if history else ()), *png_path_problems("--plot", given.get("--plot"))]
+    return [
+        *path_problems({"--plot": default_plot, **given, "--history": history}),
+        *(history_file_problems(history) if history else ()),
+        *png_path_problems("--plot", given.get("--plot")),
+    ]

@@ -3,17 +3,36 @@ only: no GPU; seconds to a minute on a CPU), with the tensor, sequence, context 
 parallel sizes given, then predict each config's peak allocated memory per pipeline stage, by
 component, and its step time.
 """
+
 from __future__ import annotations
 
 import argparse
 
 from remat.bench.run import plan_name
-from remat.cli.args import (add_layout_flags, add_model_flags, add_recompute_flags, compile_default, config_file,
-                            facts_of, file_keys, meta_model, resolve_config, spec_settings,
-                            sweep_entries)
+from remat.cli.args import (
+    add_layout_flags,
+    add_model_flags,
+    add_recompute_flags,
+    compile_default,
+    config_file,
+    facts_of,
+    file_keys,
+    meta_model,
+    resolve_config,
+    spec_settings,
+    sweep_entries,
+)
 from remat.cli.checks import configs_flag_problems, planning_flag_problems
-from remat.cli.common import (Outputs, Problems, collected_warnings, path_problems, print_warnings, progress_bar, show,
-                              write_json)
+from remat.cli.common import (
+    Outputs,
+    Problems,
+    collected_warnings,
+    path_problems,
+    print_warnings,
+    progress_bar,
+    show,
+    write_json,
+)
 from remat.cli.flags import add_settings, given
 from remat.cli.plan import add_budget_flags, budget_problems, plan_per_stage
 from remat.cli.tables import estimate_table
@@ -34,10 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_settings(g, EstimateSpec, only=["device", "tflops", "host_gbps", "cublas_workspace"])
     add_layout_flags(p)
     add_recompute_flags(p)
-    p.add_argument("--configs", nargs="+", metavar="ENTRY",
-                   help="estimate these (not beside recompute or offload flags): none, mlp+core_attn, "
-                        "full_uniform_1, full_block_K, a config or plan file, or `presets` for Megatron's "
-                        "usual ones")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="ENTRY",
+        help="estimate these (not beside recompute or offload flags): none, mlp+core_attn, "
+        "full_uniform_1, full_block_K, a config or plan file, or `presets` for Megatron's "
+        "usual ones",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write the estimates (or the plans) as JSON")
     budget = p.add_argument_group("planning by shape (instead of estimating given configs)")
@@ -55,8 +78,10 @@ def _global_batch(values: dict, layout: ParallelLayout) -> int | None:
 
 def _spec(args: argparse.Namespace, keys: dict) -> EstimateSpec:
     values = {**spec_settings(args, keys), **given(EstimateSpec, args)}
-    values.update(global_batch_size=_global_batch(values, values["layout"]),
-                  compile=compile_default(values.get("compile"), values.get("device", "cuda")))
+    values.update(
+        global_batch_size=_global_batch(values, values["layout"]),
+        compile=compile_default(values.get("compile"), values.get("device", "cuda")),
+    )
     return EstimateSpec(**values)
 
 

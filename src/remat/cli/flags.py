@@ -1,6 +1,7 @@
 """Command-line flags derived from the settings they set: each flag is the declaration of its
 field (`remat.config.fields.setting`), so a setting added to a config is a flag of every command
 that takes its config, under one spelling."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,14 @@ def _long_flag(name: str, meta: Setting) -> str:
     return meta.flag if isinstance(meta.flag, str) else f"--{name}"
 
 
-def add_settings(group: argparse._ActionsContainer, cls: Any, *, only: Iterable[str] | None = None,
-                 skip: Iterable[str] = (), defaults: Mapping[str, Any] | None = None) -> None:
+def add_settings(
+    group: argparse._ActionsContainer,
+    cls: Any,
+    *,
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """A flag for each setting of `cls` declared as one (`only` those named, none of `skip`, by
     field name). Each flag's value lands under the setting's public name, None when not given
     (or `defaults[public name]`), so that what a command line says is told from the defaults."""
@@ -34,8 +41,11 @@ def add_settings(group: argparse._ActionsContainer, cls: Any, *, only: Iterable[
             options["action"] = "store_false" if flags[-1].startswith("--no_") else "store_true"
             options["default"] = defaults.get(name)
         else:
-            options.update(type=str if meta.text else meta.flag_type, metavar=meta.metavar,
-                           choices=list(meta.choices) if meta.choices and not meta.text else None)
+            options.update(
+                type=str if meta.text else meta.flag_type,
+                metavar=meta.metavar,
+                choices=list(meta.choices) if meta.choices and not meta.text else None,
+            )
         group.add_argument(*flags, **options)
 
 

@@ -1,5 +1,5 @@
-"""List the runs `remat bench`, `sweep` and `plan --verify` recorded (newest first), or show one.
-"""
+"""List the runs `remat bench`, `sweep` and `plan --verify` recorded (newest first), or show one."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +14,19 @@ HELP = "list past runs from the run history, or show one"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", nargs="?", choices=["list", "show"], default="list",
-                   help="list (default): the latest runs; show ID: one run whole")
+    p.add_argument(
+        "what",
+        nargs="?",
+        choices=["list", "show"],
+        default="list",
+        help="list (default): the latest runs; show ID: one run whole",
+    )
     p.add_argument("id", nargs="?", type=int, metavar="ID", help="with show: the run's id, as the list gives it")
-    p.add_argument("--history", metavar="DB", help="the SQLite run history (default $REMAT_HISTORY or "
-                                                   "~/.cache/remat/history.sqlite)")
+    p.add_argument(
+        "--history",
+        metavar="DB",
+        help="the SQLite run history (default $REMAT_HISTORY or ~/.cache/remat/history.sqlite)",
+    )
     p.add_argument("-n", "--limit", type=int, default=20, metavar="N", help="how many runs to list (default 20)")
 
 

@@ -1,5 +1,5 @@
-"""List the model recipes remat builds, with their shapes and parameter counts.
-"""
+"""List the model recipes remat builds, with their shapes and parameter counts."""
+
 from __future__ import annotations
 
 import argparse

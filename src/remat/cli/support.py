@@ -1,6 +1,7 @@
 """What remat runs where: each model family under each parallel layout and precision, refused
 where the code refuses it, otherwise where it is tested (CPU, gloo) or measured (GPU, NCCL).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -2,6 +2,7 @@
 N). Entries: none, a label list (mlp+core_attn), full_uniform_K, full_block_K, a YAML/JSON config or
 plan file, or `presets` for Megatron's usual ones (the default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -9,15 +10,32 @@ import argparse
 from remat.bench.plot import pareto_plot
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
-from remat.cli.args import (add_layout_flags, add_run_flags, advise_offload, bench_spec, facts_of, gpus_of, meta_model,
-                            sweep_entries)
-from remat.cli.flags import add_settings
+from remat.cli.args import (
+    add_layout_flags,
+    add_run_flags,
+    advise_offload,
+    bench_spec,
+    facts_of,
+    gpus_of,
+    meta_model,
+    sweep_entries,
+)
 from remat.cli.checks import one_process_problems
-from remat.cli.common import (Outputs, Problems, collected_warnings, out, output_problems, print_warnings, progress_bar,
-                              show, write_json)
+from remat.cli.common import (
+    Outputs,
+    Problems,
+    collected_warnings,
+    out,
+    output_problems,
+    print_warnings,
+    progress_bar,
+    show,
+    write_json,
+)
+from remat.cli.flags import add_settings
 from remat.cli.tables import results_table
-from remat.estimate.stages import cpu_run_problems
 from remat.config.plan import PlanLike
+from remat.estimate.stages import cpu_run_problems
 from remat.parallel import launched_world
 from remat.run.spec import unrun_problems
 
@@ -42,8 +60,13 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
     facts = found.run(facts_of, args, field="model_recipe_name")
     plans: list[tuple[str, PlanLike]] = []
     if facts is not None:
-        plans = sweep_entries(found, meta_model(args), args.configs, facts.to_megatron(),
-                              lambda config: unrun_problems(config.facts.capture))
+        plans = sweep_entries(
+            found,
+            meta_model(args),
+            args.configs,
+            facts.to_megatron(),
+            lambda config: unrun_problems(config.facts.capture),
+        )
     found.add(output_problems(args, DEFAULT_PLOT))
     found.add(one_process_problems("sweep", gpus_of(args), launched_world()))
     found.raise_if_any()
@@ -73,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
         outputs.write("--json", args.json, lambda: write_json(data, args.json))
     outputs.history(results, args)
     plot, failed = args.plot or DEFAULT_PLOT, len(outputs.failed)
-    outputs.write("--plot", plot, lambda: pareto_plot(
-        results, plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput"))
+    outputs.write(
+        "--plot",
+        plot,
+        lambda: pareto_plot(results, plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput"),
+    )
     if len(outputs.failed) == failed:
         out.print(f"Pareto plot: {plot}")
     return outputs.close()

@@ -1,4 +1,5 @@
 """Every table the `remat` command prints, rendered with rich in one place."""
+
 from __future__ import annotations
 
 import math
@@ -11,20 +12,20 @@ from rich.table import Table
 from rich.text import Text
 
 from remat.bench.findings import Finding
-from remat.bench.support import Cell
 from remat.bench.golden import NOISE, OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
 from remat.bench.result import BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
+from remat.bench.support import Cell
+from remat.config.model_sites import index_runs
+from remat.core.sizes import format_bytes
 from remat.doctor import Report, attribution_rows
 from remat.estimate.spec import EstimateSpec
+from remat.estimate.stage_plans import PipelinePlan
 from remat.estimate.stages import Estimate
-from remat.config.model_sites import index_runs
 from remat.memory.attribution import owner_name
 from remat.memory.prediction import Trace, describe, describe_sites
 from remat.models import parameter_count
 from remat.planner import PlanResult, megatron_keys
-from remat.estimate.stage_plans import PipelinePlan
-from remat.core.sizes import format_bytes
 from remat.run.verify import VerifyReport
 
 _MISSING = "-"
@@ -52,8 +53,9 @@ def fit_width(table: Table, width: int, keys: int = 1) -> list[RenderableType]:
             parts[-1].append(i)
         else:
             parts.append([i])
-    split: list[RenderableType] = [_columns(table, [*range(keys), *part], title=k == 0, caption=False)
-                                   for k, part in enumerate(parts)]
+    split: list[RenderableType] = [
+        _columns(table, [*range(keys), *part], title=k == 0, caption=False) for k, part in enumerate(parts)
+    ]
     return split + ([Text(str(table.caption), style="table.caption")] if table.caption else [])
 
 
@@ -114,8 +116,15 @@ def results_table(results: Sequence[BenchResult], *, title: str = "") -> Table:
     table = Table(title=title or None)
     table.add_column("name")
     table.add_column("status")
-    for header in ("step (ms)", "TFLOP/s/GPU", *(["fwd+bwd TFLOP/s"] if show_fwd_bwd else []), "tokens/s/GPU",
-                   "peak allocated", "peak reserved", *(["peak host"] if show_host else [])):
+    for header in (
+        "step (ms)",
+        "TFLOP/s/GPU",
+        *(["fwd+bwd TFLOP/s"] if show_fwd_bwd else []),
+        "tokens/s/GPU",
+        "peak allocated",
+        "peak reserved",
+        *(["peak host"] if show_host else []),
+    ):
         table.add_column(header, justify="right")
     for r in results:
         fwd_bwd = [_tflops(r.tflops_fwd_bwd)] if show_fwd_bwd else []
@@ -183,8 +192,10 @@ def checks_table(checks: Sequence[MetricCheck], *, title: str = "golden comparis
             Text(check.verdict, style=_VERDICT_STYLES[check.verdict]),
         )
     if any(check.noise is not None for check in checks):
-        table.caption = ("noise: the difference the runs' step-time spread alone can make (on CPU, where one "
-                         "process runs tens of percent faster than another, at least a factor of two)")
+        table.caption = (
+            "noise: the difference the runs' step-time spread alone can make (on CPU, where one "
+            "process runs tens of percent faster than another, at least a factor of two)"
+        )
     return table
 
 
@@ -194,8 +205,10 @@ def verify_table(report: VerifyReport, recipe: str, micro_batch_size: int, dtype
         table.add_column(column, justify="right" if column != "run" else "left")
     for name, step in (("no recompute", report.baseline), ("with config", report.candidate)):
         table.add_row(name, f"{step.loss.item():.6f}", format_gib(step.saved.bytes), str(step.saved.storages))
-    table.caption = (f"freed {format_gib(report.freed_bytes)}; bit-identical: {report.bit_identical}; "
-                     f"max |grad diff| {report.max_grad_diff:.3g}")
+    table.caption = (
+        f"freed {format_gib(report.freed_bytes)}; bit-identical: {report.bit_identical}; "
+        f"max |grad diff| {report.max_grad_diff:.3g}"
+    )
     return table
 
 
@@ -213,36 +226,72 @@ def _expert_parallel(spec: EstimateSpec) -> str:
     return f"ep {layout.ep}, etp {layout.tp if layout.tp > 1 else layout.etp or 1}, "  # beside tp: over the tp ranks
 
 
+# the columns of an estimate, by component of each rank's peak
+ESTIMATE_COLUMNS = (
+    "config",
+    "stage",
+    "layers",
+    "in flight",
+    "weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "workspaces",
+    "other",
+    "peak",
+    "peak in",
+)
+
+
 def estimate_table(spec: EstimateSpec, results: Sequence[Estimate], measured: bool = False) -> Table:
     """Each result's peak per pipeline rank, by component, and its step time (`measured`: the
     ranks' shards were traced on the device, so the times were measured there)."""
     layout = spec.layout
-    title = (f"{spec.recipe}: tp {layout.tp}{' (sp)' if layout.sequence_split > 1 else ''}, pp {layout.pp}, vpp"
-             f" {layout.virtual}, cp {layout.cp}, {_expert_parallel(spec)}"
-             f"micro-batch {spec.micro_batch_size} x {spec.micro_batches}")
+    title = (
+        f"{spec.recipe}: tp {layout.tp}{' (sp)' if layout.sequence_split > 1 else ''}, pp {layout.pp}, vpp"
+        f" {layout.virtual}, cp {layout.cp}, {_expert_parallel(spec)}"
+        f"micro-batch {spec.micro_batch_size} x {spec.micro_batches}"
+    )
     table = Table(title=f"estimated peak memory per GPU, {title}")
     host = any(s.host for result in results for s in result.stages)
-    columns = ("config", "stage", "layers", "in flight", "weights", "grads", "optimizer", "activations",
-               "workspaces", "other", "peak", "peak in", *(["host"] if host else []), "step")
-    for column in columns:
+    for column in (*ESTIMATE_COLUMNS, *(["host"] if host else []), "step"):
         table.add_column(column, justify="left" if column in ("config", "peak in") else "right")
     for result in results:
         for s in result.stages:
             first = s.stage == 0
-            table.add_row(result.name if first else "", str(s.stage), str(s.layers), f"{s.in_flight:g}",
-                          *(format_gib(b) for b in (s.weights, s.grads, s.optimizer_state, s.activations,
-                                                    s.workspaces, s.other, s.peak)),
-                          s.peak_window, *([format_gib(s.host)] if host else []),
-                          milliseconds(result.step_time_s) if first else "")
-    copies = (f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's "
-              f"forward and backward where they fit" if host else "")
-    timed = ("each rank's shard timed on the device, without communication" if measured else
-             f"counted FLOPs at {spec.tflops:g} TFLOP/s")
-    table.caption = (f"activations: saved for backward by the micro-batches in flight (1F1B); workspaces: "
-                     f"cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the "
-                     f"peak window's working memory; step: {timed}, "
-                     f"{spec.target} kernels{', compiled regions' if spec.compile else ''}{copies}")
+            components = (s.weights, s.grads, s.optimizer_state, s.activations, s.workspaces, s.other, s.peak)
+            table.add_row(
+                result.name if first else "",
+                str(s.stage),
+                str(s.layers),
+                f"{s.in_flight:g}",
+                *(format_gib(b) for b in components),
+                s.peak_window,
+                *([format_gib(s.host)] if host else []),
+                milliseconds(result.step_time_s) if first else "",
+            )
+    table.caption = _estimate_caption(spec, host, measured)
     return table
+
+
+def _estimate_caption(spec: EstimateSpec, host: bool, measured: bool) -> str:
+    copies = (
+        f"; host: offloaded, copies at {spec.host_gbps:g} GB/s each way, hidden behind the next layer's"
+        " forward and backward where they fit"
+        if host
+        else ""
+    )
+    timed = (
+        "each rank's shard timed on the device, without communication"
+        if measured
+        else f"counted FLOPs at {spec.tflops:g} TFLOP/s"
+    )
+    return (
+        f"activations: saved for backward by the micro-batches in flight ({spec.layout.pipeline_schedule});"
+        " workspaces: cuBLAS's, one per GEMM thread (forward, autograd's backward); other: the peak window's"
+        f" working memory; step: {timed}, {spec.target} kernels{', compiled regions' if spec.compile else ''}"
+        f"{copies}"
+    )
 
 
 def stage_plans_table(result: PipelinePlan) -> Table:
@@ -251,15 +300,18 @@ def stage_plans_table(result: PipelinePlan) -> Table:
     for column in ("rank", "layers", "plan", "peak"):
         table.add_column(column, justify="right" if column in ("rank", "peak") else "left")
     for stage, estimated in zip(result.stages, result.estimate.stages):
-        table.add_row(str(stage.stage), index_runs(stage.layers), stage.plan.describe(stage.layers),
-                      format_gib(estimated.peak))
+        table.add_row(
+            str(stage.stage), index_runs(stage.layers), stage.plan.describe(stage.layers), format_gib(estimated.peak)
+        )
     if result.uniform is None:
         table.caption = "no Megatron recompute config (one for every stage) fits every rank under this budget"
     else:
         config, uniform = result.uniform
         keys = ", ".join(f"{k}={v}" for k, v in megatron_keys(config).items()) or "no recompute"
-        table.caption = (f"step {milliseconds(result.estimate.step_time_s)}; the fastest Megatron config that fits "
-                         f"every rank ({keys}) takes {milliseconds(uniform.step_time_s)}")
+        table.caption = (
+            f"step {milliseconds(result.estimate.step_time_s)}; the fastest Megatron config that fits "
+            f"every rank ({keys}) takes {milliseconds(uniform.step_time_s)}"
+        )
     return table
 
 
@@ -273,9 +325,15 @@ def trace_table(measured: Trace) -> Table:
     if measured.timed_on == "meta":
         table.caption = f"{base}, counted FLOPs at the rate given (nothing ran)"
     else:
-        table.caption = (f"{base} ± {measured.step_noise_s * 1e3:.1f} ms between steps; a cost within its noise may "
-                         "be none" + ("; on CPU a small model's timings are noisy and say little about a GPU"
-                                      if measured.timed_on == "cpu" else ""))
+        table.caption = (
+            f"{base} ± {measured.step_noise_s * 1e3:.1f} ms between steps; a cost within its noise may "
+            "be none"
+            + (
+                "; on CPU a small model's timings are noisy and say little about a GPU"
+                if measured.timed_on == "cpu"
+                else ""
+            )
+        )
     return table
 
 
@@ -285,12 +343,18 @@ def storage_table(measured: Trace) -> Table:
         table.add_column(column, justify="left" if column == "site" else "right")
     for site, s, frees in describe_sites(measured):
         others = ", ".join(sorted(owner_name(owner) for owner in s.shared_with))
-        table.add_row(site, format_gib(s.saved_bytes), format_gib(s.input_bytes),
-                      f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
-                      "-" if frees is None else format_gib(frees))
-    table.caption = ("recomputing a site keeps its inputs and what other sites save: it frees what it saves "
-                     "less those, unless something else holds them (a discard-only site, such as mlp_act:"
-                     " what discarding it frees)")
+        table.add_row(
+            site,
+            format_gib(s.saved_bytes),
+            format_gib(s.input_bytes),
+            f"{format_gib(s.shared_bytes)} ({others})" if others else "-",
+            "-" if frees is None else format_gib(frees),
+        )
+    table.caption = (
+        "recomputing a site keeps its inputs and what other sites save: it frees what it saves "
+        "less those, unless something else holds them (a discard-only site, such as mlp_act:"
+        " what discarding it frees)"
+    )
     return table
 
 
@@ -305,8 +369,10 @@ def plan_table(result: PlanResult) -> Table:
         table.add_row("all", "keep (no recompute)", format_gib(0), "0.00 ms")
     p = result.prediction
     host = f", {format_gib(p.host_bytes)} offloaded to host" if p.host_bytes else ""
-    table.caption = (f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}){host}, "
-                     f"step {p.step_time_s * 1e3:.1f} ms; every layer not listed keeps everything")
+    table.caption = (
+        f"predicted peak {format_gib(p.peak_bytes)} (in {p.peak_window}){host}, "
+        f"step {p.step_time_s * 1e3:.1f} ms; every layer not listed keeps everything"
+    )
     return table
 
 
@@ -324,8 +390,7 @@ def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec, t
     if result.prediction.host_bytes and bench.peak_host_bytes:
         rows.append(("host (offloaded)", result.prediction.host_bytes, bench.peak_host_bytes, format_gib))
     if spec.micro_batches == 1:
-        rows.append(("step time", result.prediction.step_time_s, bench.step_time_s,
-                     lambda s: f"{s * 1e3:.1f} ms"))
+        rows.append(("step time", result.prediction.step_time_s, bench.step_time_s, lambda s: f"{s * 1e3:.1f} ms"))
     for name, predicted, measured, fmt in rows:
         error = (predicted - measured) / measured
         noise = None if name != "step time" else (timing_noise(bench) or 0.0) + trace_noise_s / measured
@@ -346,8 +411,10 @@ def doctor_report(report: Report) -> RenderableType:
         table.add_row(name, format_gib(value))
     table.caption = escape(d.explanation)
     parts: list[RenderableType] = [table]
-    parts += [f"{i}. {escape(r.what)}:\n   [bold]{escape(r.setting)}[/]\n   {escape(r.why)}"
-              for i, r in enumerate(report.recommendations, 1)]
+    parts += [
+        f"{i}. {escape(r.what)}:\n   [bold]{escape(r.setting)}[/]\n   {escape(r.why)}"
+        for i, r in enumerate(report.recommendations, 1)
+    ]
     rows = attribution_rows(report)
     if rows:
         held = Table(title="who held the allocated memory")
@@ -365,9 +432,16 @@ def history_table(runs: Sequence[tuple[int, BenchResult]], path: str) -> Table:
     for column in ("id", "date", "recipe", "name", "status", "gpu", "TFLOP/s/GPU", "peak allocated"):
         table.add_column(column, justify="right" if column in ("id", "TFLOP/s/GPU", "peak allocated") else "left")
     for row_id, r in runs:
-        table.add_row(str(row_id), r.date.replace("T", " ")[:16], r.recipe, r.name,
-                      Text(r.status, style=_STATUS_STYLES.get(r.status, "")), r.gpu, _tflops(r.tflops_per_gpu),
-                      _peak_cells(r)[0])
+        table.add_row(
+            str(row_id),
+            r.date.replace("T", " ")[:16],
+            r.recipe,
+            r.name,
+            Text(r.status, style=_STATUS_STYLES.get(r.status, "")),
+            r.gpu,
+            _tflops(r.tflops_per_gpu),
+            _peak_cells(r)[0],
+        )
     return table
 
 
@@ -377,9 +451,18 @@ def recipes_table(rows: Sequence[tuple[str, str, Any]]) -> Table:
     for column in ("recipe", "family", "layers", "hidden", "ffn", "heads", "kv", "seq", "vocab", "params"):
         table.add_column(column, justify="left" if column in ("recipe", "family") else "right")
     for name, family, c in rows:
-        table.add_row(name, family, str(c.num_layers), str(c.hidden_size), str(c.ffn_hidden_size),
-                      str(c.num_attention_heads), str(c.num_query_groups), str(c.seq_length), str(c.vocab_size),
-                      _parameters(name))
+        table.add_row(
+            name,
+            family,
+            str(c.num_layers),
+            str(c.hidden_size),
+            str(c.ffn_hidden_size),
+            str(c.num_attention_heads),
+            str(c.num_query_groups),
+            str(c.seq_length),
+            str(c.vocab_size),
+            _parameters(name),
+        )
     return table
 
 
@@ -399,8 +482,10 @@ def support_table(cells: Sequence[Cell]) -> Table:
         rows.setdefault((cell.family, cell.precision), []).append(cell.status)
     for (family, precision), statuses in rows.items():
         table.add_row(family, precision, *statuses)
-    table.caption = ("CPU: one process (tests); gloo: CPU processes under torchrun (tests); GPU: measured on one GPU;"
-                     " NCCL: measured on several; --reasons says why a cell is refused")
+    table.caption = (
+        "CPU: one process (tests); gloo: CPU processes under torchrun (tests); GPU: measured on one GPU;"
+        " NCCL: measured on several; --reasons says why a cell is refused"
+    )
     return table
 
 
@@ -412,4 +497,3 @@ def findings_table(findings: Sequence[Finding], path: str) -> Table:
         table.add_row(*(escape(text) for text in (f.check, f.symptom, f.cause, f.confirmed_by, f.fix)))
     table.caption = "checks for common recompute mistakes (remat doctor --help lists them)"
     return table
-

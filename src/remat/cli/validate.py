@@ -1,13 +1,23 @@
 """Check a recompute config (flags and/or --config FILE) against every rule, and against a recipe's
 model when -mr is given.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from remat.cli.args import (add_layout_flags, add_recompute_flags, config_file, facts_of, fallback_facts, file_keys,
-                            meta_model, model_overrides, resolve_config)
+from remat.cli.args import (
+    add_layout_flags,
+    add_recompute_flags,
+    config_file,
+    facts_of,
+    fallback_facts,
+    file_keys,
+    meta_model,
+    model_overrides,
+    resolve_config,
+)
 from remat.cli.checks import plan_file_flag_problems
 from remat.cli.common import Problems, collected_warnings, out, print_warnings
 from remat.cli.flags import add_settings
@@ -49,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
         if config is not None and not isinstance(config, RecomputeConfig):
             found.add(plan_file_flag_problems({}, model is not None))
         elif config is not None and model is not None:  # the same shape checks as remat estimate
-            found.add(family_of(args.model_recipe_name).layout_problems(recipe_config(
-                args.model_recipe_name, **model_overrides(args)), config.facts.layout))
+            found.add(
+                family_of(args.model_recipe_name).layout_problems(
+                    recipe_config(args.model_recipe_name, **model_overrides(args)), config.facts.layout
+                )
+            )
         found.raise_if_any()
         plan = apply(model, config) if model is not None else None
     print_warnings(caught)

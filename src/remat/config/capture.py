@@ -1,6 +1,7 @@
 """Capture: which CUDA graphs a run captures, in Megatron's names (`cuda_graph_impl`,
 `cuda_graph_scope`). remat checks Megatron's rules tying graphs to recompute and offload; a run
 captures nothing yet (`unrun_problems`)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
@@ -12,7 +13,13 @@ from remat.core.problems import Problem, not_an_option
 
 CUDA_GRAPH_IMPLS: tuple[str, ...] = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_SCOPES: tuple[str, ...] = (
-    "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
+    "full_iteration",
+    "attn",
+    "mlp",
+    "moe",
+    "moe_router",
+    "moe_preprocess",
+    "mamba",
 )
 
 
@@ -21,11 +28,21 @@ class Capture:
     """CUDA graphs: none, per layer (`local`, `transformer_engine`: the scopes of each layer, all of
     it when none are given) or the whole iteration."""
 
-    cuda_graph_impl: str = setting("none", parse=parse_str, flag=True, choices=CUDA_GRAPH_IMPLS,
-                                   help="CUDA graphs: none, per layer (local, transformer_engine) or the whole"
-                                        " iteration (full_iteration)")
-    cuda_graph_scope: tuple[str, ...] = setting((), parse=parse_label_tuple, flag=True, text=parse_label_tuple,
-                                                metavar="A,B", help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}")
+    cuda_graph_impl: str = setting(
+        "none",
+        parse=parse_str,
+        flag=True,
+        choices=CUDA_GRAPH_IMPLS,
+        help="CUDA graphs: none, per layer (local, transformer_engine) or the whole iteration (full_iteration)",
+    )
+    cuda_graph_scope: tuple[str, ...] = setting(
+        (),
+        parse=parse_label_tuple,
+        flag=True,
+        text=parse_label_tuple,
+        metavar="A,B",
+        help=f"comma separated: {', '.join(CUDA_GRAPH_SCOPES)}",
+    )
 
     @property
     def full_iteration(self) -> bool:
@@ -68,4 +85,3 @@ class Capture:
         if self.cuda_graph_impl == "none":
             return "cuda graphs: off"
         return f"cuda graphs: {self.cuda_graph_impl}, capturing {', '.join(self.cuda_graph_scope) or 'whole layers'}"
-

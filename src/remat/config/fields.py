@@ -2,6 +2,7 @@
 Megatron Bridge's where it has one), its short flag, help and the parser that checks a value of it.
 Config files, `from_megatron`, problems and the command line all read that one declaration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,6 +74,7 @@ def parse_label_tuple(value: Any) -> tuple[str, ...]:
 
 def optional(parse: Parser) -> Parser:
     """`parse`, or None."""
+
     def parse_optional(value: Any) -> Any:
         if value is None:
             return None
@@ -87,8 +89,13 @@ def optional(parse: Parser) -> Parser:
 
 # What a flag's text becomes before its parser checks it; None: a switch, given or not.
 _FLAG_TYPES: dict[Parser, Callable[[str], Any] | None] = {
-    parse_bool: None, parse_int: int, parse_float: float, parse_str: str, parse_labels: str,
-    parse_labels_or_empty: str, parse_label_tuple: str,
+    parse_bool: None,
+    parse_int: int,
+    parse_float: float,
+    parse_str: str,
+    parse_labels: str,
+    parse_labels_or_empty: str,
+    parse_label_tuple: str,
 }
 
 
@@ -116,10 +123,20 @@ class Setting:
 SETTING = "remat.setting"
 
 
-def setting(default: Any = dataclasses.MISSING, *, parse: Parser, public: str | None = None, flag: bool | str = False,
-            short: str | None = None, help: str | Callable[[], str] | None = None, metavar: str | None = None,
-            choices: tuple[str, ...] | None = None, negatable: bool = False, text: Callable[[str], Any] | None = None,
-            default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    parse: Parser,
+    public: str | None = None,
+    flag: bool | str = False,
+    short: str | None = None,
+    help: str | Callable[[], str] | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    negatable: bool = False,
+    text: Callable[[str], Any] | None = None,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field declared with its spelling outside Python (see Setting)."""
     meta = {SETTING: Setting(parse, public, flag, short, help, metavar, choices, negatable, text)}
     if default_factory is not dataclasses.MISSING:

@@ -10,14 +10,25 @@ micro-batches a stage holds at its peak, the fill and drain of a step).
 A pipeline schedule is one entry of SCHEDULES here and the torch class that runs it
 (`remat.parallel.pipeline`); nothing else names one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from remat.config.fields import (from_public, optional, parse_bool, parse_int, parse_settings, parse_str, public_name,
-                                 setting, settings, to_public)
+from remat.config.fields import (
+    from_public,
+    optional,
+    parse_bool,
+    parse_int,
+    parse_settings,
+    parse_str,
+    public_name,
+    setting,
+    settings,
+    to_public,
+)
 from remat.core.problems import Problem, count, did_you_mean, one_of
 
 # The largest parallel size or layer count the checks take: past any run, and safe to multiply.
@@ -64,15 +75,21 @@ def _interleaved_in_flight(layout: ParallelLayout, rank: int, micro_batches: int
 
 def _one_f_one_b_problems(layout: ParallelLayout, micro_batches: int) -> Iterator[Problem]:
     if layout.pp > 1 and micro_batches < layout.pp:
-        yield Problem("global_batch_size", f"gives {micro_batches} micro-batch(es) a step; 1F1B over"
-                                           f" {layout.pp} stages needs at least {layout.pp}: raise -gb")
+        yield Problem(
+            "global_batch_size",
+            f"gives {micro_batches} micro-batch(es) a step; 1F1B over"
+            f" {layout.pp} stages needs at least {layout.pp}: raise -gb",
+        )
 
 
 def _interleaved_problems(layout: ParallelLayout, micro_batches: int) -> Iterator[Problem]:
     yield from _one_f_one_b_problems(layout, micro_batches)
     if micro_batches >= layout.pp and micro_batches % layout.pp:
-        yield Problem("global_batch_size", f"gives {micro_batches} micro-batches a step; interleaved 1F1B"
-                                           f" runs them in rounds of pp = {layout.pp}: use a multiple")
+        yield Problem(
+            "global_batch_size",
+            f"gives {micro_batches} micro-batches a step; interleaved 1F1B"
+            f" runs them in rounds of pp = {layout.pp}: use a multiple",
+        )
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -90,28 +107,67 @@ class ParallelLayout:
     """Megatron's parallel sizes and the GPUs in all. Not checked on creation: `problems()` says
     what is wrong, so that an owner reports it beside its own problems."""
 
-    tp: int = _size("tensor_model_parallel_size", "-tp", "tensor-parallel ranks (with --sequence_parallel, the"
-                                                          " tokens between attention and MLP split too)")
-    sp: bool = setting(False, parse=parse_bool, public="sequence_parallel", flag=True,
-                       help="split the tokens outside attention and MLP over the tensor-parallel ranks")
+    tp: int = _size(
+        "tensor_model_parallel_size",
+        "-tp",
+        "tensor-parallel ranks (with --sequence_parallel, the tokens between attention and MLP split too)",
+    )
+    sp: bool = setting(
+        False,
+        parse=parse_bool,
+        public="sequence_parallel",
+        flag=True,
+        help="split the tokens outside attention and MLP over the tensor-parallel ranks",
+    )
     pp: int = _size("pipeline_model_parallel_size", "-pp", "pipeline stages")
-    vp: int | None = setting(None, parse=optional(parse_int), public="virtual_pipeline_model_parallel_size", flag=True,
-                             short="-vp", metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
-    cp: int = _size("context_parallel_size", "-cp", "context-parallel ranks: each holds a share of every sequence,"
-                                                    " attention runs as torch's ring")
-    ep: int = _size("expert_model_parallel_size", "-ep",
-                    "MoE models: each MoE layer's routed experts split over N data-parallel ranks, tokens sent"
-                    " to their experts' ranks by all-to-all")
-    etp: int | None = setting(None, parse=optional(parse_int), public="expert_tensor_parallel_size", flag=True,
-                              short="-etp",
-                              metavar="N", help="MoE models: each expert's FFN split over N ranks (beside -tp,"
-                                                " Megatron's default: the tensor-parallel ranks)")
-    num_gpus: int | None = setting(None, parse=optional(parse_int), public="num_gpus", flag=True, short="-ng", metavar="N",
-                                   help="GPUs in all: tp x pp x cp x data parallel (default: one copy of the"
-                                        " model, tp x pp x cp)")
-    schedule: str | None = setting(None, parse=optional(parse_str), public="pipeline_parallel_schedule", flag=True,
-                                   choices=tuple(SCHEDULES), metavar="NAME",
-                                   help="the pipeline schedule (default: 1f1b, interleaved_1f1b with -vp)")
+    vp: int | None = setting(
+        None,
+        parse=optional(parse_int),
+        public="virtual_pipeline_model_parallel_size",
+        flag=True,
+        short="-vp",
+        metavar="N",
+        help="model chunks per pipeline rank (interleaved 1F1B)",
+    )
+    cp: int = _size(
+        "context_parallel_size",
+        "-cp",
+        "context-parallel ranks: each holds a share of every sequence, attention runs as torch's ring",
+    )
+    ep: int = _size(
+        "expert_model_parallel_size",
+        "-ep",
+        "MoE models: each MoE layer's routed experts split over N data-parallel ranks, tokens sent"
+        " to their experts' ranks by all-to-all",
+    )
+    etp: int | None = setting(
+        None,
+        parse=optional(parse_int),
+        public="expert_tensor_parallel_size",
+        flag=True,
+        short="-etp",
+        metavar="N",
+        help="MoE models: each expert's FFN split over N ranks (beside -tp,"
+        " Megatron's default: the tensor-parallel ranks)",
+    )
+    num_gpus: int | None = setting(
+        None,
+        parse=optional(parse_int),
+        public="num_gpus",
+        flag=True,
+        short="-ng",
+        metavar="N",
+        help="GPUs in all: tp x pp x cp x data parallel (default: one copy of the model, tp x pp x cp)",
+    )
+    schedule: str | None = setting(
+        None,
+        parse=optional(parse_str),
+        public="pipeline_parallel_schedule",
+        flag=True,
+        choices=tuple(SCHEDULES),
+        metavar="NAME",
+        help="the pipeline schedule (default: 1f1b, interleaved_1f1b with -vp)",
+    )
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -165,6 +221,7 @@ class ParallelLayout:
     def mesh(self, device: str) -> Any:
         """The pp x dp x cp x tp device mesh over every rank of the default process group."""
         from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device.split(":")[0], self.mesh_shape, mesh_dim_names=MESH_DIMS)
 
     # ---- pipeline stages ------------------------------------------------------------------------
@@ -221,33 +278,43 @@ class ParallelLayout:
 
     def _pipeline_problems(self, num_layers: int | None) -> Iterator[Problem]:
         if self.vp is not None and self.pp == 1:
-            yield Problem("virtual_pipeline_model_parallel_size", "virtual pipeline stages need"
-                                                                  " pipeline_model_parallel_size > 1; set it to"
-                                                                  " null or raise the pipeline size")
+            yield Problem(
+                "virtual_pipeline_model_parallel_size",
+                "virtual pipeline stages need"
+                " pipeline_model_parallel_size > 1; set it to"
+                " null or raise the pipeline size",
+            )
         stages = self.chunks
         if num_layers is not None and num_layers >= 1 and stages >= 1 and num_layers % stages:
-            yield Problem("num_layers", f"{count(num_layers, 'layer')} {'does' if num_layers == 1 else 'do'} not"
-                                        f" split evenly into {stages} (virtual) pipeline stages; use a multiple"
-                                        f" of {stages} or change the pipeline sizes")
+            yield Problem(
+                "num_layers",
+                f"{count(num_layers, 'layer')} {'does' if num_layers == 1 else 'do'} not"
+                f" split evenly into {stages} (virtual) pipeline stages; use a multiple"
+                f" of {stages} or change the pipeline sizes",
+            )
         schedule = SCHEDULES.get(self.pipeline_schedule)
         if schedule is None:
-            yield Problem("pipeline_parallel_schedule", f"{self.schedule!r} is not a schedule"
-                                                        f"{did_you_mean(str(self.schedule), SCHEDULES)}; use one"
-                                                        f" of {one_of(tuple(SCHEDULES))}")
+            yield Problem(
+                "pipeline_parallel_schedule",
+                f"{self.schedule!r} is not a schedule"
+                f"{did_you_mean(str(self.schedule), SCHEDULES)}; use one"
+                f" of {one_of(tuple(SCHEDULES))}",
+            )
         elif schedule.virtual != (self.virtual > 1):
             need = "needs virtual stages (-vp 2 or more)" if schedule.virtual else "runs one model chunk per rank"
-            yield Problem("pipeline_parallel_schedule", f"{self.pipeline_schedule} {need}; change -vp or the"
-                                                        " schedule")
+            yield Problem("pipeline_parallel_schedule", f"{self.pipeline_schedule} {need}; change -vp or the schedule")
 
     def expert_problems(self) -> Iterator[Problem]:
         """Expert-parallel ranks are data-parallel ranks that split the experts: ep divides dp."""
-        if self.ep > 1 and self.num_gpus is not None and self.num_gpus % self.model_parallel == 0 \
-                and self.dp % self.ep:
-            yield Problem("expert_model_parallel_size", f"({self.ep}) does not divide the {self.dp} data-parallel"
-                                                        f" rank(s) ({self.num_gpus} GPUs / tp x pp x cp"
-                                                        f" {self.model_parallel}); expert-parallel ranks are"
-                                                        " data-parallel ranks that split the experts: use a"
-                                                        f" multiple of {self.model_parallel * self.ep} GPUs")
+        if self.ep > 1 and self.num_gpus is not None and self.num_gpus % self.model_parallel == 0 and self.dp % self.ep:
+            yield Problem(
+                "expert_model_parallel_size",
+                f"({self.ep}) does not divide the {self.dp} data-parallel"
+                f" rank(s) ({self.num_gpus} GPUs / tp x pp x cp"
+                f" {self.model_parallel}); expert-parallel ranks are"
+                " data-parallel ranks that split the experts: use a"
+                f" multiple of {self.model_parallel * self.ep} GPUs",
+            )
 
     def gpu_problems(self) -> Iterator[Problem]:
         """num_gpus against the model-parallel sizes."""
@@ -259,9 +326,12 @@ class ParallelLayout:
             yield Problem("num_gpus", f"is {self.num_gpus}; use at least {self.model_parallel} (tp x pp x cp)")
         elif self.num_gpus % self.model_parallel:
             verb = "does" if self.num_gpus == 1 else "do"
-            yield Problem("num_gpus", f"{count(self.num_gpus, 'GPU')} {verb} not split into data-parallel groups"
-                                      f" of tp x pp x cp = {self.model_parallel}; use a multiple of"
-                                      f" {self.model_parallel}")
+            yield Problem(
+                "num_gpus",
+                f"{count(self.num_gpus, 'GPU')} {verb} not split into data-parallel groups"
+                f" of tp x pp x cp = {self.model_parallel}; use a multiple of"
+                f" {self.model_parallel}",
+            )
 
     def schedule_problems(self, micro_batches: int) -> Iterator[Problem]:
         """What the pipeline schedule cannot run with this many micro-batches a step."""
@@ -272,8 +342,11 @@ class ParallelLayout:
     def advice(self) -> Iterator[Problem]:
         """Sizes that run but do nothing."""
         if self.sp and self.tp == 1:
-            yield Problem("sequence_parallel", "has no effect with tensor_model_parallel_size 1 (Megatron turns it"
-                                               " off); raise tensor_model_parallel_size or drop sequence_parallel")
+            yield Problem(
+                "sequence_parallel",
+                "has no effect with tensor_model_parallel_size 1 (Megatron turns it"
+                " off); raise tensor_model_parallel_size or drop sequence_parallel",
+            )
 
     # ---- Megatron's keys --------------------------------------------------------------------
 

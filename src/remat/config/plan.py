@@ -4,6 +4,7 @@
 what it lowers to on a given model, and what remat's planner writes when layers differ. The
 checks of a plan live here: a plan file's shape, and a plan against a model's sites.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,13 @@ from typing import Any
 
 import yaml
 
-from remat.core.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, offload_only_labels, site_labels
-from remat.config.model_sites import ModelSites
-from remat.core.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
-from remat.config.recompute import RecomputeConfig
-from remat.config.parallel import ParallelLayout
-from remat.config.rules import OFFLOAD_SITES
 from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.config.model_sites import ModelSites
+from remat.config.offload_rules import OFFLOAD_SITES
+from remat.config.parallel import ParallelLayout
+from remat.config.recompute import RecomputeConfig
+from remat.core.labels import ACTIONS, LAYER, discard_labels, discard_only_labels, offload_only_labels, site_labels
+from remat.core.problems import ConfigError, Problem, count, did_you_mean, load_mapping, one_of
 
 
 @dataclass(frozen=True)
@@ -32,22 +33,29 @@ class PipelineStages:
     predicted_peak_bytes: tuple[int, ...]  # each pipeline rank's, as planned
 
     def to_dict(self, num_layers: int) -> dict[str, Any]:
-        return {"pipeline_model_parallel_size": self.layout.pp,
-                "virtual_pipeline_model_parallel_size": self.layout.vp,
-                "stages": [{"layers": list(self.layout.rank_layers(num_layers, k)), "predicted_peak_bytes": peak}
-                           for k, peak in enumerate(self.predicted_peak_bytes)]}
+        return {
+            "pipeline_model_parallel_size": self.layout.pp,
+            "virtual_pipeline_model_parallel_size": self.layout.vp,
+            "stages": [
+                {"layers": list(self.layout.rank_layers(num_layers, k)), "predicted_peak_bytes": peak}
+                for k, peak in enumerate(self.predicted_peak_bytes)
+            ],
+        }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PipelineStages":
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineStages:
         return cls(ParallelLayout.from_megatron(data), tuple(stage["predicted_peak_bytes"] for stage in data["stages"]))
 
     def problems(self, layout: ParallelLayout) -> Iterator[Problem]:
         """A plan solved per stage holds for its own layout only."""
         planned, running = (self.layout.pp, self.layout.virtual), (layout.pp, layout.virtual)
         if planned != running:
-            yield Problem("pipeline", f"this plan was solved stage by stage for {_stages_words(*planned)}, and this"
-                                      f" run has {_stages_words(*running)}; run it with -pp {planned[0]}"
-                                      f"{f' -vp {planned[1]}' if planned[1] > 1 else ''} or plan again for this layout")
+            yield Problem(
+                "pipeline",
+                f"this plan was solved stage by stage for {_stages_words(*planned)}, and this"
+                f" run has {_stages_words(*running)}; run it with -pp {planned[0]}"
+                f"{f' -vp {planned[1]}' if planned[1] > 1 else ''} or plan again for this layout",
+            )
 
 
 def _stages_words(pp: int, vp: int) -> str:
@@ -71,11 +79,11 @@ class Plan:
     pipeline: PipelineStages | None = field(default=None, compare=False)
 
     @classmethod
-    def none(cls, num_layers: int) -> "Plan":
+    def none(cls, num_layers: int) -> Plan:
         return cls([{} for _ in range(num_layers)])
 
     @classmethod
-    def from_config(cls, config: RecomputeConfig, model_sites: ModelSites) -> "Plan":
+    def from_config(cls, config: RecomputeConfig, model_sites: ModelSites) -> Plan:
         """Lower a Megatron-style config onto a model with `model_sites`."""
         plan = cls.none(model_sites.num_layers)
         if config.recompute_granularity == "selective":
@@ -100,7 +108,7 @@ class Plan:
                     plan.layers[i].update({label: "offload" for label in offloaded if label in model_sites.labels[i]})
         return plan
 
-    def cut(self, layers: Sequence[int]) -> "Plan":
+    def cut(self, layers: Sequence[int]) -> Plan:
         """The plan of a pipeline stage that runs `layers` of the model, in order (a range of full
         recompute lies within one stage: pipeline_range_problems)."""
         local = {layer: i for i, layer in enumerate(layers)}
@@ -124,22 +132,29 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         problems = plan_file_problems(data)
         if problems:
             raise ConfigError(problems)
         pipeline = PipelineStages.from_dict(data["pipeline"]) if "pipeline" in data else None
-        return cls([dict(a) for a in data["layers"]], [(int(s), int(e)) for s, e in data.get("full_recompute", [])],
-                   data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE), pipeline)
+        return cls(
+            [dict(a) for a in data["layers"]],
+            [(int(s), int(e)) for s, e in data.get("full_recompute", [])],
+            data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE),
+            pipeline,
+        )
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        text = (json.dumps(self.to_dict(), indent=1) if path.suffix == ".json"
-                else yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+        text = (
+            json.dumps(self.to_dict(), indent=1)
+            if path.suffix == ".json"
+            else yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        )
         path.write_text(text)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         return cls.from_dict(load_mapping(Path(path)))
 
     def describe(self, numbers: Sequence[int] | None = None) -> str:
@@ -181,13 +196,14 @@ def _full_ranges(config: RecomputeConfig, num_layers: int) -> list[tuple[int, in
 PlanLike = RecomputeConfig | Plan | None  # what apply() takes
 
 
-def load_plan_or_config(path: str | Path) -> "Plan | RecomputeConfig":
+def load_plan_or_config(path: str | Path) -> Plan | RecomputeConfig:
     """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
     data = load_mapping(Path(path))
     return Plan.from_dict(data) if "remat_plan" in data else RecomputeConfig.from_megatron(data)
 
 
 # ---- checks ------------------------------------------------------------------------------
+
 
 def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: bool) -> Iterator[Problem]:
     if not isinstance(actions, Mapping):
@@ -199,30 +215,41 @@ def _plan_layer(i: int, actions: Any, labels: frozenset[str], has_layer_sites: b
             yield from _plan_layer_site(name, action, has_layer_sites)
             continue
         if label not in labels:
-            yield Problem(name, f"layer {i} has no {label!r} site (its sites: {', '.join(sorted(labels)) or 'none'});"
-                                " remove it")
+            yield Problem(
+                name, f"layer {i} has no {label!r} site (its sites: {', '.join(sorted(labels)) or 'none'}); remove it"
+            )
         if action not in ACTIONS:
             hint = did_you_mean(action, ACTIONS) if isinstance(action, str) else ""
             yield Problem(name, f"unknown action {action!r}{hint}; use one of {one_of(ACTIONS)}")
         elif action in ("recompute", "discard") and label in offload_only_labels():
             yield Problem(name, f"{label!r} marks a place to offload from; use 'offload' or 'keep'")
         elif action == "discard" and not has_layer_sites:
-            yield Problem(name, "'discard' needs the enclosing 'layer' site as its scope and this model marks"
-                                " none; use 'recompute' or add layer sites")
+            yield Problem(
+                name,
+                "'discard' needs the enclosing 'layer' site as its scope and this model marks"
+                " none; use 'recompute' or add layer sites",
+            )
         elif action == "discard" and label not in discard_labels():
-            yield Problem(name, f"only {one_of(sorted(discard_labels()))} outputs are discarded (their "
-                                f"consumers save them anyway); use 'recompute' for {label!r}")
+            yield Problem(
+                name,
+                f"only {one_of(sorted(discard_labels()))} outputs are discarded (their "
+                f"consumers save them anyway); use 'recompute' for {label!r}",
+            )
         elif action == "recompute" and label in discard_only_labels():
-            yield Problem(name, f"{label!r}'s output is all its consumer saves, so a plain recompute frees"
-                                " nothing; use 'discard'")
+            yield Problem(
+                name, f"{label!r}'s output is all its consumer saves, so a plain recompute frees nothing; use 'discard'"
+            )
 
 
 def _plan_layer_site(name: str, action: Any, has_layer_sites: bool) -> Iterator[Problem]:
     if not has_layer_sites:
         yield Problem(name, "this model marks no 'layer' sites; offload the sites inside its layers instead")
     elif action not in ("keep", "offload"):
-        yield Problem(name, f"a whole layer can be kept or offloaded here (got {action!r}); recompute whole"
-                            " layers with full_recompute ranges")
+        yield Problem(
+            name,
+            f"a whole layer can be kept or offloaded here (got {action!r}); recompute whole"
+            " layers with full_recompute ranges",
+        )
 
 
 def _is_index(value: Any) -> bool:
@@ -237,8 +264,12 @@ def _plan_ranges(
     usable: list[tuple[int, int, int]] = []
     problems: list[Problem] = []
     if full_recompute and not model_sites.has_layer_sites:
-        problems.append(Problem("full_recompute", "this model marks no 'layer' sites, so whole layers cannot be"
-                                                  " recomputed; leave full_recompute empty"))
+        problems.append(
+            Problem(
+                "full_recompute",
+                "this model marks no 'layer' sites, so whole layers cannot be recomputed; leave full_recompute empty",
+            )
+        )
     for k, rng in enumerate(full_recompute):
         name = f"full_recompute[{k}]"
         if not (isinstance(rng, Sequence) and len(rng) == 2 and all(map(_is_index, rng))):
@@ -252,8 +283,13 @@ def _plan_ranges(
         elif usable and start < usable[-1][2]:
             j, prev_start, prev_end = usable[-1]
             how = "comes before" if start < prev_start else "overlaps"
-            problems.append(Problem(name, f"[{start}, {end}) {how} full_recompute[{j}] [{prev_start}, {prev_end});"
-                                          " list disjoint ranges in layer order"))
+            problems.append(
+                Problem(
+                    name,
+                    f"[{start}, {end}) {how} full_recompute[{j}] [{prev_start}, {prev_end});"
+                    " list disjoint ranges in layer order",
+                )
+            )
         else:
             usable.append((k, start, end))
     return usable, problems
@@ -266,11 +302,17 @@ def _plan_inside_full(layers: Sequence[Any], ranges: list[tuple[int, int, int]])
                 continue
             for label, action in layers[i].items():
                 if label == LAYER and action == "offload" and i != start:
-                    yield Problem(f"layers[{i}].{label}", f"only the first layer of full_recompute[{k}] [{start}, {end})"
-                                                          f" keeps an input to offload; set layers[{start}].layer")
+                    yield Problem(
+                        f"layers[{i}].{label}",
+                        f"only the first layer of full_recompute[{k}] [{start}, {end})"
+                        f" keeps an input to offload; set layers[{start}].layer",
+                    )
                 elif action != "keep" and not (label == LAYER and action == "offload"):
-                    yield Problem(f"layers[{i}].{label}", f"layer {i} is inside full_recompute[{k}] [{start}, {end}),"
-                                                          " which recomputes the whole layer; set it to 'keep'")
+                    yield Problem(
+                        f"layers[{i}].{label}",
+                        f"layer {i} is inside full_recompute[{k}] [{start}, {end}),"
+                        " which recomputes the whole layer; set it to 'keep'",
+                    )
 
 
 PLAN_FORMAT = 1  # the `remat_plan:` version a plan file starts with
@@ -281,12 +323,21 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
     """What is wrong with the shape of a per-layer plan file's mapping (before any model is known)."""
     problems = []
     if "remat_plan" not in data:
-        problems.append(Problem("remat_plan", f"expected `remat_plan: {PLAN_FORMAT}` at the top "
-                                "of a plan file; is this a RecomputeConfig instead?"))
+        problems.append(
+            Problem(
+                "remat_plan",
+                f"expected `remat_plan: {PLAN_FORMAT}` at the top of a plan file; is this a RecomputeConfig instead?",
+            )
+        )
     elif data["remat_plan"] != PLAN_FORMAT:
-        problems.append(Problem("remat_plan", f"{data['remat_plan']!r} is not a plan format this remat reads;"
-                                              f" it reads `remat_plan: {PLAN_FORMAT}` (write the plan again with"
-                                              " this version's `remat plan`)"))
+        problems.append(
+            Problem(
+                "remat_plan",
+                f"{data['remat_plan']!r} is not a plan format this remat reads;"
+                f" it reads `remat_plan: {PLAN_FORMAT}` (write the plan again with"
+                " this version's `remat plan`)",
+            )
+        )
     layers = data.get("layers")
     if not isinstance(layers, list) or not all(isinstance(a, Mapping) for a in layers):
         problems.append(Problem("layers", "expected a list with one mapping of label: action per layer"))
@@ -299,8 +350,9 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem("full_recompute", "expected a list of [start, end) layer index pairs"))
     min_size = data.get("min_offloaded_tensor_size", MIN_OFFLOADED_TENSOR_SIZE)
     if not _is_index(min_size) or min_size < 0:
-        problems.append(Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number"
-                                " of elements, 0 or more"))
+        problems.append(
+            Problem("min_offloaded_tensor_size", f"got {min_size!r}; set it to a whole number of elements, 0 or more")
+        )
     if "pipeline" in data:
         problems += _pipeline_section_problems(data["pipeline"], len(layers) if isinstance(layers, list) else None)
     unknown = sorted(map(str, set(data) - set(_PLAN_KEYS)))
@@ -312,8 +364,10 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
 def _pipeline_section_problems(section: Any, num_layers: int | None) -> list[Problem]:
     """A plan file's `pipeline:` section: the layout, and one stage entry per pipeline rank with
     the layers that rank runs."""
-    shape = ("expected pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and one entry per"
-             " stage under stages, each with its layers and predicted_peak_bytes (as remat plan writes them)")
+    shape = (
+        "expected pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and one entry per"
+        " stage under stages, each with its layers and predicted_peak_bytes (as remat plan writes them)"
+    )
     if not isinstance(section, Mapping):
         return [Problem("pipeline", shape)]
     pp: Any = section.get("pipeline_model_parallel_size")
@@ -321,17 +375,22 @@ def _pipeline_section_problems(section: Any, num_layers: int | None) -> list[Pro
     stages: Any = section.get("stages")
     if not (_is_index(pp) and pp >= 1 and (vpp is None or _is_index(vpp) and vpp >= 1)):
         return [Problem("pipeline", shape)]
-    if not (isinstance(stages, list) and len(stages) == pp
-            and all(isinstance(st, Mapping) and _is_index(st.get("predicted_peak_bytes")) for st in stages)):
+    if not (
+        isinstance(stages, list)
+        and len(stages) == pp
+        and all(isinstance(st, Mapping) and _is_index(st.get("predicted_peak_bytes")) for st in stages)
+    ):
         return [Problem("pipeline", shape)]
     if num_layers is None:
         return []
     layout = ParallelLayout(pp=pp, vp=vpp)
     if layout.layers_per_chunk(num_layers) is None:
         return [Problem("pipeline", f"{count(num_layers, 'layer')} do not split into {pp} x {vpp or 1} model chunks")]
-    return [Problem(f"pipeline.stages[{k}].layers", f"pipeline rank {k} runs layers {expected}, not {st.get('layers')}")
-            for k, st in enumerate(stages)
-            if st.get("layers") != (expected := list(layout.rank_layers(num_layers, k)))]
+    return [
+        Problem(f"pipeline.stages[{k}].layers", f"pipeline rank {k} runs layers {expected}, not {st.get('layers')}")
+        for k, st in enumerate(stages)
+        if st.get("layers") != (expected := list(layout.rank_layers(num_layers, k)))
+    ]
 
 
 def _layer_words(i: int, actions: Mapping[Any, Any]) -> Iterator[Problem]:
@@ -355,8 +414,13 @@ def check_plan(
     """
     problems: list[Problem] = []
     if len(layers) != model_sites.num_layers:
-        problems.append(Problem("layers", f"the plan has {count(len(layers), 'layer')} but the model has"
-                                          f" {model_sites.num_layers}; give one entry per layer"))
+        problems.append(
+            Problem(
+                "layers",
+                f"the plan has {count(len(layers), 'layer')} but the model has"
+                f" {model_sites.num_layers}; give one entry per layer",
+            )
+        )
     for i, (actions, labels) in enumerate(zip(layers, model_sites.labels)):
         problems += _plan_layer(i, actions, labels, model_sites.has_layer_sites)
     ranges, range_problems = _plan_ranges(full_recompute, model_sites)
@@ -374,8 +438,9 @@ def plan_pipeline_problems(plan: Plan, layout: ParallelLayout) -> Iterator[Probl
         yield from plan.pipeline.problems(layout)
 
 
-def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layers: int,
-                            layout: ParallelLayout) -> Iterator[Problem]:
+def pipeline_range_problems(
+    full_recompute: Sequence[tuple[int, int]], num_layers: int, layout: ParallelLayout
+) -> Iterator[Problem]:
     """A per-layer plan's full-recompute ranges under pipeline parallelism. Each model chunk (a
     pipeline stage, or one of a rank's virtual stages) runs as its own block, and Megatron
     recomputes within it: a range cannot reach into the next chunk, which runs apart from it (on
@@ -389,8 +454,14 @@ def pipeline_range_problems(full_recompute: Sequence[tuple[int, int]], num_layer
         if not cuts:
             continue
         shown = ", ".join(map(str, range(start // per_chunk, (end - 1) // per_chunk + 1)))
-        where = (f"virtual pipeline stages {shown} ({per_chunk} layers each; stage c runs on pipeline rank "
-                 f"c mod {pp})" if vpp else f"pipeline stages {shown} ({per_chunk} layers each)")
-        yield Problem(f"full_recompute[{k}]", f"[{start}, {end}) spans {where}, and each stage recomputes only "
-                                              f"its own layers; split the range at layer"
-                                              f"{'s' if len(cuts) > 1 else ''} {', '.join(map(str, cuts))}")
+        where = (
+            f"virtual pipeline stages {shown} ({per_chunk} layers each; stage c runs on pipeline rank c mod {pp})"
+            if vpp
+            else f"pipeline stages {shown} ({per_chunk} layers each)"
+        )
+        yield Problem(
+            f"full_recompute[{k}]",
+            f"[{start}, {end}) spans {where}, and each stage recomputes only "
+            f"its own layers; split the range at layer"
+            f"{'s' if len(cuts) > 1 else ''} {', '.join(map(str, cuts))}",
+        )

@@ -1,5 +1,6 @@
 """Precision: the dtype a run computes in, as Megatron Bridge names it (`-c/--compute_dtype`), and
 Megatron's FP8 settings (`fp8`, `fp8_recipe`) that its recompute rules read."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
@@ -20,9 +21,14 @@ FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "mxfp8", "blockwise", "
 class Precision:
     """A run's compute dtype and Megatron's FP8 settings."""
 
-    compute_dtype: str = setting("bf16", parse=parse_str, flag=True, short="-c", metavar="DTYPE",
-                                 help=f"{', '.join(COMPUTE_DTYPES)} (Megatron Bridge's fp8 variants are not"
-                                      " supported yet)")
+    compute_dtype: str = setting(
+        "bf16",
+        parse=parse_str,
+        flag=True,
+        short="-c",
+        metavar="DTYPE",
+        help=f"{', '.join(COMPUTE_DTYPES)} (Megatron Bridge's fp8 variants are not supported yet)",
+    )
     fp8: str | None = setting(None, parse=optional(parse_str))
     fp8_recipe: str = setting("delayed", parse=parse_str)
 
@@ -43,15 +49,23 @@ class Precision:
         if dtype not in COMPUTE_DTYPES:
             known = dtype in BRIDGE_COMPUTE_DTYPES
             # a typo is pointed at what runs, not at a Bridge dtype that would be refused next
-            yield Problem("compute_dtype", f"{dtype!r} is " + (
-                "not supported yet" if known else
-                f"not a compute dtype{did_you_mean(dtype, COMPUTE_DTYPES)}; Megatron Bridge's "
-                f"are {one_of(BRIDGE_COMPUTE_DTYPES)}") + "; use -c bf16")
+            yield Problem(
+                "compute_dtype",
+                f"{dtype!r} is "
+                + (
+                    "not supported yet"
+                    if known
+                    else f"not a compute dtype{did_you_mean(dtype, COMPUTE_DTYPES)}; Megatron Bridge's "
+                    f"are {one_of(BRIDGE_COMPUTE_DTYPES)}"
+                )
+                + "; use -c bf16",
+            )
 
     @property
     def dtype(self) -> Any:
         """The torch dtype of compute_dtype."""
         import torch
+
         return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[self.compute_dtype]
 
     @classmethod
@@ -61,4 +75,3 @@ class Precision:
     def to_megatron(self) -> dict[str, Any]:
         """Megatron's keys (the compute dtype is Bridge's flag, not a config key)."""
         return {k: v for k, v in to_public(self).items() if k != "compute_dtype"}
-

@@ -2,9 +2,11 @@
 
 A `RecomputeConfig` holds Megatron's recompute and offload knobs plus the `TrainingFacts`
 (parallel sizes, CUDA graphs, FP8, MoE/MLA switches) its rules depend on. Building one parses
-every field, then runs every rule of `remat.config.rules`: all problems are raised at once as a
-`ConfigError`; advice goes out as `RematWarning`.
+every field, then runs every rule (`RULES`: those of `remat.config.rules`, then of
+`remat.config.offload_rules`): all problems are raised at once as a `ConfigError`; advice goes out
+as `RematWarning`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from remat.config import offload_rules, rules
+from remat.config.capture import Capture
 from remat.config.fields import BadValue, default, parse_labels, parse_settings, public_names, to_public
 from remat.config.megatron import RecomputeFields, TrainingFacts
-from remat.config.capture import Capture
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
-from remat.config.rules import RULES, WARNING_RULES
 from remat.core.problems import ConfigError, Problem, count, did_you_mean, load_mapping, warn
+
+RULES = [*rules.RULES, *offload_rules.RULES]
+WARNING_RULES = rules.WARNING_RULES
 
 
 @dataclass
@@ -86,8 +91,13 @@ class RecomputeConfig(RecomputeFields):
     def describe(self) -> str:
         """A short human-readable summary of the resolved configuration."""
         return "\n".join(
-            (_describe_recompute(self), _describe_offload(self), self.facts.layout.describe(),
-             _describe_model(self.facts), self.facts.capture.describe())
+            (
+                _describe_recompute(self),
+                _describe_offload(self),
+                self.facts.layout.describe(),
+                _describe_model(self.facts),
+                self.facts.capture.describe(),
+            )
         )
 
 
@@ -96,8 +106,11 @@ def _facts_type_problems(facts: Any) -> list[Problem]:
     if not isinstance(facts, TrainingFacts):
         return [Problem("facts", f"got {type(facts).__name__}; pass a TrainingFacts(...)")]
     kinds = {"layout": ParallelLayout, "capture": Capture, "precision": Precision}
-    return [Problem(name, f"got {type(getattr(facts, name)).__name__}; pass a {kind.__name__}(...)")
-            for name, kind in kinds.items() if not isinstance(getattr(facts, name), kind)]
+    return [
+        Problem(name, f"got {type(getattr(facts, name)).__name__}; pass a {kind.__name__}(...)")
+        for name, kind in kinds.items()
+        if not isinstance(getattr(facts, name), kind)
+    ]
 
 
 # The recompute and offload settings (Megatron's keys are their field names).
@@ -110,14 +123,30 @@ _RECOMPUTE_KEYS: tuple[str, ...] = tuple(public_names(RecomputeFields))
 # The deprecated switch Megatron still accepts.
 _MOE_LAYER_RECOMPUTE = "moe_layer_recompute"
 # Megatron model-shape keys found in real configs that no recompute rule reads.
-_IGNORED_MEGATRON_KEYS: frozenset[str] = frozenset({
-    "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "seq_length", "max_position_embeddings", "vocab_size", "normalization", "layernorm_epsilon",
-    "gated_linear_unit", "add_bias_linear", "position_embedding_type", "rotary_base",
-    "moe_router_topk", "moe_ffn_hidden_size",
-})
+_IGNORED_MEGATRON_KEYS: frozenset[str] = frozenset(
+    {
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "seq_length",
+        "max_position_embeddings",
+        "vocab_size",
+        "normalization",
+        "layernorm_epsilon",
+        "gated_linear_unit",
+        "add_bias_linear",
+        "position_embedding_type",
+        "rotary_base",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+    }
+)
 _KNOWN_KEYS: frozenset[str] = (
-    frozenset(_RECOMPUTE_KEYS) | frozenset(TrainingFacts().to_megatron()) | {_MOE_LAYER_RECOMPUTE}
+    frozenset(_RECOMPUTE_KEYS)
+    | frozenset(TrainingFacts().to_megatron())
+    | {_MOE_LAYER_RECOMPUTE}
     | _IGNORED_MEGATRON_KEYS
 )
 
@@ -144,8 +173,9 @@ def _read_megatron(d: Any) -> tuple[dict[str, Any], list[Problem]]:
         if key == "model":
             problems.append(Problem(key, "expected a mapping of model settings; nest them under model:"))
         elif name not in _KNOWN_KEYS:
-            problems.append(Problem(key, f"not a setting remat reads{did_you_mean(name, _KNOWN_KEYS)};"
-                                         " fix the name or remove it"))
+            problems.append(
+                Problem(key, f"not a setting remat reads{did_you_mean(name, _KNOWN_KEYS)}; fix the name or remove it")
+            )
         elif name in settings:
             problems.append(Problem(key, "given twice (with and without the 'model.' prefix); keep one"))
         elif name not in _IGNORED_MEGATRON_KEYS:
@@ -163,10 +193,17 @@ def _convert_moe_layer_recompute(settings: dict[str, Any]) -> list[Problem]:
         return [Problem(_MOE_LAYER_RECOMPUTE, f"got {flag!r}; set it to true or false")]
     granularity = settings.get("recompute_granularity")
     if granularity == "full":
-        return [Problem(_MOE_LAYER_RECOMPUTE, "cannot be combined with recompute_granularity='full';"
-                                              " remove moe_layer_recompute, or use selective recompute with 'moe'")]
-    warn("moe_layer_recompute is deprecated; set recompute_granularity='selective' and add 'moe' to"
-          " recompute_modules instead")
+        return [
+            Problem(
+                _MOE_LAYER_RECOMPUTE,
+                "cannot be combined with recompute_granularity='full';"
+                " remove moe_layer_recompute, or use selective recompute with 'moe'",
+            )
+        ]
+    warn(
+        "moe_layer_recompute is deprecated; set recompute_granularity='selective' and add 'moe' to"
+        " recompute_modules instead"
+    )
     if granularity not in (None, "selective"):
         return []  # the constructor reports the bad granularity
     modules = settings.get("recompute_modules")
@@ -214,8 +251,10 @@ def _describe_offload(c: RecomputeConfig) -> str:
     if c.cpu_offloading:
         return f"offload: CPU, {count(c.cpu_offloading_num_layers, 'layer')}"
     if c.fine_grained_activation_offloading:
-        return (f"offload: inputs of {', '.join(c.offload_modules)}"
-                f" (tensors of {c.min_offloaded_tensor_size} elements or more)")
+        return (
+            f"offload: inputs of {', '.join(c.offload_modules)}"
+            f" (tensors of {c.min_offloaded_tensor_size} elements or more)"
+        )
     return "offload: off"
 
 

@@ -3,31 +3,19 @@
 Each rule is a small function yielding the `Problem`s it finds in a well-typed config (field
 types are checked before any rule runs). `RULES` are errors, `WARNING_RULES` advice. A comment
 on each says whose rule it is: Megatron's (the same check, worded to say what to change) or
-remat's (a combination Megatron accepts silently that does nothing or cannot run here). Rules
-that need the model's own layout are in `remat.config.model_sites`.
+remat's (a combination Megatron accepts silently that does nothing or cannot run here). The
+fine-grained offloading rules are in `remat.config.offload_rules`; rules that need the model's own
+layout are in `remat.config.model_sites`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from remat.core.labels import WITHOUT_MODEL, enclosing, labels_without_model, offload_only_labels, recompute_labels
 from remat.config.megatron import GRANULARITIES, METHODS, RecomputeFields
+from remat.core.labels import WITHOUT_MODEL, enclosing, labels_without_model, offload_only_labels, recompute_labels
 from remat.core.problems import Problem, did_you_mean, not_an_option, one_of
 
-# Submodule inputs Megatron's fine-grained offloading can move to the host.
-OFFLOAD_MODULES: tuple[str, ...] = (
-    "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
-    "fused_group_mlp", "gdp_qkv",
-)
-# Megatron's offload modules remat refuses: it has no Transformer Engine op fuser (fused_group_mlp)
-# and no GatedDeltaProduct model (gdp_qkv).
-REFUSED_OFFLOAD_MODULES: tuple[str, ...] = ("fused_group_mlp", "gdp_qkv")
-# The site whose saved tensors (its input among them) each offload module sends to host; None
-# where remat marks no site around that submodule.
-OFFLOAD_SITES: dict[str, str | None] = {
-    "attn_norm": "layernorm", "mlp_norm": "layernorm", "core_attn": "core_attn", "moe_act": "moe_act",
-    "qkv_linear": None, "attn_proj": None, "expert_fc1": "expert_fc1", "fused_group_mlp": None, "gdp_qkv": None,
-}
 ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "fused", "unfused", "local", "auto")
 
 Rule = Callable[[RecomputeFields], Iterator[Problem]]
@@ -43,10 +31,6 @@ def _rule(fn: Rule) -> Rule:
 def _warning_rule(fn: Rule) -> Rule:
     WARNING_RULES.append(fn)
     return fn
-
-
-def _usable_offload_modules() -> tuple[str, ...]:
-    return tuple(m for m in OFFLOAD_MODULES if m not in REFUSED_OFFLOAD_MODULES)
 
 
 def selected(c: RecomputeFields) -> list[str]:
@@ -68,8 +52,13 @@ def _named_value(field: str, value: str | None, choices: tuple[str, ...], kind: 
 
 @_rule
 def rule_granularity_value(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    yield from _named_value("recompute_granularity", c.recompute_granularity, GRANULARITIES, "granularity",
-                            "'selective', 'full' or null (no recompute)")
+    yield from _named_value(
+        "recompute_granularity",
+        c.recompute_granularity,
+        GRANULARITIES,
+        "granularity",
+        "'selective', 'full' or null (no recompute)",
+    )
 
 
 @_rule
@@ -80,8 +69,11 @@ def rule_method_value(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
 @_rule
 def rule_full_needs_method(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.recompute_granularity == "full" and c.recompute_method is None:
-        yield Problem("recompute_method", "full recompute needs a recompute_method: 'uniform' (every layer,"
-                                          " in groups) or 'block' (the first recompute_num_layers layers)")
+        yield Problem(
+            "recompute_method",
+            "full recompute needs a recompute_method: 'uniform' (every layer,"
+            " in groups) or 'block' (the first recompute_num_layers layers)",
+        )
 
 
 @_rule
@@ -91,8 +83,9 @@ def rule_full_num_layers(c: RecomputeFields) -> Iterator[Problem]:  # Megatron, 
         return
     n, per_stage = c.recompute_num_layers, c.facts.layers_per_chunk
     if n is None:
-        yield Problem("recompute_num_layers", f"full recompute needs recompute_num_layers; set it to"
-                                              f" {_num_layers_range(c)}")
+        yield Problem(
+            "recompute_num_layers", f"full recompute needs recompute_num_layers; set it to {_num_layers_range(c)}"
+        )
     elif n < 1 or (per_stage is not None and n > per_stage):
         yield Problem("recompute_num_layers", f"{n} is out of range; set it to {_num_layers_range(c)}")
 
@@ -100,23 +93,30 @@ def rule_full_num_layers(c: RecomputeFields) -> Iterator[Problem]:  # Megatron, 
 @_rule
 def rule_selective_num_layers_none(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.recompute_granularity == "selective" and c.recompute_num_layers is not None:
-        yield Problem("recompute_num_layers", "only full recompute uses it (selective acts on every layer);"
-                                              " remove it or set it to null")
+        yield Problem(
+            "recompute_num_layers",
+            "only full recompute uses it (selective acts on every layer); remove it or set it to null",
+        )
 
 
 @_rule
 def rule_selective_method_none(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py selective check
     if c.recompute_granularity == "selective" and c.recompute_method is not None:
-        yield Problem("recompute_method", "only full recompute uses it (selective acts on every layer);"
-                                          " remove it or set it to null")
+        yield Problem(
+            "recompute_method",
+            "only full recompute uses it (selective acts on every layer); remove it or set it to null",
+        )
 
 
 @_rule
 def rule_selective_needs_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron (accepts []; remat does not)
     if c.recompute_granularity == "selective" and not c.recompute_modules:
-        yield Problem("recompute_modules", "selective recompute with no modules recomputes nothing; list labels"
-                                           " such as ['core_attn'], or set recompute_granularity to null for a"
-                                           " no-recompute control run")
+        yield Problem(
+            "recompute_modules",
+            "selective recompute with no modules recomputes nothing; list labels"
+            " such as ['core_attn'], or set recompute_granularity to null for a"
+            " no-recompute control run",
+        )
 
 
 @_rule
@@ -124,19 +124,25 @@ def rule_known_recompute_modules(c: RecomputeFields) -> Iterator[Problem]:  # Me
     known = (*recompute_labels(), *labels_without_model())
     for label in c.recompute_modules or []:
         if label in offload_only_labels():
-            yield Problem("recompute_modules", f"{label!r} is an offload module: recomputing it frees nothing;"
-                                               f" move it to offload_modules")
+            yield Problem(
+                "recompute_modules",
+                f"{label!r} is an offload module: recomputing it frees nothing; move it to offload_modules",
+            )
         elif label not in known:
-            yield Problem("recompute_modules", f"unknown label {label!r}{did_you_mean(label, known)};"
-                                               f" use labels from {one_of(recompute_labels())}")
+            yield Problem(
+                "recompute_modules",
+                f"unknown label {label!r}{did_you_mean(label, known)}; use labels from {one_of(recompute_labels())}",
+            )
 
 
 @_rule
 def rule_recompute_labels_without_model(c: RecomputeFields) -> Iterator[Problem]:  # remat: no model has them
     for label in c.recompute_modules or []:
         if label in labels_without_model():
-            yield Problem("recompute_modules", f"{label!r} {WITHOUT_MODEL[label]}; remat has no model with that"
-                                               f" layer yet: drop {label!r}")
+            yield Problem(
+                "recompute_modules",
+                f"{label!r} {WITHOUT_MODEL[label]}; remat has no model with that layer yet: drop {label!r}",
+            )
 
 
 @_rule
@@ -149,30 +155,39 @@ def rule_no_duplicate_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat:
 @_rule
 def rule_distribute_not_with_sequence_parallel(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.distribute_saved_activations and c.facts.layout.sp:
-        yield Problem("distribute_saved_activations", "sequence parallelism already splits the saved inputs"
-                                                      " across ranks; set distribute_saved_activations=False")
+        yield Problem(
+            "distribute_saved_activations",
+            "sequence parallelism already splits the saved inputs across ranks; set distribute_saved_activations=False",
+        )
 
 
 @_rule
 def rule_distribute_needs_full(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py
     if c.distribute_saved_activations and c.recompute_granularity != "full":
-        yield Problem("distribute_saved_activations", "only full recompute stores layer inputs it could split;"
-                                                      " set recompute_granularity='full' or turn this off")
+        yield Problem(
+            "distribute_saved_activations",
+            "only full recompute stores layer inputs it could split; set recompute_granularity='full' or turn this off",
+        )
 
 
 @_rule
 def rule_distribute_needs_tensor_parallel(c: RecomputeFields) -> Iterator[Problem]:  # Megatron arguments.py
     if c.distribute_saved_activations and c.facts.layout.tp <= 1:
-        yield Problem("distribute_saved_activations", "splits saved inputs across tensor-parallel ranks, so it"
-                                                      " needs tensor_model_parallel_size > 1; turn it off")
+        yield Problem(
+            "distribute_saved_activations",
+            "splits saved inputs across tensor-parallel ranks, so it needs tensor_model_parallel_size > 1; turn it off",
+        )
 
 
 @_rule
 def rule_full_recompute_graph_scope(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.recompute_granularity == "full" and c.facts.capture.per_layer:
-        yield Problem("recompute_granularity", "full recompute cannot run inside per-layer CUDA graphs; use"
-                                               " selective recompute, cuda_graph_impl='none', or a"
-                                               " full_iteration graph")
+        yield Problem(
+            "recompute_granularity",
+            "full recompute cannot run inside per-layer CUDA graphs; use"
+            " selective recompute, cuda_graph_impl='none', or a"
+            " full_iteration graph",
+        )
 
 
 @_rule
@@ -186,8 +201,11 @@ def rule_cpu_offload_layer_count(c: RecomputeFields) -> Iterator[Problem]:  # Me
 @_rule
 def rule_cpu_offload_not_with_pipeline(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.cpu_offloading and c.facts.layout.pp > 1:
-        yield Problem("cpu_offloading", "layer-level CPU offloading does not support pipeline parallelism;"
-                                        " set pipeline_model_parallel_size=1 or cpu_offloading=False")
+        yield Problem(
+            "cpu_offloading",
+            "layer-level CPU offloading does not support pipeline parallelism;"
+            " set pipeline_model_parallel_size=1 or cpu_offloading=False",
+        )
 
 
 # Megatron's refusal of CPU offloading with recompute is not a remat rule: remat offloads what a layer
@@ -197,31 +215,42 @@ def rule_cpu_offload_not_with_pipeline(c: RecomputeFields) -> Iterator[Problem]:
 @_rule
 def rule_cpu_offload_graphs(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.cpu_offloading and c.facts.capture.per_layer:
-        yield Problem("cpu_offloading", "layer-level CPU offloading does not work with per-layer CUDA graphs;"
-                                        " set cuda_graph_impl to 'none' or 'full_iteration', or turn offloading off")
+        yield Problem(
+            "cpu_offloading",
+            "layer-level CPU offloading does not work with per-layer CUDA graphs;"
+            " set cuda_graph_impl to 'none' or 'full_iteration', or turn offloading off",
+        )
 
 
 @_rule
 def rule_moe_act_needs_grouped_gemm(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "moe_act" in selected(c) and not c.facts.moe_grouped_gemm:
-        yield Problem("recompute_modules", "'moe_act' recompute needs moe_grouped_gemm=True; enable it or"
-                                           " drop 'moe_act'")
+        yield Problem(
+            "recompute_modules", "'moe_act' recompute needs moe_grouped_gemm=True; enable it or drop 'moe_act'"
+        )
 
 
 @_rule
 def rule_mla_up_proj_needs_mla(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "mla_up_proj" in selected(c) and not c.facts.multi_latent_attention:
-        yield Problem("recompute_modules", "'mla_up_proj' exists only with multi_latent_attention=True; enable"
-                                           " it or drop 'mla_up_proj'")
+        yield Problem(
+            "recompute_modules",
+            "'mla_up_proj' exists only with multi_latent_attention=True; enable it or drop 'mla_up_proj'",
+        )
 
 
 @_rule
 def rule_shared_experts_not_with_overlap(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     f = c.facts
-    if ("shared_experts" in selected(c) and f.moe_shared_expert_intermediate_size is not None
-            and f.moe_shared_expert_overlap):
-        yield Problem("recompute_modules", "'shared_experts' recompute does not work with"
-                                           " moe_shared_expert_overlap=True; drop one of them")
+    if (
+        "shared_experts" in selected(c)
+        and f.moe_shared_expert_intermediate_size is not None
+        and f.moe_shared_expert_overlap
+    ):
+        yield Problem(
+            "recompute_modules",
+            "'shared_experts' recompute does not work with moe_shared_expert_overlap=True; drop one of them",
+        )
 
 
 @_rule
@@ -230,8 +259,11 @@ def rule_fp8_delayed_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  #
         return
     for label in ("moe_act", "layernorm"):
         if label in selected(c):
-            yield Problem("recompute_modules", f"{label!r} cannot be recomputed under FP8 delayed scaling; drop it"
-                                               " or use another fp8_recipe such as 'tensorwise'")
+            yield Problem(
+                "recompute_modules",
+                f"{label!r} cannot be recomputed under FP8 delayed scaling; drop it"
+                " or use another fp8_recipe such as 'tensorwise'",
+            )
 
 
 @_rule
@@ -239,24 +271,36 @@ def rule_graphed_recompute_dropout(c: RecomputeFields) -> Iterator[Problem]:  # 
     # A recompute region captured in a CUDA graph cannot replay random dropout masks.
     f, chosen = c.facts, selected(c)
     if "core_attn" in chosen and f.attention_dropout != 0 and f.capture.graphed("attn"):
-        yield Problem("recompute_modules", "'core_attn' recompute inside a CUDA graph cannot replay attention"
-                                           " dropout; set attention_dropout=0, drop 'core_attn' or take 'attn'"
-                                           " out of the graph")
+        yield Problem(
+            "recompute_modules",
+            "'core_attn' recompute inside a CUDA graph cannot replay attention"
+            " dropout; set attention_dropout=0, drop 'core_attn' or take 'attn'"
+            " out of the graph",
+        )
     for label in ("mlp", "moe"):
         if label in chosen and f.hidden_dropout != 0 and f.capture.graphed(label):
-            yield Problem("recompute_modules", f"{label!r} recompute inside a CUDA graph cannot replay hidden"
-                                               f" dropout; set hidden_dropout=0, drop {label!r} or take"
-                                               f" {label!r} out of the graph")
+            yield Problem(
+                "recompute_modules",
+                f"{label!r} recompute inside a CUDA graph cannot replay hidden"
+                f" dropout; set hidden_dropout=0, drop {label!r} or take"
+                f" {label!r} out of the graph",
+            )
 
 
 @_rule
 def rule_te_graph_moe_router(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     f = c.facts
-    if ("moe" in selected(c) and f.capture.cuda_graph_impl == "transformer_engine"
-            and "moe_router" in f.capture.cuda_graph_scope):
-        yield Problem("recompute_modules", "'moe' recompute would span the graphed router (cuda_graph_scope"
-                                           " 'moe_router'); a recompute region must lie wholly inside or outside"
-                                           " a graph: drop 'moe' or remove 'moe_router' from the scope")
+    if (
+        "moe" in selected(c)
+        and f.capture.cuda_graph_impl == "transformer_engine"
+        and "moe_router" in f.capture.cuda_graph_scope
+    ):
+        yield Problem(
+            "recompute_modules",
+            "'moe' recompute would span the graphed router (cuda_graph_scope"
+            " 'moe_router'); a recompute region must lie wholly inside or outside"
+            " a graph: drop 'moe' or remove 'moe_router' from the scope",
+        )
 
 
 @_rule
@@ -272,133 +316,6 @@ def rule_ep_overlap_limits(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
         yield Problem("recompute_num_layers", f"must be null {fix}remove it")
     if "moe" in selected(c):
         yield Problem("recompute_modules", f"'moe' recompute does not work {fix}drop 'moe' (try 'moe_act')")
-
-
-@_rule
-def rule_fine_grained_not_with_cpu_offload(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if c.fine_grained_activation_offloading and c.cpu_offloading:
-        yield Problem("fine_grained_activation_offloading", "cannot be combined with cpu_offloading; turn one off")
-
-
-@_rule
-def rule_fine_grained_needs_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if c.fine_grained_activation_offloading and not c.offload_modules:
-        yield Problem("offload_modules", f"fine-grained offloading with no modules offloads nothing; list some"
-                                         f" of {one_of(_usable_offload_modules())}")
-
-
-@_rule
-def rule_known_offload_modules(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    for label in c.offload_modules:
-        if label not in OFFLOAD_MODULES:
-            yield Problem("offload_modules", f"unknown module {label!r}{did_you_mean(label, OFFLOAD_MODULES)};"
-                                             f" use modules from {one_of(_usable_offload_modules())}")
-
-
-@_rule
-def rule_fused_group_mlp_needs_op_fuser(c: RecomputeFields) -> Iterator[Problem]:  # Megatron, and remat has none
-    if "fused_group_mlp" in c.offload_modules:
-        yield Problem("offload_modules", "'fused_group_mlp' offloads inside Transformer Engine's fused grouped"
-                                         " expert MLP, which Megatron builds only with"
-                                         " use_transformer_engine_op_fuser=True; remat has no TE op fuser:"
-                                         " drop 'fused_group_mlp'")
-
-
-@_rule
-def rule_fused_group_mlp_alone(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    # The fused op replaces the expert FC1 and activation those modules would offload.
-    if not (c.fine_grained_activation_offloading and "fused_group_mlp" in c.offload_modules):
-        return
-    for label in ("expert_fc1", "moe_act"):
-        if label in c.offload_modules:
-            yield Problem("offload_modules", f"'fused_group_mlp' fuses the expert MLP that {label!r} is part of,"
-                                             f" so the two cannot be combined; drop {label!r} or"
-                                             " 'fused_group_mlp'")
-
-
-@_rule
-def rule_gdp_qkv_offload_without_model(c: RecomputeFields) -> Iterator[Problem]:  # remat: no model has it
-    if "gdp_qkv" in c.offload_modules:
-        yield Problem("offload_modules", "'gdp_qkv' offloads the input of GatedDeltaProduct's QKV preparation;"
-                                         " remat has no model with that layer yet: drop 'gdp_qkv'")
-
-
-@_rule
-def rule_attn_proj_offload_needs_core_attn(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    offload = c.offload_modules
-    if c.fine_grained_activation_offloading and "attn_proj" in offload and "core_attn" not in offload:
-        yield Problem("offload_modules", "the input of 'attn_proj' is the output of core_attn, which core_attn's"
-                                         " backward also needs; offload 'core_attn' too or drop 'attn_proj'")
-
-
-@_rule
-def rule_moe_recompute_blocks_expert_offload(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if not (c.fine_grained_activation_offloading and "moe" in selected(c)):
-        return
-    for label in ("expert_fc1", "moe_act", "fused_group_mlp"):
-        if label in c.offload_modules:
-            yield Problem("offload_modules", f"'moe' recompute keeps nothing inside the MoE layer, so {label!r}"
-                                             f" has nothing to offload; drop {label!r} or drop 'moe' from"
-                                             " recompute_modules")
-
-
-@_rule
-def rule_offloaded_site_not_recomputed(c: RecomputeFields) -> Iterator[Problem]:  # remat: one action a site
-    if not c.fine_grained_activation_offloading:
-        return
-    for label in c.offload_modules:
-        site = OFFLOAD_SITES.get(label)
-        if site is not None and site in selected(c):
-            yield Problem("offload_modules", f"{label!r} offloads what the {site!r} site saves, and {site!r} is"
-                                             " also recomputed, which saves (almost) nothing there; drop"
-                                             f" {label!r} or drop {site!r} from recompute_modules")
-
-
-@_rule
-def rule_norm_offload_together(c: RecomputeFields) -> Iterator[Problem]:  # remat: one 'layernorm' site label
-    if not c.fine_grained_activation_offloading:
-        return
-    norms = [m for m in ("attn_norm", "mlp_norm") if m in c.offload_modules]
-    if len(norms) == 1:
-        other = "mlp_norm" if norms == ["attn_norm"] else "attn_norm"
-        yield Problem("offload_modules", f"remat marks both norms of a layer with one 'layernorm' site, so"
-                                         f" {norms[0]!r} offloads {other!r} too; list both")
-
-
-@_rule
-def rule_fine_grained_not_with_uniform_full(c: RecomputeFields) -> Iterator[Problem]:  # remat
-    if c.fine_grained_activation_offloading and c.recompute_granularity == "full" and c.recompute_method == "uniform":
-        yield Problem("fine_grained_activation_offloading", "uniform full recompute saves nothing inside any"
-                                                            " layer, so there is nothing per module to offload;"
-                                                            " offload each group's input with cpu_offloading"
-                                                            " instead, or use the block method")
-
-
-@_rule
-def rule_min_offload_size(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    yield from min_offload_size_problems(c.min_offloaded_tensor_size)
-
-
-def min_offload_size_problems(size: int) -> Iterator[Problem]:
-    if size < 0:
-        yield Problem("min_offloaded_tensor_size", f"got {size}; set it to 0 or more (a tensor size in elements)")
-
-
-@_rule
-def rule_offload_fraction_range(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    fraction = c.activation_offload_fraction
-    if not 0 <= fraction <= 1:  # NaN too
-        yield Problem("activation_offload_fraction", f"must be in range [0, 1], got {fraction}; set it to 1.0"
-                                                     " (offload every tensor of each chosen module)")
-
-
-@_rule
-def rule_offload_fraction_whole(c: RecomputeFields) -> Iterator[Problem]:  # remat: offloads whole sites
-    fraction = c.activation_offload_fraction
-    if 0 <= fraction < 1:
-        yield Problem("activation_offload_fraction", f"got {fraction}; remat offloads every tensor of each chosen"
-                                                     " module and cannot offload a fraction yet: set it to 1.0"
-                                                     " or remove it")
 
 
 @_rule
@@ -437,9 +354,12 @@ def rule_settings_without_granularity(c: RecomputeFields) -> Iterator[Problem]: 
         return
     for name in ("recompute_method", "recompute_num_layers"):
         if getattr(c, name) is not None:
-            yield Problem(name, f"{getattr(c, name)!r} applies only to full recompute, which is off"
-                                " (recompute_granularity is null), so it would do nothing; set"
-                                " recompute_granularity: full (on the command line -rl N), or remove it")
+            yield Problem(
+                name,
+                f"{getattr(c, name)!r} applies only to full recompute, which is off"
+                " (recompute_granularity is null), so it would do nothing; set"
+                " recompute_granularity: full (on the command line -rl N), or remove it",
+            )
 
 
 # What Megatron fills in whatever the granularity: a dump of any Megatron config lists it.
@@ -449,11 +369,17 @@ MEGATRON_DEFAULT_MODULES = ["core_attn"]
 @_rule
 def rule_modules_without_switch(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megatron ignores them
     if c.recompute_modules and c.recompute_granularity is None and c.recompute_modules != MEGATRON_DEFAULT_MODULES:
-        yield Problem("recompute_modules", "has no effect while recompute_granularity is null; set"
-                                           " recompute_granularity='selective' to recompute them, or remove it")
+        yield Problem(
+            "recompute_modules",
+            "has no effect while recompute_granularity is null; set"
+            " recompute_granularity='selective' to recompute them, or remove it",
+        )
     if c.offload_modules and not c.fine_grained_activation_offloading:
-        yield Problem("offload_modules", "has no effect while fine_grained_activation_offloading is off; set it"
-                                         " to true to offload them, or remove offload_modules")
+        yield Problem(
+            "offload_modules",
+            "has no effect while fine_grained_activation_offloading is off; set it"
+            " to true to offload them, or remove offload_modules",
+        )
 
 
 @_warning_rule
@@ -466,15 +392,20 @@ def rule_nested_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megat
     chosen = selected(c)
     for inner, outer in enclosing().items():
         if inner in chosen and outer in chosen:
-            yield Problem("recompute_modules", f"{outer!r} already recomputes the whole module, which contains"
-                                               f" {inner!r}; listing both adds work for no saving:"
-                                               f" drop {inner!r}")
+            yield Problem(
+                "recompute_modules",
+                f"{outer!r} already recomputes the whole module, which contains"
+                f" {inner!r}; listing both adds work for no saving:"
+                f" drop {inner!r}",
+            )
 
 
 @_warning_rule
 def rule_core_attn_fused_backend(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "core_attn" in selected(c) and c.facts.attention_backend in ("flash", "fused"):
-        yield Problem("recompute_modules", f"'core_attn' saves almost nothing with attention_backend"
-                                           f" {c.facts.attention_backend!r}: fused attention already recomputes"
-                                           " the attention matrix; drop 'core_attn'")
-
+        yield Problem(
+            "recompute_modules",
+            f"'core_attn' saves almost nothing with attention_backend"
+            f" {c.facts.attention_backend!r}: fused attention already recomputes"
+            " the attention matrix; drop 'core_attn'",
+        )

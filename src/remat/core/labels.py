@@ -6,6 +6,7 @@ recomputed: plainly (keep the inputs, rerun the call in backward) or by discardi
 for cheap ops whose output the next op saves anyway; and which label's site always runs it.
 Megatron's labels for layers no remat model has are known by name only, and the rules refuse them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,22 +54,28 @@ def register(label: Label) -> Label:
 
 # Megatron Core's recompute labels, in the order its documentation lists them, then its offload
 # modules that need a site of their own.
-for _label in (Label("core_attn"), Label("layernorm", discard=True), Label("mlp"), Label("moe"),
-               Label("moe_act", discard=True, enclosed_by="moe"), Label("shared_experts", enclosed_by="moe"),
-               Label("mla_up_proj", discard=True),
-               # Megatron's offload module for the routed experts' FC1 input (the permuted tokens)
-               Label("expert_fc1", offload_only=True, enclosed_by="moe")):
+for _label in (
+    Label("core_attn"),
+    Label("layernorm", discard=True),
+    Label("mlp"),
+    Label("moe"),
+    Label("moe_act", discard=True, enclosed_by="moe"),
+    Label("shared_experts", enclosed_by="moe"),
+    Label("mla_up_proj", discard=True),
+    # Megatron's offload module for the routed experts' FC1 input (the permuted tokens)
+    Label("expert_fc1", offload_only=True, enclosed_by="moe"),
+):
     register(_label)
 
 # Megatron Core's labels for layers no remat model has yet, with what each recomputes and Megatron's
 # own preconditions: known, so a config naming one is refused for what it is, not as a typo.
 WITHOUT_MODEL: dict[str, str] = {
     "gdn_norm_out": "recomputes Gated DeltaNet's output norm (Megatron: only with experimental_attention_variant"
-                    " 'gdn' or 'gdn2')",
+    " 'gdn' or 'gdn2')",
     "gdp_in_proj": "recomputes GatedDeltaProduct's input projection (and its context-parallel gather)",
     "gdp_qkv": "recomputes GatedDeltaProduct's causal convolution and QKV preparation",
     "mhc": "recomputes the HyperConnection (mHC) intermediates (Megatron: needs enable_mhc_connections=True,"
-           " and neither 'mlp' nor full recompute beside it)",
+    " and neither 'mlp' nor full recompute beside it)",
 }
 
 

@@ -4,6 +4,7 @@ Every check in remat is a small function yielding `Problem`s; whoever runs the c
 `ConfigError` holding all of them. Advice (valid, but probably not what was meant) goes out as a
 `RematWarning` through `advise`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -55,8 +56,9 @@ def warn(message: str) -> None:
     """A RematWarning pointing at the first caller outside remat (dataclass __init__s are "<string>")."""
     frame: FrameType | None = sys._getframe(1)
     level = 2
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                 or frame.f_code.co_filename == "<string>"):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename == "<string>"
+    ):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RematWarning, stacklevel=level)
 
@@ -106,6 +108,12 @@ def load_mapping(path: Path) -> Mapping[str, Any]:
         raise ConfigError([Problem(str(path), "unsupported file type; use a .yaml, .yml or .json file")])
     data = read_file(path, json.loads if kind == "JSON" else yaml.safe_load, kind)
     if not isinstance(data, Mapping):
-        raise ConfigError([Problem(str(path), "must hold a mapping at the top level, e.g."
-                                              " 'recompute_granularity: selective' or 'remat_plan: 1'")])
+        raise ConfigError(
+            [
+                Problem(
+                    str(path),
+                    "must hold a mapping at the top level, e.g. 'recompute_granularity: selective' or 'remat_plan: 1'",
+                )
+            ]
+        )
     return data

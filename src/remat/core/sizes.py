@@ -1,4 +1,5 @@
 """Memory sizes: read from what users write ('60GiB', '80 GB', bytes), written for messages and tables."""
+
 from __future__ import annotations
 
 import re
@@ -6,8 +7,17 @@ from typing import Literal
 
 from remat.core.problems import ConfigError, Problem
 
-_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def format_bytes(n: float) -> str:
@@ -15,8 +25,9 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
 
 
-def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib",
-                zero: bool = False) -> int:
+def parse_bytes(
+    text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib", zero: bool = False
+) -> int:
     """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`
     (GiB for budgets; bytes for doctor's sizes, copied from allocator logs). Problems are
     reported under `field`; 0 is a size only where `zero`."""
@@ -25,18 +36,35 @@ def parse_bytes(text: str | int, field: str = "memory_budget", bare: Literal["gi
             raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
         return text
     if not isinstance(text, str):  # a float could mean bytes or GiB: make the caller say which
-        raise ConfigError([Problem(field, f"{text!r} is a {type(text).__name__}; give bytes as an int or "
-                                          f"text with a unit, like '60GiB'")])
+        raise ConfigError(
+            [
+                Problem(
+                    field,
+                    f"{text!r} is a {type(text).__name__}; give bytes as an int or text with a unit, like '60GiB'",
+                )
+            ]
+        )
     bare_means = "a bare number is bytes" if bare == "b" else "a bare number means GiB"
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = (match.group(2) or bare).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise ConfigError([Problem(field, f"cannot read {text!r} as a memory size; write it like 60GiB, 80GB "
-                                          f"or 512MiB ({bare_means})")])
+        raise ConfigError(
+            [
+                Problem(
+                    field, f"cannot read {text!r} as a memory size; write it like 60GiB, 80GB or 512MiB ({bare_means})"
+                )
+            ]
+        )
     amount = float(match.group(1)) * _UNITS[unit]
     if unit == "b" and amount != int(amount):
-        raise ConfigError([Problem(field, f"{text!r} is not a whole number of bytes ({bare_means}); give a unit,"
-                                          f" like {match.group(1)}GiB")])
+        raise ConfigError(
+            [
+                Problem(
+                    field,
+                    f"{text!r} is not a whole number of bytes ({bare_means}); give a unit, like {match.group(1)}GiB",
+                )
+            ]
+        )
     if amount < 0 or amount == 0 and not zero:
         raise ConfigError([Problem(field, f"{text!r} is no memory; give a positive size")])
     return int(amount)

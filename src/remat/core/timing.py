@@ -1,4 +1,5 @@
 """How much step times vary: what tells a real difference from noise."""
+
 from __future__ import annotations
 
 import statistics

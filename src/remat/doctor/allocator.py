@@ -56,25 +56,42 @@ class AllocatorState:
         return self.reserved + self.headroom
 
     @classmethod
-    def from_snapshot(cls, snapshot: Mapping[str, Any], stats: Mapping[str, Any], limit: int,
-                      request: int | None = None, *, device: int | None = None,
-                      device_free: int | None = None) -> AllocatorState:
+    def from_snapshot(
+        cls,
+        snapshot: Mapping[str, Any],
+        stats: Mapping[str, Any],
+        limit: int,
+        request: int | None = None,
+        *,
+        device: int | None = None,
+        device_free: int | None = None,
+    ) -> AllocatorState:
         """From `torch.cuda.memory._snapshot()` (or a pickle/JSON of it) and `memory_stats()` (may be
         empty: the blocks are counted instead)."""
-        segments = [s for s in snapshot.get("segments", [])
-                    if device is None or s.get("device", device) == device]
+        segments = [s for s in snapshot.get("segments", []) if device is None or s.get("device", device) == device]
         blocks = [b for s in segments for b in s.get("blocks", [])]
-        allocated = stats.get("allocated_bytes.all.current",
-                              sum(b["size"] for b in blocks if b["state"] == "active_allocated"))
+        allocated = stats.get(
+            "allocated_bytes.all.current", sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        )
         reserved = stats.get("reserved_bytes.all.current", sum(s["total_size"] for s in segments))
         # Private pools (CUDA graphs) and, for a large request, the small pool cannot serve the request.
-        serving = [s for s in segments if _default_pool(s)
-                   and not (s.get("segment_type") == "small" and (request or 0) > SMALL_POOL_MAX)]
+        serving = [
+            s
+            for s in segments
+            if _default_pool(s) and not (s.get("segment_type") == "small" and (request or 0) > SMALL_POOL_MAX)
+        ]
         holes = [run for s in serving for run in _free_runs(s.get("blocks", []))]
-        return cls(allocated=allocated, reserved=reserved, limit=limit, request=request,
-                   largest_free_block=max(holes, default=0), segments=len(segments),
-                   free_blocks=sum(1 for s in segments for _ in _free_runs(s.get("blocks", []))),
-                   device_free=device_free, expandable=any(s.get("is_expandable") for s in segments))
+        return cls(
+            allocated=allocated,
+            reserved=reserved,
+            limit=limit,
+            request=request,
+            largest_free_block=max(holes, default=0),
+            segments=len(segments),
+            free_blocks=sum(1 for s in segments for _ in _free_runs(s.get("blocks", []))),
+            device_free=device_free,
+            expandable=any(s.get("is_expandable") for s in segments),
+        )
 
     @classmethod
     def from_oom_message(cls, message: str) -> AllocatorState:
@@ -82,10 +99,13 @@ class AllocatorState:
         so no free block held the request."""
         oom = parse_oom_message(message)
         if oom.limit is None or oom.allocated is None or oom.reserved is None:
-            raise ValueError("the message does not give the device capacity, allocated and reserved bytes; "
-                             "pass a snapshot (torch.cuda.memory._dump_snapshot) instead")
-        return cls(allocated=oom.allocated, reserved=oom.reserved, limit=oom.limit, request=oom.request,
-                   device_free=oom.free)
+            raise ValueError(
+                "the message does not give the device capacity, allocated and reserved bytes; "
+                "pass a snapshot (torch.cuda.memory._dump_snapshot) instead"
+            )
+        return cls(
+            allocated=oom.allocated, reserved=oom.reserved, limit=oom.limit, request=oom.request, device_free=oom.free
+        )
 
 
 def _default_pool(segment: Mapping[str, Any]) -> bool:
@@ -113,8 +133,14 @@ def capture(device: torch.device | int | str | None = None, request_bytes: int |
     index = torch.cuda.current_device() if chosen.index is None else chosen.index
     free, total = torch.cuda.mem_get_info(index)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)  # newer torch only
-    return AllocatorState.from_snapshot(torch.cuda.memory._snapshot(), torch.cuda.memory_stats(index),
-                                        int(total * fraction), request_bytes, device=index, device_free=free)
+    return AllocatorState.from_snapshot(
+        torch.cuda.memory._snapshot(),
+        torch.cuda.memory_stats(index),
+        int(total * fraction),
+        request_bytes,
+        device=index,
+        device_free=free,
+    )
 
 
 def oom_state(error: BaseException, device: torch.device | int | str | None = None) -> AllocatorState | None:
@@ -139,11 +165,18 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     snapshot = read_file(p, json.loads, "JSON") if p.suffix.lower() == ".json" else read_file(p, pickle.loads, "pickle")
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise ConfigError([Problem(str(p), "is not a memory snapshot (no 'segments' list); write one with "
-                                           "torch.cuda.memory._dump_snapshot")])
+        raise ConfigError(
+            [
+                Problem(
+                    str(p),
+                    "is not a memory snapshot (no 'segments' list); write one with torch.cuda.memory._dump_snapshot",
+                )
+            ]
+        )
     if (flaw := _segments_flaw(snapshot["segments"])) is not None:
-        raise ConfigError([Problem(str(p), f"is not a memory snapshot ({flaw}); write one with "
-                                           "torch.cuda.memory._dump_snapshot")])
+        raise ConfigError(
+            [Problem(str(p), f"is not a memory snapshot ({flaw}); write one with torch.cuda.memory._dump_snapshot")]
+        )
     return snapshot
 
 
@@ -157,8 +190,9 @@ def _segments_flaw(segments: list[Any]) -> str | None:
         if not isinstance(blocks, list):
             return f"{where}.blocks is not a list"
         for j, block in enumerate(blocks):
-            if not (isinstance(block, dict) and isinstance(block.get("size"), int)
-                    and isinstance(block.get("state"), str)):
+            if not (
+                isinstance(block, dict) and isinstance(block.get("size"), int) and isinstance(block.get("state"), str)
+            ):
                 return f"{where}.blocks[{j}] has no integer 'size' and 'state' name"
     return None
 
@@ -166,9 +200,12 @@ def _segments_flaw(segments: list[Any]) -> str | None:
 def snapshot_limit_problems(reserved: int, limit: int) -> Iterator[Problem]:
     """A memory snapshot records no device size; the one given must hold what the snapshot reserves."""
     if limit < reserved:
-        yield Problem("limit", f"{format_bytes(limit)} is less than the {format_bytes(reserved)} the snapshot"
-                               " reserves; pass the device's memory (e.g. --limit 80GiB, or 141GiB on an H200)"
-                               " or the per-process fraction's share of it")
+        yield Problem(
+            "limit",
+            f"{format_bytes(limit)} is less than the {format_bytes(reserved)} the snapshot"
+            " reserves; pass the device's memory (e.g. --limit 80GiB, or 141GiB on an H200)"
+            " or the per-process fraction's share of it",
+        )
 
 
 # --- the OOM message ------------------------------------------------------------------------------
@@ -227,5 +264,3 @@ def oom_messages(text: str) -> dict[int | None, str]:
             lines.setdefault(int(match[1]), []).append(match[2])
     said = {rank: "\n".join(body) for rank, body in sorted(lines.items())}
     return {rank: message for rank, message in said.items() if "out of memory" in message} or {None: text}
-
-

@@ -5,6 +5,7 @@ device cannot give a new segment. If the bytes exist but in pieces (reserved far
 the fix is an allocator setting; if allocated memory itself reaches the limit, only using less (a
 recompute plan, a smaller micro-batch, more GPUs) helps. The allocator's numbers tell which.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,11 @@ from typing import Any, Literal
 import torch
 
 from remat import parallel
+from remat.core.sizes import format_bytes
+from remat.doctor.allocator import AllocatorState, capture, oom_state
 from remat.memory.attribution import Attribution, Attributor
 from remat.parallel.launch import rank_words
 from remat.planner import NoPlanFits, PlanResult
-from remat.core.sizes import format_bytes
-from remat.doctor.allocator import AllocatorState, capture, oom_state
 
 EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
@@ -53,9 +54,15 @@ class Diagnosis:
 
     def evidence(self) -> dict[str, int | None]:
         s = self.state
-        return {"allocated": s.allocated, "reserved": s.reserved, "gap": s.gap,
-                "largest free block": s.largest_free_block, "request": s.request, "limit": s.limit,
-                "headroom": s.headroom}
+        return {
+            "allocated": s.allocated,
+            "reserved": s.reserved,
+            "gap": s.gap,
+            "largest free block": s.largest_free_block,
+            "request": s.request,
+            "limit": s.limit,
+            "headroom": s.headroom,
+        }
 
     def __str__(self) -> str:
         numbers = ", ".join(f"{k} {'?' if v is None else format_bytes(v)}" for k, v in self.evidence().items())
@@ -74,30 +81,52 @@ def classify(state: AllocatorState) -> Diagnosis:
         return Diagnosis("fits", s, f"{where} holds the {f(r)} request now; nothing is short")
     if s.gap + s.headroom >= r and s.gap >= MIN_FRAGMENTATION_GAP * s.limit:
         hole = "no free block held it" if largest is None else f"the largest free block is {f(largest)}"
-        return Diagnosis("fragmentation", s, (
-            f"{f(s.gap)} reserved but unallocated (+{f(s.headroom)} unreserved) would hold the {f(r)} request,"
-            f" but {hole}: the memory is there, in pieces"))
+        return Diagnosis(
+            "fragmentation",
+            s,
+            (
+                f"{f(s.gap)} reserved but unallocated (+{f(s.headroom)} unreserved) would hold the {f(r)} request,"
+                f" but {hole}: the memory is there, in pieces"
+            ),
+        )
     if s.allocated + r <= s.available:  # the gap is under MIN_FRAGMENTATION_GAP: ordinary slack
-        return Diagnosis("capacity", s, (
-            f"allocated {f(s.allocated)} + the {f(r)} request leaves {f(s.available - s.allocated - r)} of the"
-            f" {f(s.available)} the allocator can have; the {f(s.gap)} in holes is ordinary slack (under"
-            f" {MIN_FRAGMENTATION_GAP:.0%} of the limit): the step needs less memory"))
+        return Diagnosis(
+            "capacity",
+            s,
+            (
+                f"allocated {f(s.allocated)} + the {f(r)} request leaves {f(s.available - s.allocated - r)} of the"
+                f" {f(s.available)} the allocator can have; the {f(s.gap)} in holes is ordinary slack (under"
+                f" {MIN_FRAGMENTATION_GAP:.0%} of the limit): the step needs less memory"
+            ),
+        )
     outside = s.limit - s.available
     other = f"; {f(outside)} of the limit is held outside this allocator" if outside > s.gap else ""
-    return Diagnosis("capacity", s, (
-        f"allocated {f(s.allocated)} + the {f(r)} request exceeds the {f(s.available)}"
-        f" the allocator can have{other}: the step needs less memory, not a better allocator"))
+    return Diagnosis(
+        "capacity",
+        s,
+        (
+            f"allocated {f(s.allocated)} + the {f(r)} request exceeds the {f(s.available)}"
+            f" the allocator can have{other}: the step needs less memory, not a better allocator"
+        ),
+    )
 
 
 def _classify_without_request(s: AllocatorState) -> Diagnosis:
     f = format_bytes
     if s.allocated >= (1 - NEAR_LIMIT) * s.limit:
-        return Diagnosis("capacity", s, f"allocated {f(s.allocated)} is within {NEAR_LIMIT:.0%} of the"
-                                        f" {f(s.limit)} limit")
-    if (s.gap >= MIN_FRAGMENTATION_GAP * s.limit and s.largest_free_block is not None
-            and s.largest_free_block < MAX_HOLE_SHARE * s.gap):
-        return Diagnosis("fragmentation", s, f"{f(s.gap)} reserved but unallocated, in {s.free_blocks} holes"
-                                             f" of at most {f(s.largest_free_block)}")
+        return Diagnosis(
+            "capacity", s, f"allocated {f(s.allocated)} is within {NEAR_LIMIT:.0%} of the {f(s.limit)} limit"
+        )
+    if (
+        s.gap >= MIN_FRAGMENTATION_GAP * s.limit
+        and s.largest_free_block is not None
+        and s.largest_free_block < MAX_HOLE_SHARE * s.gap
+    ):
+        return Diagnosis(
+            "fragmentation",
+            s,
+            f"{f(s.gap)} reserved but unallocated, in {s.free_blocks} holes of at most {f(s.largest_free_block)}",
+        )
     return Diagnosis("fits", s, "no failed request, and neither the limit nor split holes is near")
 
 
@@ -121,8 +150,13 @@ PlanFn = Callable[[int], PlanResult]  # budget bytes -> the fastest plan that fi
 _RUN_FLAGS = "[the run's -mr/-sl/-mb/... flags]"
 
 
-def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
-              micro_batch_size: int | None = None, run_flags: str | None = None) -> list[Recommendation]:
+def recommend(
+    diagnosis: Diagnosis,
+    *,
+    plan_fn: PlanFn | None = None,
+    micro_batch_size: int | None = None,
+    run_flags: str | None = None,
+) -> list[Recommendation]:
     """What to change, best first: the allocator setting for fragmentation; for capacity the fastest
     recompute plan that fits (from `plan_fn`, or the `remat plan` command to find it, with the
     run's `run_flags` when known), then a smaller micro-batch and more parallelism when no plan fits."""
@@ -131,22 +165,33 @@ def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
         return []
     if diagnosis.kind == "fragmentation" and not s.expandable:
         largest = "?" if s.largest_free_block is None else format_bytes(s.largest_free_block)
-        return [Recommendation(
-            "let segments grow instead of leaving holes (set before the process starts)", EXPANDABLE_SEGMENTS,
-            f"{format_bytes(s.gap)} reserved but unallocated, largest free block {largest}, request "
-            f"{format_bytes(s.request or 0)}")]
+        return [
+            Recommendation(
+                "let segments grow instead of leaving holes (set before the process starts)",
+                EXPANDABLE_SEGMENTS,
+                f"{format_bytes(s.gap)} reserved but unallocated, largest free block {largest}, request "
+                f"{format_bytes(s.request or 0)}",
+            )
+        ]
     budget = int(s.available * PLAN_BUDGET_SHARE)
     need = s.allocated + (s.request or 0)
     if plan_fn is None:
         # sized by how far the need is over the budget: none when it is not (fragmentation with
         # expandable segments already on), where a plan that leaves more room is the answer
-        shrink = _shrink("allocated + the request (a lower bound: the step failed part way)", need, budget,
-                         micro_batch_size) if need > budget else []
-        return [Recommendation(
-            "find the fastest recompute plan that fits", f"remat plan {run_flags or _RUN_FLAGS} "
-            f"--memory-budget {budget / 2**30:.1f}GiB -o plan.yaml --verify",
-            f"{PLAN_BUDGET_SHARE:.0%} of the {format_bytes(s.available)}"
-            " this allocator can have; the planner predicts peak allocated memory"), *shrink]
+        shrink = (
+            _shrink("allocated + the request (a lower bound: the step failed part way)", need, budget, micro_batch_size)
+            if need > budget
+            else []
+        )
+        return [
+            Recommendation(
+                "find the fastest recompute plan that fits",
+                f"remat plan {run_flags or _RUN_FLAGS} --memory-budget {budget / 2**30:.1f}GiB -o plan.yaml --verify",
+                f"{PLAN_BUDGET_SHARE:.0%} of the {format_bytes(s.available)}"
+                " this allocator can have; the planner predicts peak allocated memory",
+            ),
+            *shrink,
+        ]
     try:
         result = plan_fn(budget)
     except NoPlanFits as nofit:
@@ -156,11 +201,17 @@ def recommend(diagnosis: Diagnosis, *, plan_fn: PlanFn | None = None,
 
 def _plan_recommendation(result: PlanResult) -> Recommendation:
     p = result.prediction
-    why = (f"predicted peak {format_bytes(p.peak_bytes)} (in {p.peak_window}) under the "
-           f"{format_bytes(result.budget_bytes)} budget, step {p.step_time_s * 1e3:.1f} ms")
+    why = (
+        f"predicted peak {format_bytes(p.peak_bytes)} (in {p.peak_window}) under the "
+        f"{format_bytes(result.budget_bytes)} budget, step {p.step_time_s * 1e3:.1f} ms"
+    )
     if result.config is None:
-        return Recommendation("run the per-layer plan (save it with result.plan.save('plan.yaml'))",
-                              "remat bench --config plan.yaml", why, result)
+        return Recommendation(
+            "run the per-layer plan (save it with result.plan.save('plan.yaml'))",
+            "remat bench --config plan.yaml",
+            why,
+            result,
+        )
     return Recommendation("recompute as this Megatron config", megatron_flags(result.config), why, result)
 
 
@@ -183,20 +234,32 @@ def _shrink(what: str, need: int, budget: int, micro_batch_size: int | None) -> 
     out = []
     if micro_batch_size is not None and micro_batch_size > 1:
         mb = max(1, math.floor(micro_batch_size / ratio))
-        out.append(Recommendation(
-            "lower the micro-batch size (raise gradient accumulation to keep the global batch)", f"-mb {mb}",
-            f"{gap}; activations scale with the micro-batch, weights do not: check -mb {mb} with remat plan"))
+        out.append(
+            Recommendation(
+                "lower the micro-batch size (raise gradient accumulation to keep the global batch)",
+                f"-mb {mb}",
+                f"{gap}; activations scale with the micro-batch, weights do not: check -mb {mb} with remat plan",
+            )
+        )
     n = max(2, 1 << math.ceil(math.log2(ratio)))
     if n > MAX_SPLIT:  # no parallel layout helps: the budget or the device size given is likely wrong
-        out.append(Recommendation(
-            "check the memory the device has", "--limit / --memory-budget",
-            f"{gap}: more than {MAX_SPLIT} GPUs' worth; check the device size or budget given before "
-            f"changing the model's layout"))
+        out.append(
+            Recommendation(
+                "check the memory the device has",
+                "--limit / --memory-budget",
+                f"{gap}: more than {MAX_SPLIT} GPUs' worth; check the device size or budget given before "
+                f"changing the model's layout",
+            )
+        )
         return out
-    out.append(Recommendation(
-        f"spread the model over {n}x the GPUs", f"-tp {n} --sequence_parallel, or -pp {n}, or -cp {n}",
-        f"{gap}; tp+sp splits weights and activations, pp the layers, cp the sequence: `remat estimate` "
-        f"with these flags predicts each before launching"))
+    out.append(
+        Recommendation(
+            f"spread the model over {n}x the GPUs",
+            f"-tp {n} --sequence_parallel, or -pp {n}, or -cp {n}",
+            f"{gap}; tp+sp splits weights and activations, pp the layers, cp the sequence: `remat estimate` "
+            f"with these flags predicts each before launching",
+        )
+    )
     return out
 
 
@@ -234,26 +297,45 @@ def attribution_rows(report: Report) -> list[tuple[str, int]]:
     return [*a.rows(), ("other allocated", s.allocated - a.total), ("allocator slack", s.reserved - s.allocated)]
 
 
-def report_of(state: AllocatorState, message: str = "", *, rank: int | None = None,
-              coordinates: Mapping[str, int] | None = None, plan_fn: PlanFn | None = None,
-              micro_batch_size: int | None = None, run_flags: str | None = None,
-              attribution: Attribution | None = None) -> Report:
+def report_of(
+    state: AllocatorState,
+    message: str = "",
+    *,
+    rank: int | None = None,
+    coordinates: Mapping[str, int] | None = None,
+    plan_fn: PlanFn | None = None,
+    micro_batch_size: int | None = None,
+    run_flags: str | None = None,
+    attribution: Attribution | None = None,
+) -> Report:
     """Classify one process's allocator numbers and recommend; under torchrun `rank` (and its
     `coordinates`) names whose numbers they are, which need not be rank 0's."""
     diagnosis = classify(state)
-    return Report(diagnosis, recommend(diagnosis, plan_fn=plan_fn, micro_batch_size=micro_batch_size,
-                                       run_flags=run_flags), message.split("\n")[0], attribution, rank, coordinates)
+    return Report(
+        diagnosis,
+        recommend(diagnosis, plan_fn=plan_fn, micro_batch_size=micro_batch_size, run_flags=run_flags),
+        message.split("\n")[0],
+        attribution,
+        rank,
+        coordinates,
+    )
 
 
 def _this_rank() -> int | None:
     return parallel.rank() if parallel.world_size() > 1 else None
 
 
-def diagnose(device: torch.device | int | str | None = None, request_bytes: int | None = None, *,
-             plan_fn: PlanFn | None = None, micro_batch_size: int | None = None) -> Report:
+def diagnose(
+    device: torch.device | int | str | None = None,
+    request_bytes: int | None = None,
+    *,
+    plan_fn: PlanFn | None = None,
+    micro_batch_size: int | None = None,
+) -> Report:
     """Capture the allocator now (this rank's, under torchrun), classify, recommend."""
-    return report_of(capture(device, request_bytes), rank=_this_rank(), plan_fn=plan_fn,
-                     micro_batch_size=micro_batch_size)
+    return report_of(
+        capture(device, request_bytes), rank=_this_rank(), plan_fn=plan_fn, micro_batch_size=micro_batch_size
+    )
 
 
 @dataclass
@@ -281,9 +363,15 @@ class Doctor:
         state = oom_state(error, self.device)
         if state is None:
             raise ValueError("the OOM's message does not give the device capacity, allocated and reserved bytes")
-        self.report = report_of(state, str(error), rank=_this_rank(), plan_fn=self.plan_fn,
-                                micro_batch_size=self.micro_batch_size, run_flags=self.run_flags,
-                                attribution=self.attribute())
+        self.report = report_of(
+            state,
+            str(error),
+            rank=_this_rank(),
+            plan_fn=self.plan_fn,
+            micro_batch_size=self.micro_batch_size,
+            run_flags=self.run_flags,
+            attribution=self.attribute(),
+        )
         if self.on_oom is not None:
             self.on_oom(self.report)
         return self.report
@@ -293,8 +381,9 @@ class Doctor:
             self._attributor = Attributor(self.model, self.optimizer).__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
         try:
             if not isinstance(error, torch.cuda.OutOfMemoryError):
                 return False
@@ -309,9 +398,15 @@ class Doctor:
                 self._attributor = None
 
 
-def watch(model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
-          on_oom: Callable[[Report], Any] | None = print, reraise: bool = True, plan_fn: PlanFn | None = None,
-          micro_batch_size: int | None = None) -> Doctor:
+def watch(
+    model: torch.nn.Module | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    on_oom: Callable[[Report], Any] | None = print,
+    reraise: bool = True,
+    plan_fn: PlanFn | None = None,
+    micro_batch_size: int | None = None,
+) -> Doctor:
     """`with remat.doctor.watch(model, optimizer=opt) as doc:` around a training loop: an OOM inside
     is diagnosed (`doc.report`, with the allocated memory attributed to weights, grads, optimizer
     state and what each site of each layer saved), handed to `on_oom`, and re-raised unless

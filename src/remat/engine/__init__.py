@@ -1,4 +1,5 @@
 """Model-agnostic mechanisms: RNG-exact checkpoint regions, output discarding, offloading."""
+
 from remat.engine.checkpoint import (
     DiscardScope,
     KeptInputs,
@@ -15,6 +16,21 @@ from remat.engine.offload import HostPool, Offloader, OffloadStats
 from remat.engine.rng import RNGStream, register_stream
 from remat.engine.storage import storage_key
 
-__all__ = ["DiscardScope", "HostPool", "KeptInputs", "OffloadStats", "Offloader", "RNGStream", "Region", "Restore",
-           "StandIn", "checkpoint", "current_scope", "inside_region", "offloading", "output_tensors", "register_stream",
-           "storage_key"]
+__all__ = [
+    "DiscardScope",
+    "HostPool",
+    "KeptInputs",
+    "OffloadStats",
+    "Offloader",
+    "RNGStream",
+    "Region",
+    "Restore",
+    "StandIn",
+    "checkpoint",
+    "current_scope",
+    "inside_region",
+    "offloading",
+    "output_tensors",
+    "register_stream",
+    "storage_key",
+]

@@ -18,12 +18,14 @@ A call's caller may also keep the call's inputs its own way (`KeptInputs` as its
 a stand-in instead of an input (this rank's shard of a tensor every rank holds), turned back
 into the input when the replay needs it (the shards gathered).
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -35,7 +37,7 @@ from remat.engine.storage import storage_key
 _local = threading.local()
 
 
-def _scopes() -> list["DiscardScope"]:
+def _scopes() -> list[DiscardScope]:
     if not hasattr(_local, "scopes"):
         _local.scopes = []
     return _local.scopes
@@ -56,9 +58,11 @@ def _region_running() -> Iterator[None]:
         _local.depth -= 1
 
 
-_INPLACE = ("one of the tensors a recompute needs was modified by an in-place operation after "
-            "it was saved (forward version {saved}, now {now}); clone it before modifying it, or "
-            "keep this site instead of recomputing it")
+_INPLACE = (
+    "one of the tensors a recompute needs was modified by an in-place operation after "
+    "it was saved (forward version {saved}, now {now}); clone it before modifying it, or "
+    "keep this site instead of recomputing it"
+)
 
 
 def _check_version(t: torch.Tensor, version: int) -> None:
@@ -66,7 +70,7 @@ def _check_version(t: torch.Tensor, version: int) -> None:
         raise RuntimeError(_INPLACE.format(saved=version, now=t._version))
 
 
-def current_scope() -> "DiscardScope | None":
+def current_scope() -> DiscardScope | None:
     scopes = _scopes()
     return scopes[-1] if scopes else None
 
@@ -157,8 +161,13 @@ class Region:
         self._output_refs: dict[int, int] = {}  # consumer references still to be unpacked
 
     # ---- forward -------------------------------------------------------------------------
-    def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-             before_replay: Callable[[], None] | None = None) -> Any:
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        before_replay: Callable[[], None] | None = None,
+    ) -> Any:
         """Run `fn(*args, **kwargs)` as the next call of this region and return its output.
         `before_replay` runs before the replay calls `fn` again (e.g. gathering the sharded
         parameters of a layer replayed from a later layer's backward); a `KeptInputs` also
@@ -166,9 +175,13 @@ class Region:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         stand_in = before_replay.stand_in if isinstance(before_replay, KeptInputs) else None
         self._calls.append(
-            _Call(fn, tuple(self._keep(a, stand_in) for a in args),
-                  {k: self._keep(v, stand_in) for k, v in kwargs.items()}, ReplayState.capture(tensors),
-                  before_replay)
+            _Call(
+                fn,
+                tuple(self._keep(a, stand_in) for a in args),
+                {k: self._keep(v, stand_in) for k, v in kwargs.items()},
+                ReplayState.capture(tensors),
+                before_replay,
+            )
         )
         with _region_running(), saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*args, **kwargs)
@@ -332,7 +345,7 @@ class DiscardScope:
         self._registered: dict[int, _Registered] = {}  # by storage_key
         self._hooks = saved_tensors_hooks(self.pack, unpack_saved)
 
-    def __enter__(self) -> "DiscardScope":
+    def __enter__(self) -> DiscardScope:
         _scopes().append(self)
         self._hooks.__enter__()
         return self
@@ -359,14 +372,19 @@ class DiscardScope:
             self._registered[storage_key(tensor)] = _Registered(region, index, tensor, tensor._version)
         return out
 
-    def reference(self, t: torch.Tensor) -> "_OutputRef | None":
+    def reference(self, t: torch.Tensor) -> _OutputRef | None:
         """What a consumer saves instead of `t` if `t` is (a view of) a discarded output."""
         entry = self._registered.get(storage_key(t)) if self._registered else None
         if entry is None or entry.tensor.dtype != t.dtype or entry.tensor._version != entry.version:
             return None
         entry.region.add_output_ref(entry.index)
-        return _OutputRef(entry.region, entry.index, tuple(t.size()), tuple(t.stride()),
-                          int(t.storage_offset() - entry.tensor.storage_offset()))
+        return _OutputRef(
+            entry.region,
+            entry.index,
+            tuple(t.size()),
+            tuple(t.stride()),
+            int(t.storage_offset() - entry.tensor.storage_offset()),
+        )
 
     def pack(self, t: torch.Tensor) -> Any:
         ref = self.reference(t)
@@ -405,4 +423,3 @@ def offloading(offloader: Offloader, key: int) -> Iterator[None]:
     offloads the inputs it keeps; consumers of a discarded output still save a reference."""
     with offloader.group(key), saved_tensors_hooks(_pack_saved, unpack_saved):
         yield
-

@@ -19,14 +19,16 @@ tensors (a model's buffers) stay on the device: copying them would free nothing.
 Without CUDA the same code runs with plain CPU copies and no streams, so every rule above can be
 tested on a CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +39,7 @@ from remat.engine.storage import storage_key
 _local = threading.local()
 
 
-def active_offloader() -> "Offloader | None":
+def active_offloader() -> Offloader | None:
     """The offloader whose group is open on this thread, if any."""
     stack = getattr(_local, "offloaders", None)
     return stack[-1] if stack else None
@@ -112,7 +114,7 @@ class _Group:
 class _HostCopy:
     """One device storage copied to a host buffer; back on the device while backward needs it."""
 
-    def __init__(self, offloader: "Offloader", group: _Group, source: torch.Tensor, version: int) -> None:
+    def __init__(self, offloader: Offloader, group: _Group, source: torch.Tensor, version: int) -> None:
         self.offloader, self.group, self.version = offloader, group, version
         self.device = source.device
         self.storage = weakref.ref(source.untyped_storage())  # for the dedup check only
@@ -205,16 +207,19 @@ class Offloader:
     at the start of each forward, since a model may replace its buffers.
     """
 
-    def __init__(self, min_numel: int, device_type: str | None = None,
-                 resident: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        min_numel: int,
+        device_type: str | None = None,
+        resident: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> None:
         self.min_numel = min_numel
         self._resident = resident
         self._resident_keys: set[int] = set()
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pool = HostPool(pinned=self.device_type == "cuda", device="meta" if self.device_type == "meta" else "cpu")
         self._streams: dict[torch.device, _Streams] = {}
-        self._by_storage: weakref.WeakValueDictionary[int, _HostCopy] = (
-            weakref.WeakValueDictionary())
+        self._by_storage: weakref.WeakValueDictionary[int, _HostCopy] = weakref.WeakValueDictionary()
         self._group: _Group | None = None
         self._latest: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()
         self.offloaded_bytes = 0
@@ -307,8 +312,13 @@ class Offloader:
         self.pool.give(buffer, last_use)
 
     def stats(self) -> OffloadStats:
-        return OffloadStats(self.offloaded_bytes, self.host_bytes, self.peak_host_bytes,
-                            self.pool.allocated_bytes, self.pool.allocations)
+        return OffloadStats(
+            self.offloaded_bytes,
+            self.host_bytes,
+            self.peak_host_bytes,
+            self.pool.allocated_bytes,
+            self.pool.allocations,
+        )
 
     def reset_stats(self) -> None:
         """Start counting offloaded bytes and the host peak afresh (e.g. after warm-up steps)."""

@@ -6,11 +6,13 @@ that code outside the engine swaps into a default generator around the ops that 
 (a tensor-parallel rank's own dropout stream, as Megatron's RNG tracker forks one), so that a
 replay draws from it exactly what the forward drew.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -53,15 +55,18 @@ class ReplayState:
     streams: tuple[tuple[RNGStream, torch.Tensor], ...] = ()
 
     @classmethod
-    def capture(cls, tensors: Iterable[torch.Tensor]) -> "ReplayState":
+    def capture(cls, tensors: Iterable[torch.Tensor]) -> ReplayState:
         devices = _cuda_devices(tensors)
         cuda_rng = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
         kinds = ("cpu", "cuda") if devices else ("cpu",)
-        autocast = tuple(
-            (k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds
+        autocast = tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds)
+        return cls(
+            torch.get_rng_state(),
+            cuda_rng,
+            autocast,
+            tuple(_get_current_function_mode_stack()),
+            tuple((stream, stream.get_state()) for stream in _streams.values()),
         )
-        return cls(torch.get_rng_state(), cuda_rng, autocast, tuple(_get_current_function_mode_stack()),
-                   tuple((stream, stream.get_state()) for stream in _streams.values()))
 
     @property
     def devices(self) -> list[int]:

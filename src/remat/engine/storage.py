@@ -1,4 +1,5 @@
 """Storage identity, shared by the engine's mechanisms and the memory accounting."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """What the target device runs, on meta tensors: its fused attention kernels (cuDNN on CUDA, flash
 on CPU) where torch would take its unfused path, and fused AdamW's state without its kernel."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,14 +35,24 @@ class TargetKernels(TorchFunctionMode):
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         return self.target == "cuda" or not dropout
 
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False) -> Tensor:
+    def _attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
         if self.target == "cuda":
             return torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
+                q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale
+            )[0]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
 
 
 class AdamWState(torch.optim.Optimizer):
@@ -67,5 +78,3 @@ def begin_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-

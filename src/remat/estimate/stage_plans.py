@@ -9,6 +9,7 @@ recompute less. The ranks' plans side by side are one per-layer plan over the wh
 records the layout it was solved for and each rank's predicted peak. The fastest Megatron config
 that fits every rank is found beside it, to show what planning per stage gains.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat.estimate.spec import EstimateSpec
-from remat.estimate.stages import Estimate, StageTrace, predict_stages, rank_plan, trace_stages
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 from remat.config.parallel import ParallelLayout
 from remat.config.plan import PipelineStages, Plan
-from remat.planner import NoPlanFits, host_budget_problems, megatron_keys, facts_for_sites, recompute_candidates
-from remat.planner.solver import solve
-from remat.core.problems import ConfigError, Problem, RematWarning, raise_if_any
 from remat.config.recompute import RecomputeConfig
-from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.core.problems import ConfigError, Problem, RematWarning, raise_if_any
 from remat.core.sizes import parse_bytes
+from remat.estimate.spec import EstimateSpec
+from remat.estimate.stages import Estimate, StageTrace, predict_stages, rank_plan, trace_stages
+from remat.planner import NoPlanFits, facts_for_sites, host_budget_problems, megatron_keys, recompute_candidates
+from remat.planner.solver import solve
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,28 @@ class PipelinePlan:
     uniform: tuple[RecomputeConfig, Estimate] | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "plan": self.plan.to_dict(),
-                "stages": [{"stage": s.stage, "layers": list(s.layers), "plan": s.plan.to_dict()} for s in self.stages],
-                "estimate": self.estimate.to_dict(),
-                "uniform": None if self.uniform is None else {"megatron": megatron_keys(self.uniform[0]),
-                                                              **self.uniform[1].to_dict()}}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "plan": self.plan.to_dict(),
+            "stages": [{"stage": s.stage, "layers": list(s.layers), "plan": s.plan.to_dict()} for s in self.stages],
+            "estimate": self.estimate.to_dict(),
+            "uniform": None
+            if self.uniform is None
+            else {"megatron": megatron_keys(self.uniform[0]), **self.uniform[1].to_dict()},
+        }
 
 
-def plan_stages(spec: EstimateSpec, budget: int | str, *, offload: bool = False,
-                min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE, host_budget: int | str | None = None,
-                max_group: int = 16, device: str = "meta",
-                progress: Callable[[str], None] | None = None) -> PipelinePlan:
+def plan_stages(
+    spec: EstimateSpec,
+    budget: int | str,
+    *,
+    offload: bool = False,
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
+    host_budget: int | str | None = None,
+    max_group: int = 16,
+    device: str = "meta",
+    progress: Callable[[str], None] | None = None,
+) -> PipelinePlan:
     """Trace each kind of pipeline stage of `spec` (`device` "meta": by shape, at the spec's
     assumed speed; else on that device, which measures) and solve each rank's plan under `budget`
     (bytes, or text like '60GiB') with its own micro-batches in flight; `host_budget` caps what
@@ -66,8 +78,10 @@ def plan_stages(spec: EstimateSpec, budget: int | str, *, offload: bool = False,
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
     raise_if_any(host_budget_problems(offload, host_bytes))
-    traced = [dataclasses.replace(t, trace=dataclasses.replace(t.trace, max_group=max_group))
-              for t in trace_stages(spec, progress, min_offloaded_tensor_size if offload else None, device)]
+    traced = [
+        dataclasses.replace(t, trace=dataclasses.replace(t.trace, max_group=max_group))
+        for t in trace_stages(spec, progress, min_offloaded_tensor_size if offload else None, device)
+    ]
     stages, missed = [], []
     for k, stage_trace in enumerate(traced):
         try:
@@ -82,8 +96,13 @@ def plan_stages(spec: EstimateSpec, budget: int | str, *, offload: bool = False,
     if missed:
         raise ConfigError(missed)
     planned = predict_stages("per stage", spec, traced, [s.plan for s in stages])
-    return PipelinePlan(budget_bytes, tuple(stages), planned, _joined(stages, planned, spec),
-                        _fastest_uniform(spec, traced, budget_bytes))
+    return PipelinePlan(
+        budget_bytes,
+        tuple(stages),
+        planned,
+        _joined(stages, planned, spec),
+        _fastest_uniform(spec, traced, budget_bytes),
+    )
 
 
 def _joined(stages: Sequence[StagePlan], planned: Estimate, spec: EstimateSpec) -> Plan:
@@ -96,13 +115,15 @@ def _joined(stages: Sequence[StagePlan], planned: Estimate, spec: EstimateSpec) 
         if s.plan.offloads():
             whole.min_offloaded_tensor_size = s.plan.min_offloaded_tensor_size
     whole.full_recompute.sort()
-    whole.pipeline = PipelineStages(ParallelLayout(pp=spec.layout.pp, vp=spec.layout.vp),
-                                    tuple(s.peak for s in planned.stages))
+    whole.pipeline = PipelineStages(
+        ParallelLayout(pp=spec.layout.pp, vp=spec.layout.vp), tuple(s.peak for s in planned.stages)
+    )
     return whole
 
 
-def _fastest_uniform(spec: EstimateSpec, traced: Sequence[StageTrace],
-                     budget: int) -> tuple[RecomputeConfig, Estimate] | None:
+def _fastest_uniform(
+    spec: EstimateSpec, traced: Sequence[StageTrace], budget: int
+) -> tuple[RecomputeConfig, Estimate] | None:
     """The fastest of Megatron's usual configs (`recompute_candidates`) whose peak fits `budget`
     on every rank, each lowered onto each rank's layers as Megatron does; None if none fits."""
     labels = frozenset().union(*(label for t in traced for label in t.trace.model_sites.labels))
@@ -115,8 +136,9 @@ def _fastest_uniform(spec: EstimateSpec, traced: Sequence[StageTrace],
             with warnings.catch_warnings():  # the candidates are Megatron's choices, advice or not
                 warnings.simplefilter("ignore", RematWarning)
                 config = RecomputeConfig(**keys, facts=facts)
-                result = predict_stages("uniform", spec, traced,
-                                        [rank_plan(config, spec, k) for k in range(len(traced))])
+                result = predict_stages(
+                    "uniform", spec, traced, [rank_plan(config, spec, k) for k in range(len(traced))]
+                )
         except ConfigError:  # a setting Megatron's rules refuse on this model is no candidate
             continue
         if result.peak <= budget and (best is None or result.step_time_s < best[1].step_time_s):

@@ -21,6 +21,7 @@ in pieces that allocate what the target's other fused kernels allocate. What bel
 tensor is added by the target's shape: cuBLAS's workspace for each thread that runs GEMMs. Step
 time is the counted FLOPs at an assumed sustained rate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,6 +51,7 @@ from remat.run.optimizer import OptimizerPrecision, main_grad_bytes, make
 from remat.run.spec import RunSpec, available_host_bytes
 from remat.run.step import optimizer_state_bytes
 from remat.sites.apply import find_sites, nothing_offloaded_advice
+
 
 @dataclass(frozen=True)
 class StageEstimate:
@@ -85,12 +87,19 @@ class Estimate:
         return max(s.peak for s in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "peak_bytes": self.peak, "step_time_s": self.step_time_s,
-                "stages": [{**dataclasses.asdict(s), "other": s.other} for s in self.stages]}
+        return {
+            "name": self.name,
+            "peak_bytes": self.peak,
+            "step_time_s": self.step_time_s,
+            "stages": [{**dataclasses.asdict(s), "other": s.other} for s in self.stages],
+        }
 
 
-def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none", None),),
-             progress: Callable[[str], None] | None = None) -> list[Estimate]:
+def estimate(
+    spec: EstimateSpec,
+    plans: Sequence[tuple[str, PlanLike]] = (("none", None),),
+    progress: Callable[[str], None] | None = None,
+) -> list[Estimate]:
     """Predict every plan's memory per stage and step time for `spec`, one trace per kind of stage.
 
     A plan is a RecomputeConfig (lowered onto each stage's layers as Megatron does), a per-layer
@@ -98,8 +107,9 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     """
     pp = spec.layout.pp
     model_sites = find_sites(spec.family.build(spec.model_config, device="meta")).model_sites
-    problems = [p for _, plan in plans if isinstance(plan, Plan)
-                for p in _plan_problems(plan, model_sites, spec.layout)]
+    problems = [
+        p for _, plan in plans if isinstance(plan, Plan) for p in _plan_problems(plan, model_sites, spec.layout)
+    ]
     if problems:  # every error before the first trace
         raise ConfigError(problems)
     lowered = [_lowered(plan, model_sites) for _, plan in plans]
@@ -108,17 +118,23 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     if problems := list(estimate_threshold_problems(thresholds)):
         raise ConfigError(problems)
     stage_plans = [[rank_plan(plan, spec, k) for k in range(pp)] for _, plan in plans]
-    rank_sites = [dataclasses.replace(model_sites, labels=tuple(model_sites.labels[i] for i in stage_layers(spec, k)))
-                  for k in range(pp)]
+    rank_sites = [
+        dataclasses.replace(model_sites, labels=tuple(model_sites.labels[i] for i in stage_layers(spec, k)))
+        for k in range(pp)
+    ]
     problems = [p for whole in lowered for p in unmeasured_problems(whole, model_sites, bool(offloading))]
-    stages_lowered = [_lowered(stage, sites) for per_stage in stage_plans for stage, sites in zip(per_stage, rank_sites)]
+    stages_lowered = [
+        _lowered(stage, sites) for per_stage in stage_plans for stage, sites in zip(per_stage, rank_sites)
+    ]
     problems += [p for s in stages_lowered for p in offload_prediction_problems(s.layers, s.full_recompute)]
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
     offload = thresholds.pop() if thresholds else None
     # a plan that splits full recompute's kept inputs over tp ranks runs another model: traced apart
-    traced = {split: trace_stages(spec, progress, offload, split_inputs=split)
-              for split in sorted({distributes_saved_inputs(plan) for _, plan in plans})}
+    traced = {
+        split: trace_stages(spec, progress, offload, split_inputs=split)
+        for split in sorted({distributes_saved_inputs(plan) for _, plan in plans})
+    }
     out = []
     for (name, plan), per_stage, whole in zip(plans, stage_plans, lowered):
         result = predict_stages(name, spec, traced[distributes_saved_inputs(plan)], per_stage)
@@ -128,26 +144,34 @@ def estimate(spec: EstimateSpec, plans: Sequence[tuple[str, PlanLike]] = (("none
     return out
 
 
-def trace_stages(spec: EstimateSpec, progress: Callable[[str], None] | None = None,
-                 offload_threshold: int | None = None, device: str = "meta",
-                 split_inputs: bool = False) -> list[StageTrace]:
+def trace_stages(
+    spec: EstimateSpec,
+    progress: Callable[[str], None] | None = None,
+    offload_threshold: int | None = None,
+    device: str = "meta",
+    split_inputs: bool = False,
+) -> list[StageTrace]:
     """Each pipeline rank's trace (`trace_stage`), traced once per kind: first, middle or last,
     with the same kinds of layers (an MoE model's dense first layers make a middle rank apart)."""
     pp = spec.layout.pp
     labels = find_sites(spec.family.build(spec.model_config, device="meta")).model_sites.labels
     kinds = [(k == 0, k == pp - 1, tuple(labels[i] for i in stage_layers(spec, k))) for k in range(pp)]
     first_of_kind = {kind: k for k, kind in reversed(list(enumerate(kinds)))}
-    traced = {kind: trace_stage(spec, k, progress, offload_threshold, device, split_inputs)
-              for kind, k in sorted(first_of_kind.items(), key=lambda item: item[1])}
+    traced = {
+        kind: trace_stage(spec, k, progress, offload_threshold, device, split_inputs)
+        for kind, k in sorted(first_of_kind.items(), key=lambda item: item[1])
+    }
     return [traced[kind] for kind in kinds]
 
 
-def predict_stages(name: str, spec: EstimateSpec, traced: Sequence[StageTrace],
-                   stage_plans: Sequence[PlanLike]) -> Estimate:
+def predict_stages(
+    name: str, spec: EstimateSpec, traced: Sequence[StageTrace], stage_plans: Sequence[PlanLike]
+) -> Estimate:
     """Each rank's memory under its plan, and the step's time under the layout's schedule."""
     stages = [t.predict(k, plan, spec) for k, (t, plan) in enumerate(zip(traced, stage_plans))]
-    return Estimate(name, tuple(stages), spec.layout.step_time([s.micro_batch_time_s for s in stages],
-                                                                spec.micro_batches))
+    return Estimate(
+        name, tuple(stages), spec.layout.step_time([s.micro_batch_time_s for s in stages], spec.micro_batches)
+    )
 
 
 def stage_layers(spec: EstimateSpec, stage: int) -> tuple[int, ...]:
@@ -156,6 +180,7 @@ def stage_layers(spec: EstimateSpec, stage: int) -> tuple[int, ...]:
 
 
 # ---- one rank's shapes ----
+
 
 @dataclass(frozen=True)
 class StageTrace:
@@ -173,13 +198,21 @@ class StageTrace:
         flight = spec.layout.in_flight(stage, spec.micro_batches)
         per_micro_batch = p.saved_bytes + self.input_bytes - self.output_bytes
         return StageEstimate(
-            stage=stage, layers=self.trace.model_sites.num_layers, in_flight=flight, weights=self.weights,
-            grads=self.grads, optimizer_state=self.optimizer_state,
+            stage=stage,
+            layers=self.trace.model_sites.num_layers,
+            in_flight=flight,
+            weights=self.weights,
+            grads=self.grads,
+            optimizer_state=self.optimizer_state,
             activations=round(flight * per_micro_batch),
-            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch) + spec.workspace_bytes
+            peak=round(p.peak_bytes + self.input_bytes + (flight - 1) * per_micro_batch)
+            + spec.workspace_bytes
             + self.sharding,
-            peak_window=p.peak_window, micro_batch_time_s=p.step_time_s, host=round(flight * p.host_bytes),
-            workspaces=spec.workspace_bytes)
+            peak_window=p.peak_window,
+            micro_batch_time_s=p.step_time_s,
+            host=round(flight * p.host_bytes),
+            workspaces=spec.workspace_bytes,
+        )
 
     def problem(self, stage: int, spec: EstimateSpec) -> PlanningProblem:
         """What the planner solves for this stage: its windows hold, besides one micro-batch's
@@ -187,9 +220,11 @@ class StageTrace:
         lowers too. The peak of any plan is `predict`'s."""
         flight = spec.layout.in_flight(stage, spec.micro_batches)
         per_micro_batch = self.trace.baseline_saved_bytes + self.input_bytes - self.output_bytes
-        return dataclasses.replace(self.trace.problem(), others_in_flight=flight - 1,
-                                   held_bytes=self.input_bytes + (flight - 1) * per_micro_batch + spec.workspace_bytes
-                                   + self.sharding)
+        return dataclasses.replace(
+            self.trace.problem(),
+            others_in_flight=flight - 1,
+            held_bytes=self.input_bytes + (flight - 1) * per_micro_batch + spec.workspace_bytes + self.sharding,
+        )
 
 
 @dataclass
@@ -230,27 +265,47 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inp
         cuda_on_meta = on_meta and spec.target == "cuda"
         # under FSDP2, AdamW on its shards: traced on the whole model, then taken by shape (trace_stage)
         precision = OptimizerPrecision() if spec.fully_sharded else spec.optimizer_precision
-        optimizer = make(model.parameters(), precision, fused=device.startswith("cuda"), shards=shards,
-                         inner=AdamWState if cuda_on_meta else None)
+        optimizer = make(
+            model.parameters(),
+            precision,
+            fused=device.startswith("cuda"),
+            shards=shards,
+            inner=AdamWState if cuda_on_meta else None,
+        )
         begin_state(model, optimizer)
     hidden = inputs if not first else torch.empty(b, s // split, shard.hidden_size, dtype=spec.dtype, device=device)
     return _StageModel(model, inputs, labels, optimizer, hidden)
 
 
-def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] | None = None,
-                offload_threshold: int | None = None, device: str = "meta", split_inputs: bool = False) -> StageTrace:
+def trace_stage(
+    spec: EstimateSpec,
+    stage: int,
+    progress: Callable[[str], None] | None = None,
+    offload_threshold: int | None = None,
+    device: str = "meta",
+    split_inputs: bool = False,
+) -> StageTrace:
     """Trace pipeline rank `stage`'s shard, on the meta device (shapes, counted FLOPs) or on the
     target device (its own memory and time); with `offload_threshold`, offload too (storages of
     that many elements or more); `split_inputs`: as `_stage_model`."""
     shard = _stage_model(spec, stage, device, split_inputs)
     note = progress or (lambda what: None)
     with TargetKernels(spec.target):
-        offload: dict[str, Any] = {} if offload_threshold is None else dict(
-            offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
+        offload: dict[str, Any] = (
+            {}
+            if offload_threshold is None
+            else dict(offload=True, min_offloaded_tensor_size=offload_threshold, host_bytes_per_s=spec.host_gbps * 1e9)
+        )
         timing: dict[str, Any] = dict(timing_repeats=1, flops_per_s=spec.tflops * 1e12) if device == "meta" else {}
-        measured = trace(shard.model, (shard.inputs, shard.labels), optimizer=shard.optimizer,
-                         micro_batches=spec.micro_batches, **timing, **offload,
-                         progress=lambda what: note(f"stage {stage}: {what}"))
+        measured = trace(
+            shard.model,
+            (shard.inputs, shard.labels),
+            optimizer=shard.optimizer,
+            micro_batches=spec.micro_batches,
+            **timing,
+            **offload,
+            progress=lambda what: note(f"stage {stage}: {what}"),
+        )
     hidden_bytes = shard.hidden.untyped_storage().nbytes()
     weights = storage_bytes(shard.model.parameters())
     main_grads = main_grad_bytes(shard.optimizer)
@@ -263,8 +318,15 @@ def trace_stage(spec: EstimateSpec, stage: int, progress: Callable[[str], None] 
         weights = sharded_state_bytes(shard.model, spec.family, spec.layout, spec.state_dtype)
         grads, optimizer = (weights if persist else 0), (2 * weights if shard.optimizer is not None else 0)
         sharding = weights + grads + optimizer + gathered_bytes(shard.model, spec.dtype) - traced_state
-    return StageTrace(measured, weights, optimizer, 0 if stage == 0 else hidden_bytes,
-                      0 if stage == spec.layout.pp - 1 else hidden_bytes, grads, sharding)
+    return StageTrace(
+        measured,
+        weights,
+        optimizer,
+        0 if stage == 0 else hidden_bytes,
+        0 if stage == spec.layout.pp - 1 else hidden_bytes,
+        grads,
+        sharding,
+    )
 
 
 def step_peak(spec: RunSpec, plan: PlanLike) -> int:
@@ -274,9 +336,14 @@ def step_peak(spec: RunSpec, plan: PlanLike) -> int:
     shape = EstimateSpec.of_run(spec)
     shard = _stage_model(shape, 0, split_inputs=distributes_saved_inputs(plan))
     resolved = resolve(rank_plan(plan, shape, 0), find_sites(shard.model).model_sites)
-    stepper = Stepper(shard.model, (shard.inputs, shard.labels), shard.optimizer,
-                      gradients_persist(shard.optimizer, shape.micro_batches), seed=0,
-                      min_offloaded=resolved.min_offloaded_tensor_size)
+    stepper = Stepper(
+        shard.model,
+        (shard.inputs, shard.labels),
+        shard.optimizer,
+        gradients_persist(shard.optimizer, shape.micro_batches),
+        seed=0,
+        min_offloaded=resolved.min_offloaded_tensor_size,
+    )
     with TargetKernels(shape.target), training_state_kept(shard.model, shard.optimizer):
         stepper.step()  # the state a steady step starts from
         record = stepper.measure(resolved)
@@ -290,8 +357,7 @@ HOST_SHARE = 0.8
 CPU_MAX_STEP_FLOPS = 1e12
 
 
-def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
-                     extra_bytes: int = 0) -> Iterator[Problem]:
+def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]], extra_bytes: int = 0) -> Iterator[Problem]:
     """A CPU run that would take minutes a step, or whose step (plus `extra_bytes` it keeps
     besides) would not fit the host's free memory: refused before it allocates, instead of
     failing minutes in or being killed by the OS."""
@@ -300,8 +366,11 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
     config = spec.model_config
     flops = spec.family.flops(config, config.seq_length, spec.micro_batch_size * spec.micro_batches)
     if flops > CPU_MAX_STEP_FLOPS:
-        yield Problem("device", f"a step is {flops / 1e12:,.0f} TFLOP of model FLOPs, seconds or more a step on a"
-                                " CPU; lower -sl, -mb or --num_layers, or run on a GPU")
+        yield Problem(
+            "device",
+            f"a step is {flops / 1e12:,.0f} TFLOP of model FLOPs, seconds or more a step on a"
+            " CPU; lower -sl, -mb or --num_layers, or run on a GPU",
+        )
         return
     available = available_host_bytes()
     if available is None:
@@ -309,9 +378,12 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]],
     for name, plan in plans:
         need = step_peak(spec, plan) + extra_bytes
         if need > HOST_SHARE * available:
-            yield Problem("memory", f"{name}: a step needs about {format_bytes(need)} at its peak (predicted from"
-                                    f" shapes), more than the {format_bytes(available)} this machine has free;"
-                                    " lower -sl, -mb or --num_layers, or run on a GPU")
+            yield Problem(
+                "memory",
+                f"{name}: a step needs about {format_bytes(need)} at its peak (predicted from"
+                f" shapes), more than the {format_bytes(available)} this machine has free;"
+                " lower -sl, -mb or --num_layers, or run on a GPU",
+            )
 
 
 def rank_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
@@ -323,9 +395,11 @@ def rank_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
     if isinstance(plan, RecomputeConfig):
         # Megatron lowers recompute_num_layers per virtual chunk: the stage's chunks act as stages of its layers
         chunks = ParallelLayout(pp=layout.virtual)
-        stage_facts = dataclasses.replace(plan.facts, num_layers=spec.model_config.num_layers // layout.pp,
-                                          layout=dataclasses.replace(plan.facts.layout, pp=chunks.pp, vp=None,
-                                                                     schedule=None))
+        stage_facts = dataclasses.replace(
+            plan.facts,
+            num_layers=spec.model_config.num_layers // layout.pp,
+            layout=dataclasses.replace(plan.facts.layout, pp=chunks.pp, vp=None, schedule=None),
+        )
         return dataclasses.replace(plan, facts=stage_facts)
     if isinstance(plan, Plan) and layout.pp > 1:
         return plan.cut(layout.rank_layers(len(plan.layers), stage))

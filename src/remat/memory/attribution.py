@@ -10,23 +10,24 @@ still alive, each counted once, for the innermost site that saved it first; `sit
 site all it saved (with the sites inside it), with what of that is its own inputs and what sites
 outside it save too.
 """
+
 from __future__ import annotations
 
 import itertools
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from remat.sites.apply import find_sites
-from remat.engine import storage_key
 from remat.core.labels import LAYER
+from remat.engine import storage_key
 from remat.memory.meter import storage_bytes
+from remat.sites.apply import find_sites
 
 Owner = tuple[int | None, str]  # (layer, site label); layer None: outside the layers
 Chain = tuple[Owner, ...]  # the sites running when a tensor was saved, innermost first
@@ -82,13 +83,16 @@ class Attributor(AbstractContextManager):
         sites = find_sites(self.model)
         self._exit.callback(self.model.register_forward_pre_hook(lambda m, args: self._forward_begins()).remove)
         for i, layer_site in enumerate(sites.layers):
+            last = i == len(sites.layers) - 1
             for site in [layer_site, *sites.inner[i]]:
                 owner = (i, site.label)
-                self._exit.callback(site.register_forward_pre_hook(
-                    lambda m, args, owner=owner: self._enter(owner, args)).remove)
+                self._exit.callback(
+                    site.register_forward_pre_hook(lambda m, args, owner=owner: self._enter(owner, args)).remove
+                )
                 # always: a recompute replay stops part way through a site by raising
-                self._exit.callback(site.register_forward_hook(
-                    lambda m, args, out, last=i == len(sites.layers) - 1: self._pop(last), always_call=True).remove)
+                self._exit.callback(
+                    site.register_forward_hook(lambda m, args, out, last=last: self._pop(last), always_call=True).remove
+                )
         self._exit.enter_context(saved_tensors_hooks(self._pack, lambda t: t))
         return self
 
@@ -103,7 +107,8 @@ class Attributor(AbstractContextManager):
 
     def _enter(self, owner: Owner, args: tuple[object, ...]) -> None:
         self._inputs.setdefault(owner, {}).update(
-            (storage_key(a), a.untyped_storage().nbytes()) for a in args if isinstance(a, torch.Tensor))
+            (storage_key(a), a.untyped_storage().nbytes()) for a in args if isinstance(a, torch.Tensor)
+        )
         self._stack.append(owner)
 
     def _pop(self, last: bool) -> None:
@@ -148,9 +153,13 @@ class Attributor(AbstractContextManager):
                     shared[owner] += storage.nbytes()
                     shared_with[owner].update(others)
         static = self._static()
-        inputs = {owner: sum(n for key, n in found.items() if key not in static) for owner, found in self._inputs.items()}
-        return {owner: SiteStorages(nbytes, inputs.get(owner, 0), shared[owner], frozenset(shared_with[owner]))
-                for owner, nbytes in saved.items()}
+        inputs = {
+            owner: sum(n for key, n in found.items() if key not in static) for owner, found in self._inputs.items()
+        }
+        return {
+            owner: SiteStorages(nbytes, inputs.get(owner, 0), shared[owner], frozenset(shared_with[owner]))
+            for owner, nbytes in saved.items()
+        }
 
     def attribute(self) -> Attribution:
         activations: dict[Owner, int] = {}
@@ -166,6 +175,9 @@ class Attributor(AbstractContextManager):
     def _held(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Weights, gradients, optimizer state."""
         params: list[torch.Tensor] = list(self.model.parameters())
-        state = ([v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-                 if self.optimizer is not None else [])
+        state = (
+            [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            if self.optimizer is not None
+            else []
+        )
         return params, [p.grad for p in params if p.grad is not None], state

@@ -3,13 +3,14 @@
 A dispatch mode sees every tensor an op creates; weak references to their storages tell which
 are still alive later. Unique storages are counted once however many views point at them.
 """
+
 from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,8 +51,11 @@ class SavedMemory:
     storages: int
 
 
-def measure_saved(fn: Callable[[], Any], device: torch.device | str | None = None,
-                  resident: Callable[[], Iterable[torch.Tensor]] | None = None) -> tuple[Any, SavedMemory]:
+def measure_saved(
+    fn: Callable[[], Any],
+    device: torch.device | str | None = None,
+    resident: Callable[[], Iterable[torch.Tensor]] | None = None,
+) -> tuple[Any, SavedMemory]:
     """Run `fn()` and count the storages it allocated that are still alive when it returns.
 
     `resident`: what outlives the step anyway, asked for after `fn` (a model's parameters: under
@@ -72,8 +76,9 @@ def measure_saved(fn: Callable[[], Any], device: torch.device | str | None = Non
     return result, SavedMemory(sum(s.nbytes() for s in alive), len(alive))
 
 
-def _measure_saved_cuda(fn: Callable[[], Any], device: torch.device,
-                        resident: Callable[[], Iterable[torch.Tensor]] | None) -> tuple[Any, SavedMemory]:
+def _measure_saved_cuda(
+    fn: Callable[[], Any], device: torch.device, resident: Callable[[], Iterable[torch.Tensor]] | None
+) -> tuple[Any, SavedMemory]:
     def held() -> tuple[int, int]:
         gc.collect()
         torch.cuda.synchronize(device)

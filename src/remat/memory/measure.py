@@ -13,6 +13,7 @@ Offload reaches one layer further than recompute: the copies out may still run d
 layer's forward, and the copies back start when the next layer's backward begins, so those two
 windows are measured as well (on a layer that has a next one).
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,21 +27,29 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.sites.apply import apply, find_sites, offloader_of
-from remat.sites.calls import forward_loss
-from remat.core.labels import LAYER
-from remat.config.plan import Plan
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 from remat.config.model_sites import ModelSites
+from remat.config.plan import Plan
+from remat.core.labels import LAYER
+from remat.core.problems import Problem, raise_if_any
+from remat.core.timing import spread
 from remat.memory.attribution import Attributor, Owner, SiteStorages
 from remat.memory.flops import FLOP_FORMULAS
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors, storage_bytes
-from remat.memory.prediction import (MEASURED_GROUP_SIZES, Combo, Effect, LayerEffects, Trace, combos, offload_combos,
-                                     offloads)
+from remat.memory.prediction import (
+    MEASURED_GROUP_SIZES,
+    Combo,
+    Effect,
+    LayerEffects,
+    Trace,
+    combos,
+    offload_combos,
+    offloads,
+)
 from remat.memory.windows import Window
-from remat.core.problems import ConfigError, Problem, raise_if_any
-from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
+from remat.sites.apply import FoundSites, apply, find_sites, offloader_of
+from remat.sites.calls import forward_loss
 from remat.sites.site import Site
-from remat.core.timing import spread
 
 # Host link bandwidth assumed for offload copies on the meta device, each way: pinned copies on the
 # H200 measured 55 GB/s (benchmarks/README.md).
@@ -50,9 +59,12 @@ DEFAULT_HOST_GBPS = 55.0
 def meta_offload_problems(offload: bool, device_type: str, host_bytes_per_s: float | None) -> Iterator[Problem]:
     """A shapes-only trace that measures offload needs a host bandwidth to time the copies it cannot run."""
     if offload and device_type == "meta" and not (host_bytes_per_s or 0) > 0:
-        yield Problem("host_gbps", "a shapes-only trace (meta device) runs no copies: give the host link's "
-                                   f"bandwidth to time them (host_bytes_per_s; `--host_gbps`, e.g. "
-                                   f"{DEFAULT_HOST_GBPS:g})")
+        yield Problem(
+            "host_gbps",
+            "a shapes-only trace (meta device) runs no copies: give the host link's "
+            f"bandwidth to time them (host_bytes_per_s; `--host_gbps`, e.g. "
+            f"{DEFAULT_HOST_GBPS:g})",
+        )
 
 
 def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[Any, ...]:
@@ -62,6 +74,7 @@ def _signature(model: nn.Module, site: Site, labels: frozenset[str]) -> tuple[An
 
 
 # ---- one instrumented step ------------------------------------------------------------------
+
 
 @dataclass
 class StepRecord:
@@ -74,16 +87,22 @@ class StepRecord:
 class WindowMarks:
     """Marks the windows of a step with hooks on the layer Sites and on the layers' activations."""
 
-    def __init__(self, meter: Meter, layer_sites: list[Site],
-                 on_mark: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self, meter: Meter, layer_sites: list[Site], on_mark: Callable[[str, int], None] | None = None
+    ) -> None:
         self.meter, self.last = meter, len(layer_sites) - 1
         self.on_mark = on_mark
         self.record = StepRecord()
         self.current = "pre"
         self.backward = False  # once backward runs, forwards are recompute replays: not windows
-        self.handles = [h for i, site in enumerate(layer_sites) for h in (
-            site.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args[1])),
-            site.register_forward_hook(lambda m, args, out, i=i: self._exit(i, out)))]
+        self.handles = [
+            h
+            for i, site in enumerate(layer_sites)
+            for h in (
+                site.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args[1])),
+                site.register_forward_hook(lambda m, args, out, i=i: self._exit(i, out)),
+            )
+        ]
 
     def mark(self, name: str) -> None:
         peak = self.meter.take_peak()
@@ -96,6 +115,7 @@ class WindowMarks:
         def hook(grad: torch.Tensor) -> None:
             self.backward = True
             self.mark(name)
+
         return hook
 
     def _enter(self, i: int, x: Any) -> None:
@@ -143,8 +163,12 @@ class Stepper:
     def cuda(self) -> bool:
         return self.batch[0].device.type == "cuda"
 
-    def step(self, windows: WindowMarks | None = None, meter: Meter | None = None,
-             after_forward: Callable[[], None] | None = None) -> None:
+    def step(
+        self,
+        windows: WindowMarks | None = None,
+        meter: Meter | None = None,
+        after_forward: Callable[[], None] | None = None,
+    ) -> None:
         torch.manual_seed(self.seed)
         before = meter.now() if meter else 0
         out = forward_loss(self.model, *self.batch)
@@ -166,8 +190,12 @@ class Stepper:
         if windows:
             windows.mark("end")
 
-    def measure(self, plan: Plan, on_mark: Callable[[str, int], None] | None = None,
-                sample: Callable[[Meter], Any] | None = None) -> StepRecord:
+    def measure(
+        self,
+        plan: Plan,
+        on_mark: Callable[[str, int], None] | None = None,
+        sample: Callable[[Meter], Any] | None = None,
+    ) -> StepRecord:
         """One step's windows; `on_mark(name, peak of the window before)` as each begins;
         `sample(meter)` wraps the step."""
         apply(self.model, replace(plan, min_offloaded_tensor_size=self.min_offloaded))
@@ -182,7 +210,7 @@ class Stepper:
         offloader = offloader_of(self.model)
         if offloader is not None:
             offloader.reset_stats()
-        with context, (sample(meter) if sample is not None else nullcontext()):
+        with context, sample(meter) if sample is not None else nullcontext():
             windows = WindowMarks(meter, sites, on_mark)
             meter.take_peak()
             try:
@@ -249,12 +277,53 @@ def timing_repeats(repeats: int, step_s: float) -> int:
     return max(repeats, min(MAX_TIMING_REPEATS, -int(-MIN_TIMED_S // step_s)))
 
 
+def _layer_site_problems(model_sites: ModelSites) -> Iterator[Problem]:
+    if not model_sites.has_layer_sites:
+        yield Problem(
+            "model",
+            "trace needs a Site('layer') around each transformer layer to tell one layer's memory"
+            " from the next; add layer Sites",
+        )
 
-def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
-          optimizer: torch.optim.Optimizer | None = None, micro_batches: int = 1,
-          timing_repeats: int = 3, seed: int = 0, flops_per_s: float | None = None,
-          offload: bool = False, min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
-          host_bytes_per_s: float | None = None, progress: Callable[[str], None] | None = None) -> Trace:
+
+def _effects(
+    model: nn.Module,
+    sites: FoundSites,
+    stepper: Stepper,
+    base: Any,
+    base_time: float,
+    timing_repeats: int,
+    note: Callable[[str], None],
+    offload: bool,
+) -> tuple[LayerEffects, ...]:
+    """Every layer's effects, measured once per kind of layer (its labels and its code)."""
+    model_sites = sites.model_sites
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for i in range(model_sites.num_layers):
+        kinds.setdefault(_signature(model, sites.layers[i], model_sites.labels[i]), []).append(i)
+    effects: dict[int, LayerEffects] = {}
+    for indices in kinds.values():
+        measured = KindMeasurement(stepper, base, base_time, indices, model_sites, timing_repeats, note).measure(
+            offload
+        )
+        effects.update((i, measured) for i in indices)
+    return tuple(effects[i] for i in range(model_sites.num_layers))
+
+
+def trace(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    micro_batches: int = 1,
+    timing_repeats: int = 3,
+    seed: int = 0,
+    flops_per_s: float | None = None,
+    offload: bool = False,
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
+    host_bytes_per_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Trace:
     """Measure, with training steps on `batch` (input_ids, labels, as `remat.plan` takes it),
     what every action saves and costs in every layer.
 
@@ -270,42 +339,56 @@ def trace(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     """
     sites = find_sites(model)
     model_sites = sites.model_sites
-    if not model_sites.has_layer_sites:
-        raise ConfigError([Problem("model", "trace needs a Site('layer') around each transformer layer "
-                                            "to tell one layer's memory from the next; add layer Sites")])
     input_ids, labels = batch
-    raise_if_any(meta_offload_problems(offload, input_ids.device.type, host_bytes_per_s))
-    note = progress or (lambda message: None)
-    n = model_sites.num_layers
-    stepper = Stepper(model, (input_ids, labels), optimizer, gradients_persist(optimizer, micro_batches), seed,
-                       flops_per_s, min_offloaded_tensor_size, host_bytes_per_s)
+    raise_if_any(
+        [*_layer_site_problems(model_sites), *meta_offload_problems(offload, input_ids.device.type, host_bytes_per_s)]
+    )
+    stepper = Stepper(
+        model,
+        (input_ids, labels),
+        optimizer,
+        gradients_persist(optimizer, micro_batches),
+        seed,
+        flops_per_s,
+        min_offloaded_tensor_size,
+        host_bytes_per_s,
+    )
+    return _measured_trace(stepper, sites, timing_repeats, progress or (lambda message: None), offload)
+
+
+def _measured_trace(
+    stepper: Stepper, sites: FoundSites, timing_repeats: int, note: Callable[[str], None], offload: bool
+) -> Trace:
+    """`trace`'s measurements, from the no-plan baseline to each action's effects."""
+    model, n = stepper.model, sites.model_sites.num_layers
     gc.collect()
     gc.freeze()  # the collections that settle each step's saved bytes then scan only what steps create
     try:
-        with training_state_kept(model, optimizer):
+        with training_state_kept(model, stepper.optimizer):
             stepper.step()  # the state a steady step starts from: gradients, optimizer moments
             note("baseline")
             base = stepper.measure(Plan.none(n))
             base_time, noise = stepper.timing(Plan.none(n), timing_repeats)
             storages = stepper.site_storages()
-            kinds: dict[tuple[Any, ...], list[int]] = {}
-            for i in range(n):
-                kinds.setdefault(_signature(model, sites.layers[i], model_sites.labels[i]), []).append(i)
-            effects: dict[int, LayerEffects] = {}
-            for indices in kinds.values():
-                measured = KindMeasurement(stepper, base, base_time, indices, model_sites, timing_repeats,
-                                           note).measure(offload)
-                effects.update((i, measured) for i in indices)
+            effects = _effects(model, sites, stepper, base, base_time, timing_repeats, note, offload)
     finally:
         gc.unfreeze()
         apply(model, None)
     windows = tuple(Window(name, *_window_place(name, n), peak) for name, peak in base.peaks.items())
-    return Trace(model_sites, base.saved_bytes, base_time, windows, tuple(effects[i] for i in range(n)),
-                 step_noise_s=noise, timed_on=input_ids.device.type,
-                 offload=offload, min_offloaded_tensor_size=min_offloaded_tensor_size,
-                 fixed_bytes=base.held_bytes + (0 if stepper.grads_persist else storage_bytes(
-                     p for p in model.parameters() if p.requires_grad)),
-                 storages=storages)
+    return Trace(
+        sites.model_sites,
+        base.saved_bytes,
+        base_time,
+        windows,
+        effects,
+        step_noise_s=noise,
+        timed_on=stepper.batch[0].device.type,
+        offload=offload,
+        min_offloaded_tensor_size=stepper.min_offloaded,
+        fixed_bytes=base.held_bytes
+        + (0 if stepper.grads_persist else storage_bytes(p for p in model.parameters() if p.requires_grad)),
+        storages=storages,
+    )
 
 
 @contextmanager
@@ -316,8 +399,10 @@ def training_state_kept(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     groups = optimizer.param_groups if optimizer is not None else []
     rates = [group["lr"] for group in groups]
     grads = {p: _host_copy(p.grad) for p in model.parameters() if p.grad is not None}
-    states = {p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-              for p, state in (optimizer.state.items() if optimizer is not None else ())}
+    states = {
+        p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        for p, state in (optimizer.state.items() if optimizer is not None else ())
+    }
     for group in groups:
         group["lr"] = 0.0
     try:
@@ -348,7 +433,7 @@ def _window_place(name: str, n: int) -> tuple[int | None, int]:
     """(the layer whose forward or backward runs in the window, how many layers' saved tensors it holds)."""
     for phase in ("fwd", "bwd"):
         if name.startswith(phase):
-            layer = int(name[len(phase):])
+            layer = int(name[len(phase) :])
             return layer, layer
     return None, n if name == "head" else 0
 
@@ -361,8 +446,16 @@ class KindMeasurement:
     of the kind running the action at once, so the added time stands above the noise, per layer.
     """
 
-    def __init__(self, stepper: Stepper, base: StepRecord, base_time: float, indices: list[int],
-                 model_sites: ModelSites, repeats: int, note: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        stepper: Stepper,
+        base: StepRecord,
+        base_time: float,
+        indices: list[int],
+        model_sites: ModelSites,
+        repeats: int,
+        note: Callable[[str], None],
+    ) -> None:
         self.stepper, self.base, self.base_time = stepper, base, base_time
         self.indices, self.repeats, self.note = indices, repeats, note
         self.n, self.last = model_sites.num_layers, max(indices)
@@ -378,19 +471,26 @@ class KindMeasurement:
         if offload:
             measured.update((c, self.combo(c)) for c in offload_combos(self.labels))
         r = self.last
-        groups = {size: replace(self.effect(Plan(Plan.none(self.n).layers, [(r + 1 - size, r + 1)]), r + 1 - size,
-                                            r + 1), added_time_s=size * self.layer_time)
-                  for size in MEASURED_GROUP_SIZES if size <= r + 1}
+        groups = {
+            size: replace(
+                self.effect(Plan(Plan.none(self.n).layers, [(r + 1 - size, r + 1)]), r + 1 - size, r + 1),
+                added_time_s=size * self.layer_time,
+            )
+            for size in MEASURED_GROUP_SIZES
+            if size <= r + 1
+        }
         # one group over layers r-1 and r frees layer r's input as well
         input_bytes = groups[2].freed_bytes - 2 * groups[1].freed_bytes if 2 in groups else 0
-        return LayerEffects(measured, groups, input_bytes, self.layer_time,
-                            self.offloaded_groups() if offload else {})
+        return LayerEffects(measured, groups, input_bytes, self.layer_time, self.offloaded_groups() if offload else {})
 
     def effect(self, plan: Plan, start: int, end: int, reach: int = 0) -> Effect:
         """The memory of layers [start, end) (and `reach` more) under `plan`, against the baseline."""
         run, base = self.stepper.measure(plan), self.base
-        windows = {(phase, j - start): run.peaks[f"{phase}{j}"] - base.peaks[f"{phase}{j}"]
-                   for j in range(start, end + reach) for phase in ("fwd", "bwd")}
+        windows = {
+            (phase, j - start): run.peaks[f"{phase}{j}"] - base.peaks[f"{phase}{j}"]
+            for j in range(start, end + reach)
+            for phase in ("fwd", "bwd")
+        }
         return Effect(base.saved_bytes - run.saved_bytes, windows, host_bytes=run.host_bytes)
 
     def added_time(self, plan: Plan, layers: list[int]) -> float:
@@ -424,13 +524,16 @@ class KindMeasurement:
         """Recompute groups ending at the kind's last followed layer, their kept input offloaded."""
         p = max(self.followed)
         self.note(f"layer {p}: full recompute, input offloaded")
-        measured = {size: self.effect(_inputs_offloaded(self.n, [(p + 1 - size, p + 1)]), p + 1 - size, p + 1,
-                                      reach=1)
-                    for size in MEASURED_GROUP_SIZES if size <= p + 1}
+        measured = {
+            size: self.effect(_inputs_offloaded(self.n, [(p + 1 - size, p + 1)]), p + 1 - size, p + 1, reach=1)
+            for size in MEASURED_GROUP_SIZES
+            if size <= p + 1
+        }
         # the copies' cost on top of the recompute: every followed layer of the kind in a group of one
         everywhere = _inputs_offloaded(self.n, [(i, i + 1) for i in self.followed])
-        copies = (max(0.0, self.added_time(everywhere, self.followed) - self.layer_time)
-                  + self.copy_time(measured[1].host_bytes))
+        copies = max(0.0, self.added_time(everywhere, self.followed) - self.layer_time) + self.copy_time(
+            measured[1].host_bytes
+        )
         return {size: replace(e, added_time_s=size * self.layer_time + copies) for size, e in measured.items()}
 
     def _groups_of_one(self, layers: list[int]) -> Plan:
@@ -439,8 +542,10 @@ class KindMeasurement:
 
 def _summed_times(effects: dict[Combo, Effect]) -> dict[Combo, Effect]:
     """A combination of recompute and discard actions costs the time of each, measured alone."""
-    return {combo: replace(e, added_time_s=sum(effects[frozenset({pair})].added_time_s for pair in combo))
-            for combo, e in effects.items()}
+    return {
+        combo: replace(e, added_time_s=sum(effects[frozenset({pair})].added_time_s for pair in combo))
+        for combo, e in effects.items()
+    }
 
 
 def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
@@ -449,4 +554,3 @@ def _inputs_offloaded(n: int, ranges: list[tuple[int, int]]) -> Plan:
     for start, _ in ranges:
         plan.layers[start][LAYER] = "offload"
     return plan
-

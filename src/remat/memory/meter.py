@@ -6,10 +6,12 @@ What no op creates is not counted on CPU: Python numbers autograd saves as 0-dim
 bytes) and the CPU RNG state a recompute keeps (5 KiB), which beside an accelerator stay in host
 memory. tests/test_trace.py checks the rest against the CPU allocator's own events.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -48,7 +50,7 @@ class CpuMeter(AbstractContextManager):
         self.live = LiveBytes()
         self._mode = NewStorages(self.live.created)
 
-    def __enter__(self) -> "CpuMeter":
+    def __enter__(self) -> CpuMeter:
         self._mode.__enter__()
         return self
 

@@ -9,20 +9,21 @@ A layer's sites do interact (a discarded norm output is also the MLP's input), s
 every combination of actions in a layer is measured, not each site alone; an action at a site
 that an enclosing recomputed site replays (`mlp_act` inside `mlp`) does nothing and is dropped.
 """
+
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from remat.core.labels import LAYER, discard_labels, discard_only_labels, enclosing, offload_only_labels
-from remat.config.plan import Plan, check_plan
+from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 from remat.config.model_sites import ModelSites, check_config
+from remat.config.plan import Plan, check_plan
+from remat.config.recompute import RecomputeConfig
+from remat.core.labels import LAYER, discard_labels, discard_only_labels, enclosing, offload_only_labels
+from remat.core.problems import ConfigError, Problem
 from remat.memory.attribution import Owner, SiteStorages, owner_name
 from remat.memory.windows import Choice, PlanningProblem, Window
-from remat.core.problems import ConfigError, Problem
-from remat.config.recompute import RecomputeConfig
-from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 
 Combo = frozenset[tuple[str, str]]  # (label, action) pairs that differ from keep
 Offset = tuple[str, int]  # ("fwd" | "bwd", layer index relative to the first layer of a choice)
@@ -59,8 +60,7 @@ class LayerEffects:
         if size <= largest:
             return measured[size]
         m = measured[largest]
-        fwd_step = (m.window_bytes[("fwd", largest - 1)] - m.window_bytes[("fwd", largest - 2)]
-                    if largest > 1 else 0)
+        fwd_step = m.window_bytes[("fwd", largest - 1)] - m.window_bytes[("fwd", largest - 2)] if largest > 1 else 0
         windows: dict[Offset, int] = {}
         for q in range(size):
             source = min(q, max(largest - 2, 0)) if q < size - 1 else largest - 1
@@ -68,8 +68,9 @@ class LayerEffects:
             windows[("fwd", q)] = m.window_bytes[("fwd", source)] + (q - source) * fwd_step
         freed = m.freed_bytes + (size - largest) * (self.groups[1].freed_bytes + self.input_bytes)
         # the next layer's windows (offload's reach) hold the group's layers freed: the extra ones too
-        windows.update({(phase, size): b - (freed - m.freed_bytes)
-                        for (phase, q), b in m.window_bytes.items() if q == largest})
+        windows.update(
+            {(phase, size): b - (freed - m.freed_bytes) for (phase, q), b in m.window_bytes.items() if q == largest}
+        )
         extra_time = m.added_time_s - largest * self.layer_time_s  # offloading the input, if any
         return Effect(freed, windows, size * self.layer_time_s + extra_time, m.host_bytes)
 
@@ -105,25 +106,38 @@ class Trace:
     step_noise_s: float = 0.0
     timed_on: str = "cuda"  # the device type the steps ran on ("meta": counted FLOPs, not run)
 
-    def choice(self, start: int, end: int, actions: dict[str, str] | None,
-               offload_input: bool = False) -> Choice:
+    def choice(self, start: int, end: int, actions: dict[str, str] | None, offload_input: bool = False) -> Choice:
         """Layers [start, end) run one way: `actions` for one layer, None for a recompute group
         (with `offload_input`, its input goes to host)."""
         if actions is None:
-            effect = (self.offloaded_group(start, end) if offload_input
-                      else self.layers[end - 1].group(end - start))
+            effect = self.offloaded_group(start, end) if offload_input else self.layers[end - 1].group(end - start)
         else:
             effect = self._combo_effect(start, combo_of(actions))
         windows = {f"{phase}{start + q}": b for (phase, q), b in effect.window_bytes.items()}
-        return Choice(start, end, None if actions is None else dict(actions), effect.freed_bytes,
-                      effect.added_time_s, windows, effect.host_bytes, offload_input)
+        return Choice(
+            start,
+            end,
+            None if actions is None else dict(actions),
+            effect.freed_bytes,
+            effect.added_time_s,
+            windows,
+            effect.host_bytes,
+            offload_input,
+        )
 
     def offloaded_group(self, start: int, end: int) -> Effect:
         effects = self.layers[end - 1]
         if not effects.offloaded_groups:
-            raise ConfigError([Problem(f"layers[{start}]", f"the trace measured no offloaded recompute input for "
-                                                           f"the kind of layer {end - 1} (no layer of that kind has a"
-                                                           f" next one); keep the input of [{start}, {end}) on the GPU")])
+            raise ConfigError(
+                [
+                    Problem(
+                        f"layers[{start}]",
+                        f"the trace measured no offloaded recompute input for "
+                        f"the kind of layer {end - 1} (no layer of that kind has a"
+                        f" next one); keep the input of [{start}, {end}) on the GPU",
+                    )
+                ]
+            )
         return effects.group(end - start, offload_input=True)
 
     def _combo_effect(self, layer: int, combo: Combo) -> Effect:
@@ -136,14 +150,20 @@ class Trace:
         """Every way to run every layer: each site combination, each recompute group. Offload
         only where a later layer's backward leaves time to copy the tensors back."""
         n = self.model_sites.num_layers
-        out = [self.choice(i, i + 1, dict(combo)) for i in range(n) for combo in self.layers[i].combos
-               if i < n - 1 or not offloads(combo)]
+        out = [
+            self.choice(i, i + 1, dict(combo))
+            for i in range(n)
+            for combo in self.layers[i].combos
+            if i < n - 1 or not offloads(combo)
+        ]
         if self.model_sites.has_layer_sites:
-            out += [self.choice(s, e, None) for s in range(n)
-                    for e in range(s + 1, min(n, s + self.max_group) + 1)]
-            out += [self.choice(s, e, None, offload_input=True) for s in range(n)
-                    for e in range(s + 1, min(n - 1, s + self.max_group) + 1)
-                    if self.layers[e - 1].offloaded_groups]
+            out += [self.choice(s, e, None) for s in range(n) for e in range(s + 1, min(n, s + self.max_group) + 1)]
+            out += [
+                self.choice(s, e, None, offload_input=True)
+                for s in range(n)
+                for e in range(s + 1, min(n - 1, s + self.max_group) + 1)
+                if self.layers[e - 1].offloaded_groups
+            ]
         return out
 
     def problem(self) -> PlanningProblem:
@@ -156,8 +176,12 @@ class Trace:
         for c in choices:
             if c.actions:
                 by_layer.setdefault(c.start, []).append(c)
-        useful = [c for c in choices if not c.actions or (
-            _frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))]
+        useful = [
+            c
+            for c in choices
+            if not c.actions
+            or (_frees_something(c) and not any(_no_worse_with_fewer_actions(other, c) for other in by_layer[c.start]))
+        ]
         return PlanningProblem(self.model_sites.num_layers, useful, self.windows, self.fixed_bytes)
 
     def predict(self, plan: RecomputeConfig | Plan | None) -> Prediction:
@@ -166,21 +190,41 @@ class Trace:
         if problems:
             raise ConfigError(problems)
         if resolved.offloads() and not self.offload:
-            raise ConfigError([Problem("offload", "this trace did not measure offload; trace with "
-                                                  "offload=True (remat plan --offload) to predict an offload plan")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "offload",
+                        "this trace did not measure offload; trace with "
+                        "offload=True (remat plan --offload) to predict an offload plan",
+                    )
+                ]
+            )
         if resolved.offloads() and resolved.min_offloaded_tensor_size != self.min_offloaded_tensor_size:
-            raise ConfigError([Problem("min_offloaded_tensor_size", (
-                f"the plan offloads storages of {resolved.min_offloaded_tensor_size} elements or more, the trace"
-                f" measured {self.min_offloaded_tensor_size}; trace with the plan's threshold"))])
+            raise ConfigError(
+                [
+                    Problem(
+                        "min_offloaded_tensor_size",
+                        (
+                            f"the plan offloads storages of {resolved.min_offloaded_tensor_size} elements or more, the trace"
+                            f" measured {self.min_offloaded_tensor_size}; trace with the plan's threshold"
+                        ),
+                    )
+                ]
+            )
         grouped = {i for s, e in resolved.full_recompute for i in range(s, e)}
-        chosen = [self.choice(s, e, None, resolved.layers[s].get(LAYER) == "offload")
-                  for s, e in resolved.full_recompute]
+        chosen = [
+            self.choice(s, e, None, resolved.layers[s].get(LAYER) == "offload") for s, e in resolved.full_recompute
+        ]
         chosen += [self.choice(i, i + 1, a) for i, a in enumerate(resolved.layers) if i not in grouped]
         problem = PlanningProblem(self.model_sites.num_layers, chosen, self.windows)
         peak, window = problem.peak_and_window(chosen)
-        return Prediction(self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen), peak,
-                          self.base_step_time_s + sum(c.added_time_s for c in chosen), window,
-                          sum(c.host_bytes for c in chosen))
+        return Prediction(
+            self.baseline_saved_bytes - sum(c.freed_bytes for c in chosen),
+            peak,
+            self.base_step_time_s + sum(c.added_time_s for c in chosen),
+            window,
+            sum(c.host_bytes for c in chosen),
+        )
 
 
 def _frees_something(choice: Choice) -> bool:
@@ -194,16 +238,22 @@ def _no_worse_with_fewer_actions(fewer: Choice, more: Choice) -> bool:
     if fewer.actions is None or not combo_of(fewer.actions) < extra:
         return False
     windows = set(fewer.window_bytes) | set(more.window_bytes)
-    return fewer.freed_bytes >= more.freed_bytes and fewer.host_bytes <= more.host_bytes and all(
-        fewer.window_bytes.get(w, 0) <= more.window_bytes.get(w, 0) for w in windows)
+    return (
+        fewer.freed_bytes >= more.freed_bytes
+        and fewer.host_bytes <= more.host_bytes
+        and all(fewer.window_bytes.get(w, 0) <= more.window_bytes.get(w, 0) for w in windows)
+    )
 
 
 def combo_of(actions: Mapping[str, str]) -> Combo:
     """The actions that act: not keep, and not at a site whose enclosing site recomputes (its
     replay runs the inner site plainly)."""
     recomputed = {label for label, action in actions.items() if action == "recompute"}
-    return frozenset((label, action) for label, action in actions.items()
-                     if action != "keep" and enclosing().get(label) not in recomputed)
+    return frozenset(
+        (label, action)
+        for label, action in actions.items()
+        if action != "keep" and enclosing().get(label) not in recomputed
+    )
 
 
 def offloads(combo: Combo) -> bool:
@@ -225,9 +275,16 @@ def combos(labels: frozenset[str]) -> list[Combo]:
     """Keep or recompute every label (discard instead where that is all that frees anything);
     discard too where outputs are discarded (layernorm...). Each distinct combination once."""
     ordered = sorted(labels)
-    options = [("keep",) if label in offload_only_labels() else
-               ("keep", *(() if label in discard_only_labels() else ("recompute",)),
-                *(("discard",) if label in discard_labels() else ())) for label in ordered]
+    options = [
+        ("keep",)
+        if label in offload_only_labels()
+        else (
+            "keep",
+            *(() if label in discard_only_labels() else ("recompute",)),
+            *(("discard",) if label in discard_labels() else ()),
+        )
+        for label in ordered
+    ]
     return list(dict.fromkeys(combo_of(dict(zip(ordered, choice))) for choice in itertools.product(*options)))
 
 
@@ -244,30 +301,39 @@ def unmeasured_problems(plan: Plan, model_sites: ModelSites, offload: bool) -> I
 
 def _unmeasured(layer: int, combo: Combo) -> Problem:
     shown = ", ".join(f"{k}={v}" for k, v in sorted(combo))
-    return Problem(f"layers[{layer}]", f"the trace did not measure {shown}" + (
-        " (offload in a layer: the trace measures each site offloaded alone, or layer=offload with the other"
-        " sites kept, recomputed or discarded)" if offloads(combo) else ""))
+    return Problem(
+        f"layers[{layer}]",
+        f"the trace did not measure {shown}"
+        + (
+            " (offload in a layer: the trace measures each site offloaded alone, or layer=offload with the other"
+            " sites kept, recomputed or discarded)"
+            if offloads(combo)
+            else ""
+        ),
+    )
 
 
 def offload_combos(labels: frozenset[str]) -> list[Combo]:
     """Offload the heavy, recompute the cheap: every combination with the rest of the layer
     offloaded, and each site offloaded alone (which keeps the copies short)."""
-    return ([c | {OFFLOAD} for c in combos(labels)]
-            + [frozenset({(label, "offload")}) for label in sorted(labels)])
+    return [c | {OFFLOAD} for c in combos(labels)] + [frozenset({(label, "offload")}) for label in sorted(labels)]
 
 
-
-def offload_prediction_problems(layers: Sequence[Mapping[str, str]],
-                                 full_recompute: Sequence[tuple[int, int]]) -> Iterator[Problem]:
+def offload_prediction_problems(
+    layers: Sequence[Mapping[str, str]], full_recompute: Sequence[tuple[int, int]]
+) -> Iterator[Problem]:
     """Offload the trace cannot price: in the last layer (of a model or pipeline stage), whose
     backward comes right after its forward, nothing hides the copies or prefetches them."""
     last = len(layers) - 1
     ends = {s: e for s, e in full_recompute}
     for i, actions in enumerate(layers):
         if "offload" in actions.values() and ends.get(i, i + 1) - 1 == last:
-            yield Problem(f"layers[{i}]", f"offloads in the last layer ({last}), whose backward comes right after"
-                                          f" its forward: nothing hides the copies; keep it on the GPU (as Megatron"
-                                          f" does) or split the range before it")
+            yield Problem(
+                f"layers[{i}]",
+                f"offloads in the last layer ({last}), whose backward comes right after"
+                f" its forward: nothing hides the copies; keep it on the GPU (as Megatron"
+                f" does) or split the range before it",
+            )
 
 
 def _first_of_each_kind(trace: Trace) -> Iterator[tuple[int, LayerEffects]]:
@@ -287,7 +353,9 @@ def describe_sites(trace: Trace) -> Iterator[tuple[str, SiteStorages, int | None
     for i, effects in _first_of_each_kind(trace):
         for label in [*sorted(trace.model_sites.labels[i]), LAYER]:
             if (i, label) in trace.storages:
-                alone = effects.combos.get(frozenset({(label, "discard" if label in discard_only_labels() else "recompute")}))
+                alone = effects.combos.get(
+                    frozenset({(label, "discard" if label in discard_only_labels() else "recompute")})
+                )
                 yield owner_name((i, label)), trace.storages[(i, label)], None if alone is None else alone.freed_bytes
     for owner, storages in trace.storages.items():
         if owner[0] is None:
@@ -301,8 +369,12 @@ def describe(trace: Trace) -> Iterator[tuple[str, int, float, float]]:
     for _, effects in _first_of_each_kind(trace):
         noise = 2 * trace.step_noise_s * 1e3 / sum(other is effects for other in trace.layers)
         for combo, effect in effects.combos.items():
-            yield (", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep", effect.freed_bytes,
-                   effect.added_time_s * 1e3, noise)
+            yield (
+                ", ".join(f"{k}={v}" for k, v in sorted(combo)) or "keep",
+                effect.freed_bytes,
+                effect.added_time_s * 1e3,
+                noise,
+            )
         yield "full recompute", effects.groups[1].freed_bytes, effects.layer_time_s * 1e3, noise
         if effects.offloaded_groups:
             offloaded = effects.offloaded_groups[1]

@@ -1,4 +1,5 @@
 """timeline(): memory after every op of one training step, each layer's forward and backward marked."""
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -9,12 +10,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.sites.apply import apply, find_sites
 from remat.config.plan import Plan
+from remat.config.recompute import RecomputeConfig
 from remat.memory.measure import Stepper, gradients_persist, training_state_kept
 from remat.memory.meter import Meter
 from remat.memory.prediction import resolve
-from remat.config.recompute import RecomputeConfig
+from remat.sites.apply import apply, find_sites
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,30 @@ class _EveryOp(TorchDispatchMode):
         return out
 
 
-def timeline(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
-             optimizer: torch.optim.Optimizer | None = None, plan: RecomputeConfig | Plan | None = None,
-             micro_batches: int = 1, seed: int = 0, per_op: bool = True) -> Timeline:
+def timeline(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    plan: RecomputeConfig | Plan | None = None,
+    micro_batches: int = 1,
+    seed: int = 0,
+    per_op: bool = True,
+) -> Timeline:
     """Allocated (and on CUDA reserved) bytes after every op of one training step on `batch`
     (input_ids, labels) under `plan`, the step `trace` measures, with each layer's forward and
     backward marked. With compiled regions pass per_op=False: samples then come at each window's
     start and peak only (a dispatch mode watching every op would run compiled regions eagerly and
     change what they save)."""
     resolved = resolve(plan, find_sites(model).model_sites)
-    stepper = Stepper(model, batch, optimizer, gradients_persist(optimizer, micro_batches), seed,
-                       min_offloaded=resolved.min_offloaded_tensor_size)
+    stepper = Stepper(
+        model,
+        batch,
+        optimizer,
+        gradients_persist(optimizer, micro_batches),
+        seed,
+        min_offloaded=resolved.min_offloaded_tensor_size,
+    )
     marks: list[tuple[int, str]] = []
     found: list[_Samples] = []
 
@@ -84,5 +98,9 @@ def timeline(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     finally:
         apply(model, None)
     (samples,) = found
-    return Timeline(tuple(samples.allocated), tuple(samples.reserved) if stepper.cuda else None,
-                    tuple(m for m in marks if m[1] != "end"), dict(record.peaks))
+    return Timeline(
+        tuple(samples.allocated),
+        tuple(samples.reserved) if stepper.cuda else None,
+        tuple(m for m in marks if m[1] != "end"),
+        dict(record.peaks),
+    )

@@ -8,6 +8,7 @@ exactly one choice. A window's peak is its no-recompute peak, plus what the choi
 layer add in it, minus what every choice whose saved tensors it still holds frees. The step's
 peak is the largest window; its time is the no-recompute step's plus what the choices add.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -73,8 +74,10 @@ class PlanningProblem:
         return choice.delta(window) - self.others_in_flight * choice.freed_bytes
 
     def peak_and_window(self, chosen: Sequence[Choice]) -> tuple[int, str]:
-        peaks = [(round(w.base_bytes + self.held_bytes + sum(self.delta(c, w) for c in chosen)), w.name)
-                 for w in self.windows]
+        peaks = [
+            (round(w.base_bytes + self.held_bytes + sum(self.delta(c, w) for c in chosen)), w.name)
+            for w in self.windows
+        ]
         return max(peaks)
 
     def peak(self, chosen: Sequence[Choice]) -> int:

@@ -3,6 +3,7 @@
 Code outside `remat.models` builds and inspects models only through these functions and the
 family a recipe belongs to.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,12 +12,12 @@ import torch
 from torch import nn
 
 from remat.models import factory, llama
-from remat.models.moe import family as moe_family
 from remat.models.family import ModelConfig, ModelFamily, ModelParallelism, SequenceParallelPoints, Target
 from remat.models.hf import family as hf_family
 from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
-from remat.sites.placement import Adapter
+from remat.models.moe import family as moe_family
 from remat.models.registry import ADAPTERS, FAMILIES, adapter_for, family_of, recipes, register
+from remat.sites.placement import Adapter
 
 for family in (llama.FAMILY, moe_family.FAMILY, hf_family.FAMILY, factory.FAMILY):
     register(family)
@@ -27,8 +28,10 @@ def family_of_model(model: nn.Module) -> ModelFamily | None:
     """The family whose model class `model` is (the closest one, for a subclass), else the family
     that handles it (Hugging Face models), or None."""
     by_type = {family.model_type: family for family in FAMILIES.values() if family.model_type is not None}
-    return next((by_type[cls] for cls in type(model).__mro__ if cls in by_type),
-                next((family for family in FAMILIES.values() if family.handles(model)), None))
+    return next(
+        (by_type[cls] for cls in type(model).__mro__ if cls in by_type),
+        next((family for family in FAMILIES.values() if family.handles(model)), None),
+    )
 
 
 def recipe_config(recipe: str, **overrides: Any) -> Any:
@@ -36,8 +39,9 @@ def recipe_config(recipe: str, **overrides: Any) -> Any:
     return family_of(recipe).config(recipe, **overrides)
 
 
-def build(recipe: str, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-          **overrides: Any) -> nn.Module:
+def build(
+    recipe: str, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, **overrides: Any
+) -> nn.Module:
     """A freshly initialized model of the recipe; device="meta" allocates nothing."""
     family = family_of(recipe)
     return family.build(family.config(recipe, **overrides), dtype=dtype, device=device)
@@ -48,6 +52,21 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
     return sum(p.numel() for p in build(recipe, device="meta", **overrides).parameters())
 
 
-__all__ = ["ADAPTERS", "Adapter", "FAMILIES", "adapter_for", "ModelConfig", "ModelFamily", "ModelParallelism",
-           "SequenceParallelPoints", "Target", "build", "family_of", "family_of_model", "parameter_count",
-           "recipe_config", "recipes", "register"]
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "FAMILIES",
+    "adapter_for",
+    "ModelConfig",
+    "ModelFamily",
+    "ModelParallelism",
+    "SequenceParallelPoints",
+    "Target",
+    "build",
+    "family_of",
+    "family_of_model",
+    "parameter_count",
+    "recipe_config",
+    "recipes",
+    "register",
+]

@@ -3,6 +3,7 @@
 A model of a family remat knows (Hugging Face transformers) brings its own site map; any other
 takes one, label -> module path patterns, in Python or YAML.
 """
+
 from __future__ import annotations
 
 from torch import nn

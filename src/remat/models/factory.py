@@ -2,23 +2,24 @@
 arguments and returns the model, or (model, site map) for `remat.models.adapt`; a transformers model is
 adapted as it is. The step feeds it `model(input_ids, labels=labels)` with token ids below the
 vocabulary of its first embedding. Runs on one device; FLOPs count its matmul weights only."""
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.core.labels import LAYER
-from remat.models.registry import adapter_for
 from remat.config.parallel import ParallelLayout
-from remat.models.family import ModelFamily, Target, dense_facts
-from remat.sites.placement import compile_sites, place_sites
+from remat.core.labels import LAYER
 from remat.core.problems import ConfigError, Problem
+from remat.models.family import ModelFamily, Target, dense_facts
+from remat.models.registry import adapter_for
+from remat.sites.placement import compile_sites, place_sites
 from remat.sites.site import Site
 
 PREFIX = "module:"
@@ -30,8 +31,14 @@ def _factory(path: str) -> Any:
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError([Problem("model", f"cannot load {path!r} ({err}); give package.module:function,"
-                                            " a function that returns the model")]) from err
+        raise ConfigError(
+            [
+                Problem(
+                    "model",
+                    f"cannot load {path!r} ({err}); give package.module:function, a function that returns the model",
+                )
+            ]
+        ) from err
     if not callable(factory):
         raise ConfigError([Problem("model", f"{path!r} is not a function; give one that returns the model")])
     return factory
@@ -60,8 +67,13 @@ class FactoryConfig:
         return dense_facts(self)
 
     def record(self) -> dict[str, Any]:
-        return {"model": self.path, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "seq_length": self.seq_length, "vocab_size": self.vocab_size}
+        return {
+            "model": self.path,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "seq_length": self.seq_length,
+            "vocab_size": self.vocab_size,
+        }
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,17 +105,28 @@ class FactoryFamily(ModelFamily):
         path = recipe.removeprefix(PREFIX)
         unknown = sorted(set(overrides) - {"seq_length"})
         if unknown:
-            raise ConfigError([Problem(key, "a factory's model takes only -sl/--seq_length; change the factory for"
-                                            " other shapes") for key in unknown])
+            raise ConfigError(
+                [
+                    Problem(key, "a factory's model takes only -sl/--seq_length; change the factory for other shapes")
+                    for key in unknown
+                ]
+            )
         layers, hidden, vocab, _ = _shape(path)
         return FactoryConfig(path, overrides.get("seq_length") or DEFAULT_SEQ, layers, hidden, vocab)
 
-    def build(self, config: FactoryConfig, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, pre_process: bool = True,
-              post_process: bool = True) -> nn.Module:
+    def build(
+        self,
+        config: FactoryConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> nn.Module:
         if not (pre_process and post_process):
-            raise ConfigError([Problem("pipeline_model_parallel_size", "a factory's model runs as one pipeline"
-                                                                       " stage; use -pp 1")])
+            raise ConfigError(
+                [Problem("pipeline_model_parallel_size", "a factory's model runs as one pipeline stage; use -pp 1")]
+            )
         with torch.device(device or "cpu"):
             model = _made(config.path)
         return model.to(dtype=dtype) if dtype is not None else model

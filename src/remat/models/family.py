@@ -9,6 +9,7 @@ where sequence parallelism communicates, what context parallelism shards or tell
 replicas share, how routed experts split). The model it builds places `Site`s and knows nothing
 else of recompute. Code outside `remat.models` reaches a family only through this interface.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -62,8 +63,11 @@ class ModelConfig(Protocol):
 
 def dense_facts(config: ModelConfig) -> dict[str, Any]:
     """The recompute rules' keys every model fixes: its layers and dropout."""
-    return {"num_layers": config.num_layers, "attention_dropout": config.attention_dropout,
-            "hidden_dropout": config.hidden_dropout}
+    return {
+        "num_layers": config.num_layers,
+        "attention_dropout": config.attention_dropout,
+        "hidden_dropout": config.hidden_dropout,
+    }
 
 
 @dataclass(frozen=True)
@@ -91,20 +95,24 @@ TokensHook = Callable[[torch.Tensor], torch.Tensor]
 def on_tokens_argument(module: nn.Module, change: TokensHook) -> None:
     """Before each call of `module`, its tokens (its first tensor argument, positional or keyword:
     transformers' layers take hidden states either way) replaced by `change(tokens)`."""
+
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for i, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
-                return (*args[:i], change(arg), *args[i + 1:]), kwargs
+                return (*args[:i], change(arg), *args[i + 1 :]), kwargs
         key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         return args, {**kwargs, key: change(kwargs[key])}
+
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def on_tokens_output(module: nn.Module, change: TokensHook) -> None:
     """After each call of `module`, its output tokens (the output, or its first element:
     transformers' attention returns its weights beside) replaced by `change(tokens)`."""
+
     def hook(_: nn.Module, args: tuple, out: Any) -> Any:
         return (change(out[0]), *out[1:]) if isinstance(out, tuple) else change(out)
+
     module.register_forward_hook(hook)
 
 
@@ -128,10 +136,16 @@ REFUSED: dict[str, tuple[str, str]] = {
     "tp": ("tensor_model_parallel_size", "is {size}; {kind} have no tensor-parallel split; use 1"),
     "pp": ("pipeline_model_parallel_size", "is {size}; {kind} run as one pipeline stage; use 1"),
     "cp": ("context_parallel_size", "is {size}; {kind} have no context-parallel plan; use 1"),
-    "ep": ("expert_model_parallel_size", "is {size}, but {kind} have no routed experts that remat splits; use an MoE"
-                                          " recipe (remat recipes lists them) or drop it"),
-    "etp": ("expert_tensor_parallel_size", "is {size}, but {kind} have no routed experts that remat splits; use an"
-                                            " MoE recipe (remat recipes lists them) or drop it"),
+    "ep": (
+        "expert_model_parallel_size",
+        "is {size}, but {kind} have no routed experts that remat splits; use an MoE"
+        " recipe (remat recipes lists them) or drop it",
+    ),
+    "etp": (
+        "expert_tensor_parallel_size",
+        "is {size}, but {kind} have no routed experts that remat splits; use an"
+        " MoE recipe (remat recipes lists them) or drop it",
+    ),
 }
 
 
@@ -161,8 +175,9 @@ class ModelParallelism:
 
     def sequence_points(self) -> SequenceParallelPoints:
         """Prepare the model to run on a sequence-parallel rank's tokens; where it communicates."""
-        raise ConfigError([Problem("sequence_parallel", f"{self.family} models run on one device; drop"
-                                                        " --sequence_parallel")])
+        raise ConfigError(
+            [Problem("sequence_parallel", f"{self.family} models run on one device; drop --sequence_parallel")]
+        )
 
     def context_buffers(self, group: dist.ProcessGroup) -> list[tuple[torch.Tensor, int]]:
         """Have the model run as one of `group`'s context-parallel ranks, each holding a share of
@@ -232,8 +247,15 @@ class ModelFamily(ABC):
         for an unknown field."""
 
     @abstractmethod
-    def build(self, config: Any, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-              pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    def build(
+        self,
+        config: Any,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> nn.Module:
         """A freshly initialized model; device "meta" allocates nothing. Without `pre_process` the
         model takes the previous stage's hidden states, without `post_process` it returns hidden
         states instead of the loss."""

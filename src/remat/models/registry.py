@@ -3,6 +3,7 @@
 `remat.models` registers its families here; a family's own modules (a factory adapting the model a
 function returns) look adapters up here, below the package that imports them all.
 """
+
 from __future__ import annotations
 
 from torch import nn

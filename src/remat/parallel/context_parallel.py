@@ -29,6 +29,7 @@ Each rank's loss is its tokens' mean; weighted by its share of the group's label
 mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient. An MoE
 router's auxiliary loss takes the group's load alike (its family's `context_parallel`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat.core.problems import ConfigError, Problem, raise_if_any
 from remat.parallel.pipeline import model_chunks
-from remat.parallel.state import (ContextShards, ParallelState, layout_problems, mesh_problems, planned, state_of,
-                                  unknown_model_problems)
+from remat.parallel.state import (
+    ContextShards,
+    ParallelState,
+    layout_problems,
+    mesh_problems,
+    planned,
+    state_of,
+    unknown_model_problems,
+)
 
 try:  # torch >= 2.10 moved the ring into a package
     from torch.distributed.tensor.experimental._context_parallel import _attention as _ring
@@ -73,16 +81,22 @@ def _sharded(chunks: Sequence[ParallelState], batches: Sequence[tuple[Tensor, Te
     tensors = [t for batch in batches for t in batch]
     lengths = {*(t.shape[1] for t in tensors), *(b.shape[dim] for b, dim in buffers)}
     if len(lengths) > 1:  # one load-balancing permutation serves them all
-        raise ValueError(f"the batch, its labels and the model's position tables have {sorted(lengths)}"
-                         " positions; context parallelism needs a batch of the model's seq_length")
+        raise ValueError(
+            f"the batch, its labels and the model's position tables have {sorted(lengths)}"
+            " positions; context parallelism needs a batch of the model's seq_length"
+        )
     if chunks[0].parallelism.shifts_labels:  # a chunk's last token is labelled by the next chunk's first
         for _, labels in batches:
             labels.copy_(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
     positions = torch.arange(lengths.pop(), device=tensors[0].device)[None]
     sharded = [*tensors, positions]
     dims = [1] * len(sharded) + [dim for _, dim in buffers]
-    with context_parallel(mesh, buffers=[*sharded, *(b for b, _ in buffers)], buffer_seq_dims=dims,
-                          no_restore_buffers=set(sharded)), _kernels(mesh.device_type):
+    with (
+        context_parallel(
+            mesh, buffers=[*sharded, *(b for b, _ in buffers)], buffer_seq_dims=dims, no_restore_buffers=set(sharded)
+        ),
+        _kernels(mesh.device_type),
+    ):
         for state in chunks:
             state.parallelism.set_positions(positions)
         try:
@@ -119,14 +133,16 @@ def shard_context(state: ParallelState, mesh: DeviceMesh) -> nn.Module:
     return state.parallelism.model
 
 
-def sharded(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> contextlib.AbstractContextManager[
-        Sequence[Tensor | float]]:
+def sharded(
+    model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
+) -> contextlib.AbstractContextManager[Sequence[Tensor | float]]:
     """Around micro-batches' forward and backward (one, or a pipeline's step of them): under
     context parallelism, each (input_ids, labels) sharded to this rank's tokens with the position
     tables of the model, or of every chunk of a `Pipeline` (see _sharded);
     otherwise as they are. Yields the weight of each one's loss (1 without context parallelism)."""
-    found = [state for chunk in model_chunks(model) if (state := state_of(chunk)) is not None
-             and state.context is not None]
+    found = [
+        state for chunk in model_chunks(model) if (state := state_of(chunk)) is not None and state.context is not None
+    ]
     if not found:
         return contextlib.nullcontext([1.0] * len(batches))
     return _sharded(found, batches)
@@ -158,12 +174,14 @@ def _values_padded(sdpa: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """`sdpa` taking values with fewer channels than the queries (MLA's): the CPU flash kernel
     takes one head dimension for all three, so the values are padded with zeros, whose outputs
     (zeros, and their gradients) are cut off again."""
+
     @functools.wraps(sdpa)
     def run(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         width = value.shape[-1]
         if width >= query.shape[-1]:
             return sdpa(query, key, value, *args, **kwargs)
         return sdpa(query, key, F.pad(value, (0, query.shape[-1] - width)), *args, **kwargs)[..., :width]
+
     return run
 
 
@@ -176,38 +194,82 @@ def _shards(mesh: DeviceMesh, *tensors: Tensor) -> tuple[DTensor, ...]:
     return tuple(DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False) for t in tensors)
 
 
-def _cpu_flash(query: DTensor, key: DTensor, value: DTensor, dropout_p: float = 0.0, is_causal: bool = False, *,
-               attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[DTensor, ...]:
+def _cpu_flash(
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[DTensor, ...]:
     """aten._scaled_dot_product_flash_attention_for_cpu's signature, run by torch's ring."""
     if attn_mask is not None or dropout_p:
         # the family's context_parallel_problems refuse both before a run; a model called otherwise lands here
-        raise ConfigError([Problem("context_parallel_size", "torch's ring attention runs here without an attention"
-                                                            " mask or dropout; drop them or use -cp 1")])
+        raise ConfigError(
+            [
+                Problem(
+                    "context_parallel_size",
+                    "torch's ring attention runs here without an attention mask or dropout; drop them or use -cp 1",
+                )
+            ]
+        )
     mesh = query.device_mesh
     ring = _ring._templated_ring_attention
-    out, lse = ring(_ring_group(mesh, ring), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
-                    query.to_local(), key.to_local(), value.to_local(), is_causal=is_causal, dropout_p=0.0,
-                    scale=scale)
+    out, lse = ring(
+        _ring_group(mesh, ring),
+        SEQ_DIM,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        query.to_local(),
+        key.to_local(),
+        value.to_local(),
+        is_causal=is_causal,
+        dropout_p=0.0,
+        scale=scale,
+    )
     return _shards(mesh, out, lse)
 
 
-def _cpu_flash_backward(grad_out: DTensor, query: DTensor, key: DTensor, value: DTensor, out: DTensor,
-                        logsumexp: DTensor, dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
-                        scale: float | None = None) -> tuple[DTensor, ...]:
+def _cpu_flash_backward(
+    grad_out: DTensor,
+    query: DTensor,
+    key: DTensor,
+    value: DTensor,
+    out: DTensor,
+    logsumexp: DTensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[DTensor, ...]:
     """aten._scaled_dot_product_flash_attention_for_cpu_backward's signature, run by torch's ring."""
     mesh = query.device_mesh
     ring = _ring._templated_ring_attention_backward
-    grads = ring(_ring_group(mesh, ring), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                 grad_out=grad_out.to_local(), grad_out_name="grad_out", query=query.to_local(), key=key.to_local(),
-                 value=value.to_local(), out=out.to_local(), logsumexp=logsumexp.to_local(), is_causal=is_causal,
-                 dropout_p=dropout_p, attn_mask=attn_mask, scale=scale)
+    grads = ring(
+        _ring_group(mesh, ring),
+        SEQ_DIM,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=grad_out.to_local(),
+        grad_out_name="grad_out",
+        query=query.to_local(),
+        key=key.to_local(),
+        value=value.to_local(),
+        out=out.to_local(),
+        logsumexp=logsumexp.to_local(),
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        attn_mask=attn_mask,
+        scale=scale,
+    )
     return _shards(mesh, *grads)
 
 
 # DTensor's handlers of the CPU flash ops: (op, args, kwargs) -> outputs
 _CPU_HANDLERS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default:
-        lambda _op, args, kwargs: _cpu_flash(*args, **kwargs),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        lambda _op, args, kwargs: _cpu_flash_backward(*args, **kwargs),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: lambda _op, args, kwargs: _cpu_flash(*args, **kwargs),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda _op, args, kwargs: _cpu_flash_backward(
+        *args, **kwargs
+    ),
 }

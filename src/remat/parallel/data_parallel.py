@@ -7,6 +7,7 @@ parameters. A full-recompute group of several layers replays its earlier layers 
 layer's backward, after FSDP2 resharded them, so each layer Site gathers its layer before such a
 replay (`Site.before_replay`); the layer's own backward then reshards it as usual.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -41,9 +42,15 @@ def mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: torch.dtype
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or torch.float32)
 
 
-def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
-                       compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                       reshard_after_forward: bool = True, reduce_once_a_step: bool = False) -> nn.Module:
+def fully_shard_layers(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    reduce_once_a_step: bool = False,
+) -> nn.Module:
     """Shard `model` over `mesh` (default: every rank of the default process group) with FSDP2,
     one unit per transformer layer and the root. `compute_dtype` (e.g. bfloat16 over float32
     parameters): the dtype parameters are gathered in for compute, with gradients reduced in
@@ -56,12 +63,21 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh | None = None, *,
     layers = layer_modules(model)
     problems = []
     if not layers:
-        problems.append(Problem("model", f"{type(model).__name__} marks no 'layer' Sites, so FSDP2 has no per-layer"
-                                         " units; place Site('layer') around each transformer layer's forward"
-                                         " (remat.models.adapt does for known families)"))
+        problems.append(
+            Problem(
+                "model",
+                f"{type(model).__name__} marks no 'layer' Sites, so FSDP2 has no per-layer"
+                " units; place Site('layer') around each transformer layer's forward"
+                " (remat.models.adapt does for known families)",
+            )
+        )
     if not dist.is_initialized():
-        problems.append(Problem("torch.distributed", "no process group: launch with torchrun and call"
-                                                     " torch.distributed.init_process_group() first"))
+        problems.append(
+            Problem(
+                "torch.distributed",
+                "no process group: launch with torchrun and call torch.distributed.init_process_group() first",
+            )
+        )
     if problems:
         raise ConfigError(problems)
     if mesh is None:
@@ -95,15 +111,20 @@ def _other_dtype_units(modules: Iterable[nn.Module], unit: nn.Module) -> list[nn
     if len(sizes) < 2:
         return []
     most = max(sizes, key=sizes.__getitem__)
-    return [m for m in reversed(modules) if m is not unit and (own := list(m.parameters(recurse=False)))
-            and all(p.dtype != most for p in own)]
+    return [
+        m
+        for m in reversed(modules)
+        if m is not unit and (own := list(m.parameters(recurse=False))) and all(p.dtype != most for p in own)
+    ]
 
 
 def _unshard(units: list[nn.Module]) -> Callable[[], None]:
     """Gather a layer's units (the layer's own last) before a replay from a later layer's backward."""
+
     def gather() -> None:
         for unit in units:
             unit.unshard()  # type: ignore[operator]
+
     return gather
 
 

@@ -39,6 +39,7 @@ its tokens; each cp rank's expert gradients are of its own tokens, so FSDP2 shar
 over the ranks holding the same ones across both (edp x cp) and averages there, as it averages
 the rest over dp x cp.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -54,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from remat.config.parallel import ParallelLayout
 from remat.core.problems import Problem, raise_if_any
 from remat.parallel.data_parallel import fully_shard_layers, mixed_precision
-from remat.parallel.state import (ParallelState, layout_problems, mesh_problems, planned, unknown_model_problems)
+from remat.parallel.state import ParallelState, layout_problems, mesh_problems, planned, unknown_model_problems
 
 EXPERT_MESH_DIMS = ("edp", "ep")
 
@@ -84,8 +85,9 @@ class ExpertSplit:
     experts: list[nn.Module]
 
 
-def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
-                  context: tuple[DeviceMesh, DeviceMesh] | None = None) -> ExpertSplit:
+def split_experts(
+    model: nn.Module, mesh: DeviceMesh | None, ep: int, *, context: tuple[DeviceMesh, DeviceMesh] | None = None
+) -> ExpertSplit:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
     group): each rank draws its experts whole, as one process draws them. Under tensor parallelism
@@ -98,19 +100,26 @@ def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
     Raises one ConfigError with every problem before changing anything."""
     problems = [*_mesh_problems(mesh, ep), *unknown_model_problems(model)]
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        problems.append(Problem("model", "is already split by tensor parallelism or sharded by FSDP2; split its"
-                                         " experts first (split_experts before parallelize_tensor, shard_experts"
-                                         " after)"))
+        problems.append(
+            Problem(
+                "model",
+                "is already split by tensor parallelism or sharded by FSDP2; split its"
+                " experts first (split_experts before parallelize_tensor, shard_experts"
+                " after)",
+            )
+        )
     raise_if_any(problems)
     state = planned(model, ep=ep)
     raise_if_any(layout_problems(model, state))
     device = next(model.parameters()).device
-    return split_checked(state, mesh or init_device_mesh(device.type, (dist.get_world_size(),),
-                                                         mesh_dim_names=("dp",)), context)
+    return split_checked(
+        state, mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)), context
+    )
 
 
-def split_checked(state: ParallelState, mesh: DeviceMesh,
-                  context: tuple[DeviceMesh, DeviceMesh] | None = None) -> ExpertSplit:
+def split_checked(
+    state: ParallelState, mesh: DeviceMesh, context: tuple[DeviceMesh, DeviceMesh] | None = None
+) -> ExpertSplit:
     """`split_experts` on a model whose layout's problems are checked."""
     ep = state.layout.ep
     if context is None:
@@ -119,28 +128,51 @@ def split_checked(state: ParallelState, mesh: DeviceMesh,
     root, replicas = context
     names = root.mesh_dim_names or ()
     split = root._unflatten(names.index("dp"), (mesh.size() // ep, ep), EXPERT_MESH_DIMS)
-    return ExpertSplit(replicas, split["edp", "cp"]._flatten(), state.parallelism.split_experts(split["ep"].get_group()))
+    return ExpertSplit(
+        replicas, split["edp", "cp"]._flatten(), state.parallelism.split_experts(split["ep"].get_group())
+    )
 
 
-def shard_experts(model: nn.Module, split: ExpertSplit, *,
-                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                  reduce_once_a_step: bool = False) -> nn.Module:
+def shard_experts(
+    model: nn.Module,
+    split: ExpertSplit,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reduce_once_a_step: bool = False,
+) -> nn.Module:
     """Shard `model`, whose experts `split` split, by FSDP2 over its data-parallel mesh
     as `fully_shard_layers` does (in its mixed precision and schedule), its experts over the ranks
     holding the same ones. Returns `model`."""
     policy = mixed_precision(compute_dtype, reduce_dtype)
     for experts in split.experts:
         fully_shard(experts, mesh=split.holding, mp_policy=policy, reshard_after_forward=not reduce_once_a_step)
-    return fully_shard_layers(model, split.data_parallel, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                              reduce_once_a_step=reduce_once_a_step)
+    return fully_shard_layers(
+        model,
+        split.data_parallel,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
+        reduce_once_a_step=reduce_once_a_step,
+    )
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int, *,
-                        compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                        reduce_once_a_step: bool = False) -> nn.Module:
+def parallelize_experts(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    ep: int,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reduce_once_a_step: bool = False,
+) -> nn.Module:
     """`split_experts` then `shard_experts`, for a model without tensor parallelism: its routed
     experts split over groups of `ep` ranks of the data-parallel `mesh` (a pipeline stage passes
     its pipeline rank's), the model sharded by FSDP2 over `mesh`, the experts over the ranks
     holding the same ones. Returns `model`."""
-    return shard_experts(model, split_experts(model, mesh, ep), compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                         reduce_once_a_step=reduce_once_a_step)
+    return shard_experts(
+        model,
+        split_experts(model, mesh, ep),
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
+        reduce_once_a_step=reduce_once_a_step,
+    )

@@ -1,6 +1,7 @@
 """Runs launched by torchrun: the world it started, the process group, and the few numbers a
 benchmark agrees on across ranks. `remat bench -ng N` starts torchrun itself, and reads what a
 failed rank left for it."""
+
 from __future__ import annotations
 
 import json
@@ -134,8 +135,17 @@ def torchrun(nproc: int, argv: Sequence[str]) -> Launch:
     """Run `remat ARGV` under torchrun on this machine with `nproc` processes: its exit status and
     the records its ranks left."""
     with tempfile.TemporaryDirectory(prefix="remat-ranks-") as folder:
-        status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={nproc}", *RANK_PROGRAM, *argv],
-                                 env={**os.environ, RECORDS: folder})
+        status = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                *RANK_PROGRAM,
+                *argv,
+            ],
+            env={**os.environ, RECORDS: folder},
+        )
         left = sorted(Path(folder).glob("*.json"))
         return Launch(status, {path.stem: json.loads(path.read_text()) for path in left})

@@ -8,9 +8,9 @@ Its twin `parallelize_by_shape` does to one rank's shard on the meta device what
 tensors: sequence parallelism's collectives and distribute_saved_activations' shards by shape (the
 shard's own sizes are its family's `shard`); `sharded_state_bytes` is what FSDP2 leaves the rank.
 """
+
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +24,12 @@ from remat.parallel.context_parallel import shard_context
 from remat.parallel.data_parallel import fully_shard_layers, shard_bytes
 from remat.parallel.expert_parallel import shard_experts, split_checked
 from remat.parallel.state import layout_problems, planned
-from remat.parallel.tensor_parallel import (distribute_saved_inputs_by_shape, seed_problems, sequence_parallel_by_shape,
-                                            split_tensor)
+from remat.parallel.tensor_parallel import (
+    distribute_saved_inputs_by_shape,
+    seed_problems,
+    sequence_parallel_by_shape,
+    split_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,14 @@ class Sharding:
     reduce_once_a_step: bool = False
 
 
-def parallelize(model: nn.Module, family: ModelFamily, layout: ParallelLayout, mesh: DeviceMesh,
-                sharding: Sharding = Sharding()) -> nn.Module:
+def parallelize(
+    model: nn.Module, family: ModelFamily, layout: ParallelLayout, mesh: DeviceMesh, sharding: Sharding = Sharding()
+) -> nn.Module:
     """Split `model` (one pipeline chunk, built by `family` with the experts of its expert-parallel
     rank) over the pp x dp x cp x tp `mesh` of `layout` (`layout.mesh(device)`). Every problem of
     the layout on this model is raised as one ConfigError before anything changes. Call on every
     rank, after seeding torch alike on all of them. Returns `model`."""
-    state = planned(model, family, **{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
+    state = planned(model, family, layout)
     problems = [*layout.problems(), *layout_problems(model, state)]
     if layout.tp > 1:
         problems += seed_problems(mesh["tp"])
@@ -62,15 +67,15 @@ def parallelize(model: nn.Module, family: ModelFamily, layout: ParallelLayout, m
     if layout.dp * layout.cp == 1:
         return model
     state.parallelism.replicas(replicas.get_group())
-    options = dict(compute_dtype=sharding.compute_dtype, reduce_dtype=sharding.reduce_dtype,
-                   reduce_once_a_step=sharding.reduce_once_a_step)
+    compute, reduce, once = sharding.compute_dtype, sharding.reduce_dtype, sharding.reduce_once_a_step
     if experts is not None:
-        return shard_experts(model, experts, **options)
-    return fully_shard_layers(model, replicas, **options)
+        return shard_experts(model, experts, compute_dtype=compute, reduce_dtype=reduce, reduce_once_a_step=once)
+    return fully_shard_layers(model, replicas, compute_dtype=compute, reduce_dtype=reduce, reduce_once_a_step=once)
 
 
-def parallelize_by_shape(model: nn.Module, family: ModelFamily, layout: ParallelLayout, *,
-                         split_inputs: bool = False) -> nn.Module:
+def parallelize_by_shape(
+    model: nn.Module, family: ModelFamily, layout: ParallelLayout, *, split_inputs: bool = False
+) -> nn.Module:
     """On one rank's shard (`family.shard` of the layout, built; on the meta device, or on a device
     that traces it alone): sequence parallelism's collectives where the family says it
     communicates, moving tensors of the collectives' shapes, and with `split_inputs`

@@ -8,6 +8,7 @@ stages r, r + pp, r + 2 pp, ... as Megatron and torch order them. Recompute acts
 chunk (its Sites) and knows nothing of the schedule; the schedule decides how many micro-batches
 each stage holds at once (pp - r of them under 1F1B on rank r).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -20,17 +21,25 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from remat.sites.calls import after_optimizer_step, set_loss_scale
 from remat.config.parallel import ParallelLayout
 from remat.parallel.tied import TiedEnds
+from remat.sites.calls import after_optimizer_step, set_loss_scale
 
 
 class Pipeline(nn.Module):
     """This rank's model chunks and the schedule that trains them; `forward_backward` is one
     step's micro-batches."""
 
-    def __init__(self, chunks: Sequence[nn.Module], layout: ParallelLayout, *, pipeline_rank: int,
-                 hidden: Tensor, micro_batches: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        layout: ParallelLayout,
+        *,
+        pipeline_rank: int,
+        hidden: Tensor,
+        micro_batches: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         """`hidden`: a meta tensor shaped as one micro-batch's hidden states between stages (its
         dtype the model's); `group`: the ranks of this pipeline, first stage to last (default: all)."""
         super().__init__()
@@ -44,10 +53,18 @@ class Pipeline(nn.Module):
         loss = torch.empty((), dtype=torch.promote_types(hidden.dtype, torch.float32), device="meta")
         # hidden states carry gradients back: torch sets up their receives from requires_grad
         hidden = hidden.detach().requires_grad_()
-        stages = [PipelineStage(chunk, index, layout.chunks, device,
-                                input_args=tokens if index == 0 else hidden,
-                                output_args=loss if index == layout.chunks - 1 else hidden, group=group)
-                  for chunk, index in zip(self.chunks, indices)]
+        stages = [
+            PipelineStage(
+                chunk,
+                index,
+                layout.chunks,
+                device,
+                input_args=tokens if index == 0 else hidden,
+                output_args=loss if index == layout.chunks - 1 else hidden,
+                group=group,
+            )
+            for chunk, index in zip(self.chunks, indices)
+        ]
         self.schedule = _schedule(stages, micro_batches, layout)
         self.tied = TiedEnds(chunks, first=self.is_first, last=self.is_last, group=group)
         self.tie_weights()
@@ -57,8 +74,9 @@ class Pipeline(nn.Module):
         them; again whenever the weights are initialized or loaded anew."""
         self.tied.copy_first()
 
-    def forward_backward(self, batches: Sequence[tuple[Tensor, Tensor]],
-                         weights: Sequence[Tensor | float] | None = None) -> Tensor:
+    def forward_backward(
+        self, batches: Sequence[tuple[Tensor, Tensor]], weights: Sequence[Tensor | float] | None = None
+    ) -> Tensor:
         """Forward and backward of the micro-batches `batches` (inputs, labels), each loss times
         its weight (under context parallelism, the rank's share of its labelled tokens; default 1);
         gradients accumulate in the chunks. Returns the mean loss, on every rank of the pipeline."""
@@ -71,8 +89,13 @@ class Pipeline(nn.Module):
         args = (inputs,) if self.is_first else ()
         # the last stage's output is its loss already: torch splits the weights as its targets
         target = torch.tensor([float(w) for w in weights or [1.0] * len(batches)], device=labels.device)
-        self.schedule.step(*args, target=target if self.is_last else None, labels=labels,
-                           losses=losses if self.is_last else None, **_NO_OUTPUTS)
+        self.schedule.step(
+            *args,
+            target=target if self.is_last else None,
+            labels=labels,
+            losses=losses if self.is_last else None,
+            **_NO_OUTPUTS,
+        )
         self.tied.sum_gradients()
         # float64 on every stage: the ranks must agree on the size of what they reduce
         total = torch.zeros((), dtype=torch.float64, device=labels.device)
@@ -89,7 +112,8 @@ class Pipeline(nn.Module):
 
 # the last stage's outputs (scalar losses) are not merged into a batch where torch can skip it
 _NO_OUTPUTS: dict[str, Any] = (
-    {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {})
+    {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
+)
 
 
 # torch's class that runs each of ParallelLayout's SCHEDULES, and whether it takes a rank's stages
@@ -100,13 +124,16 @@ TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle] | type[PipelineSch
 }
 
 
-def _schedule(stages: list[PipelineStage], micro_batches: int,
-              layout: ParallelLayout) -> PipelineScheduleSingle | PipelineScheduleMulti:
+def _schedule(
+    stages: list[PipelineStage], micro_batches: int, layout: ParallelLayout
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """torch's schedule of the layout. The last stage's output is the micro-batch's mean loss,
     its target the loss's weight [1]; the step's loss is their mean, so each is scaled here and
     torch scales nothing."""
+
     def scaled(output: Tensor, weight: Tensor) -> Tensor:
         return output * weight[0] / micro_batches
+
     schedule, many = TORCH_SCHEDULES[layout.pipeline_schedule]
     options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule.__init__).parameters else {}
     return schedule(stages if many else stages[0], micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]

@@ -1,11 +1,13 @@
 """What parallelizing leaves on a model for the steps after it, kept on the model itself: its
 family's parallelism for the layout (what the model does under it), the tensor-parallel mesh it was split over, the context-parallel
 group and tables sharded with each batch, and whether FSDP2 reduces its gradients once a step."""
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -46,18 +48,24 @@ def state_of(model: nn.Module) -> ParallelState | None:
     return model.__dict__.get(STATE)
 
 
-def planned(model: nn.Module, family: ModelFamily | None = None, **sizes: int | bool) -> ParallelState:
-    """The state of `model` with its family's parallelism for its layout so far with `sizes`
-    replaced (made anew when they change it); a model of no family remat knows gets the base
-    parallelism, which runs nothing but data parallelism."""
+def planned(
+    model: nn.Module, family: ModelFamily | None = None, layout: ParallelLayout | None = None, **sizes: Any
+) -> ParallelState:
+    """The state of `model` with its family's parallelism for `layout`, or for its layout so far
+    with `sizes` replaced (made anew when that changes it); a model of no family remat knows gets
+    the base parallelism, which runs nothing but data parallelism."""
     state = state_of(model)
     family = family or (state.family if state is not None else family_of_model(model))
-    layout = dataclasses.replace(state.layout if state is not None else ParallelLayout(), **sizes)
+    layout = layout or dataclasses.replace(state.layout if state is not None else ParallelLayout(), **sizes)
     if state is None or layout != state.layout:
-        parallelism = (family.parallelism(model, layout) if family is not None
-                       else ModelParallelism(model, layout, type(model).__name__))
-        state = ParallelState(family, parallelism, *(() if state is None else (state.tensor_mesh, state.context,
-                                                                        state.reduce_once)))
+        parallelism = (
+            family.parallelism(model, layout)
+            if family is not None
+            else ModelParallelism(model, layout, type(model).__name__)
+        )
+        state = ParallelState(
+            family, parallelism, *(() if state is None else (state.tensor_mesh, state.context, state.reduce_once))
+        )
         model.__dict__[STATE] = state
     return state
 
@@ -65,18 +73,22 @@ def planned(model: nn.Module, family: ModelFamily | None = None, **sizes: int | 
 def unknown_model_problems(model: nn.Module) -> Iterator[Problem]:
     """A model whose family remat does not know (nor a parallelism found before)."""
     if state_of(model) is None and family_of_model(model) is None:
-        yield Problem("model", f"{type(model).__name__} belongs to no model family remat knows; build it with"
-                               " remat.models.build")
+        yield Problem(
+            "model", f"{type(model).__name__} belongs to no model family remat knows; build it with remat.models.build"
+        )
 
 
 def mesh_problems(mesh: DeviceMesh | None, kind: str, name: str) -> Iterator[Problem]:
     """A parallelism's process group and its one-dimensional mesh (`kind` ranks, `mesh[name]` of a larger one)."""
     if not dist.is_initialized():
-        yield Problem("torch.distributed", "no process group: launch with torchrun and call"
-                                           " torch.distributed.init_process_group() first")
+        yield Problem(
+            "torch.distributed",
+            "no process group: launch with torchrun and call torch.distributed.init_process_group() first",
+        )
     elif mesh is not None and mesh.ndim != 1:
-        yield Problem("mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its {kind} one,"
-                              f" e.g. mesh['{name}']")
+        yield Problem(
+            "mesh", f"has {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass its {kind} one, e.g. mesh['{name}']"
+        )
 
 
 def layout_problems(model: nn.Module, state: ParallelState) -> Iterator[Problem]:

@@ -17,6 +17,7 @@ Megatron's distribute_saved_activations (`distribute_saved_inputs`): without seq
 parallelism every rank holds the residual stream whole, so a full-recompute range keeps only this
 rank's 1/tp of its input and all-gathers it over the tensor-parallel group before the replay.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,14 @@ from remat.engine import KeptInputs, Restore, register_stream
 from remat.models import ModelParallelism
 from remat.models.family import on_tokens_argument, on_tokens_output
 from remat.parallel.data_parallel import layer_modules
-from remat.parallel.state import (ParallelState, layout_problems, mesh_problems, planned, state_of,
-                                  unknown_model_problems)
+from remat.parallel.state import (
+    ParallelState,
+    layout_problems,
+    mesh_problems,
+    planned,
+    state_of,
+    unknown_model_problems,
+)
 from remat.sites.site import Site
 
 # Megatron's offset of the model-parallel RNG seed from the data seed (model_parallel_cuda_manual_seed).
@@ -84,9 +91,12 @@ def seed_problems(mesh: DeviceMesh) -> Iterator[Problem]:
     seeds: list[int | None] = [None] * mesh.size()
     dist.all_gather_object(seeds, torch.initial_seed(), group=mesh.get_group())
     if len(set(seeds)) > 1:
-        yield Problem("seed", f"torch's default generators were seeded {seeds} on the tensor-parallel ranks, so"
-                              " dropout on the tensors they all hold would differ; call torch.manual_seed() with"
-                              " one seed on every tensor-parallel rank first")
+        yield Problem(
+            "seed",
+            f"torch's default generators were seeded {seeds} on the tensor-parallel ranks, so"
+            " dropout on the tensors they all hold would differ; call torch.manual_seed() with"
+            " one seed on every tensor-parallel rank first",
+        )
 
 
 def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None, *, sequence_parallel: bool) -> nn.Module:
@@ -131,7 +141,7 @@ class SavedInputShards:
             return None
         numel, shape = t.numel(), t.shape
         chunk = -(-numel // self.size)
-        piece = t.detach().reshape(-1)[self.rank * chunk:(self.rank + 1) * chunk]
+        piece = t.detach().reshape(-1)[self.rank * chunk : (self.rank + 1) * chunk]
         shard = torch.cat([piece, piece.new_zeros(chunk - piece.numel())])  # a copy: the input is freed
         return shard, lambda kept: self._gather(kept)[:numel].view(shape)
 
@@ -231,14 +241,23 @@ def _keep_inputs(sites: list[Site], stand_in: SavedInputShards | None) -> None:
 def _distribute_problems(state: ParallelState | None, has_layers: bool) -> Iterator[Problem]:
     field = "distribute_saved_activations"
     if state is None or state.tensor_mesh is None:
-        yield Problem(field, "splits saved inputs over the tensor-parallel ranks of a model split by"
-                             " parallelize_tensor, and this one is not; split it first, or turn this off")
+        yield Problem(
+            field,
+            "splits saved inputs over the tensor-parallel ranks of a model split by"
+            " parallelize_tensor, and this one is not; split it first, or turn this off",
+        )
     elif state.layout.sp:
-        yield Problem(field, "sequence parallelism already splits the saved inputs across ranks; set"
-                             " distribute_saved_activations=False")
+        yield Problem(
+            field,
+            "sequence parallelism already splits the saved inputs across ranks; set distribute_saved_activations=False",
+        )
     elif state.tensor_mesh.size() == 1:
-        yield Problem(field, "the model is split over one tensor-parallel rank: nothing to split saved"
-                             " inputs over; turn it off")
+        yield Problem(
+            field, "the model is split over one tensor-parallel rank: nothing to split saved inputs over; turn it off"
+        )
     if not has_layers:
-        yield Problem(field, "splits what full recompute keeps, and this model marks no 'layer' Sites to"
-                             " recompute whole; add layer Sites (remat.adapt does for known families)")
+        yield Problem(
+            field,
+            "splits what full recompute keeps, and this model marks no 'layer' Sites to"
+            " recompute whole; add layer Sites (remat.adapt does for known families)",
+        )

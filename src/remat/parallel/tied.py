@@ -9,6 +9,7 @@ order on both ends; a chunk without one ties nothing. Megatron all-reduces over 
 first and last pipeline ranks; here the two ends exchange over the pipeline's own group (one send
 and one receive each: the bytes of a two-rank all-reduce, and no further communicator), receiving
 into a buffer the size of the gradient for the exchange."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,13 +36,16 @@ class TiedEnds:
     """The tied parameters of a pipeline rank's first chunk (if it runs the pipeline's first
     stage) and last chunk (if it runs the last); `group`: the pipeline's ranks, first to last."""
 
-    def __init__(self, chunks: Sequence[nn.Module], *, first: bool, last: bool,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, chunks: Sequence[nn.Module], *, first: bool, last: bool, group: dist.ProcessGroup | None
+    ) -> None:
         self.chunks, self.first, self.last, self.group = chunks, first, last, group
 
     def _ends(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        return (tied_parameters(self.chunks[0]) if self.first else [],
-                tied_parameters(self.chunks[-1]) if self.last else [])
+        return (
+            tied_parameters(self.chunks[0]) if self.first else [],
+            tied_parameters(self.chunks[-1]) if self.last else [],
+        )
 
     @torch.no_grad()
     def copy_first(self) -> None:
@@ -72,7 +76,7 @@ class TiedEnds:
         first, last = self._ends()
         mine = [_local(_summed(p)) for p in first + last]
         if first and last:
-            for a, b in zip(mine[:len(first)], mine[len(first):]):
+            for a, b in zip(mine[: len(first)], mine[len(first) :]):
                 b.add_(a)
                 a.copy_(b)
             return

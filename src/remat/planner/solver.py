@@ -9,18 +9,19 @@ freed so far, time added or highest peak so far) after each prefix of layers, pe
 still measured in the next layer. The mixed-integer program (scipy's HiGHS) answers what the
 dynamic program does not carry: a cap on host bytes, a choice measured further away.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from remat.core.labels import LAYER, recompute_labels
 from remat.config.plan import Plan
-from remat.memory.windows import Choice, PlanningProblem, Window
+from remat.core.labels import LAYER, recompute_labels
 from remat.core.problems import ConfigError, Problem
 from remat.core.sizes import format_bytes
+from remat.memory.windows import Choice, PlanningProblem, Window
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,23 @@ class Solution:
 class NoPlanFits(ConfigError):
     """The budget is below the smallest peak any plan reaches; `lowest` is that plan."""
 
-    def __init__(self, budget: int, lowest: Solution, activations_in_peak: bool = True,
-                 fixed_bytes: int | None = None) -> None:
+    def __init__(
+        self, budget: int, lowest: Solution, activations_in_peak: bool = True, fixed_bytes: int | None = None
+    ) -> None:
         self.lowest = lowest
         short = lowest.peak_bytes - budget
-        super().__init__([Problem("memory_budget", (
-            f"no plan fits {format_bytes(budget)}: the lowest peak any plan reaches is "
-            f"{format_bytes(lowest.peak_bytes)} ({format_bytes(short)} more, in window "
-            f"{lowest.peak_window}). {_what_would_fit(budget, lowest.peak_bytes, activations_in_peak, fixed_bytes)}"))])
+        super().__init__(
+            [
+                Problem(
+                    "memory_budget",
+                    (
+                        f"no plan fits {format_bytes(budget)}: the lowest peak any plan reaches is "
+                        f"{format_bytes(lowest.peak_bytes)} ({format_bytes(short)} more, in window "
+                        f"{lowest.peak_window}). {_what_would_fit(budget, lowest.peak_bytes, activations_in_peak, fixed_bytes)}"
+                    ),
+                )
+            ]
+        )
 
 
 _MORE_GPUS = "spread the model over more GPUs (tensor+sequence parallel splits weights and activations, pipeline parallel the layers)"
@@ -54,21 +64,28 @@ def _what_would_fit(budget: int, lowest: int, activations_in_peak: bool, fixed: 
     which only sharding or more GPUs reduce, and the rest, which scales with the micro-batch
     where activations are alive."""
     if fixed is None:
-        return ("Raise the budget, lower the micro-batch size, or " + _MORE_GPUS if activations_in_peak else
-                "No activation is alive there: shard weights, gradients and optimizer state (FSDP2), or " + _MORE_GPUS)
+        return (
+            "Raise the budget, lower the micro-batch size, or " + _MORE_GPUS
+            if activations_in_peak
+            else "No activation is alive there: shard weights, gradients and optimizer state (FSDP2), or " + _MORE_GPUS
+        )
     if fixed >= budget:
-        return (f"Weights, gradients and optimizer state take {format_bytes(fixed)} alone: no recompute plan "
-                f"helps; shard them (FSDP2) or " + _MORE_GPUS)
+        return (
+            f"Weights, gradients and optimizer state take {format_bytes(fixed)} alone: no recompute plan "
+            f"helps; shard them (FSDP2) or " + _MORE_GPUS
+        )
     rest = lowest - fixed
     if not activations_in_peak:
-        return (f"No activation is alive there: {format_bytes(fixed)} of weights, gradients and optimizer state "
-                f"and {format_bytes(rest)} of working memory; shard them (FSDP2) or " + _MORE_GPUS)
-    return (f"Of that peak, {format_bytes(fixed)} is weights, gradients and optimizer state and "
-            f"{format_bytes(rest)} is activations and working memory, which scale with the tokens of a "
-            f"micro-batch: {(budget - fixed) / rest:.2f}x of them or fewer would fit (a smaller micro-batch with "
-            f"more gradient accumulation, or context parallel over the sequence); or raise the budget, or "
-            + _MORE_GPUS)
-
+        return (
+            f"No activation is alive there: {format_bytes(fixed)} of weights, gradients and optimizer state "
+            f"and {format_bytes(rest)} of working memory; shard them (FSDP2) or " + _MORE_GPUS
+        )
+    return (
+        f"Of that peak, {format_bytes(fixed)} is weights, gradients and optimizer state and "
+        f"{format_bytes(rest)} is activations and working memory, which scale with the tokens of a "
+        f"micro-batch: {(budget - fixed) / rest:.2f}x of them or fewer would fit (a smaller micro-batch with "
+        f"more gradient accumulation, or context parallel over the sequence); or raise the budget, or " + _MORE_GPUS
+    )
 
 
 def solve(problem: PlanningProblem, budget_bytes: int, host_budget_bytes: int | None = None) -> Solution:
@@ -112,10 +129,13 @@ def _layer_local(problem: PlanningProblem) -> bool:
     if problem.held_bytes or problem.others_in_flight:  # every choice reaches every window
         return False
     by_name = {w.name: w for w in problem.windows}
-    return all(w.holds == w.layer if w.layer is not None else w.holds in (0, problem.num_layers)
-               for w in problem.windows) and all(
+    return all(
+        w.holds == w.layer if w.layer is not None else w.holds in (0, problem.num_layers) for w in problem.windows
+    ) and all(
         name in by_name and (layer := by_name[name].layer) is not None and c.start <= layer <= c.end
-        for c in problem.choices for name in c.window_bytes)
+        for c in problem.choices
+        for name in c.window_bytes
+    )
 
 
 def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | None:
@@ -147,10 +167,20 @@ def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | No
                 prev = None if key is None else choices[key]
                 # each window of the choice's layers peaks at: base + own - freed before s (the
                 # previous choice's bytes there as measured, if it was)
-                high = max((w.base_bytes + c.window_bytes.get(w.name, 0)
-                            + (prev.freed_bytes + prev.window_bytes[w.name]
-                               if prev is not None and w.layer == s and w.name in prev.window_bytes else 0)
-                            for layer in range(s, c.end) for w in by_layer.get(layer, [])), default=-np.inf)
+                high = max(
+                    (
+                        w.base_bytes
+                        + c.window_bytes.get(w.name, 0)
+                        + (
+                            prev.freed_bytes + prev.window_bytes[w.name]
+                            if prev is not None and w.layer == s and w.name in prev.window_bytes
+                            else 0
+                        )
+                        for layer in range(s, c.end)
+                        for w in by_layer.get(layer, [])
+                    ),
+                    default=-np.inf,
+                )
                 if budget is None:
                     ok = np.arange(len(freed))
                     new_value = np.maximum(value, high - freed)
@@ -159,12 +189,17 @@ def _cover_dp(problem: PlanningProblem, budget: int | None) -> list[Choice] | No
                     new_value = value[ok] + _cost(c)
                 if len(ok):
                     arrivals[c.end].setdefault(nxt, []).append(
-                        (freed[ok] + c.freed_bytes, new_value, [(s, key, int(k), j) for k in ok]))
+                        (freed[ok] + c.freed_bytes, new_value, [(s, key, int(k), j) for k in ok])
+                    )
     return _best_cover(problem, fronts, budget, choices)
 
 
-def _best_cover(problem: PlanningProblem, fronts: list[dict[int | None, tuple[np.ndarray, np.ndarray, list]]],
-                budget: int | None, choices: list[Choice]) -> list[Choice] | None:
+def _best_cover(
+    problem: PlanningProblem,
+    fronts: list[dict[int | None, tuple[np.ndarray, np.ndarray, list]]],
+    budget: int | None,
+    choices: list[Choice],
+) -> list[Choice] | None:
     """Of the covers reaching the last layer, the best once the windows outside the layers are
     counted (they hold every layer's freed bytes or none), followed back to its choices."""
     n = problem.num_layers
@@ -205,8 +240,9 @@ _UNIT = 2**20  # the program works in MiB: byte-sized coefficients would sit bel
 _MARGIN = 16  # bytes: HiGHS accepts a constraint broken by its feasibility tolerance (1e-6 MiB, a byte)
 
 
-def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
-          minimize_memory: bool) -> Solution | None:
+def _milp(
+    problem: PlanningProblem, budget: int | None, host_budget: int | None, minimize_memory: bool
+) -> Solution | None:
     from scipy.optimize import Bounds, LinearConstraint, milp  # scipy loads when a MILP is solved
 
     choices, windows = list(problem.choices), list(problem.windows)
@@ -214,7 +250,7 @@ def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
     # variables: one binary per choice, then P = the step's peak (MiB)
     cover = np.zeros((problem.num_layers, n + 1))
     for j, c in enumerate(choices):
-        cover[c.start:c.end, j] = 1
+        cover[c.start : c.end, j] = 1
     # every window: base + sum_j delta_j x_j <= P
     peaks = np.array([[problem.delta(c, w) / _UNIT for c in choices] + [-1.0] for w in windows])
     base = np.array([(w.base_bytes + problem.held_bytes) / _UNIT for w in windows])
@@ -225,9 +261,13 @@ def _milp(problem: PlanningProblem, budget: int | None, host_budget: int | None,
         constraints.append(LinearConstraint(host[None, :], -np.inf, host_budget / _UNIT))
     upper = np.inf if budget is None else budget / _UNIT
     objective = np.r_[np.zeros(n), 1.0] if minimize_memory else np.array([_cost(c) for c in choices] + [0.0])
-    result = milp(objective, constraints=constraints, integrality=np.r_[np.ones(n), 0],
-                  bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), upper]),
-                  options={"mip_rel_gap": 0.0})  # exact: the default stops within 0.01%
+    result = milp(
+        objective,
+        constraints=constraints,
+        integrality=np.r_[np.ones(n), 0],
+        bounds=Bounds(np.zeros(n + 1), np.r_[np.ones(n), upper]),
+        options={"mip_rel_gap": 0.0},
+    )  # exact: the default stops within 0.01%
     if result.x is None:
         return None
     chosen = tuple(c for c, x in zip(choices, result.x[:n]) if x > 0.5)
@@ -244,5 +284,11 @@ def _solution(problem: PlanningProblem, chosen: Sequence[Choice]) -> Solution:
         else:
             plan.layers[c.start] = dict(c.actions)
     peak, window = problem.peak_and_window(chosen)
-    return Solution(plan, tuple(sorted(chosen, key=lambda c: c.start)), peak, window,
-                    sum(c.added_time_s for c in chosen), sum(c.host_bytes for c in chosen))
+    return Solution(
+        plan,
+        tuple(sorted(chosen, key=lambda c: c.start)),
+        peak,
+        window,
+        sum(c.added_time_s for c in chosen),
+        sum(c.host_bytes for c in chosen),
+    )

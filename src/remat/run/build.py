@@ -1,6 +1,7 @@
 """The model of a run: built from its recipe and seed on its device, with its kernels; under
 torchrun split by `remat.parallel.parallelize` on the layout's mesh, a pipeline's chunks under its
 schedule; and a plan installed on it as Megatron applies one to each (virtual) pipeline stage."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,15 @@ def build_model(spec: RunSpec) -> nn.Module:
     layout = spec.layout
     if parallel.world_size() == 1:
         if layout.model_parallel > 1:
-            raise ConfigError([Problem("num_gpus", f"tp x pp x cp = {layout.model_parallel} needs as many"
-                                                   " processes; launch with torchrun, or let remat bench start it")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "num_gpus",
+                        f"tp x pp x cp = {layout.model_parallel} needs as many"
+                        " processes; launch with torchrun, or let remat bench start it",
+                    )
+                ]
+            )
         return _build_chunk(spec, 0)
     mesh = layout.mesh(spec.device)
     pipeline_rank = mesh["pp"].get_local_rank()
@@ -42,10 +50,21 @@ def build_model(spec: RunSpec) -> nn.Module:
         return chunks[0]
     # the hidden states a stage sends its next: this rank's tokens, to the same cp and tp rank of it
     config = spec.model_config
-    hidden = torch.empty(spec.micro_batch_size, config.seq_length // (layout.sequence_split * layout.cp),
-                         config.hidden_size, dtype=spec.dtype, device="meta")
-    return Pipeline(chunks, layout, pipeline_rank=pipeline_rank, hidden=hidden, micro_batches=spec.micro_batches,
-                    group=mesh["pp"].get_group())
+    hidden = torch.empty(
+        spec.micro_batch_size,
+        config.seq_length // (layout.sequence_split * layout.cp),
+        config.hidden_size,
+        dtype=spec.dtype,
+        device="meta",
+    )
+    return Pipeline(
+        chunks,
+        layout,
+        pipeline_rank=pipeline_rank,
+        hidden=hidden,
+        micro_batches=spec.micro_batches,
+        group=mesh["pp"].get_group(),
+    )
 
 
 def chunk_config(spec: RunSpec, chunk: int) -> ModelConfig:
@@ -56,8 +75,9 @@ def chunk_config(spec: RunSpec, chunk: int) -> ModelConfig:
     config, layout = spec.model_config, spec.layout
     if layout.chunks == 1 and layout.ep == 1:
         return config
-    return spec.family.shard(config, ParallelLayout(pp=layout.pp, vp=layout.vp, ep=layout.ep),
-                             layout.chunk_layers(config.num_layers, chunk))
+    return spec.family.shard(
+        config, ParallelLayout(pp=layout.pp, vp=layout.vp, ep=layout.ep), layout.chunk_layers(config.num_layers, chunk)
+    )
 
 
 def _build_chunk(spec: RunSpec, chunk: int) -> nn.Module:
@@ -65,8 +85,13 @@ def _build_chunk(spec: RunSpec, chunk: int) -> nn.Module:
     the embedding, the last with the loss head."""
     torch.manual_seed(spec.seed + chunk)
     family, last = spec.family, spec.layout.chunks - 1
-    model = family.build(chunk_config(spec, chunk), dtype=spec.state_dtype, device=spec.device,
-                         pre_process=chunk == 0, post_process=chunk == last)
+    model = family.build(
+        chunk_config(spec, chunk),
+        dtype=spec.state_dtype,
+        device=spec.device,
+        pre_process=chunk == 0,
+        post_process=chunk == last,
+    )
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
     return model
@@ -108,8 +133,11 @@ def apply_plan(spec: RunSpec, model: nn.Module, plan: PlanLike) -> None:
         check_config(plan, find_sites(spec.family.build(spec.model_config, device="meta")).model_sites)
     for stage, chunk in zip(model.stage_indices, model.chunks):
         chunk_plan = stage_plan(plan, spec.layout, spec.model_config.num_layers, stage)
-        lowered = (Plan.from_config(chunk_plan, find_sites(chunk).model_sites)
-                   if isinstance(chunk_plan, RecomputeConfig) else chunk_plan)
+        lowered = (
+            Plan.from_config(chunk_plan, find_sites(chunk).model_sites)
+            if isinstance(chunk_plan, RecomputeConfig)
+            else chunk_plan
+        )
         apply(chunk, lowered)
         distribute_saved_inputs(chunk, distributes_saved_inputs(chunk_plan))
 
@@ -125,7 +153,10 @@ def stage_plan(plan: PlanLike, layout: ParallelLayout, num_layers: int, stage: i
     if isinstance(plan, Plan):
         return plan.cut(layout.chunk_layers(num_layers, stage))
     if isinstance(plan, RecomputeConfig):
-        facts = dataclasses.replace(plan.facts, num_layers=num_layers // layout.chunks,
-                                    layout=dataclasses.replace(plan.facts.layout, pp=1, vp=None, schedule=None))
+        facts = dataclasses.replace(
+            plan.facts,
+            num_layers=num_layers // layout.chunks,
+            layout=dataclasses.replace(plan.facts.layout, pp=1, vp=None, schedule=None),
+        )
         return dataclasses.replace(plan, facts=facts)
     return plan

@@ -14,6 +14,7 @@ gradients reduced once (`fully_shard_layers(reduce_once_a_step=True)`). `use_tor
 parameters in the main dtype, their gradients and the moments over data parallel, and gathers
 each layer's in the compute dtype for its forward and backward.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from remat.config.fields import optional, parse_bool, parse_str, setting
-from remat.memory.meter import local_tensor
 from remat.core.problems import Problem, one_of
+from remat.memory.meter import local_tensor
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # AdamW as Megatron's recipes set it
@@ -38,24 +39,40 @@ class OptimizerPrecision:
     """Megatron's optimizer precision flags; all unset: AdamW on the model's parameters."""
 
     main_params_dtype: str | None = setting(
-        None, parse=optional(parse_str), flag=True, choices=tuple(sorted(DTYPES)), metavar="DTYPE",
+        None,
+        parse=optional(parse_str),
+        flag=True,
+        choices=tuple(sorted(DTYPES)),
+        metavar="DTYPE",
         help="Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside the model's (fp32"
-             " in Megatron's bf16 runs); default: AdamW on the model's parameters")
+        " in Megatron's bf16 runs); default: AdamW on the model's parameters",
+    )
     main_grads_dtype: str | None = setting(
-        None, parse=optional(parse_str), flag=True, choices=tuple(sorted(DTYPES)), metavar="DTYPE",
+        None,
+        parse=optional(parse_str),
+        flag=True,
+        choices=tuple(sorted(DTYPES)),
+        metavar="DTYPE",
         help="with --main_params_dtype: the main gradients each backward adds into (default: the main parameters'"
-             " dtype)")
+        " dtype)",
+    )
     use_distributed_optimizer: bool = setting(
-        False, parse=parse_bool, flag=True,
+        False,
+        parse=parse_bool,
+        flag=True,
         help="with --main_params_dtype: each data-parallel rank keeps 1/dp of the main parameters and moments (6 +"
-             " 12/dp bytes a parameter; bench: FSDP2 keeping each layer gathered through a step and reducing"
-             " gradients once, at its last micro-batch)")
+        " 12/dp bytes a parameter; bench: FSDP2 keeping each layer gathered through a step and reducing"
+        " gradients once, at its last micro-batch)",
+    )
     use_torch_fsdp2: bool = setting(
-        False, parse=parse_bool, flag=True,
+        False,
+        parse=parse_bool,
+        flag=True,
         help="data parallel by torch's FSDP2, as Megatron's --use-torch-fsdp2: parameters (in the main dtype),"
-             " gradients and moments sharded over data parallel, each layer gathered in the compute dtype; what"
-             " remat bench runs with data parallelism unless told --use_distributed_optimizer (estimate; bench:"
-             " implied)")
+        " gradients and moments sharded over data parallel, each layer gathered in the compute dtype; what"
+        " remat bench runs with data parallelism unless told --use_distributed_optimizer (estimate; bench:"
+        " implied)",
+    )
 
     def problems(self) -> Iterator[Problem]:
         for name in ("main_params_dtype", "main_grads_dtype"):
@@ -65,18 +82,26 @@ class OptimizerPrecision:
         if self.main_params_dtype is None:
             for name in ("main_grads_dtype", "use_distributed_optimizer"):
                 if getattr(self, name):
-                    yield Problem(name, "needs main parameters to act on; set main_params_dtype (Megatron's bf16"
-                                        " runs use fp32)")
+                    yield Problem(
+                        name, "needs main parameters to act on; set main_params_dtype (Megatron's bf16 runs use fp32)"
+                    )
         if self.use_torch_fsdp2 and self.use_distributed_optimizer:
-            yield Problem("use_distributed_optimizer", "FSDP2 shards the main parameters and moments itself, and"
-                                                       " Megatron refuses the two together; drop one")
+            yield Problem(
+                "use_distributed_optimizer",
+                "FSDP2 shards the main parameters and moments itself, and Megatron refuses the two together; drop one",
+            )
 
     def describe(self) -> str:
         if self.main_params_dtype is None:
             return "AdamW on the model's parameters"
         grads = self.main_grads_dtype or self.main_params_dtype
-        shard = (", FSDP2-sharded" if self.use_torch_fsdp2 else
-                 ", sharded over data parallel" if self.use_distributed_optimizer else "")
+        shard = (
+            ", FSDP2-sharded"
+            if self.use_torch_fsdp2
+            else ", sharded over data parallel"
+            if self.use_distributed_optimizer
+            else ""
+        )
         return f"AdamW on {self.main_params_dtype} main parameters, {grads} main gradients{shard}"
 
 
@@ -90,21 +115,33 @@ class MainParamsAdamW(torch.optim.Optimizer):
     """AdamW on main parameters beside the model's (see the module's docstring). Its `state`
     per model parameter: main_param, main_grad, and after the first step exp_avg, exp_avg_sq."""
 
-    def __init__(self, params: Iterable[nn.Parameter], precision: OptimizerPrecision, *, fused: bool = False,
-                 shards: int = 1, inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        precision: OptimizerPrecision,
+        *,
+        fused: bool = False,
+        shards: int = 1,
+        inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    ) -> None:
         """`inner`: the AdamW over the main parameters (default torch's, fused if `fused`)."""
         params = [p for p in params if p.requires_grad]
         super().__init__(params, {"lr": LR})
         if shards > 1 and any(p.device.type != "meta" for p in params):
-            raise ValueError("the distributed optimizer's 1/dp share is taken by shape, on meta; a real"
-                             " sharded run shards with FSDP2")
+            raise ValueError(
+                "the distributed optimizer's 1/dp share is taken by shape, on meta; a real"
+                " sharded run shards with FSDP2"
+            )
         main_dtype = DTYPES[precision.main_params_dtype or "fp32"]
         grad_dtype = DTYPES[precision.main_grads_dtype or precision.main_params_dtype or "fp32"]
         mains = []
         for p in params:
             share = -(-p.numel() // shards)
-            main = (p.detach().to(main_dtype, copy=True) if shards == 1
-                    else torch.empty(share, dtype=main_dtype, device=p.device))
+            main = (
+                p.detach().to(main_dtype, copy=True)
+                if shards == 1
+                else torch.empty(share, dtype=main_dtype, device=p.device)
+            )
             self.state[p] = {"main_param": main, "main_grad": torch.zeros_like(p, dtype=grad_dtype)}
             # Megatron's name: where what runs after backward (a pipeline's tied-weight sum) finds it
             p.main_grad = self.state[p]["main_grad"]  # type: ignore[attr-defined]
@@ -120,8 +157,11 @@ class MainParamsAdamW(torch.optim.Optimizer):
         for p in params:
             main, grad = self.state[p]["main_param"], self.state[p]["main_grad"]
             # itself where dtype matches (a DTensor stays sharded); a rank's share (by shape) otherwise
-            main.grad = (grad.to(main.dtype) if main.shape == grad.shape
-                         else grad.reshape(-1)[:main.numel()].to(main.dtype).view_as(main))
+            main.grad = (
+                grad.to(main.dtype)
+                if main.shape == grad.shape
+                else grad.reshape(-1)[: main.numel()].to(main.dtype).view_as(main)
+            )
         self._inner.step()
         for p in params:
             state = self.state[p]
@@ -133,7 +173,7 @@ class MainParamsAdamW(torch.optim.Optimizer):
             state["main_grad"].zero_()
 
 
-def _into_main_grad(owner: "weakref.ref[MainParamsAdamW]", p: torch.Tensor) -> None:
+def _into_main_grad(owner: weakref.ref[MainParamsAdamW], p: torch.Tensor) -> None:
     """A parameter's gradient is ready: add it into its main gradient and free it."""
     optimizer = owner()
     if optimizer is None or p.grad is None:
@@ -158,8 +198,14 @@ def main_grad_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return sum(g.numel() * g.element_size() for g in grads)
 
 
-def make(params: Iterable[nn.Parameter], precision: OptimizerPrecision, *, fused: bool, shards: int = 1,
-         inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None) -> torch.optim.Optimizer:
+def make(
+    params: Iterable[nn.Parameter],
+    precision: OptimizerPrecision,
+    *,
+    fused: bool,
+    shards: int = 1,
+    inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+) -> torch.optim.Optimizer:
     """The step's optimizer for `precision`; `inner` replaces torch's AdamW (estimates on meta)."""
     if precision.main_params_dtype is None:
         return inner(list(params)) if inner is not None else adamw(params, fused)

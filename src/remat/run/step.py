@@ -1,5 +1,6 @@
 """One training step, as every measurement in remat runs it: mock data, micro-batches of forward
 and backward (gradients accumulating), the optimizer; and the trace of the step a bench would run."""
+
 from __future__ import annotations
 
 import gc
@@ -22,7 +23,7 @@ from remat.run.spec import RunSpec
 from remat.sites.calls import forward_loss, set_loss_scale
 
 
-def forward_backward(model: nn.Module, data: "MockData", micro_batches: int) -> torch.Tensor:
+def forward_backward(model: nn.Module, data: MockData, micro_batches: int) -> torch.Tensor:
     """One step's micro-batches, forward and backward, gradients accumulating; the mean loss
     (every pipeline rank gets the last stage's)."""
     if isinstance(model, Pipeline):
@@ -54,8 +55,9 @@ class MockData:
         self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + replica)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, self.vocab, (self.spec.micro_batch_size, self.seq + 1),
-                               device=self.spec.device, generator=self.generator)
+        tokens = torch.randint(
+            0, self.vocab, (self.spec.micro_batch_size, self.seq + 1), device=self.spec.device, generator=self.generator
+        )
         labels = tokens[:, 1:].clone()
         if self.spec.task == "sft":
             labels[:, : self.seq // 4] = -100
@@ -81,8 +83,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """The moments (exp_avg, exp_avg_sq) and any main parameters; the per-parameter step counters
     are scalars, and main gradients are gradients."""
     states = optimizer.state.values() if optimizer is not None else []
-    return tensor_bytes(v for s in states for k, v in s.items()
-                        if isinstance(v, torch.Tensor) and k not in ("step", "main_grad"))
+    return tensor_bytes(
+        v for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("step", "main_grad")
+    )
 
 
 def release_memory(model: nn.Module) -> None:
@@ -95,22 +98,40 @@ def release_memory(model: nn.Module) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def trace_spec(spec: RunSpec, model: nn.Module | None = None, offload: bool = False,
-               min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
-               progress: Callable[[str], None] | None = None) -> tuple[nn.Module, Trace]:
+def trace_spec(
+    spec: RunSpec,
+    model: nn.Module | None = None,
+    offload: bool = False,
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[nn.Module, Trace]:
     """Trace the step a bench of `spec` would run: same model, batch shape, optimizer,
     micro-batches (and, with `offload`, offload actions with that threshold)."""
     if spec.layout.cp > 1:  # the trace's step runs whole sequences through the model
-        raise ConfigError([Problem("context_parallel_size", f"is {spec.layout.cp}; the trace steps whole"
-                                                            " sequences, not context-parallel shards yet (remat"
-                                                            " estimate predicts them by shape); use 1")])
+        raise ConfigError(
+            [
+                Problem(
+                    "context_parallel_size",
+                    f"is {spec.layout.cp}; the trace steps whole"
+                    " sequences, not context-parallel shards yet (remat"
+                    " estimate predicts them by shape); use 1",
+                )
+            ]
+        )
     model = model or build_model(spec)
     reset_parameters(spec, model)
     model.train()
     batch = MockData(spec).batch()
     optimizer = make_optimizer(model, spec)
-    measured = trace(model, batch, optimizer=optimizer, micro_batches=spec.micro_batches, offload=offload,
-                     min_offloaded_tensor_size=min_offloaded_tensor_size, progress=progress)
+    measured = trace(
+        model,
+        batch,
+        optimizer=optimizer,
+        micro_batches=spec.micro_batches,
+        offload=offload,
+        min_offloaded_tensor_size=min_offloaded_tensor_size,
+        progress=progress,
+    )
     del optimizer, batch
     release_memory(model)
     return model, measured

@@ -1,4 +1,5 @@
 """verify(): run one step with and without a plan; compare loss and gradients, count saved bytes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,11 +7,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from remat.config.plan import Plan
+from remat.config.recompute import RecomputeConfig
+from remat.memory import SavedMemory, measure_saved
 from remat.sites.apply import apply, offloader_of, warn_if_nothing_offloaded
 from remat.sites.calls import forward_loss
-from remat.config.plan import Plan
-from remat.memory import SavedMemory, measure_saved
-from remat.config.recompute import RecomputeConfig
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,11 @@ class VerifyReport:
 
     @property
     def bit_identical(self) -> bool:
-        return self.same_parameters_have_grads and torch.equal(self.baseline.loss, self.candidate.loss) and all(
-            torch.equal(self.baseline.grads[n], g) for n, g in self.candidate.grads.items())
+        return (
+            self.same_parameters_have_grads
+            and torch.equal(self.baseline.loss, self.candidate.loss)
+            and all(torch.equal(self.baseline.grads[n], g) for n, g in self.candidate.grads.items())
+        )
 
 
 def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, seed: int) -> StepResult:
@@ -55,15 +59,17 @@ def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, se
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss, saved = measure_saved(lambda: forward_loss(model, input_ids, labels), input_ids.device,
-                                resident=model.parameters)
+    loss, saved = measure_saved(
+        lambda: forward_loss(model, input_ids, labels), input_ids.device, resident=model.parameters
+    )
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return StepResult(loss.detach(), grads, saved)
 
 
-def verify(model: nn.Module, plan: RecomputeConfig | Plan, input_ids: torch.Tensor,
-           labels: torch.Tensor, seed: int = 0) -> VerifyReport:
+def verify(
+    model: nn.Module, plan: RecomputeConfig | Plan, input_ids: torch.Tensor, labels: torch.Tensor, seed: int = 0
+) -> VerifyReport:
     """Run the batch without recompute, then with `plan` (left applied to `model`)."""
     model.train()
     apply(model, None)

@@ -1,25 +1,27 @@
 """apply(model, plan): find a model's Sites, check the plan against them, install the actions."""
+
 from __future__ import annotations
 
 import contextlib
 import itertools
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torch import Tensor, nn
 
-from remat.engine import DiscardScope, Offloader, Region, checkpoint, current_scope, offloading, output_tensors
-from remat.core.labels import LAYER
-from remat.config.plan import Plan, check_plan
 from remat.config.model_sites import ModelSites, check_config
-from remat.core.problems import Problem, advise
+from remat.config.plan import Plan, check_plan
 from remat.config.recompute import RecomputeConfig
+from remat.core.labels import LAYER
+from remat.core.problems import Problem, advise
+from remat.engine import DiscardScope, Offloader, Region, checkpoint, current_scope, offloading, output_tensors
 from remat.sites.site import Site
 
 
 @dataclass(frozen=True)
-class SiteMap:
+class FoundSites:
     """The Sites of a model, by layer: `layers[i]` is layer i's site, `inner[i]` the sites in it."""
 
     layers: list[Site]
@@ -37,7 +39,7 @@ class SiteMap:
         )
 
 
-def find_sites(model: nn.Module) -> SiteMap:
+def find_sites(model: nn.Module) -> FoundSites:
     """Group a model's Sites by the transformer layer (the module holding a `layer` Site) they sit in."""
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, Site)]
     prefixes = [n.rsplit(".", 1)[0] + "." if "." in n else "" for n, s in named if s.label == LAYER]
@@ -54,7 +56,7 @@ def find_sites(model: nn.Module) -> SiteMap:
             loose.append(site)
     if not layers:  # a model without layer Sites: treat it as one layer holding every site
         inner = [loose] if loose else []
-    return SiteMap(layers, inner, type(model).__name__)
+    return FoundSites(layers, inner, type(model).__name__)
 
 
 def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
@@ -74,9 +76,15 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
         check_plan(plan.layers, plan.full_recompute, model_sites)
         resolved = plan
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    offloader = (Offloader(resolved.min_offloaded_tensor_size, first.device.type if first is not None else None,
-                           resident=_module_tensors(weakref.ref(model)))
-                 if resolved.offloads() else None)
+    offloader = (
+        Offloader(
+            resolved.min_offloaded_tensor_size,
+            first.device.type if first is not None else None,
+            resident=_module_tensors(weakref.ref(model)),
+        )
+        if resolved.offloads()
+        else None
+    )
     _install(sites, resolved, offloader)
     if offloader is None:
         _offloaders.pop(model, None)
@@ -98,9 +106,12 @@ def nothing_offloaded_advice(offloaded_bytes: int, min_numel: int) -> Iterator[P
     """After steps under a plan that offloads: nothing reached the size threshold (a small model
     under the default), where a user would otherwise see no host bytes and no saving, and no reason."""
     if offloaded_bytes == 0:
-        yield Problem("min_offloaded_tensor_size", f"the plan offloads, but no saved tensor had {min_numel} "
-                                                   "elements or more, so nothing moved to host; lower it "
-                                                   "(--min_offloaded_tensor_size) to offload this model's tensors")
+        yield Problem(
+            "min_offloaded_tensor_size",
+            f"the plan offloads, but no saved tensor had {min_numel} "
+            "elements or more, so nothing moved to host; lower it "
+            "(--min_offloaded_tensor_size) to offload this model's tensors",
+        )
 
 
 def warn_if_nothing_offloaded(model: nn.Module) -> None:
@@ -121,13 +132,14 @@ def _module_tensors(model: weakref.ref[nn.Module]) -> Callable[[], Iterator[Tens
     return tensors
 
 
-def _install(sites: SiteMap, plan: Plan, offloader: Offloader | None) -> None:
+def _install(sites: FoundSites, plan: Plan, offloader: Offloader | None) -> None:
     for site in [*sites.layers, *(s for group in sites.inner for s in group)]:
         site.action = None
     grouped: set[int] = set()
     for start, end in plan.full_recompute:
-        offload = (_Offload(offloader, start)
-                   if offloader is not None and plan.layers[start].get(LAYER) == "offload" else None)
+        offload = (
+            _Offload(offloader, start) if offloader is not None and plan.layers[start].get(LAYER) == "offload" else None
+        )
         group = _LayerGroup(end - start, offload)
         for position, i in enumerate(range(start, end)):
             sites.layers[i].action = _GroupMember(group, position)
@@ -170,13 +182,17 @@ def _recompute(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
 def _discard(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     scope = current_scope()
     if scope is None:
-        raise RuntimeError(f"site {site.label!r} is set to discard but was called outside its "
-                           "layer Site; place the layer Site around the layer's forward")
+        raise RuntimeError(
+            f"site {site.label!r} is set to discard but was called outside its "
+            "layer Site; place the layer Site around the layer's forward"
+        )
     return scope.discard(fn, args, kwargs)
 
 
 _ACTIONS: dict[str, Callable[..., Any] | None] = {
-    "keep": None, "recompute": _recompute, "discard": _discard,
+    "keep": None,
+    "recompute": _recompute,
+    "discard": _discard,
 }
 
 
@@ -256,8 +272,10 @@ class _GroupMember:
         if self.position == 0:
             group.region, group.next = Region(), 0
         if group.region is None or group.next != self.position:
-            raise RuntimeError("the layers of a full-recompute group were called out of order; "
-                               "full recompute needs layers called once each, first to last")
+            raise RuntimeError(
+                "the layers of a full-recompute group were called out of order; "
+                "full recompute needs layers called once each, first to last"
+            )
         try:
             with group.offload.context() if group.offload is not None else contextlib.nullcontext():
                 out = group.region.call(fn, args, kwargs, site.before_replay)

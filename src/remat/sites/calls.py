@@ -3,6 +3,7 @@
 remat's models return the loss (or a pipeline stage's hidden states); a Hugging Face-style model
 returns an output holding `.loss`. Every step remat runs (trace, verify, bench) calls through here.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,10 @@ def forward_loss(model: nn.Module, input_ids: Tensor, labels: Tensor) -> Tensor:
         return out
     loss = getattr(out, "loss", None)
     if not isinstance(loss, Tensor):
-        raise TypeError(f"{type(model).__name__}(input_ids, labels=labels) returned {type(out).__name__} without a"
-                        " loss tensor; remat steps a model that returns its loss, or an output with .loss")
+        raise TypeError(
+            f"{type(model).__name__}(input_ids, labels=labels) returned {type(out).__name__} without a"
+            " loss tensor; remat steps a model that returns its loss, or an output with .loss"
+        )
     return loss
 
 

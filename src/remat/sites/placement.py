@@ -8,6 +8,7 @@ model's `core_attn` wraps its attention function, not a module). The Sites becom
 named `remat_site`; they hold no tensors, so parameters, state_dict keys, `.to()` and checkpoints
 are unchanged, and `unadapt` takes every one of them away again.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -17,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 from torch import nn
@@ -29,7 +30,7 @@ from remat.sites.site import Site
 # The child name a placed Site gets on the module it wraps.
 SITE_NAME = "remat_site"
 
-SiteMapLike = Union[Mapping[str, Union[str, Iterable[str]]], str, Path]
+SiteMapLike = Mapping[str, str | Iterable[str]] | str | Path
 
 
 class Adapter(ABC):
@@ -87,11 +88,21 @@ def load_site_map(source: SiteMapLike) -> dict[str, tuple[str, ...]]:
     for label, value in source.items():
         patterns = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
         if label not in site_labels():
-            problems.append(Problem("site_map", f"{label!r} is not a site label{did_you_mean(str(label), site_labels())};"
-                                                f" use one of {', '.join(site_labels())}"))
+            problems.append(
+                Problem(
+                    "site_map",
+                    f"{label!r} is not a site label{did_you_mean(str(label), site_labels())};"
+                    f" use one of {', '.join(site_labels())}",
+                )
+            )
         elif not patterns or not all(isinstance(p, str) and p for p in patterns):
-            problems.append(Problem("site_map", f"{label!r} needs a module path pattern or a list of them"
-                                                f" (e.g. 'model.layers.*.mlp'), not {value!r}"))
+            problems.append(
+                Problem(
+                    "site_map",
+                    f"{label!r} needs a module path pattern or a list of them"
+                    f" (e.g. 'model.layers.*.mlp'), not {value!r}",
+                )
+            )
         else:
             result[label] = patterns
     raise_if_any(problems)
@@ -115,12 +126,21 @@ def _placements(model: nn.Module, site_map: Mapping[str, tuple[str, ...]]) -> It
         for pattern in patterns:
             hits = [(name, module) for name, module in named if matches(pattern, name)]
             if not hits:
-                problems.append(Problem("site_map", f"{label}: pattern {pattern!r} matches no module of "
-                                                    f"{type(model).__name__}; {_near(pattern, named)}"))
+                problems.append(
+                    Problem(
+                        "site_map",
+                        f"{label}: pattern {pattern!r} matches no module of "
+                        f"{type(model).__name__}; {_near(pattern, named)}",
+                    )
+                )
             for name, module in hits:
                 if claimed.setdefault(name, label) != label:
-                    problems.append(Problem("site_map", f"{name} is claimed by both {claimed[name]!r} and"
-                                                        f" {label!r}; a module holds one Site"))
+                    problems.append(
+                        Problem(
+                            "site_map",
+                            f"{name} is claimed by both {claimed[name]!r} and {label!r}; a module holds one Site",
+                        )
+                    )
                 elif not any(found_name == name for _, found_name, _ in found):
                     found.append((label, name, module))
     raise_if_any(problems)
@@ -130,10 +150,16 @@ def _placements(model: nn.Module, site_map: Mapping[str, tuple[str, ...]]) -> It
 def _near(pattern: str, named: list[tuple[str, nn.Module]]) -> str:
     """The module paths a pattern came closest to, to show what to write instead."""
     depth = pattern.count(".")
-    shapes = sorted({".".join("*" if part.isdigit() else part for part in name.split("."))
-                     for name, _ in named if name.count(".") == depth})
-    return "its modules at that depth: " + (", ".join(shapes[:8]) + (" ..." if len(shapes) > 8 else "")
-                                            if shapes else "none")
+    shapes = sorted(
+        {
+            ".".join("*" if part.isdigit() else part for part in name.split("."))
+            for name, _ in named
+            if name.count(".") == depth
+        }
+    )
+    return "its modules at that depth: " + (
+        ", ".join(shapes[:8]) + (" ..." if len(shapes) > 8 else "") if shapes else "none"
+    )
 
 
 class _SitedForward:
@@ -157,6 +183,7 @@ def replace_forward(module: nn.Module, wrap: Callable[[Callable[..., Any]], Call
             module.__dict__.pop("forward", None)
         else:
             module.forward = own  # type: ignore[method-assign]
+
     return undo
 
 
@@ -169,11 +196,13 @@ def _place(adapter: Adapter | None, label: str, module: nn.Module) -> Callable[[
     def undo() -> None:
         unwrap()
         delattr(module, SITE_NAME)
+
     return undo
 
 
-def place_sites(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter | None, *,
-                loss_head: bool = False) -> nn.Module:
+def place_sites(
+    model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter | None, *, loss_head: bool = False
+) -> nn.Module:
     """Place Sites on `model` in place (and return it), so `remat.sites.apply`, `trace` and `plan` act on it.
 
     `site_map`: label -> module path pattern(s), as a mapping or a YAML file; None uses the map of
@@ -183,16 +212,9 @@ def place_sites(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter
     the model's full-vocabulary logits (same loss; the output then carries no logits).
     Raises ConfigError naming every unknown label and every pattern that matches nothing.
     """
-    if site_map is None:
-        if adapter is None:
-            if any(isinstance(m, Site) for m in model.modules()):
-                return model  # a model that places its own Sites
-            raise ConfigError([Problem("site_map", f"remat does not know {type(model).__name__}'s family; give a"
-                                                   " site map: label -> module path patterns, e.g. {'layer':"
-                                                   " 'layers.*', 'mlp': 'layers.*.mlp'}")])
-        wanted = adapter.site_map(model)
-    else:
-        wanted = load_site_map(site_map)
+    if site_map is None and adapter is None and any(isinstance(m, Site) for m in model.modules()):
+        return model  # a model that places its own Sites
+    wanted = _wanted(model, site_map, adapter)
     previous = _ADAPTED.get(model)
     if previous is not None:
         if previous.site_map == wanted and previous.loss_head == loss_head:
@@ -200,17 +222,52 @@ def place_sites(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter
         remove_sites(model)
     own = [name for name, m in model.named_modules() if isinstance(m, Site)]
     if own:
-        raise ConfigError([Problem("site_map", f"{type(model).__name__} already places its own Sites ({own[0]}, ...);"
-                                               " apply plans to it directly, without adapt")])
+        raise ConfigError(
+            [
+                Problem(
+                    "site_map",
+                    f"{type(model).__name__} already places its own Sites ({own[0]},"
+                    " ...); apply plans to it directly, without adapt",
+                )
+            ]
+        )
+    if loss_head and adapter is None:
+        raise ConfigError(
+            [Problem("loss_head", f"remat has no chunked loss head for {type(model).__name__}; leave loss_head off")]
+        )
+    _ADAPTED[model] = _Adaptation(wanted, loss_head, _placed(model, wanted, adapter, loss_head))
+    return model
+
+
+def _wanted(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter | None) -> dict[str, tuple[str, ...]]:
+    """The site map to place: the one given, else the adapter's."""
+    if site_map is not None:
+        return load_site_map(site_map)
+    if adapter is None:
+        raise ConfigError(
+            [
+                Problem(
+                    "site_map",
+                    f"remat does not know {type(model).__name__}'s family; give a site"
+                    " map: label -> module path patterns, e.g. {'layer': 'layers.*',"
+                    " 'mlp': 'layers.*.mlp'}",
+                )
+            ]
+        )
+    return adapter.site_map(model)
+
+
+def _placed(
+    model: nn.Module, wanted: dict[str, tuple[str, ...]], adapter: Adapter | None, loss_head: bool
+) -> tuple[Callable[[], None], ...]:
+    """Prepare the model, swap in the loss head and place each Site; what undoes each step, or
+    every step undone when one fails."""
     placements = list(_placements(model, wanted))
     undo: list[Callable[[], None]] = []
     try:
         if adapter is not None:
             undo.append(adapter.prepare(model))
-        if loss_head:
-            if adapter is None:
-                raise ConfigError([Problem("loss_head", f"remat has no chunked loss head for {type(model).__name__};"
-                                                        " leave loss_head off")])
+        if loss_head and adapter is not None:
             undo.append(adapter.loss_head(model))
         for label, _, module in placements:
             undo.append(_place(adapter, label, module))
@@ -218,8 +275,7 @@ def place_sites(model: nn.Module, site_map: SiteMapLike | None, adapter: Adapter
         for step in reversed(undo):
             step()
         raise
-    _ADAPTED[model] = _Adaptation(wanted, loss_head, tuple(undo))
-    return model
+    return tuple(undo)
 
 
 def compile_sites(model: nn.Module, **compile_kwargs: Any) -> int:
@@ -233,7 +289,8 @@ def compile_sites(model: nn.Module, **compile_kwargs: Any) -> int:
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if not isinstance(forward, _SitedForward) or any(
-                isinstance(m, Site) and m is not forward.site for m in module.modules()):
+            isinstance(m, Site) and m is not forward.site for m in module.modules()
+        ):
             continue
         cls = type(module)
         compiled = by_class.setdefault(cls, torch.compile(cls.forward, **compile_kwargs))

@@ -1,19 +1,21 @@
 """Site: the one wrapper every model uses to mark where remat may act."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from remat.engine import inside_region
 from remat.core.labels import site_labels
+from remat.engine import inside_region
 
 
 class SiteAction(Protocol):
     """What apply() installs on a Site: runs the wrapped call with recompute/discard machinery."""
 
-    def __call__(self, site: "Site", fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
 
 
 class Site(nn.Module):

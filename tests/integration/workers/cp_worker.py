@@ -8,6 +8,7 @@ on, in float64: the plans with hidden dropout and none without, each rank's hidd
 the MoE recipes, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). With 8 (a slow
 test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full gradients and expert biases of each,
 each rank's share of a sequence, the bench runs and the refusals to the file argv[1]."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,16 +55,38 @@ CP_TP_PLANS: dict[str, RecomputeConfig | None] = {
 }
 
 
-def spec(dropout: float = 0.0, task: str = "pretrain", context_parallel: int = CP, tensor_parallel: int = 1,
-         sequence_parallel: bool = False, compute_dtype: str = "fp32", recipe: str = "llama3_tiny",
-         pipeline: tuple[int, int | None] = (1, None), **more: Any) -> RunSpec:
+def spec(
+    dropout: float = 0.0,
+    task: str = "pretrain",
+    context_parallel: int = CP,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    compute_dtype: str = "fp32",
+    recipe: str = "llama3_tiny",
+    pipeline: tuple[int, int | None] = (1, None),
+    **more: Any,
+) -> RunSpec:
     """4 layers, attention through SDPA; fp32 by default (torch's ring merges its blocks in fp32);
     `pipeline`: pp and vp."""
-    layout = ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline[0],
-                            vp=pipeline[1], num_gpus=context_parallel * tensor_parallel * pipeline[0])
-    return RunSpec(recipe=recipe, overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ,
-                                                 hidden_dropout=dropout), precision=Precision(compute_dtype),
-                   device="cpu", task=task, optimizer=False, global_batch_size=MICRO_BATCHES, layout=layout, **more)
+    layout = ParallelLayout(
+        cp=context_parallel,
+        tp=tensor_parallel,
+        sp=sequence_parallel,
+        pp=pipeline[0],
+        vp=pipeline[1],
+        num_gpus=context_parallel * tensor_parallel * pipeline[0],
+    )
+    return RunSpec(
+        recipe=recipe,
+        overrides=dict(num_layers=fsdp_worker.LAYERS, seq_length=SEQ, hidden_dropout=dropout),
+        precision=Precision(compute_dtype),
+        device="cpu",
+        task=task,
+        optimizer=False,
+        global_batch_size=MICRO_BATCHES,
+        layout=layout,
+        **more,
+    )
 
 
 def moe_spec(recipe: str, context_parallel: int = CP, pipeline: tuple[int, int | None] = (1, None)) -> RunSpec:
@@ -128,7 +151,7 @@ def whole_grad(run: RunSpec, grad: torch.Tensor, shape: torch.Size) -> torch.Ten
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, grad)
     first = dist.get_rank() // tp * tp
-    return torch.cat(every[first:first + tp], next(d for d, (a, b) in enumerate(zip(grad.shape, shape)) if a != b))
+    return torch.cat(every[first : first + tp], next(d for d, (a, b) in enumerate(zip(grad.shape, shape)) if a != b))
 
 
 def shares() -> list[list[int]]:
@@ -157,9 +180,11 @@ def refusals() -> dict[str, list[str]]:
     eager = remat.models.build("llama3_tiny", attention_backend="eager", attention_dropout=0.1, seq_length=SEQ)
     short = build_model(spec())
     ids = torch.zeros(1, SEQ // 2, dtype=torch.long)
-    return {"mesh": refusal(lambda: parallel.context_parallel_model(fsdp_worker.model(0.0), two_d)),
-            "model": refusal(lambda: parallel.context_parallel_model(eager, cp_mesh)),
-            "short": refusal(lambda: parallel.sharded(short, [(ids, ids.clone())]).__enter__())}
+    return {
+        "mesh": refusal(lambda: parallel.context_parallel_model(fsdp_worker.model(0.0), two_d)),
+        "model": refusal(lambda: parallel.context_parallel_model(eager, cp_mesh)),
+        "short": refusal(lambda: parallel.sharded(short, [(ids, ids.clone())]).__enter__()),
+    }
 
 
 def hidden_masks(sp: bool) -> list[list[torch.Tensor]]:
@@ -178,11 +203,19 @@ def bench(tensor_parallel: int = 1, pipeline: int = 1) -> tuple[str, list[float]
     """remat bench's run on this torchrun's ranks (what `remat bench -cp 2 [-tp 2 | -pp 2] -ng N`
     runs; 2 micro-batches, as 1F1B over 2 stages needs)."""
     layout = ParallelLayout(cp=CP, tp=tensor_parallel, pp=pipeline, num_gpus=CP * tensor_parallel * pipeline)
-    result = run_bench(BenchSpec(recipe="llama3_tiny", overrides=dict(num_layers=2), precision=Precision("fp32"),
-                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
-                                 layout=layout),
-                       RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                       recompute_num_layers=1))
+    result = run_bench(
+        BenchSpec(
+            recipe="llama3_tiny",
+            overrides=dict(num_layers=2),
+            precision=Precision("fp32"),
+            device="cpu",
+            max_steps=2,
+            warmup_steps=1,
+            global_batch_size=MICRO_BATCHES,
+            layout=layout,
+        ),
+        RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    )
     return result.status, result.losses or []
 
 
@@ -191,8 +224,11 @@ def results() -> dict[str, object]:
     found |= {f"{task}:none": step(spec(task=task), None) for task in ("pretrain", "sft")}
     # Megatron's selective recompute of attention and the MoE layer (MLA's up projections too),
     # and full recompute of single layers: each replays the ring and the router's reduction
-    found |= {f"{recipe}:{name}": step(moe_spec(recipe), moe_worker.plan(recipe, name))
-              for recipe in MOE for name in MOE_PLANS}
+    found |= {
+        f"{recipe}:{name}": step(moe_spec(recipe), moe_worker.plan(recipe, name))
+        for recipe in MOE
+        for name in MOE_PLANS
+    }
     found["shares"] = shares()
     found["refusals"] = refusals()
     found["bench"] = bench()
@@ -210,25 +246,35 @@ def sequence_split_refusal() -> list[str]:
 
 
 def cp_tp_results() -> dict[str, object]:
-    found: dict[str, object] = {f"{name}@sp={sp}@0.1": step(cp_tp_spec(sp, 0.1), plan)
-                                for sp in (False, True) for name, plan in CP_TP_PLANS.items()}
+    found: dict[str, object] = {
+        f"{name}@sp={sp}@0.1": step(cp_tp_spec(sp, 0.1), plan)
+        for sp in (False, True)
+        for name, plan in CP_TP_PLANS.items()
+    }
     found |= {f"none@sp={sp}@0.0": step(cp_tp_spec(sp), None) for sp in (False, True)}
     found |= {f"masks@sp={sp}": hidden_masks(sp) for sp in (False, True)}
     # the MoE recipes split as by tensor parallelism alone (router replicated on the tp group's
     # tokens, experts' FFN by rank), selective recompute replaying the ring and the MoE's collectives
-    found |= {f"{recipe}:{name}@sp={sp}": step(spec(recipe=recipe, tensor_parallel=TP, sequence_parallel=sp,
-                                                    compute_dtype="fp64"), moe_worker.plan(recipe, name))
-              for recipe, name, sp in MOE_TP}
+    found |= {
+        f"{recipe}:{name}@sp={sp}": step(
+            spec(recipe=recipe, tensor_parallel=TP, sequence_parallel=sp, compute_dtype="fp64"),
+            moe_worker.plan(recipe, name),
+        )
+        for recipe, name, sp in MOE_TP
+    }
     found["sequence split"] = sequence_split_refusal()
     found["bench"] = bench(TP)
     # experts over the 2 data-parallel ranks beside cp 2: the same step as without expert parallelism
-    found |= {f"ep:{ep}:{name}": ep_cp_step("moe_tiny", ep, moe_worker.plan("moe_tiny", name))
-              for ep, name in ((1, "none"), (2, "none"), (2, "selective"))}
+    found |= {
+        f"ep:{ep}:{name}": ep_cp_step("moe_tiny", ep, moe_worker.plan("moe_tiny", name))
+        for ep, name in ((1, "none"), (2, "none"), (2, "selective"))
+    }
     return found | cp_pp_results()
 
 
-def ep_cp_step(recipe: str, ep: int, plan: object) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                            dict[str, torch.Tensor]]:
+def ep_cp_step(
+    recipe: str, ep: int, plan: object
+) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One step of the MoE recipe over dp 2 x cp 2 (float64), its experts split over the 2
     data-parallel ranks with `ep` 2: the loss, every gradient whole (an expert weight's gathered
     from its expert-parallel group), the expert biases after the balancing step, and how many
@@ -250,22 +296,30 @@ def cp_pp_results() -> dict[str, object]:
     """-cp 2 beside -pp 2 (1F1B; interleaved with 2 virtual stages), float64: every plan with
     hidden dropout, and without dropout pretrain and SFT (unequal shares of labelled tokens); the
     MoE recipes without recompute and with full recompute of single layers."""
+
     def pp_spec(vp: int | None = None, **kwargs: Any) -> RunSpec:
         return spec(compute_dtype="fp64", pipeline=(PP, vp), **kwargs)
-    found: dict[str, object] = {f"pp:{name}@0.1": step(pp_spec(dropout=0.1), plan)
-                                for name, plan in CP_TP_PLANS.items()}
+
+    found: dict[str, object] = {
+        f"pp:{name}@0.1": step(pp_spec(dropout=0.1), plan) for name, plan in CP_TP_PLANS.items()
+    }
     found |= {f"pp:{task}": step(pp_spec(task=task), None) for task in ("pretrain", "sft")}
     found["pp:interleaved"] = step(pp_spec(vp=2, task="sft"), None)
-    found |= {f"pp:{recipe}:{name}": step(moe_spec(recipe, pipeline=(PP, None)), moe_worker.plan(recipe, name))
-              for recipe in MOE for name in ("none", "full_uniform_1")}
+    found |= {
+        f"pp:{recipe}:{name}": step(moe_spec(recipe, pipeline=(PP, None)), moe_worker.plan(recipe, name))
+        for recipe in MOE
+        for name in ("none", "full_uniform_1")
+    }
     found["pp:bench"] = bench(pipeline=PP)
     return found
 
 
 def cp_pp_tp_results() -> dict[str, object]:
     """pp 2 x cp 2 x tp 2, SFT in float64: sequence parallelism off and on, and full recompute."""
+
     def run(sp: bool) -> RunSpec:
         return spec(task="sft", tensor_parallel=TP, sequence_parallel=sp, compute_dtype="fp64", pipeline=(PP, None))
+
     return {f"sp={sp}": step(run(sp), None) for sp in (False, True)} | {"full": step(run(True), CP_TP_PLANS["full"])}
 
 

@@ -11,6 +11,7 @@
   one step per plan, without dropout and with it.
 
 Rank 0 saves everything to the file argv[1], gradients whole."""
+
 from __future__ import annotations
 
 import warnings
@@ -38,9 +39,15 @@ TP_PLANS = ("none", "selective", "full_uniform_2")
 
 def tensor_parallel_spec(recipe: str, sequence_parallel: bool, dropout: float) -> RunSpec:
     overrides = {**OVERRIDES, "attention_dropout": dropout, "hidden_dropout": dropout}
-    return RunSpec(recipe=recipe, overrides=overrides, global_batch_size=GPUS // TP, precision=Precision("fp64"),
-                   device="cpu", optimizer=False,
-                   layout=ParallelLayout(tp=TP, sp=sequence_parallel, ep=EP, num_gpus=GPUS))
+    return RunSpec(
+        recipe=recipe,
+        overrides=overrides,
+        global_batch_size=GPUS // TP,
+        precision=Precision("fp64"),
+        device="cpu",
+        optimizer=False,
+        layout=ParallelLayout(tp=TP, sp=sequence_parallel, ep=EP, num_gpus=GPUS),
+    )
 
 
 def _gather(grad: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -72,22 +79,29 @@ def tensor_parallel(recipe: str, sequence_parallel: bool, dropout: float, name: 
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
         build.apply_plan(s, model, plan(recipe, name))
     replica = s.layout.coordinates(dist.get_rank()).dp
-    loss = steps.forward_backward(model, Data(batches(2)[replica:replica + 1]), 1)  # type: ignore[arg-type]
-    return {"loss": mean_over_ranks(loss).item(),
-            "grads": whole_grads(model, shapes, s.layout.mesh("cpu")["tp"].get_group())}
+    loss = steps.forward_backward(model, Data(batches(2)[replica : replica + 1]), 1)  # type: ignore[arg-type]
+    return {
+        "loss": mean_over_ranks(loss).item(),
+        "grads": whole_grads(model, shapes, s.layout.mesh("cpu")["tp"].get_group()),
+    }
 
 
 def results() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for (recipe, layout), names in CASES.items():
         source = {name: t.detach().clone() for name, t in state(whole(recipe)).items()}
-        found.update({f"{recipe}:{layout}:{name}": pipelined(spec(recipe, layout, GPUS, EP), name, source)
-                      for name in names})
+        found.update(
+            {f"{recipe}:{layout}:{name}": pipelined(spec(recipe, layout, GPUS, EP), name, source) for name in names}
+        )
     for recipe in ("moe_tiny", "deepseek_tiny"):
         for sp in (False, True):  # the plans with dropout under sequence parallelism (its rank streams too)
             runs = [("none", 0.0)] + ([(name, DROPOUT) for name in TP_PLANS] if sp else [])
-            found.update({f"tp:{recipe}:sp={sp}:{name}@{dropout}": tensor_parallel(recipe, sp, dropout, name)
-                          for name, dropout in runs})
+            found.update(
+                {
+                    f"tp:{recipe}:sp={sp}:{name}@{dropout}": tensor_parallel(recipe, sp, dropout, name)
+                    for name, dropout in runs
+                }
+            )
     return found
 
 

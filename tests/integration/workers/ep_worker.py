@@ -4,6 +4,7 @@ under FSDP2; one step per plan on this rank's share of a global batch, dropout o
 every rank's loss, the full gradients (the experts' gathered from their expert-parallel group, in
 expert order), how many token exchanges each step ran, and the refusals to the file named by
 argv[1]. With 4 processes (2 ranks holding the same experts) it runs the same."""
+
 from __future__ import annotations
 
 import warnings
@@ -34,8 +35,14 @@ SEED, STEP_SEED = 0, 100  # the weights'; the step's, + the rank: each rank its 
 
 
 # moe_tiny with one dense layer then 3 MoE layers (4 experts, top-2, shared experts)
-SHAPE: dict[str, Any] = dict(num_layers=LAYERS, moe_layer_freq="[0]*1+[1]*3", seq_length=SEQ,
-                             attention_backend="eager", attention_dropout=DROPOUT, hidden_dropout=DROPOUT)
+SHAPE: dict[str, Any] = dict(
+    num_layers=LAYERS,
+    moe_layer_freq="[0]*1+[1]*3",
+    seq_length=SEQ,
+    attention_backend="eager",
+    attention_dropout=DROPOUT,
+    hidden_dropout=DROPOUT,
+)
 
 
 def model(ep: int = 1, etp: int | None = None) -> torch.nn.Module:
@@ -43,13 +50,20 @@ def model(ep: int = 1, etp: int | None = None) -> torch.nn.Module:
     torch.manual_seed(SEED)
     family = family_of(RECIPE)
     config = family.config(RECIPE, **SHAPE)
-    return family.build(family.shard(config, ParallelLayout(ep=ep, etp=etp), range(config.num_layers)),
-                        dtype=torch.float64)
+    return family.build(
+        family.shard(config, ParallelLayout(ep=ep, etp=etp), range(config.num_layers)), dtype=torch.float64
+    )
 
 
 def spec(ranks: int) -> RunSpec:
-    return RunSpec(RECIPE, SHAPE, layout=ParallelLayout(ep=EP, num_gpus=ranks), precision=Precision("fp64"),
-                   device="cpu", seed=SEED)
+    return RunSpec(
+        RECIPE,
+        SHAPE,
+        layout=ParallelLayout(ep=EP, num_gpus=ranks),
+        precision=Precision("fp64"),
+        device="cpu",
+        seed=SEED,
+    )
 
 
 def split_model() -> torch.nn.Module:
@@ -120,6 +134,7 @@ class CountedExchanges:
         def counted(dispatch: AllToAll, *args: Any) -> torch.Tensor:
             self.calls += 1
             return self.exchange(dispatch, *args)
+
         AllToAll.__call__ = counted  # type: ignore[method-assign]
         return self
 
@@ -153,10 +168,13 @@ def refusals() -> dict[str, str]:
         return build("llama3_tiny", num_layers=1)
 
     two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
-    return {"built_for_another_size": refusal(lambda: model(1, etp=2)),
-            "not_dividing": refusal(lambda: model(1), ep=4),
-            "dense": refusal(dense), "mesh": refusal(lambda: model(EP), mesh=two_d),
-            "unnamed": refusal(lambda: model(EP), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))}
+    return {
+        "built_for_another_size": refusal(lambda: model(1, etp=2)),
+        "not_dividing": refusal(lambda: model(1), ep=4),
+        "dense": refusal(dense),
+        "mesh": refusal(lambda: model(EP), mesh=two_d),
+        "unnamed": refusal(lambda: model(EP), mesh=init_device_mesh("cpu", (dist.get_world_size(),))),
+    }
 
 
 def held_bytes() -> list[int]:

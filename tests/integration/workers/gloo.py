@@ -1,5 +1,6 @@
 """What every worker does under torchrun: join the gloo group, compute its results on every rank,
 and have rank 0 save them to the file named by argv[1]."""
+
 from __future__ import annotations
 
 import sys

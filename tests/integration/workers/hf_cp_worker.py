@@ -6,6 +6,7 @@ chunked loss head, hf:mixtral without recompute; and a bench run. With 4 (a slow
 beside -tp 2 (sequence parallelism off and on) and beside -pp 2 (the stages loaded with one
 process's weights). Rank 0 saves the mean loss and the full gradients of each, and the bench
 run, to argv[1]."""
+
 from __future__ import annotations
 
 import warnings
@@ -31,23 +32,45 @@ from remat.run.step import MockData, forward_backward
 CP, SEQ, SFT_SEQ, MICRO_BATCHES = 2, 16, 72, 2
 PLANS: dict[str, RecomputeConfig | None] = {
     "none": None,
-    "selective": RecomputeConfig(recompute_granularity="selective",
-                                 recompute_modules=["core_attn", "layernorm", "mlp"]),
+    "selective": RecomputeConfig(
+        recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "mlp"]
+    ),
     "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
 }
 # the loss averaged over the ranks and the full gradients, named as in the whole model
 Step = tuple[float, dict[str, torch.Tensor]]
 
 
-def spec(recipe: str = "hf:llama", task: str = "pretrain", context_parallel: int = CP, tensor_parallel: int = 1,
-         sequence_parallel: bool = False, pipeline: int = 1, seq_length: int = SEQ,
-         compile: bool = False) -> RunSpec:
+def spec(
+    recipe: str = "hf:llama",
+    task: str = "pretrain",
+    context_parallel: int = CP,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    pipeline: int = 1,
+    seq_length: int = SEQ,
+    compile: bool = False,
+) -> RunSpec:
     """2 layers in float64 (torch's ring merges its blocks in float32: see the test); `compile`:
     with the chunked loss head, as a compiled run has it (see step)."""
-    layout = ParallelLayout(cp=context_parallel, tp=tensor_parallel, sp=sequence_parallel, pp=pipeline,
-                            num_gpus=context_parallel * tensor_parallel * pipeline)
-    return RunSpec(recipe=recipe, overrides=dict(seq_length=seq_length), precision=Precision("fp64"), device="cpu",
-                   task=task, optimizer=False, global_batch_size=MICRO_BATCHES, compile=compile, layout=layout)
+    layout = ParallelLayout(
+        cp=context_parallel,
+        tp=tensor_parallel,
+        sp=sequence_parallel,
+        pp=pipeline,
+        num_gpus=context_parallel * tensor_parallel * pipeline,
+    )
+    return RunSpec(
+        recipe=recipe,
+        overrides=dict(seq_length=seq_length),
+        precision=Precision("fp64"),
+        device="cpu",
+        task=task,
+        optimizer=False,
+        global_batch_size=MICRO_BATCHES,
+        compile=compile,
+        layout=layout,
+    )
 
 
 def step(run: RunSpec, plan: RecomputeConfig | None = None) -> Step:
@@ -62,8 +85,11 @@ def step(run: RunSpec, plan: RecomputeConfig | None = None) -> Step:
         warnings.simplefilter("ignore", remat.RematWarning)
         apply_plan(run, model, plan)
     loss = parallel.mean_over_ranks(forward_backward(model, MockData(run), run.micro_batches))
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
-             for chunk in parallel.model_chunks(model) for name, p in chunk.named_parameters()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+        for chunk in parallel.model_chunks(model)
+        for name, p in chunk.named_parameters()
+    }
     if isinstance(model, parallel.Pipeline):  # each pipeline rank holds its stages'
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, grads)
@@ -83,11 +109,19 @@ def load(chunk: torch.nn.Module, whole: dict[str, torch.Tensor]) -> None:
 
 def bench() -> tuple[str, list[float]]:
     """What `remat bench -mr hf:llama -cp 2 -ng 2 --device cpu` runs, full recompute."""
-    result = run_bench(BenchSpec(recipe="hf:llama", overrides=dict(seq_length=SEQ), precision=Precision("fp32"),
-                                 device="cpu", max_steps=2, warmup_steps=1, global_batch_size=MICRO_BATCHES,
-                                 layout=ParallelLayout(cp=CP, num_gpus=CP)),
-                       RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                       recompute_num_layers=1))
+    result = run_bench(
+        BenchSpec(
+            recipe="hf:llama",
+            overrides=dict(seq_length=SEQ),
+            precision=Precision("fp32"),
+            device="cpu",
+            max_steps=2,
+            warmup_steps=1,
+            global_batch_size=MICRO_BATCHES,
+            layout=ParallelLayout(cp=CP, num_gpus=CP),
+        ),
+        RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    )
     return result.status, result.losses or []
 
 
@@ -103,8 +137,12 @@ def results() -> dict[str, object]:
 
 
 def four_results() -> dict[str, object]:
-    found: dict[str, object] = {f"llama:{name}@sp={sp}": step(spec(tensor_parallel=2, sequence_parallel=sp), plan)
-                                for sp in (False, True) for name, plan in PLANS.items() if name != "full"}
+    found: dict[str, object] = {
+        f"llama:{name}@sp={sp}": step(spec(tensor_parallel=2, sequence_parallel=sp), plan)
+        for sp in (False, True)
+        for name, plan in PLANS.items()
+        if name != "full"
+    }
     found["mixtral@tp"] = step(spec("hf:mixtral", tensor_parallel=2))
     found["llama@pp"] = step(spec(pipeline=2))
     found["llama@pp:selective"] = step(spec(pipeline=2), PLANS["selective"])

@@ -13,6 +13,7 @@ rank 0 runs the same model untied (its output layer a copy of the embedding), wh
 summed are the pipeline's arithmetic for the tied weight. The last stage's copy is drawn anew
 before the pipeline starts it as the first's. Under 4 processes the tied model also runs 1F1B on
 pp 2 x dp 2, each stage sharded by FSDP2."""
+
 from __future__ import annotations
 
 import warnings
@@ -44,8 +45,13 @@ TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 def config(family: str, dropout: float, tied: bool | None = None) -> Any:
     """`tied`: the tied family's model with tie_word_embeddings so (None: as the family has it)."""
     if family == TIED:
-        return FAMILY.config("hf:llama", num_layers=LAYERS, seq_length=SEQ, attention_dropout=dropout,
-                             tie_word_embeddings=tied is not False)
+        return FAMILY.config(
+            "hf:llama",
+            num_layers=LAYERS,
+            seq_length=SEQ,
+            attention_dropout=dropout,
+            tie_word_embeddings=tied is not False,
+        )
     return FAMILY.config(f"hf:{family}", num_layers=LAYERS, seq_length=SEQ, attention_dropout=dropout)
 
 
@@ -55,8 +61,9 @@ def whole(family: str, dropout: float) -> nn.Module:
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    ids = torch.randint(0, config("llama", 0.0).vocab_size, (MICRO_BATCHES, 1, SEQ),
-                        generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, config("llama", 0.0).vocab_size, (MICRO_BATCHES, 1, SEQ), generator=torch.Generator().manual_seed(1)
+    )
     return [(i, i) for i in ids]  # HF's causal-LM loss shifts the labels itself
 
 
@@ -86,19 +93,22 @@ def one_process(family: str, untied: bool = False) -> tuple[float, dict[str, tor
     return total, grads
 
 
-def step(family: str, layout: ParallelLayout, plan: Any, dropout: float,
-         sharded: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+def step(
+    family: str, layout: ParallelLayout, plan: Any, dropout: float, sharded: bool = False
+) -> tuple[float, dict[str, torch.Tensor]]:
     """`sharded`: the ranks beside each stage's are its FSDP2 data-parallel ranks (each on the same
     batches, so their mean gradient is one rank's), else its tensor-parallel ranks."""
     tp = 1 if sharded else dist.get_world_size() // layout.pp
-    mesh = init_device_mesh("cpu", (layout.pp, dist.get_world_size() // layout.pp),
-                            mesh_dim_names=("pp", "dp" if sharded else "tp"))
+    mesh = init_device_mesh(
+        "cpu", (layout.pp, dist.get_world_size() // layout.pp), mesh_dim_names=("pp", "dp" if sharded else "tp")
+    )
     rank, source = mesh["pp"].get_local_rank(), weights(whole(family, dropout))
     stages = []
     for index in layout.stage_indices(rank):
         shard = FAMILY.shard(config(family, dropout), layout, layout.chunk_layers(LAYERS, index))
-        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
-                             post_process=index == layout.chunks - 1).train()
+        stage = FAMILY.build(
+            shard, dtype=torch.float64, pre_process=index == 0, post_process=index == layout.chunks - 1
+        ).train()
         with torch.no_grad():  # a stage's parameters carry the whole model's names
             for name, p in stage.named_parameters():
                 p.copy_(source[name])
@@ -114,12 +124,16 @@ def step(family: str, layout: ParallelLayout, plan: Any, dropout: float,
                 remat.apply(stage, stage_plan(plan, layout, LAYERS, index))
         stages.append(stage)
     hidden = torch.empty(1, SEQ, stages[0].model.config.hidden_size, dtype=torch.float64, device="meta")
-    pipeline = Pipeline(stages, layout, pipeline_rank=rank, hidden=hidden, micro_batches=MICRO_BATCHES,
-                        group=mesh["pp"].get_group())
+    pipeline = Pipeline(
+        stages, layout, pipeline_rank=rank, hidden=hidden, micro_batches=MICRO_BATCHES, group=mesh["pp"].get_group()
+    )
     torch.manual_seed(100 + rank)
     loss = pipeline.forward_backward(batches())
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
-             for stage in stages for name, p in stage.named_parameters()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+        for stage in stages
+        for name, p in stage.named_parameters()
+    }
     gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, grads)
     return loss.item(), {k: v for g in gathered for k, v in g.items()}

@@ -2,6 +2,7 @@
 Face Llama and Mixtral causal LMs (float64, built from configs, adapted), split by their own
 tensor-parallel plans, one step per plan on the same batch on both ranks, attention dropout off
 and on; and the same model on one process. Rank 0 saves every result to the file named by argv[1]."""
+
 from __future__ import annotations
 
 import warnings
@@ -27,10 +28,13 @@ SEQUENCE_PARALLEL = ("llama",)  # Mixtral's experts, whole on every rank, refuse
 
 
 def plans(block: str) -> dict[str, RecomputeConfig | None]:
-    return {"none": None,
-            "selective": RecomputeConfig(recompute_granularity="selective",
-                                         recompute_modules=["core_attn", "layernorm", block]),
-            "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    return {
+        "none": None,
+        "selective": RecomputeConfig(
+            recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", block]
+        ),
+        "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }
 
 
 def model(family: str, dropout: float) -> torch.nn.Module:
@@ -50,8 +54,10 @@ def step(net: torch.nn.Module, plan: RecomputeConfig | None) -> tuple[float, dic
     torch.manual_seed(STEP_SEED)
     loss = net(ids, labels=ids).loss
     loss.backward()
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
-             for name, p in net.named_parameters()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+        for name, p in net.named_parameters()
+    }
     return float(loss), grads
 
 
@@ -69,7 +75,8 @@ def tokens_a_norm_sees(family: str) -> list[int]:
     net = parallelize_tensor(model(family, 0.0), sequence_parallel=True)
     seen: list[int] = []
     net.model.layers[1].post_attention_layernorm.register_forward_pre_hook(
-        lambda _, args: seen.extend(args[0].to_local().shape))
+        lambda _, args: seen.extend(args[0].to_local().shape)
+    )
     net(torch.zeros(BATCH, SEQ, dtype=torch.long))
     return seen
 
@@ -81,7 +88,8 @@ def results() -> dict[str, Any]:
             for dropout in (0.0, 0.1):
                 for name, plan in plans(block).items():
                     found[f"{family}@sp={sp}@{name}@{dropout}"] = step(
-                        parallelize_tensor(model(family, dropout), sequence_parallel=sp), plan)
+                        parallelize_tensor(model(family, dropout), sequence_parallel=sp), plan
+                    )
         found[f"{family}@one process"] = step(model(family, 0.0), None)
         split = parallelize_tensor(model(family, 0.0), sequence_parallel=False)
         found[f"{family}@rank stream"] = [draws_from_rank_stream(family, dropout) for dropout in (0.0, 0.1)]
@@ -89,8 +97,9 @@ def results() -> dict[str, Any]:
         if family in SEQUENCE_PARALLEL:
             found[f"{family}@tokens a norm sees"] = tokens_a_norm_sees(family)
     losses: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, {k: v[0] for k, v in found.items() if isinstance(v, tuple) and len(v) == 2
-                                    and isinstance(v[0], float)})
+    dist.all_gather_object(
+        losses, {k: v[0] for k, v in found.items() if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], float)}
+    )
     found["every rank's losses"] = losses
     return found
 

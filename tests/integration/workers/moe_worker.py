@@ -8,6 +8,7 @@
   on micro-batches of its own, two balancing steps.
 
 Rank 0 saves everything to the file argv[1], gradients and biases named as in the whole model."""
+
 from __future__ import annotations
 
 import re
@@ -47,8 +48,15 @@ CASES: dict[tuple[str, str], tuple[str, ...]] = {
 
 def spec(recipe: str, layout: str | None = None, num_gpus: int | None = None, ep: int = 1) -> RunSpec:
     pp, vp = LAYOUTS[layout] if layout else (1, None)
-    return RunSpec(recipe=recipe, overrides=OVERRIDES, global_batch_size=MICRO_BATCHES, precision=Precision("fp64"),
-                   device="cpu", optimizer=False, layout=ParallelLayout(pp=pp, vp=vp, ep=ep, num_gpus=num_gpus))
+    return RunSpec(
+        recipe=recipe,
+        overrides=OVERRIDES,
+        global_batch_size=MICRO_BATCHES,
+        precision=Precision("fp64"),
+        device="cpu",
+        optimizer=False,
+        layout=ParallelLayout(pp=pp, vp=vp, ep=ep, num_gpus=num_gpus),
+    )
 
 
 def plan(recipe: str, name: str) -> RecomputeConfig | None:
@@ -56,10 +64,12 @@ def plan(recipe: str, name: str) -> RecomputeConfig | None:
     if name == "none":
         return None
     if name == "selective":
-        return RecomputeConfig.from_megatron({**facts, "recompute_granularity": "selective",
-                                              "recompute_modules": SELECTIVE[recipe]})
-    return RecomputeConfig.from_megatron({**facts, "recompute_granularity": "full", "recompute_method": "uniform",
-                                          "recompute_num_layers": int(name[-1])})
+        return RecomputeConfig.from_megatron(
+            {**facts, "recompute_granularity": "selective", "recompute_modules": SELECTIVE[recipe]}
+        )
+    return RecomputeConfig.from_megatron(
+        {**facts, "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": int(name[-1])}
+    )
 
 
 def whole(recipe: str) -> nn.Module:
@@ -77,7 +87,7 @@ def whole(recipe: str) -> nn.Module:
 
 def batches(count: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ids = torch.randint(0, 512, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
-    return [(ids[i:i + 1, :-1], ids[i:i + 1, 1:]) for i in range(count)]
+    return [(ids[i : i + 1, :-1], ids[i : i + 1, 1:]) for i in range(count)]
 
 
 class Data:
@@ -116,7 +126,7 @@ def load(chunk: nn.Module, source: Mapping[str, torch.Tensor]) -> None:
         whole, target = source[global_], own[local]
         if (moe := _experts_of(chunk, local)) is not None:
             first = moe.experts.first_expert
-            whole = whole[first:first + target.shape[0]]
+            whole = whole[first : first + target.shape[0]]
         if isinstance(target, DTensor):
             whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
         target.copy_(whole)
@@ -145,7 +155,7 @@ def pipelined(s: RunSpec, name: str, source: Mapping[str, torch.Tensor]) -> dict
         warnings.simplefilter("ignore", remat.RematWarning)  # moe on the dense first layer
         build.apply_plan(s, model, plan(s.recipe, name))
     replica = s.layout.coordinates(dist.get_rank()).dp
-    mine = batches(MICRO_BATCHES)[replica * s.micro_batches:(replica + 1) * s.micro_batches]
+    mine = batches(MICRO_BATCHES)[replica * s.micro_batches : (replica + 1) * s.micro_batches]
     loss = steps.forward_backward(model, Data(mine), s.micro_batches)  # type: ignore[arg-type]
     after_optimizer_step(model)
     found: dict[str, dict[Any, Any]] = {"kinds": {}, "grads": {}, "bias": {}, "experts": {}}
@@ -159,8 +169,10 @@ def pipelined(s: RunSpec, name: str, source: Mapping[str, torch.Tensor]) -> dict
         for index, layer in zip(chunk.config.layers, chunk.decoder.layers):  # type: ignore[union-attr]
             found["kinds"][index] = type(layer.mlp).__name__
             if getattr(layer.mlp, "dispatch", None) is not None:  # which experts, split over which ranks
-                found["experts"][index, dist.get_rank()] = (layer.mlp.experts.first_expert,
-                                                            dist.get_process_group_ranks(layer.mlp.dispatch.group))
+                found["experts"][index, dist.get_rank()] = (
+                    layer.mlp.experts.first_expert,
+                    dist.get_process_group_ranks(layer.mlp.dispatch.group),
+                )
     gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, found)
     merged = {key: {k: v for g in gathered for k, v in g[key].items()} for key in found}
@@ -180,7 +192,7 @@ def data_parallel() -> dict[str, Any]:
     given = batches(2 * per_rank * 2, seed=3)  # two steps of the global batch
     biases = []
     for k in range(2):
-        mine = given[(2 * k + rank) * per_rank:(2 * k + rank + 1) * per_rank]
+        mine = given[(2 * k + rank) * per_rank : (2 * k + rank + 1) * per_rank]
         steps.forward_backward(model, Data(mine), per_rank)
         after_optimizer_step(model)
         biases.append({n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")})
@@ -195,8 +207,9 @@ def results() -> dict[str, Any]:
         source = {name: t.detach().clone() for name, t in state(whole(recipe)).items()}
         for (r, layout), names in CASES.items():
             if r == recipe:
-                found.update({f"{recipe}:{layout}:{name}": pipelined(spec(recipe, layout), name, source)
-                              for name in names})
+                found.update(
+                    {f"{recipe}:{layout}:{name}": pipelined(spec(recipe, layout), name, source) for name in names}
+                )
     found["data_parallel"] = data_parallel()
     return found
 

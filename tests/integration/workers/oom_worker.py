@@ -2,6 +2,7 @@
 in its first MLP forward and rank 0 does not. The OOM is CUDA's, simulated on CPU: torch's message
 with rank 1's numbers (RANK1_MESSAGE). In the process that starts torchrun (no RANK), torchrun runs
 this script on each rank instead of `python -m remat`."""
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,12 @@ from remat.models.llama import MLP
 from remat.parallel import launch
 
 # rank 1's numbers as torch >= 2.1 writes them: 75.80 GiB allocated, 77.00 GiB reserved, of 79.11 GiB
-RANK1_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
-                 " 1.05 GiB is free. Including non-PyTorch memory, this process has 78.05 GiB memory in use. Of the"
-                 " allocated memory 75.80 GiB is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but"
-                 " unallocated.")
+RANK1_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
+    " 1.05 GiB is free. Including non-PyTorch memory, this process has 78.05 GiB memory in use. Of the"
+    " allocated memory 75.80 GiB is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but"
+    " unallocated."
+)
 REAL_FORWARD = MLP.forward
 
 

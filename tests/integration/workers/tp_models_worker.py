@@ -4,6 +4,7 @@ DeepSeek-V3's multi-latent attention, MoE layers), each split over 2 ranks with 
 sequence parallelism, one step per plan on the same batch on both ranks. Rank 0 saves every
 result to the file named by argv[1]: each rank's loss, the full gradients (the experts' slices
 gathered), and the parameters held whole on every rank whose gradients differ between ranks."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,14 +28,23 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
     "qk_layernorm": ("llama3_tiny", dict(qk_layernorm=True), ["core_attn", "layernorm", "mlp"]),
     # DeepSeek-V3's multi-latent attention on dense layers: queries through a low rank, and not
     "mla": ("deepseek_tiny", dict(moe_layer_freq=f"[0]*{LAYERS}"), ["core_attn", "mla_up_proj", "mlp"]),
-    "mla_q_proj": ("deepseek_tiny", dict(moe_layer_freq=f"[0]*{LAYERS}", q_lora_rank=None),
-                   ["core_attn", "mla_up_proj", "mlp"]),
+    "mla_q_proj": (
+        "deepseek_tiny",
+        dict(moe_layer_freq=f"[0]*{LAYERS}", q_lora_rank=None),
+        ["core_attn", "mla_up_proj", "mlp"],
+    ),
     # MoE layers (4 experts, top-2, shared experts; the first layer dense) with Qwen3's q/k norms,
     # and with MLA and DeepSeek-V3's router (sigmoid, groups, expert bias, per-sequence aux loss)
-    "moe": ("moe_tiny", dict(moe_layer_freq=f"[0]*1+[1]*{LAYERS - 1}"),
-            ["core_attn", "moe", "moe_act", "shared_experts"]),
-    "deepseek": ("deepseek_tiny", dict(moe_layer_freq=f"[0]*1+[1]*{LAYERS - 1}"),
-                 ["core_attn", "mla_up_proj", "moe_act", "shared_experts"]),
+    "moe": (
+        "moe_tiny",
+        dict(moe_layer_freq=f"[0]*1+[1]*{LAYERS - 1}"),
+        ["core_attn", "moe", "moe_act", "shared_experts"],
+    ),
+    "deepseek": (
+        "deepseek_tiny",
+        dict(moe_layer_freq=f"[0]*1+[1]*{LAYERS - 1}"),
+        ["core_attn", "mla_up_proj", "moe_act", "shared_experts"],
+    ),
 }
 DROPOUT = 0.1
 
@@ -43,19 +53,32 @@ def model(name: str, dropout: float) -> torch.nn.Module:
     """One process's model (float64, seed 0)."""
     recipe, overrides, _ = MODELS[name]
     torch.manual_seed(0)
-    return build(recipe, dtype=torch.float64, num_layers=LAYERS, seq_length=SEQ, attention_backend="eager",
-                 attention_dropout=dropout, hidden_dropout=dropout, **overrides)
+    return build(
+        recipe,
+        dtype=torch.float64,
+        num_layers=LAYERS,
+        seq_length=SEQ,
+        attention_backend="eager",
+        attention_dropout=dropout,
+        hidden_dropout=dropout,
+        **overrides,
+    )
 
 
 def plans(name: str) -> dict[str, RecomputeConfig | None]:
     recipe, overrides, modules = MODELS[name]
     config = models.recipe_config(recipe, num_layers=LAYERS, **overrides)
-    facts = TrainingFacts(**{key: value for key, value in config.megatron_facts().items()
-                             if key in TrainingFacts.__dataclass_fields__}, layout=ParallelLayout(tp=tp_worker.TP))
-    return {"none": None,
-            "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts),
-            "full": RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                                    facts=facts)}
+    facts = TrainingFacts(
+        **{key: value for key, value in config.megatron_facts().items() if key in TrainingFacts.__dataclass_fields__},
+        layout=ParallelLayout(tp=tp_worker.TP),
+    )
+    return {
+        "none": None,
+        "selective": RecomputeConfig(recompute_granularity="selective", recompute_modules=modules, facts=facts),
+        "full": RecomputeConfig(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, facts=facts
+        ),
+    }
 
 
 def gathered(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -79,8 +102,9 @@ def one_process_order(name: str, grad: torch.Tensor) -> torch.Tensor:
 def step(split: torch.nn.Module, plan: object, shapes: dict[str, torch.Size]) -> tp_worker.Result:
     """tp_worker's step, with the gradients of the weights sliced from `shapes` gathered whole."""
     losses, grads = tp_worker.step(split, plan, tp_worker.batch(), tp_worker.STEP_SEED)
-    return losses, {param: grad if grad.shape == shapes[param] else gathered(grad, shapes[param])
-                    for param, grad in grads.items()}
+    return losses, {
+        param: grad if grad.shape == shapes[param] else gathered(grad, shapes[param]) for param, grad in grads.items()
+    }
 
 
 def replicated_but_unlike(model: torch.nn.Module, sliced: set[str]) -> list[str]:

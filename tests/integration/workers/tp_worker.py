@@ -5,6 +5,7 @@ the same batch on both ranks; the dropout masks each rank draws; the refusals. W
 per plan, each replica its own share of the global batch. Plans go in as `remat bench` installs
 them (build.apply_plan), so a config's distribute_saved_activations splits what full recompute keeps
 (sequence parallelism off). Rank 0 saves every result to the file named by argv[1]."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,15 +43,24 @@ DP_TP_PLANS = ("none", "selective", "full_uniform_2", "offload")  # under FSDP2 
 STEP_SEED = 100  # torch's default generators for the step, alike on the tensor-parallel ranks
 TP = 2
 # what apply_plan reads of a run: no pipeline (the model is the worker's own)
-SPEC = RunSpec(overrides={"num_layers": fsdp_worker.LAYERS}, device="cpu", precision=Precision("fp64"),
-               layout=ParallelLayout(tp=TP))
+SPEC = RunSpec(
+    overrides={"num_layers": fsdp_worker.LAYERS},
+    device="cpu",
+    precision=Precision("fp64"),
+    layout=ParallelLayout(tp=TP),
+)
 # full recompute (method, k): each with its kept inputs whole, and split over the tp ranks
 FULL = {"uniform_1": ("uniform", 1), "uniform_2": ("uniform", 2), "block_1": ("block", 1), "block_2": ("block", 2)}
 
 
 def full(method: str, k: int, distribute: bool) -> RecomputeConfig:
-    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k,
-                           distribute_saved_activations=distribute, facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
+    return RecomputeConfig(
+        recompute_granularity="full",
+        recompute_method=method,
+        recompute_num_layers=k,
+        distribute_saved_activations=distribute,
+        facts=TrainingFacts(layout=ParallelLayout(tp=TP)),
+    )
 
 
 def gate_then_up(name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -71,15 +81,18 @@ def split(dropout: float, sp: bool) -> torch.nn.Module:
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
-            for name, p in model.named_parameters()}
+    return {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # type: ignore[misc]
+        for name, p in model.named_parameters()
+    }
 
 
 Result = tuple[list[float], dict[str, torch.Tensor]]
 
 
-def step(model: torch.nn.Module, plan: object, inputs: tuple[torch.Tensor, torch.Tensor], seed: int,
-         micro_batches: int = 1) -> Result:
+def step(
+    model: torch.nn.Module, plan: object, inputs: tuple[torch.Tensor, torch.Tensor], seed: int, micro_batches: int = 1
+) -> Result:
     """Each rank's loss (the last micro-batch's) and the full gradients."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
@@ -121,15 +134,24 @@ def masks(sp: bool) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
 
 def refusal(make: Any, sp: bool = True, mesh: Any = None) -> str:
     """What parallelize_tensor says of the model `make` builds, and that it changed nothing."""
-    return gloo.refused_unchanged(make(), lambda m: parallelize_tensor(m, mesh, sequence_parallel=sp),
-                                  "parallelize_tensor")
+    return gloo.refused_unchanged(
+        make(), lambda m: parallelize_tensor(m, mesh, sequence_parallel=sp), "parallelize_tensor"
+    )
 
 
 def refusals() -> dict[str, str]:
     def bad_shape() -> torch.nn.Module:
         torch.manual_seed(0)
-        return build("llama3_tiny", num_layers=1, hidden_size=48, num_attention_heads=3, num_query_groups=1,
-                     ffn_hidden_size=81, seq_length=15, qk_layernorm=True)
+        return build(
+            "llama3_tiny",
+            num_layers=1,
+            hidden_size=48,
+            num_attention_heads=3,
+            num_query_groups=1,
+            ffn_hidden_size=81,
+            seq_length=15,
+            qk_layernorm=True,
+        )
 
     def moe() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -141,9 +163,14 @@ def refusals() -> dict[str, str]:
         torch.manual_seed(dist.get_rank())  # each rank its own seed
         return model
 
-    return {"shape": refusal(bad_shape), "moe": refusal(moe), "seed": refusal(unseeded),
-            "mesh": refusal(lambda: fsdp_worker.model(0.0), mesh=init_device_mesh("cpu", (1, 2),
-                                                                                  mesh_dim_names=("dp", "tp")))}
+    return {
+        "shape": refusal(bad_shape),
+        "moe": refusal(moe),
+        "seed": refusal(unseeded),
+        "mesh": refusal(
+            lambda: fsdp_worker.model(0.0), mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        ),
+    }
 
 
 def distributed() -> dict[str, Any]:
@@ -153,16 +180,21 @@ def distributed() -> dict[str, Any]:
     for name, (method, k) in FULL.items():
         for distribute in (False, True):
             for dropout in (0.0, 0.1):
-                found[f"{name}@{distribute}@{dropout}"] = step(split(dropout, False), full(method, k, distribute),
-                                                               batch(), STEP_SEED)
+                found[f"{name}@{distribute}@{dropout}"] = step(
+                    split(dropout, False), full(method, k, distribute), batch(), STEP_SEED
+                )
             model = split(0.0, False)
             apply_plan(SPEC, model, full(method, k, distribute))
             found[f"saved:{name}@{distribute}"] = run_step(model, *batch(), seed=STEP_SEED).saved.bytes
     apply_plan(SPEC, model, full("uniform", 1, False))
     found["taken off"] = [site.before_replay for _, site in layer_modules(model)]
     for distribute in (False, True):  # the first two ranges' kept inputs (or shards) offloaded
-        offloaded = dataclasses.replace(full("uniform", 1, distribute), cpu_offloading=True,
-                                        cpu_offloading_num_layers=2, min_offloaded_tensor_size=0)
+        offloaded = dataclasses.replace(
+            full("uniform", 1, distribute),
+            cpu_offloading=True,
+            cpu_offloading_num_layers=2,
+            min_offloaded_tensor_size=0,
+        )
         model = split(0.1, False)
         found[f"offloaded@{distribute}"] = step(model, offloaded, batch(), STEP_SEED)
         found[f"offloaded bytes@{distribute}"] = offloader_of(model).stats().offloaded_bytes  # type: ignore[union-attr]
@@ -173,15 +205,21 @@ def tensor_parallel() -> dict[str, Any]:
     def tp_step(dropout: float, sp: bool, plan: object, micro_batches: int = 1) -> Result:
         return step(split(dropout, sp), plan, batch(), STEP_SEED, micro_batches)
 
-    results: dict[str, Any] = {f"{name}@sp={sp}@{dropout}": tp_step(dropout, sp, plan)
-                               for sp in (False, True) for dropout in (0.0, 0.1) for name, plan in PLANS.items()}
+    results: dict[str, Any] = {
+        f"{name}@sp={sp}@{dropout}": tp_step(dropout, sp, plan)
+        for sp in (False, True)
+        for dropout in (0.0, 0.1)
+        for name, plan in PLANS.items()
+    }
     results.update({f"accumulated@sp={sp}": tp_step(0.0, sp, None, micro_batches=2) for sp in (False, True)})
     results.update({f"masks@sp={sp}": masks(sp) for sp in (False, True)})
     results["refusals"] = refusals()
     model = split(0.0, False)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    results["main grads"] = (main_grad_bytes(MainParamsAdamW(model.parameters(), OptimizerPrecision("fp32"))),
-                             4 * local)
+    results["main grads"] = (
+        main_grad_bytes(MainParamsAdamW(model.parameters(), OptimizerPrecision("fp32"))),
+        4 * local,
+    )
     results["distributed"] = distributed()
     return results
 
@@ -198,11 +236,14 @@ def fsdp_over_tensor_parallel() -> dict[str, Any]:
         model = parallelize_tensor(fsdp_worker.model(dropout), mesh["tp"], sequence_parallel=sp)
         return step(fully_shard_layers(model, mesh["dp"]), plan, inputs, STEP_SEED + dp)  # type: ignore[arg-type]
 
-    found = {f"{name}@{dropout}": dp_tp_step(dropout, PLANS[name])
-             for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
+    found = {f"{name}@{dropout}": dp_tp_step(dropout, PLANS[name]) for dropout in (0.0, 0.1) for name in DP_TP_PLANS}
     # without sequence parallelism, split inputs: layer 0 replays after FSDP2 resharded it (gathered first)
-    found.update({f"{name}@sp=False": dp_tp_step(0.1, plan, sp=False)
-                  for name, plan in (("none", None), ("distributed_uniform_2", full("uniform", 2, True)))})
+    found.update(
+        {
+            f"{name}@sp=False": dp_tp_step(0.1, plan, sp=False)
+            for name, plan in (("none", None), ("distributed_uniform_2", full("uniform", 2, True)))
+        }
+    )
     return found
 
 

@@ -4,7 +4,6 @@ test_bench_records.py.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_bench_runs.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -59,19 +58,43 @@ def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_every_settings_problem(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "--task", "bogus", "-ng", "2", "-mb", "2", "-gb",
-                       "3", "-ms", "1", "-g", "h300")
+    code, _, err = cli(
+        capsys,
+        "bench",
+        *TINY,
+        "-c",
+        "fp8_cs",
+        "--task",
+        "bogus",
+        "-ng",
+        "2",
+        "-mb",
+        "2",
+        "-gb",
+        "3",
+        "-ms",
+        "1",
+        "-g",
+        "h300",
+    )
     assert code == 1
     assert "invalid config (6 problems)" in err  # -ng 2 is a data-parallel run, refused before it starts
-    for field in ("-c/--compute_dtype", "--task", "-g/--gpu: 'h300'", "-gb/--global_batch_size", "-ms/--max_steps",
-                  "-g/--gpu: -g h300 names a GPU"):
+    for field in (
+        "-c/--compute_dtype",
+        "--task",
+        "-g/--gpu: 'h300'",
+        "-gb/--global_batch_size",
+        "-ms/--max_steps",
+        "-g/--gpu: -g h300 names a GPU",
+    ):
         assert f"  {field}" in err
 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "--num_layers", "4", "-tp", "3", "-pp", "2", "-cp", "3",
-                       "-vp", "2", "-gb", "6")
+    code, _, err = cli(
+        capsys, "bench", *TINY, "--num_layers", "4", "-tp", "3", "-pp", "2", "-cp", "3", "-vp", "2", "-gb", "6"
+    )
     assert code == 1
     for field in ("-tp/--tensor_model_parallel_size", "-cp/--context_parallel_size", "-gb/--global_batch_size"):
         assert f"  {field}:" in err
@@ -99,11 +122,13 @@ def test_sweep_rejects_bad_settings_and_entries(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.usefixtures("no_steps")
 def test_sweep_refuses_a_config_file_whose_full_recompute_settings_would_be_ignored(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     config = tmp_path / "half.yaml"
     config.write_text("recompute_method: block\nrecompute_num_layers: 1\n")  # no recompute_granularity: full
-    code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", str(config),
-                       "--plot", str(tmp_path / "p.png"))
+    code, _, err = cli(
+        capsys, "sweep", *TINY, "--no_history", "--configs", "none", str(config), "--plot", str(tmp_path / "p.png")
+    )
     assert code == 1
     assert "half.yaml: recompute_method: 'block' applies only to full recompute" in err
     assert "half.yaml: recompute_num_layers: 1 applies only to full recompute" in err
@@ -112,7 +137,8 @@ def test_sweep_refuses_a_config_file_whose_full_recompute_settings_would_be_igno
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_refuses_a_config_file_whose_module_lists_would_be_ignored(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     config = tmp_path / "lists.yaml"
     config.write_text("recompute_modules: [mlp]\noffload_modules: [core_attn]\n")  # neither switch on
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--config", str(config))
@@ -121,9 +147,9 @@ def test_bench_refuses_a_config_file_whose_module_lists_would_be_ignored(
     assert "offload_modules: has no effect while fine_grained_activation_offloading is off" in err
 
 
-def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.CaptureFixture[str],
-                                                               monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
+def test_sweep_checks_entries_against_the_model_before_running(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     ran: list[str] = []
     real = bench_run.run_bench
 
@@ -134,8 +160,9 @@ def test_sweep_checks_entries_against_the_model_before_running(capsys: pytest.Ca
     monkeypatch.setattr(bench_run, "run_bench", counting)
     code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "moe")
     assert code == 1 and "'moe' matches no site" in err
-    code, _, err = cli(capsys, "sweep", *TINY, "--no_history", "--configs", "none", "moe",
-                       "--plot", str(tmp_path / "p.png"))
+    code, _, err = cli(
+        capsys, "sweep", *TINY, "--no_history", "--configs", "none", "moe", "--plot", str(tmp_path / "p.png")
+    )
     assert code == 1 and ran == []  # nothing spent on `none` before finding `moe` invalid
     code, out, _ = cli(capsys, "sweep", *TINY, "--no_history", "-d", "--configs", "none", "none")
     assert code == 0 and out.split() == ["none"]  # an entry given twice runs once
@@ -157,15 +184,17 @@ def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[s
     folder, a_file = tmp_path / "folder", tmp_path / "file.txt"
     folder.mkdir()
     a_file.write_text("")
-    code, out, err = cli(capsys, "bench", *TINY, "--json", str(folder), "--save-golden", str(a_file / "g.json"),
-                         "--history", str(folder))
+    code, out, err = cli(
+        capsys, "bench", *TINY, "--json", str(folder), "--save-golden", str(a_file / "g.json"), "--history", str(folder)
+    )
     assert code == 1 and "remat bench" not in out
     assert "invalid config (3 problems)" in err
     assert f"--json: {folder} is a directory; give a file path in it" in err
     assert f"--save-golden: {a_file} is a file, so {a_file / 'g.json'} cannot be created in it" in err
     assert f"--history: {folder} is a directory" in err
-    code, out, err = cli(capsys, "sweep", *TINY, "--configs", "none", "--plot", str(folder), "--json",
-                         str(a_file / "s.json"))
+    code, out, err = cli(
+        capsys, "sweep", *TINY, "--configs", "none", "--plot", str(folder), "--json", str(a_file / "s.json")
+    )
     assert code == 1 and "remat sweep" not in out
     assert f"--plot: {folder} is a directory" in err and f"--json: {a_file} is a file" in err
     assert "--history" not in err  # $REMAT_HISTORY: a path that does not exist yet in a folder that does
@@ -175,9 +204,15 @@ def test_output_paths_are_checked_before_running(capsys: pytest.CaptureFixture[s
 def test_an_output_path_that_cannot_be_written_is_a_problem_even_for_root() -> None:
     # /proc takes no new files and /proc/version no writes, whoever asks: os.access would say yes to root
     [created] = output_path_problems("--json", "/proc/new/r.json")
-    assert created.message.startswith("/proc/new/r.json cannot be created in /proc (") and "choose another folder" in created.message
+    assert (
+        created.message.startswith("/proc/new/r.json cannot be created in /proc (")
+        and "choose another folder" in created.message
+    )
     [overwritten] = output_path_problems("--json", "/proc/version")
-    assert overwritten.message.startswith("/proc/version cannot be overwritten (") and "choose another path" in overwritten.message
+    assert (
+        overwritten.message.startswith("/proc/version cannot be overwritten (")
+        and "choose another path" in overwritten.message
+    )
     assert list(output_path_problems("--json", Path.cwd() / "fine" / "r.json")) == []
 
 
@@ -193,8 +228,7 @@ def test_bench_rejects_an_unknown_device(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.usefixtures("no_steps")
-def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.CaptureFixture[str],
-                                                           tmp_path: Path) -> None:
+def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     record = run_bench_free_golden()  # of this run's shape: the threshold is the one problem
     record["shape"] = run_shape(tiny_spec())
     golden = tmp_path / "g.json"
@@ -205,19 +239,34 @@ def test_bench_rejects_a_negative_threshold_before_running(capsys: pytest.Captur
 
 def run_bench_free_golden() -> dict[str, Any]:
     """A syntactically valid golden record, made without running anything."""
-    return BenchResult(name="none", recipe="llama3_tiny", status="ok", config={}, shape={}, device="cpu", gpu="cpu",
-                       torch=torch.__version__, date="2026-01-01T00:00:00+00:00", command="remat bench",
-                       tflops_per_gpu=1.0, losses=[6.0]).to_dict()
+    return BenchResult(
+        name="none",
+        recipe="llama3_tiny",
+        status="ok",
+        config={},
+        shape={},
+        device="cpu",
+        gpu="cpu",
+        torch=torch.__version__,
+        date="2026-01-01T00:00:00+00:00",
+        command="remat bench",
+        tflops_per_gpu=1.0,
+        losses=[6.0],
+    ).to_dict()
 
 
-@pytest.mark.parametrize(("device_name", "accepted", "refused"), [
-    ("NVIDIA H200", "h200", "h100"),
-    ("NVIDIA H100 80GB HBM3", "h100", "h200"),
-    ("NVIDIA GB200", "gb200", "b200"),  # a word of the name, not a part of one
-    ("NVIDIA B200", "b200", "gb200"),
-])
-def test_gpu_label_is_checked_against_the_device(monkeypatch: pytest.MonkeyPatch, device_name: str, accepted: str,
-                                                 refused: str) -> None:
+@pytest.mark.parametrize(
+    ("device_name", "accepted", "refused"),
+    [
+        ("NVIDIA H200", "h200", "h100"),
+        ("NVIDIA H100 80GB HBM3", "h100", "h200"),
+        ("NVIDIA GB200", "gb200", "b200"),  # a word of the name, not a part of one
+        ("NVIDIA B200", "b200", "gb200"),
+    ],
+)
+def test_gpu_label_is_checked_against_the_device(
+    monkeypatch: pytest.MonkeyPatch, device_name: str, accepted: str, refused: str
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: device_name)
     tiny_spec(device="cuda", gpu=accepted)
@@ -264,8 +313,9 @@ def test_flags_a_run_would_ignore_are_refused(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.usefixtures("no_steps")
-def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pytest.CaptureFixture[str],
-                                                                     tmp_path: Path) -> None:
+def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """It runs (the tests' path for the offload engine), but its lower peak is a copy within CPU memory."""
     advice = "offload on CPU ({}) copies CPU memory to CPU memory: it exercises the mechanism only"
     code, _, err = cli(capsys, "bench", *TINY, "-ol", "1", "-d")
@@ -283,35 +333,53 @@ def test_offload_on_cpu_is_advised_as_exercising_the_mechanism_only(capsys: pyte
 def test_sweep_dry_run_lists_default_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "sweep", *TINY, "-d")
     assert code == 0
-    assert out.split() == ["none", "core_attn", "layernorm", "mlp", "mlp_act", "mlp+core_attn", "core_attn+layernorm",
-                           "full_uniform_1", "full_block_1"]
+    assert out.split() == [
+        "none",
+        "core_attn",
+        "layernorm",
+        "mlp",
+        "mlp_act",
+        "mlp+core_attn",
+        "core_attn+layernorm",
+        "full_uniform_1",
+        "full_block_1",
+    ]
 
 
 def test_plan_name() -> None:
     assert plan_name(None) == "none"
     assert plan_name(RecomputeConfig.from_megatron({})) == "none"
-    assert plan_name(RecomputeConfig.from_megatron(
-        {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm"]})) == \
-        "core_attn+layernorm"
+    assert (
+        plan_name(
+            RecomputeConfig.from_megatron(
+                {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm"]}
+            )
+        )
+        == "core_attn+layernorm"
+    )
     assert plan_name(Plan.none(2)) == "plan"
 
 
 @pytest.mark.usefixtures("no_steps")
-def test_golden_of_another_recipe_or_shape_is_refused_before_running(capsys: pytest.CaptureFixture[str],
-                                                                     tmp_path: Path) -> None:
+def test_golden_of_another_recipe_or_shape_is_refused_before_running(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     record = run_bench_free_golden()
     record["shape"] = run_shape(tiny_spec())
     golden = tmp_path / "g.json"
     golden.write_text(json.dumps(record))
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(golden), "-d")
     assert code == 0, err  # like for like
-    other = _edit_golden(golden, tmp_path / "other.json", recipe="llama3_8b",
-                         shape=lambda shape: {**shape, "seq_length": 2 * SEQ})
+    other = _edit_golden(
+        golden, tmp_path / "other.json", recipe="llama3_8b", shape=lambda shape: {**shape, "seq_length": 2 * SEQ}
+    )
     code, _, err = cli(capsys, "bench", *TINY, "--no_history", "--golden", str(other))
     assert code == 1
-    assert ("golden: was measured on another run (recipe differs: golden 'llama3_8b', current 'llama3_tiny'; "
-            f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and "
-            "shape") in err
+    assert (
+        "golden: was measured on another run (recipe differs: golden 'llama3_8b', current 'llama3_tiny'; "
+        f"shape.seq_length differs: golden {2 * SEQ}, current {SEQ}); run with the golden's recipe and "
+        "shape"
+    ) in err
 
 
 @pytest.mark.usefixtures("no_steps")
@@ -428,15 +496,21 @@ def test_an_oom_releases_its_memory_before_the_next_config(monkeypatch: pytest.M
             real_release(model)
 
     monkeypatch.setattr(step, "release_memory", release_with_cuda)
-    monkeypatch.setattr(torch.cuda, "empty_cache",
-                        lambda: events.append(("empty_cache", grads_built(), step_storages[0]() is None)))
+    monkeypatch.setattr(
+        torch.cuda, "empty_cache", lambda: events.append(("empty_cache", grads_built(), step_storages[0]() is None))
+    )
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: events.append("reset_peak"))
     results = sweep(tiny_spec(), [parse_entry(e, FACTS) for e in ("mlp", "none")])
     assert [r.status for r in results] == ["oom", "ok"]
     failed = next(i for i, event in enumerate(events) if isinstance(event, tuple) and event[0] == "OOM")
     assert events[failed][1] > 0  # the failed step had built gradients
-    assert events[failed + 1:] == [("empty_cache", 0, True), "reset_peak", "start none",
-                                   ("empty_cache", 0, True), "reset_peak"]
+    assert events[failed + 1 :] == [
+        ("empty_cache", 0, True),
+        "reset_peak",
+        "start none",
+        ("empty_cache", 0, True),
+        "reset_peak",
+    ]
 
 
 @pytest.mark.filterwarnings("ignore::remat.core.problems.RematWarning")  # core_attn with SDPA saves little
@@ -445,8 +519,17 @@ def test_megatron_presets() -> None:
     labels = frozenset().union(*layout.labels)
     assert labels == {"core_attn", "layernorm", "mlp", "mlp_act"}
     presets = megatron_presets(labels, layout.num_layers)
-    assert presets == ["none", "core_attn", "layernorm", "mlp", "mlp_act", "mlp+core_attn", "core_attn+layernorm",
-                       "full_uniform_1", "full_block_1"]
+    assert presets == [
+        "none",
+        "core_attn",
+        "layernorm",
+        "mlp",
+        "mlp_act",
+        "mlp+core_attn",
+        "core_attn+layernorm",
+        "full_uniform_1",
+        "full_block_1",
+    ]
     assert megatron_presets(labels, 8)[-1] == "full_block_4"
     assert megatron_presets(frozenset({"mlp"}), 1) == ["none", "mlp", "full_uniform_1", "full_block_1"]
     model = build("llama3_tiny", device="meta", num_layers=NUM_LAYERS)
@@ -481,7 +564,8 @@ def test_parse_entry_names_its_problems_by_the_entry(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         parse_entry("full_foo", FACTS)  # no layer count: one problem saying the form, not two about its parts
     assert [(p.field, p.message.split(",")[0]) for p in err.value.problems] == [
-        ("full_foo: entry", "a full-recompute entry is full_uniform_K or full_block_K")]
+        ("full_foo: entry", "a full-recompute entry is full_uniform_K or full_block_K")
+    ]
 
 
 def test_parse_entry_files(tmp_path: Path) -> None:
@@ -498,16 +582,24 @@ def test_parse_entry_files(tmp_path: Path) -> None:
     assert plan.layers == [{"mlp": "recompute"}, {}] and plan.full_recompute == [(1, 2)]
 
     json_file = tmp_path / "full.json"
-    json_file.write_text(json.dumps({"recompute_granularity": "full", "recompute_method": "uniform",
-                                     "recompute_num_layers": 1}))
+    json_file.write_text(
+        json.dumps({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1})
+    )
     name, config = parse_entry(str(json_file), FACTS)
     assert name == "full" and plan_name(config) == "full_uniform_1"
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ("bogus", "unknown label 'bogus'"), ("mlp+bogus", "unknown label 'bogus'"),
-    ("full_uniform_x", "recompute_num_layers: got 'x'"), ("full_diagonal_1", "'diagonal' is not a method"),
-    ("full_block_3", "recompute_num_layers: 3 is out of range"), ("full_uniform_0", "recompute_num_layers: 0 is out of range")])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("bogus", "unknown label 'bogus'"),
+        ("mlp+bogus", "unknown label 'bogus'"),
+        ("full_uniform_x", "recompute_num_layers: got 'x'"),
+        ("full_diagonal_1", "'diagonal' is not a method"),
+        ("full_block_3", "recompute_num_layers: 3 is out of range"),
+        ("full_uniform_0", "recompute_num_layers: 0 is out of range"),
+    ],
+)
 def test_parse_entry_rejects_bad_entries(entry: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_entry(entry, FACTS)
@@ -528,8 +620,18 @@ def test_sweep_runs_a_plan_file(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     plan_file = tmp_path / "mine.yaml"
     plan_file.write_text("remat_plan: 1\nlayers: [{mlp: recompute}, {}]\nfull_recompute: [[1, 2]]\n")
     out_json = tmp_path / "s.json"
-    code, out, err = cli(capsys, "sweep", *TINY, "--no_history", "--plot", str(tmp_path / "p.png"), "--json",
-                         str(out_json), "--configs", str(plan_file))
+    code, out, err = cli(
+        capsys,
+        "sweep",
+        *TINY,
+        "--no_history",
+        "--plot",
+        str(tmp_path / "p.png"),
+        "--json",
+        str(out_json),
+        "--configs",
+        str(plan_file),
+    )
     assert code == 0, err
     (result,) = json.loads(out_json.read_text())
     assert result["name"] == "mine" and result["status"] == "ok"
@@ -558,7 +660,7 @@ def test_sft_masks_the_prompt() -> None:
     assert tokens_p.shape == labels_p.shape == (MB, SEQ)
     assert (labels_p >= 0).all()
     assert (labels_s[:, : SEQ // 4] == -100).all()
-    assert torch.equal(labels_s[:, SEQ // 4:], labels_p[:, SEQ // 4:])
+    assert torch.equal(labels_s[:, SEQ // 4 :], labels_p[:, SEQ // 4 :])
     assert torch.equal(labels_p[:, :-1], tokens_p[:, 1:])  # next-token labels
     a, b = run_bench(pretrain), run_bench(sft)
     assert a.status == b.status == "ok"

@@ -1,6 +1,5 @@
 """Tests for the bench records: golden comparison, run history, Pareto plot and report tables."""
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -68,8 +67,17 @@ def make_result(**overrides: Any) -> BenchResult:
 
 def oom_result(name: str = "none", allocated: int = 20 * GIB) -> BenchResult:
     return make_result(
-        name=name, status="oom", step_time_s=None, fwd_bwd_time_s=None, tflops_per_gpu=None, tflops_fwd_bwd=None,
-        tokens_per_s_per_gpu=None, peak_allocated_bytes=None, peak_reserved_bytes=None, memory=None, losses=[],
+        name=name,
+        status="oom",
+        step_time_s=None,
+        fwd_bwd_time_s=None,
+        tflops_per_gpu=None,
+        tflops_fwd_bwd=None,
+        tokens_per_s_per_gpu=None,
+        peak_allocated_bytes=None,
+        peak_reserved_bytes=None,
+        memory=None,
+        losses=[],
         oom=OomInfo(allocated_bytes=allocated, reserved_bytes=allocated + GIB, message="CUDA out of memory"),
     )
 
@@ -188,16 +196,19 @@ def test_run_differences_name_the_recipe_and_shape() -> None:
     ]
     # a golden from before gradient accumulation was fused ran without it
     assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": True}) == [
-        "shape.gradient_accumulation_fusion differs: golden False, current True"]
+        "shape.gradient_accumulation_fusion differs: golden False, current True"
+    ]
     assert run_differences(gold, gold.recipe, {**gold.shape, "gradient_accumulation_fusion": False}) == []
     # the loss compared is the last step's: another step count is another run
     assert run_differences(gold, gold.recipe, {**gold.shape, "max_steps": 4}) == [
-        "shape.max_steps differs: golden 3, current 4"]
+        "shape.max_steps differs: golden 3, current 4"
+    ]
     # a golden from before max_steps was recorded: an ok run logged a loss each step
     older = make_result(shape={k: v for k, v in gold.shape.items() if k != "max_steps"})
     assert run_differences(older, gold.recipe, gold.shape) == []
     assert run_differences(older, gold.recipe, {**gold.shape, "max_steps": 6}) == [
-        "shape.max_steps differs: golden 3, current 6"]
+        "shape.max_steps differs: golden 3, current 6"
+    ]
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
@@ -246,10 +257,19 @@ def test_history_columns(tmp_path: Path) -> None:
         conn.row_factory = sqlite3.Row
         row = dict(conn.execute("SELECT * FROM runs").fetchone())
     assert row == {
-        "id": 1, "date": "2026-01-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.13.0", "recipe": "llama3_8b",
-        "name": "mlp", "status": "ok", "tflops_per_gpu": 100.0, "peak_allocated_bytes": 10 * GIB,
-        "peak_reserved_bytes": 12 * GIB, "config": json.dumps(result.config, sort_keys=True),
-        "command": "remat bench --recipe llama3_8b", "result": json.dumps(result.to_dict()),
+        "id": 1,
+        "date": "2026-01-01T00:00:00+00:00",
+        "gpu": "NVIDIA H200",
+        "torch": "2.13.0",
+        "recipe": "llama3_8b",
+        "name": "mlp",
+        "status": "ok",
+        "tflops_per_gpu": 100.0,
+        "peak_allocated_bytes": 10 * GIB,
+        "peak_reserved_bytes": 12 * GIB,
+        "config": json.dumps(result.config, sort_keys=True),
+        "command": "remat bench --recipe llama3_8b",
+        "result": json.dumps(result.to_dict()),
     }
 
 
@@ -323,8 +343,13 @@ def test_pareto_plot_marks_ooms_apart_from_the_runs_and_frontier() -> None:
     assert scatter_points(fig, "runs") == [(30.0, 400.0), (20.0, 300.0), (35.0, 350.0)]
     assert scatter_points(fig, "reference") == [(25.0, 380.0)]
     labels = {text.get_text(): text.xy for text in ax.texts}
-    assert labels == {"selective": (30.0, 400.0), "full_1": (20.0, 300.0), "worse": (35.0, 350.0),
-                      "none (OOM)": (140.0, 0.03), "torch": (25.0, 380.0)}
+    assert labels == {
+        "selective": (30.0, 400.0),
+        "full_1": (20.0, 300.0),
+        "worse": (35.0, 350.0),
+        "none (OOM)": (140.0, 0.03),
+        "torch": (25.0, 380.0),
+    }
     (frontier,) = [line for line in ax.lines if line.get_label() == "Pareto frontier"]
     assert list(zip(frontier.get_xdata(), frontier.get_ydata())) == [(20.0, 300.0), (30.0, 400.0)]
     assert "OOM (allocated at failure)" in [t.get_text() for t in ax.get_legend().get_texts()]
@@ -332,20 +357,26 @@ def test_pareto_plot_marks_ooms_apart_from_the_runs_and_frontier() -> None:
 
 def test_pareto_labels_of_close_points_do_not_overlap() -> None:
     """Names of runs a hair apart (as mlp+core_attn and mlp_act were) are placed apart, inside the figure."""
-    runs = [make_result(name=name, peak_allocated_bytes=int((30 + 0.01 * i) * GIB), tflops_per_gpu=400.0 + 0.1 * i)
-            for i, name in enumerate(["mlp+core_attn", "mlp_act", "core_attn+layernorm", "layernorm", "none"])]
+    runs = [
+        make_result(name=name, peak_allocated_bytes=int((30 + 0.01 * i) * GIB), tflops_per_gpu=400.0 + 0.1 * i)
+        for i, name in enumerate(["mlp+core_attn", "mlp_act", "core_attn+layernorm", "layernorm", "none"])
+    ]
     fig = pareto_figure(runs)
     renderer = fig.canvas.get_renderer()
     boxes = [text.get_window_extent(renderer) for text in fig.axes[0].texts]
     assert len(boxes) == 5
-    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)
 
 
 def test_timeline_labels_stay_in_the_figure(tmp_path: Path) -> None:
     """The first window's name (fwd0, at op 0) is not clipped at the figure's left edge."""
-    timeline = Timeline(allocated=(1, 2, 3, 2, 1), reserved=None, marks=((0, "fwd0"), (2, "head"), (3, "bwd0")),
-                        peaks={"fwd0": 2, "head": 3, "bwd0": 2})
+    timeline = Timeline(
+        allocated=(1, 2, 3, 2, 1),
+        reserved=None,
+        marks=((0, "fwd0"), (2, "head"), (3, "bwd0")),
+        peaks={"fwd0": 2, "head": 3, "bwd0": 2},
+    )
     fig = timeline_figure(timeline)
     fig.canvas.draw()
     renderer, ax = fig.canvas.get_renderer(), fig.axes[0]
@@ -384,8 +415,21 @@ def test_format_gib() -> None:
 
 def test_results_table_renders() -> None:
     text = render(results_table([make_result(name="selective"), oom_result(name="none")], title="llama3_8b"))
-    for expected in ("llama3_8b", "selective", "none", "oom", "500.0", "100.0", "110.0", "4,096", "10.00 GiB",
-                     "12.00 GiB", "20.00 GiB at OOM", "21.00 GiB at OOM", "fwd+bwd TFLOP/s"):
+    for expected in (
+        "llama3_8b",
+        "selective",
+        "none",
+        "oom",
+        "500.0",
+        "100.0",
+        "110.0",
+        "4,096",
+        "10.00 GiB",
+        "12.00 GiB",
+        "20.00 GiB at OOM",
+        "21.00 GiB at OOM",
+        "fwd+bwd TFLOP/s",
+    ):
         assert expected in text
 
 
@@ -395,8 +439,17 @@ def test_results_table_hides_fwd_bwd_when_absent() -> None:
 
 def test_memory_table_renders() -> None:
     text = render(memory_table(make_result()))
-    for expected in ("weights", "grads", "optimizer state", "activations", "peak allocated", "peak reserved",
-                     "4.00 GiB", "40.0%", "12.00 GiB"):
+    for expected in (
+        "weights",
+        "grads",
+        "optimizer state",
+        "activations",
+        "peak allocated",
+        "peak reserved",
+        "4.00 GiB",
+        "40.0%",
+        "12.00 GiB",
+    ):
         assert expected in text
     assert "20.00 GiB at OOM" in render(memory_table(oom_result()))
 
@@ -427,6 +480,15 @@ def test_checks_table_renders() -> None:
         *compare(oom_result(), make_result()),
     ]
     text = render(checks_table(checks))
-    for expected in ("golden comparison", "REGRESSION", "UNEXPECTED IMPROVEMENT", "-20.0%", "10.00 GiB", "8.00 GiB",
-                     "2.0000", "status", "oom"):
+    for expected in (
+        "golden comparison",
+        "REGRESSION",
+        "UNEXPECTED IMPROVEMENT",
+        "-20.0%",
+        "10.00 GiB",
+        "8.00 GiB",
+        "2.0000",
+        "status",
+        "oom",
+    ):
         assert expected in text

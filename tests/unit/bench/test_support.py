@@ -1,7 +1,6 @@
 """The support table: refused where the code refuses, every piece of evidence it names exists, and
 the README holds the table the code makes."""
 
-
 from __future__ import annotations
 
 import re
@@ -41,12 +40,14 @@ def test_no_cell_that_runs_is_left_without_evidence_but_the_factory_under_fsdp2(
 def test_refusals_are_the_code_s_and_evidence_is_only_where_it_runs() -> None:
     cells = {(c.family, c.layout, c.precision): c for c in support.cells()}
     assert {k for k, c in cells.items() if c.refused and k[2] == "bf16"} == {
-        ("llama", "EP", "bf16"), ("hf", "EP", "bf16"),
-        *(("module", layout, "bf16") for layout in ("TP", "TP+SP", "PP", "PP+VP", "CP", "EP"))}
+        ("llama", "EP", "bf16"),
+        ("hf", "EP", "bf16"),
+        *(("module", layout, "bf16") for layout in ("TP", "TP+SP", "PP", "PP+VP", "CP", "EP")),
+    }
     assert all(c.refused for k, c in cells.items() if k[2] == "fp8_cs")  # remat computes in bf16 alone yet
     refused = cells[("llama", "EP", "bf16")].refused
     assert [p.field for p in refused] == ["expert_model_parallel_size"]
-    assert not any(support.refusals(f, support.LAYOUTS[l], "bf16") for f, l in support.EVIDENCE)
+    assert not any(support.refusals(family, support.LAYOUTS[layout], "bf16") for family, layout in support.EVIDENCE)
 
 
 def test_the_readme_holds_the_table_the_code_makes() -> None:

@@ -3,7 +3,6 @@
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hostile_runs.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -32,11 +31,14 @@ def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # rescue files land here
 
 
-@pytest.mark.parametrize("argv", [
-    ("estimate", "-mr", "llama3_70b", "-sl", "99999999999999999999"),
-    ("bench", "-mr", "llama3_tiny", "-sl", "99999999999999999999", "--no_history"),
-    ("verify", "-sl", "99999999999999999999"),
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("estimate", "-mr", "llama3_70b", "-sl", "99999999999999999999"),
+        ("bench", "-mr", "llama3_tiny", "-sl", "99999999999999999999", "--no_history"),
+        ("verify", "-sl", "99999999999999999999"),
+    ],
+)
 def test_an_absurd_sequence_length_is_refused_before_anything_is_built(capsys, argv) -> None:
     code, _, err, seconds = run(capsys, *argv)
     assert code == 1 and "seq_length: is 99,999,999,999,999,999,999; remat builds at most 16,777,216" in err
@@ -58,8 +60,11 @@ def test_a_cpu_step_that_would_not_fit_the_host_is_refused_before_it_allocates(c
     from remat.estimate import stages as estimating
 
     monkeypatch.setattr(estimating, "available_host_bytes", lambda: 1 << 20)  # 1 MiB free: the tiny step needs more
-    for argv in (["bench", *TINY_RUN, "--no_history"], ["verify", "--num_layers", "2", "-sl", "16"],
-                 ["plan", "--num_layers", "2", "-sl", "16", "--no_progress", "--memory-budget", "1GiB"]):
+    for argv in (
+        ["bench", *TINY_RUN, "--no_history"],
+        ["verify", "--num_layers", "2", "-sl", "16"],
+        ["plan", "--num_layers", "2", "-sl", "16", "--no_progress", "--memory-budget", "1GiB"],
+    ):
         code, _, err, _ = run(capsys, *argv)
         assert code == 1 and "at its peak (predicted from shapes), more than the 1.00 MiB this machine has free" in err
 
@@ -101,28 +106,40 @@ def test_a_write_that_fails_after_the_run_keeps_the_result(capsys, monkeypatch, 
     assert json.loads(rescue.read_text())["status"] == "ok" and "remat bench" in out
 
 
-@pytest.mark.parametrize("argv", [
-    ("validate", "-mr", "llama3_tiny", "--num_layers", "100000000"),
-    ("estimate", "-mr", "llama3_70b", "--num_layers", "100000000"),
-    ("bench", "-mr", "llama3_tiny", "--num_layers", "10000", "--no_history"),
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("validate", "-mr", "llama3_tiny", "--num_layers", "100000000"),
+        ("estimate", "-mr", "llama3_70b", "--num_layers", "100000000"),
+        ("bench", "-mr", "llama3_tiny", "--num_layers", "10000", "--no_history"),
+    ],
+)
 def test_a_model_too_deep_is_refused_at_once(capsys, argv) -> None:
     code, _, err, seconds = run(capsys, *argv)
     assert code == 1 and "num_layers: is" in err and "remat builds at most 1,024" in err and seconds < SECONDS
 
 
-@pytest.mark.parametrize("argv", [
-    ["validate"], ["verify"], ["estimate", "--target", "cpu", "--no_progress"],
-    ["bench", "-d", "--no_history"], ["sweep", "-d", "--no_history", "--configs", "{config}"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate"],
+        ["verify"],
+        ["estimate", "--target", "cpu", "--no_progress"],
+        ["bench", "-d", "--no_history"],
+        ["sweep", "-d", "--no_history", "--configs", "{config}"],
+    ],
+)
 def test_a_setting_that_would_do_nothing_is_refused_by_every_command(capsys, tmp_path, argv) -> None:
     config = tmp_path / "modules.yaml"
     config.write_text("recompute_modules: [mlp]\n")
-    code, _, err, _ = run(capsys, *(a.format(config=config) for a in argv),
-                          *([] if "sweep" in argv else ["--config", str(config)]))
+    code, _, err, _ = run(
+        capsys, *(a.format(config=config) for a in argv), *([] if "sweep" in argv else ["--config", str(config)])
+    )
     assert code == 1
-    assert "recompute_modules: has no effect while recompute_granularity is null; set" \
-           " recompute_granularity='selective'" in err
+    assert (
+        "recompute_modules: has no effect while recompute_granularity is null; set"
+        " recompute_granularity='selective'" in err
+    )
 
 
 def test_a_cpu_rerun_against_its_golden_is_not_a_false_alarm(capsys, tmp_path, monkeypatch) -> None:
@@ -144,7 +161,9 @@ def test_a_timing_difference_inside_the_runs_noise_is_not_a_failure() -> None:
     from remat.bench.golden import NOISE, compare, golden_failed
 
     golden = _result("mlp", 1.48, "cpu", [1.0, 1.0, 1.0])
-    (tflops,) = [c for c in compare(_result("mlp", 1.0, "cpu", [1.0, 1.0, 1.0]), golden) if c.metric == "tflops_per_gpu"]
+    (tflops,) = [
+        c for c in compare(_result("mlp", 1.0, "cpu", [1.0, 1.0, 1.0]), golden) if c.metric == "tflops_per_gpu"
+    ]
     assert tflops.verdict == NOISE and not golden_failed([tflops])  # -32%: inside a factor of two on CPU
     on_gpu = compare(_result("mlp", 1.0, "cuda", [1.0, 1.01, 1.0]), _result("mlp", 1.48, "cuda", [1.0, 1.01, 1.0]))
     assert [c.verdict for c in on_gpu if c.metric == "tflops_per_gpu"] == ["REGRESSION"]  # steps agree to 1%
@@ -154,10 +173,21 @@ def test_a_timing_difference_inside_the_runs_noise_is_not_a_failure() -> None:
 
 def _result(name: str, tflops: float, device: str, step_times: list[float]) -> BenchResult:
     modules = name.split("+")
-    return BenchResult(name=name, recipe="llama3_tiny", status="ok", device=device, gpu=device, torch="2",
-                       config={"recompute_granularity": "selective", "recompute_modules": modules},
-                       shape={"hidden_size": 64, "ffn_hidden_size": 160}, date="d", command="c",
-                       step_time_s=sorted(step_times)[1], step_times_s=step_times, tflops_per_gpu=tflops)
+    return BenchResult(
+        name=name,
+        recipe="llama3_tiny",
+        status="ok",
+        device=device,
+        gpu=device,
+        torch="2",
+        config={"recompute_granularity": "selective", "recompute_modules": modules},
+        shape={"hidden_size": 64, "ffn_hidden_size": 160},
+        date="d",
+        command="c",
+        step_time_s=sorted(step_times)[1],
+        step_times_s=step_times,
+        tflops_per_gpu=tflops,
+    )
 
 
 def test_a_slower_run_within_the_noise_is_not_a_finding() -> None:
@@ -169,21 +199,31 @@ def test_a_slower_run_within_the_noise_is_not_a_finding() -> None:
 
 
 def test_plan_verify_on_cpu_says_its_step_time_is_noise(capsys, tmp_path) -> None:
-    code, out, _, _ = run(capsys, "plan", *TINY_RUN, "--memory-budget", "1GiB", "-o", str(tmp_path / "p.yaml"),
-                          "--verify", "--no_history")
+    code, out, _, _ = run(
+        capsys, "plan", *TINY_RUN, "--memory-budget", "1GiB", "-o", str(tmp_path / "p.yaml"), "--verify", "--no_history"
+    )
     assert code == 0
     assert "between steps; a cost within its noise may be none; on CPU a small model's timings are noisy" in out
     assert "step time on CPU: one process runs tens of percent faster than another" in out
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["bench", "-pp", "2", "--no_history"], "-gb/--global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages"),
-    (["bench", "-ng", "0", "--no_history"], "-ng/--num_gpus: is 0"),
-    (["validate", "-ol", "1", "-pp", "2", "--num_layers", "4"], "set pipeline_model_parallel_size=1 (-pp 1)"),
-    (["doctor"], "pass --timeline PNG to plot one step's memory (CPU too)"),
-    (["plan", "-mr", "llama3_8b", "--memory-budget", "60GiB"], "predict its memory without a GPU with `remat estimate`"),
-    (["validate", "--num_layers", "1", "-pp", "2"], "1 layer does not split evenly into 2"),
-])
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["bench", "-pp", "2", "--no_history"],
+            "-gb/--global_batch_size: gives 1 micro-batch(es) a step; 1F1B over 2 stages",
+        ),
+        (["bench", "-ng", "0", "--no_history"], "-ng/--num_gpus: is 0"),
+        (["validate", "-ol", "1", "-pp", "2", "--num_layers", "4"], "set pipeline_model_parallel_size=1 (-pp 1)"),
+        (["doctor"], "pass --timeline PNG to plot one step's memory (CPU too)"),
+        (
+            ["plan", "-mr", "llama3_8b", "--memory-budget", "60GiB"],
+            "predict its memory without a GPU with `remat estimate`",
+        ),
+        (["validate", "--num_layers", "1", "-pp", "2"], "1 layer does not split evenly into 2"),
+    ],
+)
 def test_refusals_speak_the_command_lines_words(capsys, argv, said) -> None:
     code, _, err, _ = run(capsys, *argv)
     assert code == 1 and said in err
@@ -242,10 +282,13 @@ BAD = ["0", "-1", "-1000000000", "nan", "inf", "-inf", "abc", "", "1.5", "1e400"
 
 # Each flag's hostile values that it refuses (a flag taking any large size, or 0, does not see those).
 REFUSED: dict[str, list[str]] = {
-    "--tflops": ["0", "-1", "nan", "-inf", "abc", ""], "--host_gbps": ["0", "-1", "nan", "-inf", "abc", ""],
+    "--tflops": ["0", "-1", "nan", "-inf", "abc", ""],
+    "--host_gbps": ["0", "-1", "nan", "-inf", "abc", ""],
     "--min_offloaded_tensor_size": ["-1", "-1000000000", "nan", "abc", "", "1.5"],
-    "--cublas_workspace": ["-1", "nan", "abc", "", "1.5GiBx"], "--max_group": ["0", "-1", "nan", "abc", ""],
-    "-ol": [*HUGE, "-1", "nan", "abc", "", "1.5"], "--warmup_steps": [*HUGE, "-1", "nan", "abc", "", "1.5"],
+    "--cublas_workspace": ["-1", "nan", "abc", "", "1.5GiBx"],
+    "--max_group": ["0", "-1", "nan", "abc", ""],
+    "-ol": [*HUGE, "-1", "nan", "abc", "", "1.5"],
+    "--warmup_steps": [*HUGE, "-1", "nan", "abc", "", "1.5"],
 }
 
 
@@ -254,21 +297,65 @@ PATHS = st.sampled_from(["/dev/full", "/proc/remat/x.json", "/proc/self/status",
 
 NUMERIC = {
     "validate": ["--num_layers", "-tp", "-pp", "-vp", "-cp", "-rl", "-ol", "--min_offloaded_tensor_size"],
-    "estimate": ["-sl", "-mb", "-gb", "-ng", "--num_layers", "--hidden_size", "-tp", "-pp", "-vp", "-cp", "-rl",
-                 "-ol", "--tflops", "--host_gbps", "--cublas_workspace"],
-    "bench": ["-sl", "-mb", "-gb", "-ng", "--num_layers", "--hidden_size", "-ms", "--warmup_steps", "-tp", "-pp",
-              "-rl", "-ol", "--threshold"],
-    "plan": ["-sl", "-mb", "--num_layers", "--hidden_size", "-ms", "--warmup_steps", "--max_group",
-             "--min_offloaded_tensor_size"],
+    "estimate": [
+        "-sl",
+        "-mb",
+        "-gb",
+        "-ng",
+        "--num_layers",
+        "--hidden_size",
+        "-tp",
+        "-pp",
+        "-vp",
+        "-cp",
+        "-rl",
+        "-ol",
+        "--tflops",
+        "--host_gbps",
+        "--cublas_workspace",
+    ],
+    "bench": [
+        "-sl",
+        "-mb",
+        "-gb",
+        "-ng",
+        "--num_layers",
+        "--hidden_size",
+        "-ms",
+        "--warmup_steps",
+        "-tp",
+        "-pp",
+        "-rl",
+        "-ol",
+        "--threshold",
+    ],
+    "plan": [
+        "-sl",
+        "-mb",
+        "--num_layers",
+        "--hidden_size",
+        "-ms",
+        "--warmup_steps",
+        "--max_group",
+        "--min_offloaded_tensor_size",
+    ],
 }
 
 
-PATH_FLAGS = {"validate": ["--config"], "estimate": ["--json", "--config"], "bench": ["--json", "--config"],
-              "plan": ["-o", "--json", "--history"]}
+PATH_FLAGS = {
+    "validate": ["--config"],
+    "estimate": ["--json", "--config"],
+    "bench": ["--json", "--config"],
+    "plan": ["-o", "--json", "--history"],
+}
 
 
-BASE = {"validate": ["-mr", "llama3_tiny"], "estimate": ["--target", "cpu", "--no_progress"],
-        "bench": ["-d", "--no_history"], "plan": ["--no_progress", "--memory-budget"]}
+BASE = {
+    "validate": ["-mr", "llama3_tiny"],
+    "estimate": ["--target", "cpu", "--no_progress"],
+    "bench": ["-d", "--no_history"],
+    "plan": ["--no_progress", "--memory-budget"],
+}
 
 
 BUDGETS = st.sampled_from(["nan", "inf", "-1", "0", "abc", "", "1e400GiB", "-5GiB", "0MiB"])

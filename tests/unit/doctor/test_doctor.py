@@ -3,7 +3,6 @@ the watch() context manager, the checks on bench results, and the CLI.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_doctor_runs.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -41,10 +40,16 @@ GIB, MIB = 1 << 30, 1 << 20
 
 def segment(*blocks: tuple[int, str], kind: str = "large", **extra: Any) -> dict[str, Any]:
     """A snapshot segment as torch.cuda.memory._snapshot() writes it (the fields the doctor reads)."""
-    return {"device": 0, "address": 0, "total_size": sum(size for size, _ in blocks), "segment_type": kind,
-            "segment_pool_id": (0, 0), "is_expandable": False,
-            "blocks": [{"size": size, "state": state, "requested_size": size} for size, state in blocks],
-            **extra}
+    return {
+        "device": 0,
+        "address": 0,
+        "total_size": sum(size for size, _ in blocks),
+        "segment_type": kind,
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "blocks": [{"size": size, "state": state, "requested_size": size} for size, state in blocks],
+        **extra,
+    }
 
 
 # 4 segments of 16 GiB, each 1 GiB tensors with every other one freed: 32 GiB allocated, 64 reserved,
@@ -53,8 +58,10 @@ CHECKERED = {"segments": [segment(*[(GIB, "active_allocated"), (GIB, "inactive")
 
 
 # 64 GiB reserved, 63 allocated, one 1 GiB hole.
-FULL = {"segments": [segment((16 * GIB, "active_allocated")) for _ in range(3)]
-        + [segment((15 * GIB, "active_allocated"), (GIB, "inactive"))]}
+FULL = {
+    "segments": [segment((16 * GIB, "active_allocated")) for _ in range(3)]
+    + [segment((15 * GIB, "active_allocated"), (GIB, "inactive"))]
+}
 
 
 def state_of(snapshot: dict[str, Any], request: int | None, limit: int = 66 * GIB) -> AllocatorState:
@@ -66,16 +73,22 @@ def test_snapshot_counts_allocated_reserved_and_holes() -> None:
     assert (s.allocated, s.reserved, s.gap, s.headroom) == (32 * GIB, 64 * GIB, 32 * GIB, 2 * GIB)
     assert (s.largest_free_block, s.segments, s.free_blocks) == (GIB, 4, 32)
     # allocator statistics win over the block sums; adjacent free blocks are one hole
-    s = AllocatorState.from_snapshot({"segments": [segment((GIB, "inactive"), (GIB, "inactive"),
-                                                           (GIB, "active_allocated"))]},
-                                     {"allocated_bytes.all.current": 5, "reserved_bytes.all.current": 7}, 8)
+    s = AllocatorState.from_snapshot(
+        {"segments": [segment((GIB, "inactive"), (GIB, "inactive"), (GIB, "active_allocated"))]},
+        {"allocated_bytes.all.current": 5, "reserved_bytes.all.current": 7},
+        8,
+    )
     assert (s.allocated, s.reserved, s.largest_free_block, s.free_blocks) == (5, 7, 2 * GIB, 1)
 
 
 def test_holes_of_private_pools_and_the_small_pool_do_not_serve_a_large_request() -> None:
-    snap = {"segments": [segment((GIB, "active_allocated"), (3 * GIB, "inactive"), segment_pool_id=[1, 2]),
-                         segment((MIB, "inactive"), (MIB, "active_allocated"), kind="small"),
-                         segment((GIB, "active_allocated"), (GIB // 2, "inactive"))]}
+    snap = {
+        "segments": [
+            segment((GIB, "active_allocated"), (3 * GIB, "inactive"), segment_pool_id=[1, 2]),
+            segment((MIB, "inactive"), (MIB, "active_allocated"), kind="small"),
+            segment((GIB, "active_allocated"), (GIB // 2, "inactive")),
+        ]
+    }
     assert state_of(snap, 2 * GIB).largest_free_block == GIB // 2
     assert state_of(snap, 4096).largest_free_block == GIB // 2  # the small pool's 1 MiB hole counts
     assert state_of(snap, 4096).free_blocks == 3
@@ -85,9 +98,15 @@ def test_checkered_memory_is_fragmentation() -> None:
     d = classify(state_of(CHECKERED, 4 * GIB))
     assert d.kind == "fragmentation"
     assert "32.00 GiB reserved but unallocated" in d.explanation and "1.00 GiB" in d.explanation
-    assert d.evidence() == {"allocated": 32 * GIB, "reserved": 64 * GIB, "gap": 32 * GIB,
-                            "largest free block": GIB, "request": 4 * GIB, "limit": 66 * GIB,
-                            "headroom": 2 * GIB}
+    assert d.evidence() == {
+        "allocated": 32 * GIB,
+        "reserved": 64 * GIB,
+        "gap": 32 * GIB,
+        "largest free block": GIB,
+        "request": 4 * GIB,
+        "limit": 66 * GIB,
+        "headroom": 2 * GIB,
+    }
 
 
 def test_allocated_at_the_limit_is_capacity() -> None:
@@ -110,8 +129,7 @@ def test_the_gap_plus_headroom_must_hold_the_request_for_fragmentation() -> None
 
 def test_a_small_gap_is_rounding_slack_not_fragmentation() -> None:
     # 1 GiB in four 256 MiB holes (1.5% of 64 GiB, under MIN_FRAGMENTATION_GAP), a 512 MiB request
-    snap = {"segments": [segment((16 * GIB - GIB // 4, "active_allocated"), (GIB // 4, "inactive"))
-                         for _ in range(4)]}
+    snap = {"segments": [segment((16 * GIB - GIB // 4, "active_allocated"), (GIB // 4, "inactive")) for _ in range(4)]}
     s = state_of(snap, GIB // 2, limit=64 * GIB + 100 * MIB)
     assert s.gap + s.headroom >= s.request and s.gap < doctor.MIN_FRAGMENTATION_GAP * s.limit
     d = classify(s)
@@ -132,43 +150,92 @@ def test_without_a_request_the_shape_of_the_free_memory_decides() -> None:
     assert classify(state_of(one_hole, None)).kind == "fits"
 
 
-OLD = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; 45.11 GiB already "
-       "allocated; 1.23 GiB free; 77.00 GiB reserved in total by PyTorch) If reserved memory is >> allocated "
-       "memory try setting max_split_size_mb to avoid fragmentation.  See documentation for Memory Management "
-       "and PYTORCH_CUDA_ALLOC_CONF")
+OLD = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; 45.11 GiB already "
+    "allocated; 1.23 GiB free; 77.00 GiB reserved in total by PyTorch) If reserved memory is >> allocated "
+    "memory try setting max_split_size_mb to avoid fragmentation.  See documentation for Memory Management "
+    "and PYTORCH_CUDA_ALLOC_CONF"
+)
 
 
-OLD_FRACTION = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.15 GiB total capacity; 15.11 GiB "
-                "already allocated; 60.23 GiB free; 16.00 GiB allowed; 15.50 GiB reserved in total by PyTorch)")
+OLD_FRACTION = (
+    "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.15 GiB total capacity; 15.11 GiB "
+    "already allocated; 60.23 GiB free; 16.00 GiB allowed; 15.50 GiB reserved in total by PyTorch)"
+)
 
 
-NEW = ("CUDA out of memory. Tried to allocate 1.22 GiB. GPU 0 has a total capacity of 15.77 GiB of which "
-       "959.44 MiB is free. Process 12447 has 14.83 GiB memory in use. Of the allocated memory 14.01 GiB is "
-       "allocated by PyTorch, and 472.05 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
-       "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
-       "See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-"
-       "variables)")
+NEW = (
+    "CUDA out of memory. Tried to allocate 1.22 GiB. GPU 0 has a total capacity of 15.77 GiB of which "
+    "959.44 MiB is free. Process 12447 has 14.83 GiB memory in use. Of the allocated memory 14.01 GiB is "
+    "allocated by PyTorch, and 472.05 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
+    "See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-"
+    "variables)"
+)
 
 
-NEW_POOLS = ("CUDA out of memory. Tried to allocate 512 bytes. GPU 1 has a total capacity of 139.81 GiB of "
-             "which 4.00 KiB is free. Including non-PyTorch memory, this process has 139.80 GiB memory in use. "
-             "20.00 GiB allowed; Of the allocated memory 60.00 GiB is allocated by PyTorch, with 2.00 GiB "
-             "allocated in private pools (e.g., CUDA Graphs), and 12.50 GiB is reserved by PyTorch but "
-             "unallocated.")
+NEW_POOLS = (
+    "CUDA out of memory. Tried to allocate 512 bytes. GPU 1 has a total capacity of 139.81 GiB of "
+    "which 4.00 KiB is free. Including non-PyTorch memory, this process has 139.80 GiB memory in use. "
+    "20.00 GiB allowed; Of the allocated memory 60.00 GiB is allocated by PyTorch, with 2.00 GiB "
+    "allocated in private pools (e.g., CUDA Graphs), and 12.50 GiB is reserved by PyTorch but "
+    "unallocated."
+)
 
 
-@pytest.mark.parametrize("message, expected", [
-    (OLD, dict(request=2 * GIB, capacity=round(79.15 * GIB), free=round(1.23 * GIB), allowed=None,
-               allocated=round(45.11 * GIB), reserved=77 * GIB)),
-    (OLD_FRACTION, dict(request=20 * MIB, capacity=round(79.15 * GIB), free=round(60.23 * GIB),
-                        allowed=16 * GIB, allocated=round(15.11 * GIB), reserved=round(15.5 * GIB))),
-    (NEW, dict(request=round(1.22 * GIB), capacity=round(15.77 * GIB), free=round(959.44 * MIB), allowed=None,
-               allocated=round(14.01 * GIB), reserved=round(14.01 * GIB) + round(472.05 * MIB))),
-    (NEW_POOLS, dict(request=512, capacity=round(139.81 * GIB), free=4096, allowed=20 * GIB,
-                     allocated=60 * GIB, reserved=72.5 * GIB)),
-    ("RuntimeError: CUDA error: an illegal memory access", dict(request=None, capacity=None, free=None,
-                                                                allowed=None, allocated=None, reserved=None)),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (
+            OLD,
+            dict(
+                request=2 * GIB,
+                capacity=round(79.15 * GIB),
+                free=round(1.23 * GIB),
+                allowed=None,
+                allocated=round(45.11 * GIB),
+                reserved=77 * GIB,
+            ),
+        ),
+        (
+            OLD_FRACTION,
+            dict(
+                request=20 * MIB,
+                capacity=round(79.15 * GIB),
+                free=round(60.23 * GIB),
+                allowed=16 * GIB,
+                allocated=round(15.11 * GIB),
+                reserved=round(15.5 * GIB),
+            ),
+        ),
+        (
+            NEW,
+            dict(
+                request=round(1.22 * GIB),
+                capacity=round(15.77 * GIB),
+                free=round(959.44 * MIB),
+                allowed=None,
+                allocated=round(14.01 * GIB),
+                reserved=round(14.01 * GIB) + round(472.05 * MIB),
+            ),
+        ),
+        (
+            NEW_POOLS,
+            dict(
+                request=512,
+                capacity=round(139.81 * GIB),
+                free=4096,
+                allowed=20 * GIB,
+                allocated=60 * GIB,
+                reserved=72.5 * GIB,
+            ),
+        ),
+        (
+            "RuntimeError: CUDA error: an illegal memory access",
+            dict(request=None, capacity=None, free=None, allowed=None, allocated=None, reserved=None),
+        ),
+    ],
+)
 def test_oom_messages_of_several_torch_versions(message: str, expected: dict[str, Any]) -> None:
     parsed = parse_oom_message(message)
     assert {k: getattr(parsed, k) for k in expected} == expected
@@ -208,10 +275,16 @@ def test_capacity_recommends_the_planners_fastest_plan_with_its_flags() -> None:
     assert budgets == [int(66 * GIB * doctor.PLAN_BUDGET_SHARE)]
     assert [r.setting for r in recs] == ["--recompute_modules mlp"]
     assert recs[0].why == "predicted peak 60.00 GiB (in bwd7) under the 62.70 GiB budget, step 1250.0 ms"
-    full = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2,
-                           facts=TrainingFacts(num_layers=8))
-    assert recommend(classify(state_of(FULL, 4 * GIB)),
-                     plan_fn=lambda b: plan_result(full, b))[0].setting == "--recompute_method uniform -rl 2"
+    full = RecomputeConfig(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=2,
+        facts=TrainingFacts(num_layers=8),
+    )
+    assert (
+        recommend(classify(state_of(FULL, 4 * GIB)), plan_fn=lambda b: plan_result(full, b))[0].setting
+        == "--recompute_method uniform -rl 2"
+    )
     per_layer = recommend(classify(state_of(FULL, 4 * GIB)), plan_fn=lambda b: plan_result(None, b))[0]
     assert per_layer.setting == "remat bench --config plan.yaml" and per_layer.plan is not None
 
@@ -224,20 +297,28 @@ def test_when_no_plan_fits_smaller_micro_batch_then_more_gpus() -> None:
     assert [r.setting for r in recs] == ["-mb 2", "-tp 2 --sequence_parallel, or -pp 2, or -cp 2"]
     assert recs[0].why.startswith("the lowest peak any plan reaches, 100.00 GiB, is 1.59x the 62.70 GiB budget")
     # micro-batch 1 cannot shrink; 3.2x over needs 4 GPUs
-    recs = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=1,
-                     plan_fn=lambda b: (_ for _ in ()).throw(NoPlanFits(b, Solution(Plan.none(8), (), 200 * GIB,
-                                                                                    "bwd0", 0.0))))
+    recs = recommend(
+        classify(state_of(FULL, 4 * GIB)),
+        micro_batch_size=1,
+        plan_fn=lambda b: (_ for _ in ()).throw(NoPlanFits(b, Solution(Plan.none(8), (), 200 * GIB, "bwd0", 0.0))),
+    )
     assert [r.setting for r in recs] == ["-tp 4 --sequence_parallel, or -pp 4, or -cp 4"]
     # 10000x over: no layout helps; the sizes given are suspect
-    recs = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=1,
-                     plan_fn=lambda b: (_ for _ in ()).throw(NoPlanFits(b, Solution(Plan.none(8), (), 10**4 * 63 * GIB,
-                                                                                    "bwd0", 0.0))))
+    recs = recommend(
+        classify(state_of(FULL, 4 * GIB)),
+        micro_batch_size=1,
+        plan_fn=lambda b: (_ for _ in ()).throw(
+            NoPlanFits(b, Solution(Plan.none(8), (), 10**4 * 63 * GIB, "bwd0", 0.0))
+        ),
+    )
     assert [r.setting for r in recs] == ["--limit / --memory-budget"] and "more than 64 GPUs' worth" in recs[0].why
 
 
 def test_capacity_without_a_planner_gives_the_plan_command() -> None:
     recs = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=2)
-    assert recs[0].setting == "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"
+    assert (
+        recs[0].setting == "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"
+    )
     assert [r.setting for r in recs[1:]] == ["-mb 1", "-tp 2 --sequence_parallel, or -pp 2, or -cp 2"]
     with_flags = recommend(classify(state_of(FULL, 4 * GIB)), micro_batch_size=2, run_flags="-mr llama3_8b -mb 2")
     assert with_flags[0].setting == "remat plan -mr llama3_8b -mb 2 --memory-budget 62.7GiB -o plan.yaml --verify"
@@ -249,7 +330,8 @@ def test_a_request_that_fits_needs_nothing_and_expandable_fragmentation_needs_le
     recs = recommend(classify(state_of(grown, 4 * GIB)), micro_batch_size=2)
     # 36 GiB needed of a 62.7 GiB budget: no more GPUs or smaller micro-batch, a plan with room
     assert [r.setting for r in recs] == [
-        "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"]
+        "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB -o plan.yaml --verify"
+    ]
 
 
 def test_diagnose_classifies_the_allocator_now(monkeypatch) -> None:
@@ -312,14 +394,32 @@ def test_watch_leaves_other_errors_and_clean_exits_alone() -> None:
 
 def result(name: str, tflops: float | None = 700.0, peak: int | None = 55 * GIB, **overrides: Any) -> BenchResult:
     modules = [m for m in name.split("+") if m != "none"]
-    config: dict[str, Any] = ({"recompute_granularity": "selective", "recompute_modules": modules}
-                              if modules else {"recompute_granularity": None})
+    config: dict[str, Any] = (
+        {"recompute_granularity": "selective", "recompute_modules": modules}
+        if modules
+        else {"recompute_granularity": None}
+    )
     fields: dict[str, Any] = dict(
-        name=name, recipe="llama3_70b", status="ok", config=config,
-        shape={"num_layers": 4, "hidden_size": 8192, "ffn_hidden_size": 28672, "seq_length": 4096,
-               "micro_batch_size": 1},
-        device="cuda", gpu="NVIDIA H100", torch="2.13.0", date="2026-01-01T00:00:00+00:00", command="remat sweep",
-        step_time_s=1.0, tflops_per_gpu=tflops, peak_allocated_bytes=peak)
+        name=name,
+        recipe="llama3_70b",
+        status="ok",
+        config=config,
+        shape={
+            "num_layers": 4,
+            "hidden_size": 8192,
+            "ffn_hidden_size": 28672,
+            "seq_length": 4096,
+            "micro_batch_size": 1,
+        },
+        device="cuda",
+        gpu="NVIDIA H100",
+        torch="2.13.0",
+        date="2026-01-01T00:00:00+00:00",
+        command="remat sweep",
+        step_time_s=1.0,
+        tflops_per_gpu=tflops,
+        peak_allocated_bytes=peak,
+    )
     fields.update(overrides)
     return BenchResult(**fields)
 
@@ -336,15 +436,17 @@ def test_mlp_slowdown_on_a_large_ffn() -> None:
     assert f.fix.startswith("drop mlp (no recompute), lower -mb, or offload (-ol N)")
     assert checks.check_mlp_slowdown([result("none", 709.9), result("mlp", 620.0)]) == []  # -12.7%
     small_ffn = {"hidden_size": 8192, "ffn_hidden_size": 16384}
-    assert checks.check_mlp_slowdown([result("none", 709.9, shape=small_ffn),
-                                      result("mlp", 593.6, shape=small_ffn)]) == []
+    assert (
+        checks.check_mlp_slowdown([result("none", 709.9, shape=small_ffn), result("mlp", 593.6, shape=small_ffn)]) == []
+    )
     other_shape = dict(result("mlp").shape, micro_batch_size=2)
     assert checks.check_mlp_slowdown([result("none", 709.9), result("mlp", 593.6, shape=other_shape)]) == []
 
 
 def test_layernorm_that_did_not_move_the_peak() -> None:
-    (f,) = checks.check_layernorm_peak([result("core_attn", peak=58 * GIB),
-                                        result("core_attn+layernorm", peak=58 * GIB - 300 * MIB)])
+    (f,) = checks.check_layernorm_peak(
+        [result("core_attn", peak=58 * GIB), result("core_attn+layernorm", peak=58 * GIB - 300 * MIB)]
+    )
     assert f.confirmed_by == "peak 58.00 GiB (core_attn) -> 57.71 GiB (core_attn+layernorm), -0.51% (under 1%)"
     (f,) = checks.check_layernorm_peak([oom("core_attn"), oom("core_attn+layernorm")])
     assert f.symptom == "core_attn+layernorm: still OOM after adding layernorm"
@@ -353,24 +455,26 @@ def test_layernorm_that_did_not_move_the_peak() -> None:
 
 
 def test_full_recompute_with_module_scoped_cuda_graphs() -> None:
-    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
-            "num_layers": 4}
-    graphed = result("full_uniform_1", config={**full, "cuda_graph_impl": "transformer_engine",
-                                               "cuda_graph_scope": ["mlp"]})
+    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1, "num_layers": 4}
+    graphed = result(
+        "full_uniform_1", config={**full, "cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["mlp"]}
+    )
     (f,) = checks.check_full_recompute_graphs([graphed])
-    assert f.confirmed_by == ("recompute_granularity=full, cuda_graph_impl=transformer_engine,"
-                              " cuda_graph_scope=['mlp']")
+    assert f.confirmed_by == (
+        "recompute_granularity=full, cuda_graph_impl=transformer_engine, cuda_graph_scope=['mlp']"
+    )
     assert "use selective recompute, cuda_graph_impl='none', or a full_iteration graph" in f.fix
-    whole = result("full_uniform_1", config={**full, "cuda_graph_impl": "local",
-                                             "cuda_graph_scope": ["full_iteration"]})
+    whole = result(
+        "full_uniform_1", config={**full, "cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}
+    )
     assert checks.check_full_recompute_graphs([whole, result("mlp")]) == []
 
 
 def test_cpu_offloading_with_pipeline_parallel() -> None:
-    offload = {"recompute_granularity": None, "cpu_offloading": True, "cpu_offloading_num_layers": 2,
-               "num_layers": 8}
-    (f,) = checks.check_offload_pipeline([result("none+offload_2",
-                                                 config={**offload, "pipeline_model_parallel_size": 2})])
+    offload = {"recompute_granularity": None, "cpu_offloading": True, "cpu_offloading_num_layers": 2, "num_layers": 8}
+    (f,) = checks.check_offload_pipeline(
+        [result("none+offload_2", config={**offload, "pipeline_model_parallel_size": 2})]
+    )
     assert f.confirmed_by == "cpu_offloading=True (2 layers), pipeline_model_parallel_size=2"
     assert "set pipeline_model_parallel_size=1 or cpu_offloading=False" in f.fix
     assert checks.check_offload_pipeline([result("none+offload_2", config=offload)]) == []
@@ -378,28 +482,43 @@ def test_cpu_offloading_with_pipeline_parallel() -> None:
 
 def test_mlp_plus_core_attn_slower_than_mlp_alone() -> None:
     (f,) = checks.check_mlp_core_attn([result("mlp", 593.6, 52 * GIB), result("mlp+core_attn", 586.8, 52 * GIB)])
-    assert f.confirmed_by == ("mlp+core_attn 586.8 vs mlp 593.6 TFLOP/s (-1.1%, beyond 0.5%);"
-                              " peak 52.00 GiB -> 52.00 GiB")
+    assert f.confirmed_by == (
+        "mlp+core_attn 586.8 vs mlp 593.6 TFLOP/s (-1.1%, beyond 0.5%); peak 52.00 GiB -> 52.00 GiB"
+    )
     assert f.fix == "use --recompute_modules mlp alone"
     assert checks.check_mlp_core_attn([result("mlp", 593.6), result("mlp+core_attn", 592.0)]) == []  # noise
 
 
 def test_each_oom_with_the_allocators_numbers_is_classified() -> None:
-    runs = [result("none", 709.9), oom("core_attn"),
-            result("mlp", None, None, status="oom", oom=OomInfo(45 * GIB, 77 * GIB, OLD))]
+    runs = [
+        result("none", 709.9),
+        oom("core_attn"),
+        result("mlp", None, None, status="oom", oom=OomInfo(45 * GIB, 77 * GIB, OLD)),
+    ]
     (f,) = checks.check_oom_kind(runs)
     assert (f.symptom, f.cause, f.fix) == ("mlp: out of memory", "fragmentation", EXPANDABLE_SEGMENTS)
-    assert f.confirmed_by.startswith("31.89 GiB reserved but unallocated (+1.23 GiB unreserved) would hold"
-                                     " the 2.00 GiB request, but no free block held it")
+    assert f.confirmed_by.startswith(
+        "31.89 GiB reserved but unallocated (+1.23 GiB unreserved) would hold"
+        " the 2.00 GiB request, but no free block held it"
+    )
     (f,) = checks.check_oom_kind([result("mlp", None, None, status="oom", oom=OomInfo(0, 0, NEW))])
     assert f.cause == "capacity" and f.fix.startswith("remat plan")
 
 
 def test_a_measured_sweep_trips_every_results_check() -> None:
-    runs = [result("none", 709.9), oom("core_attn"), result("mlp", 593.6, 52 * GIB),
-            result("mlp+core_attn", 586.8, 52 * GIB), oom("core_attn+layernorm")]
+    runs = [
+        result("none", 709.9),
+        oom("core_attn"),
+        result("mlp", 593.6, 52 * GIB),
+        result("mlp+core_attn", 586.8, 52 * GIB),
+        oom("core_attn+layernorm"),
+    ]
     assert [f.check for f in checks.check_results(runs)] == [
-        "mlp recompute cost", "mlp recompute cost", "layernorm alone", "mlp+core_attn"]
+        "mlp recompute cost",
+        "mlp recompute cost",
+        "layernorm alone",
+        "mlp+core_attn",
+    ]
 
 
 def test_cli_checks_results_from_a_json_file(tmp_path, capsys) -> None:
@@ -420,30 +539,39 @@ def test_cli_classifies_a_snapshot(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "remat doctor: fragmentation" in out and EXPANDABLE_SEGMENTS in out
     (tmp_path / "full.json").write_text(json.dumps(FULL))
-    assert main(["doctor", "--snapshot", str(tmp_path / "full.json"), "--request", "4GiB", "--limit", "66GiB",
-                 "-mb", "2"]) == 0
+    assert (
+        main(["doctor", "--snapshot", str(tmp_path / "full.json"), "--request", "4GiB", "--limit", "66GiB", "-mb", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "remat doctor: capacity" in out and "-mb 1" in out
     assert "remat plan [the run's -mr/-sl/-mb/... flags] --memory-budget 62.7GiB" in out
 
 
-@pytest.mark.parametrize("flags, said", [
-    (["--results", "{missing}"], "missing.json: cannot read the file"),
-    (["--results", "{bad}"], "bad.json: is not valid JSON"),
-    (["--results", "{other}"], "other.json: is not a remat bench result"),
-    (["--snapshot", "{missing}", "--limit", "80GiB"], "missing.json: cannot read the file"),
-    (["--snapshot", "{bad_pickle}", "--limit", "80GiB"], "bad.pickle: is not valid pickle"),
-    (["--oom_message", OLD, "--request", "much"], "request: cannot read 'much'"),
-    (["--snapshot", "{other}", "--limit", "lots"], "limit: cannot read 'lots'"),
-    (["--snapshot", "{other}", "--limit", ""], "limit: cannot read ''"),
-    (["--oom_message", OLD, "--request", ""], "request: cannot read ''"),
-])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--results", "{missing}"], "missing.json: cannot read the file"),
+        (["--results", "{bad}"], "bad.json: is not valid JSON"),
+        (["--results", "{other}"], "other.json: is not a remat bench result"),
+        (["--snapshot", "{missing}", "--limit", "80GiB"], "missing.json: cannot read the file"),
+        (["--snapshot", "{bad_pickle}", "--limit", "80GiB"], "bad.pickle: is not valid pickle"),
+        (["--oom_message", OLD, "--request", "much"], "request: cannot read 'much'"),
+        (["--snapshot", "{other}", "--limit", "lots"], "limit: cannot read 'lots'"),
+        (["--snapshot", "{other}", "--limit", ""], "limit: cannot read ''"),
+        (["--oom_message", OLD, "--request", ""], "request: cannot read ''"),
+    ],
+)
 def test_cli_reports_unreadable_files_and_sizes_by_name(tmp_path, capsys, flags, said) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "other.json").write_text(json.dumps({"a": 1}))
     (tmp_path / "bad.pickle").write_bytes(b"not a pickle")
-    paths = dict(missing=tmp_path / "missing.json", bad=tmp_path / "bad.json", other=tmp_path / "other.json",
-                 bad_pickle=tmp_path / "bad.pickle")
+    paths = dict(
+        missing=tmp_path / "missing.json",
+        bad=tmp_path / "bad.json",
+        other=tmp_path / "other.json",
+        bad_pickle=tmp_path / "bad.pickle",
+    )
     assert main(["doctor", *(f.format(**paths) for f in flags)]) == 1
     assert said in capsys.readouterr().err
 
@@ -458,17 +586,30 @@ def test_cli_says_what_to_pass(tmp_path, capsys) -> None:
     assert EXPANDABLE_SEGMENTS in capsys.readouterr().out
     if not torch.cuda.is_available():
         assert main(["doctor", "-mr", "llama3_tiny"]) == 1
-        assert "pass --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or --oom_message" \
+        assert (
+            "pass --timeline PNG to plot one step's memory (CPU too), or --results, --snapshot or --oom_message"
             in capsys.readouterr().err
+        )
 
 
-@pytest.mark.parametrize("flags, said", [
-    (["--timeline", "{tmp}/t.txt", "-mb", "0", "--request", "1GiB"],
-     ["--timeline: {tmp}/t.txt: the plot is a PNG", "micro_batch_size: is 0", "--request: describes an OOM's"]),
-    (["--results", "{tmp}/missing.json", "--limit", "1GiB"], ["missing.json: cannot read the file", "--limit:"]),
-    pytest.param(["-mr", "llama3_tiny", "-mb", "0"], ["doctor: without --results, --snapshot, --oom_message or --timeline it runs the bench", "micro_batch_size"],
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (
+            ["--timeline", "{tmp}/t.txt", "-mb", "0", "--request", "1GiB"],
+            ["--timeline: {tmp}/t.txt: the plot is a PNG", "micro_batch_size: is 0", "--request: describes an OOM's"],
+        ),
+        (["--results", "{tmp}/missing.json", "--limit", "1GiB"], ["missing.json: cannot read the file", "--limit:"]),
+        pytest.param(
+            ["-mr", "llama3_tiny", "-mb", "0"],
+            [
+                "doctor: without --results, --snapshot, --oom_message or --timeline it runs the bench",
+                "micro_batch_size",
+            ],
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
+    ],
+)
 def test_cli_reports_every_problem_of_a_doctor_command_at_once(tmp_path, capsys, flags, said) -> None:
     assert main(["doctor", *(f.format(tmp=tmp_path) for f in flags)]) == 1
     err = " ".join(capsys.readouterr().err.split())
@@ -521,8 +662,9 @@ def test_attribution_stays_right_step_after_step_under_full_recompute() -> None:
     model, ids, labels = _tiny()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
-        remat.apply(model, RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                           recompute_num_layers=1))
+        remat.apply(
+            model, RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        )
     steps = []
     with doctor.watch(model, on_oom=None) as doc:
         for _ in range(3):

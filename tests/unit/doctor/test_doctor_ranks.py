@@ -5,7 +5,6 @@ bench.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_doctor_ranks_runs.py."""
 
-
 from __future__ import annotations
 
 import json
@@ -32,27 +31,33 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "integration" / "workers"))  
 import oom_worker  # noqa: E402
 
 # a log's rank 1: 70 GiB allocated, 72 reserved, the request 8 GiB of the 5 GiB free: capacity
-LOG_RANK1_MESSAGE = ("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
-                     " 5.00 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 2.00 GiB is"
-                     " reserved by PyTorch but unallocated.")
+LOG_RANK1_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 8.00 GiB. GPU 1 has a total capacity of 79.11 GiB of which"
+    " 5.00 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 2.00 GiB is"
+    " reserved by PyTorch but unallocated."
+)
 
 
 # rank 3's: 40 GiB allocated of 64 GiB reserved, the request 20 GiB: fragmentation
-RANK3_MESSAGE = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 3 has a total capacity of 79.11 GiB of which"
-                 " 12.00 GiB is free. Of the allocated memory 40.00 GiB is allocated by PyTorch, and 24.00 GiB is"
-                 " reserved by PyTorch but unallocated.")
+RANK3_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 3 has a total capacity of 79.11 GiB of which"
+    " 12.00 GiB is free. Of the allocated memory 40.00 GiB is allocated by PyTorch, and 24.00 GiB is"
+    " reserved by PyTorch but unallocated."
+)
 
 
 # what torchrun prints when ranks 1 and 3 ran out of memory and rank 0 lost its peers
-LOG = "\n".join([
-    "[rank0]: Traceback (most recent call last):",
-    "[rank0]:   File \"train.py\", line 7, in <module>",
-    "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:57481.",
-    "[rank1]: Traceback (most recent call last):",
-    f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}",
-    f"[rank3]: torch.OutOfMemoryError: {RANK3_MESSAGE}",
-    "E1206 04:10:39.239000 24675 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 24759)",
-])
+LOG = "\n".join(
+    [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "train.py", line 7, in <module>',
+        "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:57481.",
+        "[rank1]: Traceback (most recent call last):",
+        f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}",
+        f"[rank3]: torch.OutOfMemoryError: {RANK3_MESSAGE}",
+        "E1206 04:10:39.239000 24675 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 24759)",
+    ]
+)
 
 
 def test_a_torchrun_logs_oom_messages_are_told_apart_by_rank() -> None:
@@ -75,8 +80,9 @@ def test_cli_diagnoses_each_rank_of_a_torchrun_log_with_its_own_numbers(capsys) 
 
 
 def test_cli_names_the_rank_whose_oom_message_lacks_the_numbers(capsys) -> None:
-    log = f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}\n[rank2]: CUDA out of memory. Tried to" \
-          " allocate 2.00 GiB"
+    log = (
+        f"[rank1]: torch.OutOfMemoryError: {LOG_RANK1_MESSAGE}\n[rank2]: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
     assert main(["doctor", "--oom_message", log]) == 1
     err = capsys.readouterr().err
     assert "oom_message of rank 2: the message does not give the device capacity" in err
@@ -102,14 +108,30 @@ def test_watch_under_torchrun_names_this_rank(monkeypatch) -> None:
 
 def _failed(**oom: object) -> BenchResult:
     """A run that ran out of memory on rank 2, the second stage of a pipeline."""
-    info = dict(allocated_bytes=32 * GIB, reserved_bytes=64 * GIB, message="CUDA error: out of memory", rank=2,
-                coordinates={"pp": 1, "dp": 0, "cp": 0, "tp": 0},
-                allocator=AllocatorState(allocated=32 * GIB, reserved=64 * GIB, limit=66 * GIB, request=4 * GIB,
-                                         largest_free_block=GIB))
+    info = dict(
+        allocated_bytes=32 * GIB,
+        reserved_bytes=64 * GIB,
+        message="CUDA error: out of memory",
+        rank=2,
+        coordinates={"pp": 1, "dp": 0, "cp": 0, "tp": 0},
+        allocator=AllocatorState(
+            allocated=32 * GIB, reserved=64 * GIB, limit=66 * GIB, request=4 * GIB, largest_free_block=GIB
+        ),
+    )
     info.update(oom)
-    return BenchResult(name="mlp", recipe="llama3_tiny", status="oom", config={}, shape={}, device="cuda",
-                       gpu="H100", torch=torch.__version__, date="2026-01-01T00:00:00+00:00", command="remat bench",
-                       oom=OomInfo(**info))  # type: ignore[arg-type]
+    return BenchResult(
+        name="mlp",
+        recipe="llama3_tiny",
+        status="oom",
+        config={},
+        shape={},
+        device="cuda",
+        gpu="H100",
+        torch=torch.__version__,
+        date="2026-01-01T00:00:00+00:00",
+        command="remat bench",
+        oom=OomInfo(**info),
+    )  # type: ignore[arg-type]
 
 
 def test_a_result_keeps_the_failed_ranks_place_and_allocator() -> None:
@@ -129,8 +151,9 @@ def test_results_checks_classify_an_oom_by_the_ranks_recorded_allocator() -> Non
     assert checks.check_oom_kind([_failed(allocator=None)]) == []
 
 
-def test_a_failed_rank_leaves_its_result_to_the_remat_process_that_started_torchrun(tmp_path, monkeypatch,
-                                                                                    capsys) -> None:
+def test_a_failed_rank_leaves_its_result_to_the_remat_process_that_started_torchrun(
+    tmp_path, monkeypatch, capsys
+) -> None:
     spec = BenchSpec(recipe="llama3_tiny", device="cpu")
     monkeypatch.setattr(common.out, "quiet", True)  # as on every rank but 0
     monkeypatch.setenv(launch.RECORDS, str(tmp_path))
@@ -150,19 +173,40 @@ def test_a_failed_rank_leaves_its_result_to_the_remat_process_that_started_torch
 
 def test_one_process_bench_diagnoses_its_oom_without_a_rank(capsys, monkeypatch) -> None:
     monkeypatch.setattr(MLP, "forward", oom_worker.out_of_memory)
-    assert main(["bench", "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "-ms", "2", "--warmup_steps", "1",
-                 "--no_progress", "--no_history"]) == 1
+    assert (
+        main(
+            [
+                "bench",
+                "-mr",
+                "llama3_tiny",
+                "--num_layers",
+                "2",
+                "-sl",
+                "16",
+                "-ms",
+                "2",
+                "--warmup_steps",
+                "1",
+                "--no_progress",
+                "--no_history",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "remat doctor: capacity" in out and "75.80 GiB at OOM" in out and "ran out of memory" not in out
 
 
 @pytest.mark.parametrize("command", ["doctor", "sweep"])
 @pytest.mark.parametrize("by_torchrun", [False, True])
-def test_commands_of_one_process_point_a_run_on_several_gpus_to_bench(command, by_torchrun, capsys,
-                                                                      monkeypatch) -> None:
+def test_commands_of_one_process_point_a_run_on_several_gpus_to_bench(
+    command, by_torchrun, capsys, monkeypatch
+) -> None:
     if by_torchrun:  # two processes started, -ng not given
         monkeypatch.setenv("WORLD_SIZE", "2")
     flags = [] if by_torchrun else ["-ng", "2"]
     assert main([command, "-mr", "llama3_tiny", "--device", "cpu", "--no_history", *flags]) == 1
-    assert (f"{command}: runs one process, and this run takes 2 GPUs (-ng, tp x pp x cp, or torchrun's processes);"
-            " `remat bench` with the same flags runs one config on them") in capsys.readouterr().err
+    assert (
+        f"{command}: runs one process, and this run takes 2 GPUs (-ng, tp x pp x cp, or torchrun's processes);"
+        " `remat bench` with the same flags runs one config on them"
+    ) in capsys.readouterr().err

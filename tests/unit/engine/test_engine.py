@@ -1,6 +1,5 @@
 """The engine alone, on small functions: exact replay, no-grad inputs, .grad(), discard, groups."""
 
-
 from __future__ import annotations
 
 import gc
@@ -92,8 +91,9 @@ def test_checkpoint_passes_through_without_grad(monkeypatch) -> None:
     assert captured
 
 
-def _norm_then_consumers(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, discard: bool,
-                         calls: list[int]) -> torch.Tensor:
+def _norm_then_consumers(
+    x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, discard: bool, calls: list[int]
+) -> torch.Tensor:
     def norm(t: torch.Tensor) -> torch.Tensor:
         calls.append(1)
         return F.rms_norm(t, (16,), n)
@@ -298,7 +298,7 @@ def test_double_backward_through_a_region_matches_eager(mechanism: str) -> None:
             else:
                 body = lambda t: torch.tanh(t @ w)  # noqa: E731
                 y = (checkpoint(body, x) if use else body(x)).pow(2).sum()
-        gx, = torch.autograd.grad(y, x, create_graph=True)
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
         return torch.autograd.grad(gx.pow(2).sum(), (x, w))
 
     for a, b in zip(second_order(False), second_order(True)):

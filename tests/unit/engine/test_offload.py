@@ -3,7 +3,6 @@ the tiny Llama, exact byte counts, views and dedup, pool reuse, prefetch order, 
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_offload_runs.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -39,9 +38,15 @@ def test_a_plan_whose_tensors_all_stay_under_the_threshold_says_so(threshold: in
         verify(model, plan, *_batch(model))
     said = [str(w.message) for w in caught if "nothing moved to host" in str(w.message)]
     assert (offloader_of(model).stats().offloaded_bytes == 0) == warns
-    assert said == ([f"min_offloaded_tensor_size: the plan offloads, but no saved tensor had {threshold} elements or"
-                     " more, so nothing moved to host; lower it (--min_offloaded_tensor_size) to offload this model's"
-                     " tensors"] if warns else [])
+    assert said == (
+        [
+            f"min_offloaded_tensor_size: the plan offloads, but no saved tensor had {threshold} elements or"
+            " more, so nothing moved to host; lower it (--min_offloaded_tensor_size) to offload this model's"
+            " tensors"
+        ]
+        if warns
+        else []
+    )
 
 
 def test_offloading_every_layer_moves_exactly_the_bytes_it_frees() -> None:
@@ -95,6 +100,7 @@ def test_graph_freed_without_backward_returns_buffers() -> None:
 def test_retain_graph_backward_twice() -> None:
     """Offloaded tensors unpack again for a second backward: both give no offload's gradients (the
     second adds into the first, in the weight-gradient GEMMs)."""
+
     def twice(offload: bool) -> dict[str, torch.Tensor]:
         model = _model(dropout=0.0)
         if offload:
@@ -165,8 +171,11 @@ def test_views_dedup_thresholds_and_bytes(case) -> None:
         x = torch.randn(3, requires_grad=True)
         saved = [v for base, kind in bases for v in _views(base, kind)] + ([weight.t()] if with_parameter else [])
         expected = [(v.clone(), v.size(), v.stride(), v.storage_offset()) for v in saved]
-        large = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v, _ in bases
-                 if v.untyped_storage().nbytes() >= min_numel * v.element_size()}
+        large = {
+            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+            for v, _ in bases
+            if v.untyped_storage().nbytes() >= min_numel * v.element_size()
+        }
         seen: list[torch.Tensor] = []
         with offloading(offloader, key=0):
             y = _SaveAll.apply(x, seen, *saved)
@@ -252,26 +261,38 @@ def test_the_layers_after_an_offload_group_prefetch_it_and_then_wait_for_its_cop
     events: list[tuple[str, int]] = []
     prefetch = Offloader.prefetch_on_grad
     monkeypatch.setattr(Offloader, "await_copies", lambda self, key: events.append(("wait", key)))
-    monkeypatch.setattr(Offloader, "prefetch_on_grad",
-                        lambda self, t, key: (events.append(("prefetch", key)), prefetch(self, t, key)))
+    monkeypatch.setattr(
+        Offloader, "prefetch_on_grad", lambda self, t, key: (events.append(("prefetch", key)), prefetch(self, t, key))
+    )
     model = _model()
     for i, layer in enumerate(model.decoder.layers):
         layer.register_forward_pre_hook(lambda m, args, i=i: events.append(("layer", i)))
     remat.apply(model, Plan([{"layer": "offload"}, {"mlp": "offload"}, {}, {}], min_offloaded_tensor_size=0))
     model(*_batch(model)).backward()
-    assert events == [("layer", 0), ("layer", 1), ("prefetch", 0), ("layer", 2), ("wait", 0), ("prefetch", 1),
-                      ("layer", 3), ("wait", 1)]
+    assert events == [
+        ("layer", 0),
+        ("layer", 1),
+        ("prefetch", 0),
+        ("layer", 2),
+        ("wait", 0),
+        ("prefetch", 1),
+        ("layer", 3),
+        ("wait", 1),
+    ]
 
 
 def test_megatron_offload_configs_lower_to_per_layer_offload() -> None:
     model_sites = find_sites(_model()).model_sites
     plan = Plan.from_config(_config(cpu_offloading=True, cpu_offloading_num_layers=2), model_sites)
     assert [a.get("layer") for a in plan.layers] == ["offload", "offload", None, None]
-    plan = Plan.from_config(_config(**{**FULL1, "recompute_num_layers": 2}, cpu_offloading=True,
-                                    cpu_offloading_num_layers=3), model_sites)
+    plan = Plan.from_config(
+        _config(**{**FULL1, "recompute_num_layers": 2}, cpu_offloading=True, cpu_offloading_num_layers=3), model_sites
+    )
     assert [a.get("layer") for a in plan.layers] == ["offload", None, "offload", None]
     assert "full recompute, groups of 2, inputs offloaded" in plan.describe()
-    plan = Plan.from_config(_config(fine_grained_activation_offloading=True, offload_modules=["core_attn"]), model_sites)
+    plan = Plan.from_config(
+        _config(fine_grained_activation_offloading=True, offload_modules=["core_attn"]), model_sites
+    )
     assert plan.layers == [{"core_attn": "offload"}] * (LAYERS - 1) + [{}]  # the last layer's backward comes at once
 
 

@@ -3,7 +3,6 @@ of tensor, sequence, context and pipeline parallelism.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_estimate_runs.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -62,10 +61,18 @@ def test_tensor_parallel_divides_the_layer_weights() -> None:
     assert two.stages[0].weights == (one.stages[0].weights - norms) // 2 + norms
 
 
-@pytest.mark.parametrize("pp, vpp, stage, micro_batches, expected", [
-    (4, None, 0, 8, 4), (4, None, 3, 8, 1), (4, None, 0, 2, 2),
-    # Megatron's interleaved warm-up: (pp - rank - 1) * 2 + (vpp - 1) * pp chunks, plus one
-    (4, 2, 0, 8, (3 * 2 + 4 + 1) / 2), (4, 2, 3, 8, (0 + 4 + 1) / 2), (2, 2, 0, 1, 1)])
+@pytest.mark.parametrize(
+    "pp, vpp, stage, micro_batches, expected",
+    [
+        (4, None, 0, 8, 4),
+        (4, None, 3, 8, 1),
+        (4, None, 0, 2, 2),
+        # Megatron's interleaved warm-up: (pp - rank - 1) * 2 + (vpp - 1) * pp chunks, plus one
+        (4, 2, 0, 8, (3 * 2 + 4 + 1) / 2),
+        (4, 2, 3, 8, (0 + 4 + 1) / 2),
+        (2, 2, 0, 1, 1),
+    ],
+)
 def test_micro_batches_in_flight_follow_megatrons_schedules(pp, vpp, stage, micro_batches, expected) -> None:
     layout = ParallelLayout(pp=pp, vp=vpp)
     assert layout.in_flight(stage, micro_batches) == expected
@@ -82,12 +89,18 @@ def test_step_time_counts_the_recompute_flops() -> None:
     assert full.step_time_s > recomputed.step_time_s > none.step_time_s > 0
 
 
-@pytest.mark.parametrize("layout, shapes, field", [
-    (ParallelLayout(tp=3), {}, "tensor_model_parallel_size"),
-    (ParallelLayout(cp=3), {}, "context_parallel_size"),
-    (ParallelLayout(tp=3, sp=True),
-     {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96, "hidden_size": 96}, "sequence_parallel"),
-])
+@pytest.mark.parametrize(
+    "layout, shapes, field",
+    [
+        (ParallelLayout(tp=3), {}, "tensor_model_parallel_size"),
+        (ParallelLayout(cp=3), {}, "context_parallel_size"),
+        (
+            ParallelLayout(tp=3, sp=True),
+            {"num_attention_heads": 6, "num_query_groups": 3, "ffn_hidden_size": 96, "hidden_size": 96},
+            "sequence_parallel",
+        ),
+    ],
+)
 def test_parallel_shape_rules_fail_and_pass(layout, shapes, field) -> None:
     family = family_of("llama3_tiny")
     model = dict(num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160, seq_length=32)
@@ -99,8 +112,11 @@ def test_parallel_shape_rules_fail_and_pass(layout, shapes, field) -> None:
 def test_batch_split_rules_fail_and_pass() -> None:
     def fields(num_gpus: int, micro_batch_size: int, global_batch_size: int | None) -> list[str]:
         try:
-            _spec(layout=ParallelLayout(tp=2, pp=2, num_gpus=num_gpus), micro_batch_size=micro_batch_size,
-                  global_batch_size=global_batch_size)
+            _spec(
+                layout=ParallelLayout(tp=2, pp=2, num_gpus=num_gpus),
+                micro_batch_size=micro_batch_size,
+                global_batch_size=global_batch_size,
+            )
         except ConfigError as err:
             return [p.field for p in err.problems]
         return []
@@ -142,27 +158,52 @@ def test_a_per_layer_plan_under_virtual_stages_acts_on_each_ranks_interleaved_la
     (a contiguous split would give rank 0 layers 0 and 1)."""
     mlp = RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"])
     rank_0 = Plan([{"mlp": "recompute"}, {}, {"mlp": "recompute"}, {}])
-    none, everywhere, plan = _quiet(estimate, _spec(overrides=SHAPE, layout=VPP.layout, global_batch_size=2 * MB),
-                                    [("none", None), ("mlp", mlp), ("rank 0", rank_0)])
+    none, everywhere, plan = _quiet(
+        estimate,
+        _spec(overrides=SHAPE, layout=VPP.layout, global_batch_size=2 * MB),
+        [("none", None), ("mlp", mlp), ("rank 0", rank_0)],
+    )
     assert _figures(plan) == [_figures(everywhere)[0], _figures(none)[1]]
 
 
-
-
-@pytest.mark.parametrize("flags, chosen", [
-    (["-ol", "1", "--recompute_modules", "core_attn"],
-     "recompute_granularity, recompute_modules, cpu_offloading, cpu_offloading_num_layers"),
-    (["-rl", "1"], "recompute_granularity, recompute_method, recompute_num_layers"),
-    (["--config", "PLAN"], "--config (a per-layer plan)"),
-])
+@pytest.mark.parametrize(
+    "flags, chosen",
+    [
+        (
+            ["-ol", "1", "--recompute_modules", "core_attn"],
+            "recompute_granularity, recompute_modules, cpu_offloading, cpu_offloading_num_layers",
+        ),
+        (["-rl", "1"], "recompute_granularity, recompute_method, recompute_num_layers"),
+        (["--config", "PLAN"], "--config (a per-layer plan)"),
+    ],
+)
 def test_cli_refuses_recompute_flags_beside_configs(flags, chosen, tmp_path, capsys) -> None:
     """--configs lists what is estimated: a config the flags choose too is refused, not dropped."""
     Plan.none(2).save(tmp_path / "plan.yaml")
     flags = [str(tmp_path / "plan.yaml") if f == "PLAN" else f for f in flags]
-    assert main(["estimate", "--num_layers", "2", "-sl", "32", "-ng", "1", "--target", "cpu", "--no_progress",
-                 "--configs", "none", *flags]) == 1
+    assert (
+        main(
+            [
+                "estimate",
+                "--num_layers",
+                "2",
+                "-sl",
+                "32",
+                "-ng",
+                "1",
+                "--target",
+                "cpu",
+                "--no_progress",
+                "--configs",
+                "none",
+                *flags,
+            ]
+        )
+        == 1
+    )
     assert f"--configs: estimates only the entries it lists, so what the flags set ({chosen})" in (
-        capsys.readouterr().err.replace("\n", ""))
+        capsys.readouterr().err.replace("\n", "")
+    )
 
 
 def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
@@ -173,10 +214,14 @@ def test_cli_reports_shapes_that_do_not_split(capsys) -> None:
 def test_compiled_regions_on_cuda_save_only_the_gate_up_input() -> None:
     """On CUDA the SwiGLU Function saves only its gate/up input: MLP recompute frees that and the
     activation linear_fc2 saves (3 x ffn), discarding mlp_act the activation alone (1 x ffn)."""
-    mlp, act = (RecomputeConfig(recompute_granularity="selective", recompute_modules=[label])
-                for label in ("mlp", "mlp_act"))
-    none, recomputed, discarded = _quiet(estimate, _spec(compile=True, device="cuda", precision=Precision("bf16")),
-                                         [("none", None), ("mlp", mlp), ("mlp_act", act)])
+    mlp, act = (
+        RecomputeConfig(recompute_granularity="selective", recompute_modules=[label]) for label in ("mlp", "mlp_act")
+    )
+    none, recomputed, discarded = _quiet(
+        estimate,
+        _spec(compile=True, device="cuda", precision=Precision("bf16")),
+        [("none", None), ("mlp", mlp), ("mlp_act", act)],
+    )
     tokens, ffn, layers = MB * SMALL["seq_length"], 160, SMALL["num_layers"]
     assert none.stages[0].activations - recomputed.stages[0].activations == layers * 3 * ffn * tokens * 2
     assert none.stages[0].activations - discarded.stages[0].activations == layers * ffn * tokens * 2
@@ -188,20 +233,24 @@ def test_on_cuda_layernorm_discard_frees_each_norm_output_and_its_scale(compiled
     and a float32 1/rms per row): discarding both norm outputs of a layer frees them and the two
     scales, the inputs being saved anyway."""
     layernorm = RecomputeConfig(recompute_granularity="selective", recompute_modules=["layernorm"])
-    none, discarded = _quiet(estimate, _spec(compile=compiled, device="cuda", precision=Precision("bf16")),
-                             [("none", None), ("layernorm", layernorm)])
+    none, discarded = _quiet(
+        estimate,
+        _spec(compile=compiled, device="cuda", precision=Precision("bf16")),
+        [("none", None), ("layernorm", layernorm)],
+    )
     tokens, hidden = MB * SMALL["seq_length"], 64
     assert none.stages[0].activations - discarded.stages[0].activations == (
-        SMALL["num_layers"] * 2 * (tokens * hidden * 2 + tokens * 4))
-
-
+        SMALL["num_layers"] * 2 * (tokens * hidden * 2 + tokens * 4)
+    )
 
 
 def test_an_offload_plan_that_would_move_nothing_says_why() -> None:
     for threshold, moved in ((1 << 20, False), (64, True)):  # the default, above every tiny tensor; then below
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", remat.RematWarning)
-            [est] = estimate(_spec(), [("offload", Plan([{"layer": "offload"}, {}], min_offloaded_tensor_size=threshold))])
+            [est] = estimate(
+                _spec(), [("offload", Plan([{"layer": "offload"}, {}], min_offloaded_tensor_size=threshold))]
+            )
         assert (est.stages[0].host > 0) == moved
         assert any("nothing moved to host" in str(w.message) for w in caught) == (not moved)
 
@@ -215,7 +264,10 @@ def test_flops_of_matmuls_that_add_into_their_input_are_counted() -> None:
     from remat.models.kernels.loss import _accumulate_mm
 
     acc = torch.zeros(8, 6, device="meta")
-    a, b = torch.empty(8, 4, device="meta", dtype=torch.bfloat16), torch.empty(4, 6, device="meta", dtype=torch.bfloat16)
+    a, b = (
+        torch.empty(8, 4, device="meta", dtype=torch.bfloat16),
+        torch.empty(4, 6, device="meta", dtype=torch.bfloat16),
+    )
     with FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) as counter:
         acc.addmm_(a.float(), b.float())
         assert _accumulate_mm(acc, a, b, torch.float32) is acc  # in place: no second buffer
@@ -235,8 +287,7 @@ def test_offload_an_estimate_cannot_price_is_refused_before_any_trace(monkeypatc
         estimate(_spec(), [("last", Plan([{}, {"mlp": "offload"}], min_offloaded_tensor_size=64))])
     stage_end = Plan([{"mlp": "offload"}, {}], min_offloaded_tensor_size=64)  # layer 0 ends stage 0 of 2
     with pytest.raises(ConfigError, match="last layer"):
-        estimate(_spec(layout=ParallelLayout(pp=2), global_batch_size=2 * MB),
-                 [("stage end", stage_end)])
+        estimate(_spec(layout=ParallelLayout(pp=2), global_batch_size=2 * MB), [("stage end", stage_end)])
 
 
 def test_cublas_workspace_config_is_read_in_cublas_format() -> None:

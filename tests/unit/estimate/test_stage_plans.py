@@ -3,7 +3,6 @@ carries the ranks' plans, and the uniform Megatron config they are compared with
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_stage_plans_runs.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -108,23 +107,53 @@ def test_a_plan_file_carries_the_layout_and_each_ranks_peak(tmp_path) -> None:
     _stamped().save(path)
     loaded = Plan.load(path)
     assert loaded == _stamped() and loaded.pipeline == _stamped().pipeline
-    assert loaded.to_dict()["pipeline"]["stages"] == [{"layers": [0, 1], "predicted_peak_bytes": 100},
-                                                        {"layers": [2, 3], "predicted_peak_bytes": 90}]
+    assert loaded.to_dict()["pipeline"]["stages"] == [
+        {"layers": [0, 1], "predicted_peak_bytes": 100},
+        {"layers": [2, 3], "predicted_peak_bytes": 90},
+    ]
 
 
-@pytest.mark.parametrize("section, field", [
-    ("not a mapping", "pipeline"),
-    ({"pipeline_model_parallel_size": 3, "virtual_pipeline_model_parallel_size": None,
-      "stages": [{"layers": [0], "predicted_peak_bytes": 1}] * 2}, "pipeline"),  # 2 stages listed for 3
-    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None,
-      "stages": [{"layers": [0, 1], "predicted_peak_bytes": "big"}, {"layers": [2, 3], "predicted_peak_bytes": 1}]},
-     "pipeline"),
-    ({"pipeline_model_parallel_size": 3, "virtual_pipeline_model_parallel_size": None,
-      "stages": [{"predicted_peak_bytes": 1}] * 3}, "pipeline"),  # 4 layers do not split in 3
-    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None,
-      "stages": [{"layers": [0, 1], "predicted_peak_bytes": 1}, {"layers": [3], "predicted_peak_bytes": 1}]},
-     "pipeline.stages[1].layers"),
-])
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ("not a mapping", "pipeline"),
+        (
+            {
+                "pipeline_model_parallel_size": 3,
+                "virtual_pipeline_model_parallel_size": None,
+                "stages": [{"layers": [0], "predicted_peak_bytes": 1}] * 2,
+            },
+            "pipeline",
+        ),  # 2 stages listed for 3
+        (
+            {
+                "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": None,
+                "stages": [
+                    {"layers": [0, 1], "predicted_peak_bytes": "big"},
+                    {"layers": [2, 3], "predicted_peak_bytes": 1},
+                ],
+            },
+            "pipeline",
+        ),
+        (
+            {
+                "pipeline_model_parallel_size": 3,
+                "virtual_pipeline_model_parallel_size": None,
+                "stages": [{"predicted_peak_bytes": 1}] * 3,
+            },
+            "pipeline",
+        ),  # 4 layers do not split in 3
+        (
+            {
+                "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": None,
+                "stages": [{"layers": [0, 1], "predicted_peak_bytes": 1}, {"layers": [3], "predicted_peak_bytes": 1}],
+            },
+            "pipeline.stages[1].layers",
+        ),
+    ],
+)
 def test_a_plan_files_pipeline_section_rules_fail(section, field) -> None:
     data = {**_stamped().to_dict(), "pipeline": section}
     assert [p.field for p in plan_file_problems(data)] == [field]
@@ -142,8 +171,9 @@ def test_a_plan_solved_per_stage_runs_only_on_its_layout(pp, vpp, refused) -> No
         assert "run it with -pp 2" in problems[0].message
 
 
-@pytest.mark.parametrize("flags, field", [(["--configs", "none"], "--configs"),
-                                          (["--recompute_modules", "mlp"], "--recompute_modules")])
+@pytest.mark.parametrize(
+    "flags, field", [(["--configs", "none"], "--configs"), (["--recompute_modules", "mlp"], "--recompute_modules")]
+)
 def test_estimate_plans_only_without_configs_of_its_own(flags, field, capsys) -> None:
     args = ["estimate", "-mr", "llama3_tiny", "--memory-budget", "1GiB", *flags]
     assert main(args) == 1

@@ -2,7 +2,6 @@
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_trace_runs.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -52,18 +51,28 @@ def test_peak_with_an_optimizer_step_is_predicted_exactly(measured_peak) -> None
     assert trace.fixed_bytes == 2 * weights + state
     assert optimizer.param_groups[0]["lr"] == 1e-3
     assert [w.name for w in trace.windows] == [
-        "pre", "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
-    for plan in (None, Plan([{"mlp": "recompute"}, {"layernorm": "discard"}, {}]),
-                 Plan([{}, {}, {}], [(0, 3)])):
+        "pre",
+        "fwd0",
+        "fwd1",
+        "fwd2",
+        "head",
+        "bwd2",
+        "bwd1",
+        "bwd0",
+        "tail",
+        "optimizer",
+    ]
+    for plan in (None, Plan([{"mlp": "recompute"}, {"layernorm": "discard"}, {}]), Plan([{}, {}, {}], [(0, 3)])):
         assert trace.predict(plan).peak_bytes == measured_peak(model, batch, plan, optimizer)
 
 
 def test_megatron_configs_predict_exactly_and_none_is_the_baseline(backend_trace) -> None:
     model, batch, trace = backend_trace
     assert trace.predict(None).saved_bytes == trace.baseline_saved_bytes == _measured(model, batch, None)
-    for config in (remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]),
-                   remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                                         recompute_num_layers=3)):
+    for config in (
+        remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]),
+        remat.RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", remat.RematWarning)
             assert trace.predict(config).saved_bytes == _measured(model, batch, config)
@@ -91,8 +100,9 @@ def test_offload_is_predicted_only_from_a_trace_that_measured_it(backend_trace, 
         plain.predict(Plan([{"layer": "offload"}] + [{}] * (LAYERS - 1)))
     _, _, trace = offload_traced
     with pytest.raises(remat.ConfigError, match="did not measure core_attn=offload, mlp=offload"):
-        trace.predict(Plan([{"core_attn": "offload", "mlp": "offload"}] + [{}] * (LAYERS - 1),
-                           min_offloaded_tensor_size=256))
+        trace.predict(
+            Plan([{"core_attn": "offload", "mlp": "offload"}] + [{}] * (LAYERS - 1), min_offloaded_tensor_size=256)
+        )
     with pytest.raises(remat.ConfigError, match="the trace measured 256"):
         trace.predict(Plan([{"core_attn": "offload"}] + [{}] * (LAYERS - 1)))
     last = Plan([{}] * (LAYERS - 1) + [{"mlp": "offload"}], min_offloaded_tensor_size=256)
@@ -111,8 +121,13 @@ def test_longer_offloaded_groups_free_their_extra_layers_in_the_next_layers_wind
         windows.update({("fwd", size): -freed // 2, ("bwd", size): 0} if host else {})
         return Effect(freed, windows, 0.0, host)
 
-    effects = LayerEffects({}, {s: measured(s, 100 * s + 10 * (s - 1)) for s in (1, 2, 3)}, 10, 0.001,
-                           {s: measured(s, 100 * s + 10 * (s - 1) + 10, host=10) for s in (1, 2, 3)})
+    effects = LayerEffects(
+        {},
+        {s: measured(s, 100 * s + 10 * (s - 1)) for s in (1, 2, 3)},
+        10,
+        0.001,
+        {s: measured(s, 100 * s + 10 * (s - 1) + 10, host=10) for s in (1, 2, 3)},
+    )
     five = effects.group(5, offload_input=True)
     extra = five.freed_bytes - effects.offloaded_groups[3].freed_bytes
     assert extra == 2 * (100 + 10)
@@ -151,10 +166,23 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    recorded = timeline(model, (ids[:, :-1], ids[:, 1:].contiguous()), optimizer=optimizer,
-                        plan=remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]))
+    recorded = timeline(
+        model,
+        (ids[:, :-1], ids[:, 1:].contiguous()),
+        optimizer=optimizer,
+        plan=remat.RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp"]),
+    )
     assert [name for _, name in recorded.marks] == [
-        "fwd0", "fwd1", "fwd2", "head", "bwd2", "bwd1", "bwd0", "tail", "optimizer"]
+        "fwd0",
+        "fwd1",
+        "fwd2",
+        "head",
+        "bwd2",
+        "bwd1",
+        "bwd0",
+        "tail",
+        "optimizer",
+    ]
     positions = [i for i, _ in recorded.marks]
     assert positions == sorted(positions) and positions[-1] < len(recorded.allocated)
     assert max(recorded.allocated) == max(recorded.peaks.values())  # sampled after every op: the peak
@@ -172,13 +200,23 @@ def test_timeline_marks_every_window_in_step_order_and_peaks_where_the_trace_doe
 def test_a_combination_costs_the_sum_of_its_actions_timed_alone() -> None:
     """Whatever a combination's own timing would have said: its actions add separate work."""
     mlp, ln, attn = ("mlp", "recompute"), ("layernorm", "discard"), ("core_attn", "recompute")
-    measured = {frozenset(): Effect(0, {}), frozenset({mlp}): Effect(8, {}, 0.036),
-                frozenset({ln}): Effect(2, {}, 0.001), frozenset({attn}): Effect(1, {}, 0.004),
-                frozenset({ln, mlp}): Effect(10, {}), frozenset({attn, ln, mlp}): Effect(11, {})}
+    measured = {
+        frozenset(): Effect(0, {}),
+        frozenset({mlp}): Effect(8, {}, 0.036),
+        frozenset({ln}): Effect(2, {}, 0.001),
+        frozenset({attn}): Effect(1, {}, 0.004),
+        frozenset({ln, mlp}): Effect(10, {}),
+        frozenset({attn, ln, mlp}): Effect(11, {}),
+    }
     summed = _summed_times(measured)
     assert {combo: e.added_time_s for combo, e in summed.items()} == {
-        frozenset(): 0.0, frozenset({mlp}): 0.036, frozenset({ln}): 0.001, frozenset({attn}): 0.004,
-        frozenset({ln, mlp}): 0.036 + 0.001, frozenset({attn, ln, mlp}): 0.036 + 0.001 + 0.004}
+        frozenset(): 0.0,
+        frozenset({mlp}): 0.036,
+        frozenset({ln}): 0.001,
+        frozenset({attn}): 0.004,
+        frozenset({ln, mlp}): 0.036 + 0.001,
+        frozenset({attn, ln, mlp}): 0.036 + 0.001 + 0.004,
+    }
     assert [e.freed_bytes for e in summed.values()] == [e.freed_bytes for e in measured.values()]
 
 
@@ -189,8 +227,7 @@ def test_an_action_inside_a_recomputed_enclosing_site_is_dropped() -> None:
     assert _combo({"mlp": "keep", "mlp_act": "discard"}) == {("mlp_act", "discard")}
     combos = _combos(frozenset({*LABELS, "mlp_act"}))
     assert len(combos) == len(set(combos)) == 18
-    assert not any(("mlp_act", "recompute") in c or {("mlp", "recompute"), ("mlp_act", "discard")} <= c
-                   for c in combos)
+    assert not any(("mlp_act", "recompute") in c or {("mlp", "recompute"), ("mlp_act", "discard")} <= c for c in combos)
 
 
 def _freed_alone_from_what_sites_save(trace, layer: int, label: str) -> int:
@@ -233,8 +270,10 @@ def test_a_site_whose_saved_output_another_site_saves_too_frees_almost_nothing()
     assert _freed_alone_from_what_sites_save(trace, 1, "core_attn") == lse
 
 
-@pytest.mark.parametrize("step_s, repeats", [(0.42, 3), (1.5, 3), (0.2, 5), (0.05, 20), (0.001, MAX_TIMING_REPEATS),
-                                             (0.0, MAX_TIMING_REPEATS)])
+@pytest.mark.parametrize(
+    "step_s, repeats",
+    [(0.42, 3), (1.5, 3), (0.2, 5), (0.05, 20), (0.001, MAX_TIMING_REPEATS), (0.0, MAX_TIMING_REPEATS)],
+)
 def test_short_gpu_steps_are_timed_more_often_up_to_a_cap(step_s, repeats) -> None:
     assert timing_repeats(3, step_s) == repeats
     assert timing_repeats(30, step_s) == 30  # never fewer than asked

@@ -2,11 +2,10 @@
 weight-sized temporary it does not allocate, and every case where autograd would not have added
 into .grad (where it must return the gradient instead, as torch's linear does)."""
 
-
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,13 +63,15 @@ def test_backward_adds_into_the_gradient_inside_the_gemm(dtype: torch.dtype) -> 
     weight_ref.grad = old.clone()
     F.linear(x_ref, weight_ref).backward(grad)
     assert torch.equal(x.grad, x_ref.grad)
-    torch.testing.assert_close(weight.grad, weight_ref.grad, **({} if dtype == torch.float32 else
-                                                                dict(rtol=1.6e-2, atol=2e-2)))
+    torch.testing.assert_close(
+        weight.grad, weight_ref.grad, **({} if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2))
+    )
 
 
 def test_the_weight_sized_temporary_is_not_allocated() -> None:
     """Exactly one weight gradient's bytes less at the backward's peak than autograd's
     compute-then-add (the input gradient is allocated in both)."""
+
     def backward_peak(fuse: bool) -> int:
         x, weight, grad, _ = _inputs()
         out = linear(x, weight, fuse)
@@ -100,8 +101,10 @@ def test_backward_for_other_inputs_leaves_grad_alone() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey", "ignore:Using backward.. with create_graph")
-@pytest.mark.parametrize("case", ["tensor hook", "post-accumulate hook", "no gradient yet",
-                                  "non-contiguous gradient", "create_graph", "fusion off"])
+@pytest.mark.parametrize(
+    "case",
+    ["tensor hook", "post-accumulate hook", "no gradient yet", "non-contiguous gradient", "create_graph", "fusion off"],
+)
 def test_where_autograd_would_not_add_into_grad_it_returns_the_gradient(case: str) -> None:
     """Hooks see the gradient, a first backward gets torch's gradient (stored by autograd), a
     strided .grad and create_graph take autograd's add: .grad ends as old + torch's gradient."""
@@ -139,8 +142,14 @@ def test_the_loss_head_adds_its_scaled_gradient_in_one_step(fuse: bool, kernels:
     (computed,) = torch.autograd.grad(chunked_linear_cross_entropy(hidden, weight, labels, 4), weight)
     weight.grad = torch.randn(OUT, IN, dtype=torch.bfloat16)
     old, grad_output = weight.grad.clone(), torch.tensor(1 / 3)
-    loss = chunked_linear_cross_entropy(hidden, weight, labels, 4, fuse_grads=fuse,
-                                        kernels=compiled_loss_kernels() if kernels == "compiled" else LossKernels())
+    loss = chunked_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        4,
+        fuse_grads=fuse,
+        kernels=compiled_loss_kernels() if kernels == "compiled" else LossKernels(),
+    )
     loss.backward(grad_output)
     want = old.addcmul(computed, grad_output) if fuse else old + computed * grad_output
     if kernels == "eager":
@@ -149,13 +158,13 @@ def test_the_loss_head_adds_its_scaled_gradient_in_one_step(fuse: bool, kernels:
         torch.testing.assert_close(weight.grad, want, rtol=2**-7, atol=2**-10)
 
 
-def _two_steps(fuse: bool, plan: Callable[[torch.nn.Module], None] = lambda m: None
-               ) -> tuple[dict[str, torch.Tensor], Counter[str]]:
+def _two_steps(
+    fuse: bool, plan: Callable[[torch.nn.Module], None] = lambda m: None
+) -> tuple[dict[str, torch.Tensor], Counter[str]]:
     """The gradients accumulated over two steps of a 2-layer model, and the ops of the second
     backward."""
     torch.manual_seed(0)
-    model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16,
-                  gradient_accumulation_fusion=fuse)
+    model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16, gradient_accumulation_fusion=fuse)
     plan(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     model(ids[:, :-1], ids[:, 1:]).backward()
@@ -183,10 +192,14 @@ def _triton_activation(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("mlp", ["eager", "triton"])
-@pytest.mark.parametrize("config", [
-    RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
-    RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp_act", "layernorm"]),
-    RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
+        RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp_act", "layernorm"]),
+        RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ],
+)
 def test_recompute_accumulates_the_gradients_of_no_recompute_bit_for_bit(config: RecomputeConfig, mlp: str) -> None:
     """The second step adds into .grad inside the GEMMs in the recomputed backward too (whose
     saved weights come back through the engine's hooks), with the gradients of no recompute."""

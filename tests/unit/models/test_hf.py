@@ -4,7 +4,6 @@ float64 with dropout on.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -28,8 +27,20 @@ def test_every_family_has_its_labels_and_every_layer() -> None:
         assert frozenset().union(*model_sites.labels) == frozenset(labels), family
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="FlexAttention has no backward on CPU; benchmarks/hf_grads.py runs it on CUDA"))])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "eager",
+        "sdpa",
+        pytest.param(
+            "flex_attention",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="FlexAttention has no backward on CPU; benchmarks/hf_grads.py runs it on CUDA",
+            ),
+        ),
+    ],
+)
 def test_core_attn_goes_through_each_attention_implementation(attention) -> None:
     model = build("llama", attention=attention, dropout=0.0 if attention == "flex_attention" else DROPOUT)
     if attention == "flex_attention":  # on CUDA, where flex has a backward (compiled: float32)
@@ -53,12 +64,16 @@ def test_gemma2_soft_capped_eager_attention_is_recomputed_exactly() -> None:
 
 def test_moe_frees_the_experts_activations() -> None:
     model = remat.adapt(build("mixtral", dropout=0.0))
-    assert verify(model, selective("moe"), *batch(model)).freed_bytes > verify(
-        model, selective("moe_act"), *batch(model)).freed_bytes > 0
+    assert (
+        verify(model, selective("moe"), *batch(model)).freed_bytes
+        > verify(model, selective("moe_act"), *batch(model)).freed_bytes
+        > 0
+    )
 
 
 def test_unadapt_restores_the_attention_functions_and_the_model() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
     model = build("llama", dropout=0.0)
     plain = run_step(model, *batch(model), seed=1)
@@ -77,8 +92,11 @@ def test_hf_gradient_checkpointing_is_turned_off_and_said_and_refused_if_turned_
         remat.adapt(model)
     assert not model.is_gradient_checkpointing
     model.gradient_checkpointing_enable()
-    with pytest.raises(ConfigError, match="has remat's Sites and HF gradient checkpointing on at once; call"
-                                          r" model.gradient_checkpointing_disable\(\)"):
+    with pytest.raises(
+        ConfigError,
+        match="has remat's Sites and HF gradient checkpointing on at once; call"
+        r" model.gradient_checkpointing_disable\(\)",
+    ):
         model(*batch(model))
     model.gradient_checkpointing_disable()
     remat.unadapt(model)
@@ -170,8 +188,9 @@ def test_lora_adapters_get_the_same_gradients_inside_recomputed_regions() -> Non
         base = build("llama")
         base.config.use_cache = False
         torch.manual_seed(1)
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
-                                 target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]
+        )
         return peft.get_peft_model(base, config).train()
 
     plain = run_step(lora_model(), *batch(build("llama")), seed=3)
@@ -195,9 +214,18 @@ def test_two_trainer_steps_with_gradient_accumulation_match_the_unmodified_model
         if plan is not None:
             remat.apply(remat.adapt(model), plan)
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / ("plan" if plan else "plain")), max_steps=2, per_device_train_batch_size=2,
-            gradient_accumulation_steps=2, learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-            logging_strategy="no", seed=7, dataloader_num_workers=0)
+            output_dir=str(tmp_path / ("plan" if plan else "plain")),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-3,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            seed=7,
+            dataloader_num_workers=0,
+        )
         transformers.Trainer(model=model, args=args, train_dataset=rows).train()
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -210,6 +238,7 @@ def test_two_trainer_steps_with_gradient_accumulation_match_the_unmodified_model
 
 def test_the_command_line_names_hf_mistakes(capsys) -> None:
     from remat.cli import main
+
     assert main(["bench", "--hf_config", "llama", "--no_history", "--device", "cpu"]) == 1
     assert "hf_config: names a Hugging Face config; add -m hf" in capsys.readouterr().err
     assert main(["estimate", "-m", "hf", "--hf_config", "mistral", "-cp", "2"]) == 1
@@ -219,9 +248,12 @@ def test_the_command_line_names_hf_mistakes(capsys) -> None:
 def test_importing_remat_does_not_import_transformers() -> None:
     import subprocess
     import sys
+
     code = "import sys, remat; remat.models.recipes(); print('transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_mlp_recompute_frees_exactly_the_mlp_intermediates() -> None:
@@ -236,6 +268,7 @@ def test_without_transformers_the_message_says_how_to_install_it(monkeypatch) ->
     import sys
 
     from remat.models.hf.configs import transformers_module
+
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"^Hugging Face models need transformers: pip install 'remat\[hf\]'$"):
         transformers_module()

@@ -4,7 +4,6 @@ estimate's share of the sequence.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_context_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -21,10 +20,6 @@ from remat.run.spec import RunSpec
 pytest.importorskip("transformers")
 
 
-
-
-
-
 def _problems(family: str, seq_length: int = 64, **overrides: object) -> list[str]:
     config = FAMILY.config(f"hf:{family}", seq_length=seq_length, **overrides)
     return [str(p) for p in FAMILY.layout_problems(config, ParallelLayout(cp=2))]
@@ -34,18 +29,22 @@ def test_what_context_parallelism_refuses_by_name() -> None:
     assert _problems("llama") == _problems("qwen2") == _problems("mixtral") == []
     assert _problems("llama", seq_length=18) == [
         "context_parallel_size: seq_length=18 does not split into 4 chunks for 2 context-parallel ranks; use a"
-        " multiple of 4"]
+        " multiple of 4"
+    ]
     assert _problems("llama", attention_dropout=0.1) == [
         "attention_dropout: is 0.1; torch's ring attention draws it per block of keys, and its backward replays"
-        " one block's random state for all of them; use 0 under context parallelism"]
+        " one block's random state for all of them; use 0 under context parallelism"
+    ]
     assert _problems("mistral") == [
         "context_parallel_size: MistralConfig has sliding-window layers, whose mask torch's ring attention does"
-        " not take; use 1"]
+        " not take; use 1"
+    ]
     assert "GPT-2's positions are a learned table" in _problems("gpt2")[0]
     assert "soft-caps its attention scores" in " ".join(_problems("gemma2"))
     assert _problems("mixtral", output_router_logits=True) == [
         "output_router_logits: the router's load-balancing loss would count this rank's tokens only; turn it off"
-        " under context parallelism"]
+        " under context parallelism"
+    ]
     with pytest.raises(ConfigError, match="sliding-window"):  # before any process starts
         RunSpec(recipe="hf:mistral", device="cpu", layout=ParallelLayout(cp=2, num_gpus=2))
 

@@ -22,7 +22,6 @@ which take the gradient out of .grad, are summed where they are (`main_grad`).
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_pipeline_runs.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -34,10 +33,6 @@ from helpers.hf_pipeline import TIED_TOLERANCE
 from torch import nn
 
 pytest.importorskip("transformers")
-
-
-
-
 
 
 from remat.config.parallel import ParallelLayout  # noqa: E402
@@ -61,8 +56,9 @@ def _stages(config, layers: list[tuple[int, ...]], skip: str | None = None) -> t
     stages = []
     for index, share in enumerate(layers):
         shard = FAMILY.shard(config, ParallelLayout(pp=len(layers)), share)
-        stage = FAMILY.build(shard, dtype=torch.float64, pre_process=index == 0,
-                             post_process=index == len(layers) - 1).train()
+        stage = FAMILY.build(
+            shard, dtype=torch.float64, pre_process=index == 0, post_process=index == len(layers) - 1
+        ).train()
         assert [layer.self_attn.layer_idx for layer in stage.model.layers] == list(share)
         with torch.no_grad():
             for name, p in stage.named_parameters():
@@ -83,10 +79,13 @@ def _step(chained: list[nn.Module], vocab_size: int) -> float:
     return x.item()
 
 
-@pytest.mark.parametrize("family, overrides, layers", [
-    ("qwen2", dict(use_sliding_window=True, max_window_layers=1, sliding_window=4), [(0,), (1, 2, 3)]),
-    ("deepseek_v3", {}, [(0, 1), (2, 3)]),  # a dense first layer, MoE after
-])
+@pytest.mark.parametrize(
+    "family, overrides, layers",
+    [
+        ("qwen2", dict(use_sliding_window=True, max_window_layers=1, sliding_window=4), [(0,), (1, 2, 3)]),
+        ("deepseek_v3", {}, [(0, 1), (2, 3)]),  # a dense first layer, MoE after
+    ],
+)
 def test_stages_keep_layer_numbers_names_and_masks(family, overrides, layers) -> None:
     """Qwen2 picks each layer's mask (sliding or full) by its position in the base model's layers,
     DeepSeek-V3 a layer's kind by its number: stages chained on one process are the whole model."""
@@ -125,8 +124,9 @@ def test_main_gradients_of_a_tied_embedding_are_summed_between_the_ends() -> Non
     the main gradients (`main_grad`, Megatron's name) instead."""
     config = FAMILY.config("hf:llama", num_layers=2, seq_length=16, tie_word_embeddings=True)
     _, stages = _stages(config, [(0,), (1,)])
-    optimizer = MainParamsAdamW([p for stage in stages for p in stage.parameters()],
-                                OptimizerPrecision(main_params_dtype="fp32"))
+    optimizer = MainParamsAdamW(
+        [p for stage in stages for p in stage.parameters()], OptimizerPrecision(main_params_dtype="fp32")
+    )
     ends = TiedEnds(stages, first=True, last=True, group=None)
     ends.copy_first()
     _step(stages, config.vocab_size)
@@ -139,7 +139,10 @@ def test_main_gradients_of_a_tied_embedding_are_summed_between_the_ends() -> Non
     assert not hasattr(embedding, "main_grad")
 
 
-def _problems(family: str, layout: ParallelLayout = ParallelLayout(pp=2), **overrides) -> str:
+TWO_STAGES = ParallelLayout(pp=2)
+
+
+def _problems(family: str, layout: ParallelLayout = TWO_STAGES, **overrides) -> str:
     config = FAMILY.config(f"hf:{family}", **overrides)
     return "\n".join(f"{p.field}: {p.message}" for p in FAMILY.layout_problems(config, layout))
 
@@ -149,8 +152,10 @@ def test_llama_and_mixtral_split_into_stages() -> None:
 
 
 def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
-    assert ("pipeline_model_parallel_size: is above 1; GPT2LMHeadModel has no model.embed_tokens, model.layers,"
-            " model.norm, model.rotary_emb") in _problems("gpt2")
+    assert (
+        "pipeline_model_parallel_size: is above 1; GPT2LMHeadModel has no model.embed_tokens, model.layers,"
+        " model.norm, model.rotary_emb"
+    ) in _problems("gpt2")
     assert _problems("gemma2") == _problems("llama", tie_word_embeddings=True) == ""  # a copy on each end
     assert "output_router_logits: is True" in _problems("mixtral", output_router_logits=True)
 

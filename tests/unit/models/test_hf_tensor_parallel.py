@@ -11,7 +11,6 @@ heads draws from its own stream, which every replay restores.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_tensor_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -21,8 +20,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-
-
 
 
 import remat  # noqa: E402
@@ -63,31 +60,35 @@ def test_shapes_that_do_not_split_are_refused_each_by_its_field() -> None:
 
 def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_sequences() -> None:
     import transformers
+
     sp = ParallelLayout(tp=2, sp=True)
     assert _problems("llama", sp) == ""
     assert _problems("llama", sp, seq_length=15) == (
         "sequence_parallel: seq_length=15 does not split over 2 tensor-parallel ranks; use a multiple of the"
-        " tensor-parallel size, or drop --sequence_parallel")
+        " tensor-parallel size, or drop --sequence_parallel"
+    )
     mixtral = hf_tp_worker.model("mixtral", 0.0)
     assert [p.message for p in FAMILY.parallelism(mixtral, sp).problems()] == [
         "the layers' MixtralSparseMoeBlock hold weights the tensor-parallel plan does not split, which would run on"
-        " this rank's tokens only; drop --sequence_parallel"]
+        " this rank's tokens only; drop --sequence_parallel"
+    ]
     with pytest.raises(ConfigError, match="MixtralSparseMoeBlock"):  # the estimate's points refuse it alike
         FAMILY.parallelism(mixtral, sp).sequence_points()
     llama = transformers.AutoModelForCausalLM.from_config(hf_config("llama", num_layers=1))
     llama.model.layers[0].add_module("hidden_dropout", torch.nn.Dropout(0.1))
     assert [p.message for p in FAMILY.parallelism(remat.adapt(llama), sp).problems()] == [
         "the layers' dropout (hidden_dropout) outside attention would draw the same masks on every rank's tokens;"
-        " set it to 0 or drop --sequence_parallel"]
+        " set it to 0 or drop --sequence_parallel"
+    ]
 
 
 def test_sequence_parallelism_beside_stages_stays_refused() -> None:
-    assert "drop --sequence_parallel beside -pp" in _problems(
-        "llama", ParallelLayout(tp=2, sp=True, pp=2))
+    assert "drop --sequence_parallel beside -pp" in _problems("llama", ParallelLayout(tp=2, sp=True, pp=2))
 
 
 def test_attention_dropout_without_a_core_attn_site_is_refused() -> None:
     import transformers
+
     config = hf_config("llama", num_layers=1, attention_dropout=0.1)
     plain = transformers.AutoModelForCausalLM.from_config(config)  # no Sites: nothing forks its dropout
     assert models.family_of_model(plain) is FAMILY
@@ -99,7 +100,11 @@ def test_a_rank_shard_splits_heads_and_the_planned_ffn() -> None:
     config = FAMILY.config("hf:llama")
     llama = FAMILY.shard(config, TP2, range(config.num_layers)).hf
     assert (llama.num_attention_heads, llama.num_key_value_heads, llama.intermediate_size, llama.head_dim) == (
-        2, 1, 64, 16)
+        2,
+        1,
+        64,
+        16,
+    )
     config = FAMILY.config("hf:mixtral")
     mixtral = FAMILY.shard(config, TP2, range(config.num_layers)).hf
     assert (mixtral.num_attention_heads, mixtral.intermediate_size) == (2, 128)
@@ -112,8 +117,14 @@ def test_the_estimate_splits_the_tokens_between_blocks_under_sequence_parallelis
     from remat.estimate.stages import estimate
 
     def saved(sp: bool) -> int:
-        spec = EstimateSpec(recipe="hf:llama", overrides={"num_layers": 2, "seq_length": 32}, optimizer=False,
-                            precision=Precision("fp32"), device="cpu", layout=ParallelLayout(tp=2, sp=sp))
+        spec = EstimateSpec(
+            recipe="hf:llama",
+            overrides={"num_layers": 2, "seq_length": 32},
+            optimizer=False,
+            precision=Precision("fp32"),
+            device="cpu",
+            layout=ParallelLayout(tp=2, sp=sp),
+        )
         (result,) = estimate(spec, [("none", None)])
         return result.stages[0].activations
 

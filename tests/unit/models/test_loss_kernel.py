@@ -1,7 +1,6 @@
 """The loss head's CUDA chunk kernel (on CPU in Triton's interpreter, which conftest turns on):
 loss and logit gradients against float64, written over the logits, and the device dispatch."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -22,8 +21,11 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=4e-3),
-             torch.float16: dict(rtol=2e-3, atol=1e-4)}
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=4e-3),
+    torch.float16: dict(rtol=2e-3, atol=1e-4),
+}
 
 
 def _chunk(rows: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -66,8 +68,9 @@ def test_without_gradients_the_logits_stay() -> None:
     buffer = logits.clone()
     loss, grad = chunk_loss_triton(buffer, labels, valid, scale, False)
     assert grad is None and torch.equal(buffer, logits)
-    torch.testing.assert_close(loss.double(), chunk_loss_in_place(logits.double(), labels, valid, scale.double(),
-                                                                  False)[0])
+    torch.testing.assert_close(
+        loss.double(), chunk_loss_in_place(logits.double(), labels, valid, scale.double(), False)[0]
+    )
 
 
 def test_the_loss_head_on_the_kernel_matches_cross_entropy() -> None:

@@ -1,6 +1,5 @@
 """Reference Llama model, recipes and the chunked loss head (CPU, float64 where exactness matters)."""
 
-
 from __future__ import annotations
 
 import math
@@ -136,8 +135,7 @@ def _loss_and_grads(model: LlamaModel, ids, labels):
 def test_eager_and_sdpa_attention_agree_in_float64():
     torch.manual_seed(0)
     sdpa = build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16, loss_chunk_size=7)
-    eager = build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16,
-                  attention_backend="eager")
+    eager = build("llama3_tiny", dtype=torch.float64, num_layers=2, seq_length=16, attention_backend="eager")
     eager.load_state_dict(sdpa.state_dict())
     batch = _batch(sdpa.config)
     loss_s, grads_s = _loss_and_grads(sdpa, *batch)
@@ -150,8 +148,9 @@ def test_eager_and_sdpa_attention_agree_in_float64():
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_dropout_only_in_train_mode(backend):
     torch.manual_seed(0)
-    model = build("llama3_tiny", dtype=torch.float64, attention_dropout=0.2, hidden_dropout=0.2,
-                  attention_backend=backend)
+    model = build(
+        "llama3_tiny", dtype=torch.float64, attention_dropout=0.2, hidden_dropout=0.2, attention_backend=backend
+    )
     plain = build("llama3_tiny", dtype=torch.float64, attention_backend=backend)
     plain.load_state_dict(model.state_dict())
     batch = _batch(model.config)
@@ -187,18 +186,21 @@ def test_unknown_names_suggest_the_valid_ones():
         build("llama3-8b")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(hidden_size=65), "hidden_size: .* must be divisible by num_attention_heads"),
-    (dict(num_query_groups=3), "num_query_groups: .* must be divisible by num_query_groups"),
-    (dict(hidden_size=60, num_attention_heads=4, num_query_groups=4), "hidden_size: head dim 15 must be even"),
-    (dict(kv_channels=15), "kv_channels: head dim 15 must be even"),
-    (dict(kv_channels=0), "kv_channels: must be a positive integer or None"),
-    (dict(num_layers=0), "num_layers: must be a positive integer"),
-    (dict(loss_chunk_size=True), "loss_chunk_size: must be a positive integer"),
-    (dict(norm_epsilon=0.0), "norm_epsilon: must be positive"),
-    (dict(attention_dropout=1.0), r"attention_dropout: must be in \[0, 1\)"),
-    (dict(attention_backend="flash"), "attention_backend: must be one of sdpa, eager"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(hidden_size=65), "hidden_size: .* must be divisible by num_attention_heads"),
+        (dict(num_query_groups=3), "num_query_groups: .* must be divisible by num_query_groups"),
+        (dict(hidden_size=60, num_attention_heads=4, num_query_groups=4), "hidden_size: head dim 15 must be even"),
+        (dict(kv_channels=15), "kv_channels: head dim 15 must be even"),
+        (dict(kv_channels=0), "kv_channels: must be a positive integer or None"),
+        (dict(num_layers=0), "num_layers: must be a positive integer"),
+        (dict(loss_chunk_size=True), "loss_chunk_size: must be a positive integer"),
+        (dict(norm_epsilon=0.0), "norm_epsilon: must be positive"),
+        (dict(attention_dropout=1.0), r"attention_dropout: must be in \[0, 1\)"),
+        (dict(attention_backend="flash"), "attention_backend: must be one of sdpa, eager"),
+    ],
+)
 def test_invalid_shapes_say_what_to_change(overrides, message):
     with pytest.raises(remat.ConfigError, match=message):
         recipe_config("llama3_tiny", **overrides)
@@ -242,10 +244,20 @@ def test_every_layer_has_exactly_the_megatron_sites_and_mlp_act(backend, fused):
 def test_megatron_module_names():
     names = set(dict(build("llama3_tiny", num_layers=1).named_parameters()))
     assert names == {
-        "embedding.weight", "output_layer.weight", "decoder.final_layernorm.weight",
-        *(f"decoder.layers.0.{n}.weight" for n in (
-            "input_layernorm", "self_attention.linear_qkv", "self_attention.linear_proj",
-            "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")),
+        "embedding.weight",
+        "output_layer.weight",
+        "decoder.final_layernorm.weight",
+        *(
+            f"decoder.layers.0.{n}.weight"
+            for n in (
+                "input_layernorm",
+                "self_attention.linear_qkv",
+                "self_attention.linear_proj",
+                "pre_mlp_layernorm",
+                "mlp.linear_fc1",
+                "mlp.linear_fc2",
+            )
+        ),
     }
 
 
@@ -281,8 +293,9 @@ def test_compiled_regions_compose_with_recompute_bit_identically() -> None:
     from remat.run.verify import verify
 
     torch.manual_seed(0)
-    model = build("llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16,
-                  hidden_dropout=0.1, attention_dropout=0.1)
+    model = build(
+        "llama3_tiny", dtype=torch.float32, num_layers=2, seq_length=16, hidden_dropout=0.1, attention_dropout=0.1
+    )
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     eager = verify(model, None, ids[:, :-1], ids[:, 1:]).baseline
     model.compile_regions()
@@ -304,11 +317,21 @@ def test_pipeline_stages_chained_equal_the_whole_model() -> None:
     last = LlamaModel(config, dtype=torch.float64, pre_process=False)
     assert first.output_layer is None and first.decoder.final_layernorm is None and last.embedding is None
     state = whole.state_dict()
-    first.load_state_dict({k: v for k, v in state.items() if not k.startswith(("output_layer", "decoder.final"))
-                           and not k.startswith(("decoder.layers.2", "decoder.layers.3"))})
-    last.load_state_dict({k.replace("layers.2", "layers.0").replace("layers.3", "layers.1"): v
-                          for k, v in state.items() if not k.startswith("embedding")
-                          and not k.startswith(("decoder.layers.0", "decoder.layers.1"))})
+    first.load_state_dict(
+        {
+            k: v
+            for k, v in state.items()
+            if not k.startswith(("output_layer", "decoder.final"))
+            and not k.startswith(("decoder.layers.2", "decoder.layers.3"))
+        }
+    )
+    last.load_state_dict(
+        {
+            k.replace("layers.2", "layers.0").replace("layers.3", "layers.1"): v
+            for k, v in state.items()
+            if not k.startswith("embedding") and not k.startswith(("decoder.layers.0", "decoder.layers.1"))
+        }
+    )
     ids = torch.randint(0, config.vocab_size, (2, 16))
     hidden = first(ids, ids)
     assert hidden.shape == (2, 16, config.hidden_size)

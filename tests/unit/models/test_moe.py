@@ -6,7 +6,6 @@ auxiliary losses; grouped GEMMs; config problems; FLOPs; the CLI.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_moe_runs.py."""
 
-
 from __future__ import annotations
 
 import warnings
@@ -132,11 +131,15 @@ def test_a_model_without_shared_experts_has_no_shared_experts_site_and_says_so()
 
 def test_expert_fc1_is_refused_as_a_recompute_label_and_as_a_plan_recompute() -> None:
     model = _model("moe_tiny")
-    with pytest.raises(ConfigError, match="'expert_fc1' is an offload module: recomputing it frees nothing;"
-                                          " move it to offload_modules"):
+    with pytest.raises(
+        ConfigError, match="'expert_fc1' is an offload module: recomputing it frees nothing; move it to offload_modules"
+    ):
         _selective(model, "expert_fc1")
-    with pytest.raises(ConfigError, match=r"layers\[1\].expert_fc1: 'expert_fc1' marks a place to offload from;"
-                                          " use 'offload' or 'keep'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layers\[1\].expert_fc1: 'expert_fc1' marks a place to offload from;"
+        " use 'offload' or 'keep'",
+    ):
         remat.apply(model, Plan([{}, {"expert_fc1": "recompute"}, {}]))
 
 
@@ -233,8 +236,9 @@ def test_update_expert_bias_moves_each_bias_by_the_rate_towards_the_mean_load() 
     assert not softmax.routers()[0].expert_bias.any()
 
 
-def _explicit_aux(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, c: MoEConfig,
-                  sequences: int) -> torch.Tensor:
+def _explicit_aux(
+    x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, c: MoEConfig, sequences: int
+) -> torch.Tensor:
     """Megatron's (seq_)aux_loss written out: coeff x E x sum_e(f_e x P_e), f_e the fraction of
     the top-k slots routed to e and P_e the mean score of e, over the micro-batch or over each
     sequence then averaged; sigmoid scores normalized per token. The router's precision (float32)."""
@@ -268,15 +272,20 @@ def test_the_aux_loss_adds_its_gradient_and_leaves_the_loss(recipe) -> None:
 
     # the model without aux loss, plus the aux losses written out from each router's input
     routed = []
-    hooks = [r.register_forward_hook(lambda m, args, kwargs, out: routed.append((m, args[0], kwargs, out[1])),
-                                     with_kwargs=True) for r in without.routers()]
+    hooks = [
+        r.register_forward_hook(
+            lambda m, args, kwargs, out: routed.append((m, args[0], kwargs, out[1])), with_kwargs=True
+        )
+        for r in without.routers()
+    ]
     for p in without.parameters():
         p.grad = None
     loss = forward_loss(without, *_batch())
     for hook in hooks:
         hook.remove()
-    explicit = sum(_explicit_aux(x, m.weight, experts, with_aux.config, kwargs["sequences"])
-                   for m, x, kwargs, experts in routed)
+    explicit = sum(
+        _explicit_aux(x, m.weight, experts, with_aux.config, kwargs["sequences"]) for m, x, kwargs, experts in routed
+    )
     assert len(routed) == 2 and routed[0][2]["sequences"] == BATCH
     (loss + explicit).backward()
     for name, p in without.named_parameters():
@@ -309,31 +318,43 @@ def _problems(**fields) -> dict[str, str]:
 
 
 def test_the_moe_rules_report_every_problem_at_once() -> None:
-    problems = _problems(moe_router_topk=5, moe_router_group_topk=2,
-                         moe_router_enable_expert_bias=True, multi_latent_attention=True, qk_pos_emb_head_dim=7)
+    problems = _problems(
+        moe_router_topk=5,
+        moe_router_group_topk=2,
+        moe_router_enable_expert_bias=True,
+        multi_latent_attention=True,
+        qk_pos_emb_head_dim=7,
+    )
     # expert parallelism is the layout's: the family checks it against the model's experts
-    problems.update({p.field: p.message for p in family_of("moe_tiny").layout_problems(recipe_config("moe_tiny"),
-                                                                                       ParallelLayout(ep=3))})
+    problems.update(
+        {
+            p.field: p.message
+            for p in family_of("moe_tiny").layout_problems(recipe_config("moe_tiny"), ParallelLayout(ep=3))
+        }
+    )
     assert problems == {
         "moe_router_topk": "(5) exceeds num_moe_experts (4); route to at most as many experts as there are",
         "expert_model_parallel_size": "(3) must divide num_moe_experts (4)",
         "moe_router_group_topk": "group-limited routing needs both moe_router_num_groups and moe_router_group_topk;"
-                                 " set both or neither",
+        " set both or neither",
         "moe_router_enable_expert_bias": "the expert bias (DeepSeek-V3's balancing) needs "
-                                         "moe_router_score_function='sigmoid'",
+        "moe_router_score_function='sigmoid'",
         "qk_pos_emb_head_dim": "(7) must be even for rotary embeddings",
     }
 
 
 def test_the_layer_pattern_problems_are_reported_with_the_field_checks() -> None:
     problems = _problems(moe_layer_freq="[0]*1+[1]*3", moe_router_score_function="relu")
-    assert problems["moe_layer_freq"] == ("gives 4 layers but num_layers is 3; give one 0 (dense) or 1 (MoE) per"
-                                          " layer, e.g. '[0]*1+[1]*2'")
+    assert problems["moe_layer_freq"] == (
+        "gives 4 layers but num_layers is 3; give one 0 (dense) or 1 (MoE) per layer, e.g. '[0]*1+[1]*2'"
+    )
     assert problems["moe_router_score_function"] == "must be one of softmax, sigmoid, got 'relu'"
     assert _problems(moe_layer_freq="[0]*1,[1]*2") == {
-        "moe_layer_freq": "'[0]*1,[1]*2' is not of the form '[0]*3+[1]*58'"}
+        "moe_layer_freq": "'[0]*1,[1]*2' is not of the form '[0]*3+[1]*58'"
+    }
     assert _problems(moe_layer_freq="[0]*1+[2]*2") == {
-        "moe_layer_freq": "'[0]*1+[2]*2' is not of the form '[0]*3+[1]*58'"}
+        "moe_layer_freq": "'[0]*1+[2]*2' is not of the form '[0]*3+[1]*58'"
+    }
     assert "moe_layer_freq" in _problems(moe_layer_freq=[0, 1])
     assert "moe_layer_freq" in _problems(moe_layer_freq=0)
 
@@ -400,6 +421,7 @@ def test_validate_accepts_the_deepseek_labels(capsys) -> None:
 
 def test_the_bench_step_moves_the_expert_bias_after_each_optimizer_step() -> None:
     from remat.sites.calls import after_optimizer_step
+
     model = build("deepseek_tiny", dtype=torch.float64)
     routers = model.routers()
     for router in routers:

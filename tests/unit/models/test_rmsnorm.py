@@ -2,7 +2,6 @@
 gradients against float64 autograd of F.rms_norm, determinism, what it saves, the device
 dispatch, the meta device, and the model's norms running it under recompute plans."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -21,8 +20,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 
 
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
-             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +75,7 @@ def test_backward_is_deterministic() -> None:
     torch.manual_seed(0)
     x, weight = _inputs((37, 48), torch.float32)
     grad = torch.randn(37, 48, device=DEVICE)
-    first, second = (torch.autograd.grad(RMSNormFunction.apply(x, weight, EPS), (x, weight), grad)
-                     for _ in range(2))
+    first, second = (torch.autograd.grad(RMSNormFunction.apply(x, weight, EPS), (x, weight), grad) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -111,8 +112,7 @@ def test_saves_the_input_the_weight_and_a_float32_scale_per_row() -> None:
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         RMSNormFunction.apply(x, weight, EPS)
-    assert [t.untyped_storage().data_ptr() for t in saved[:2]] == [
-        t.untyped_storage().data_ptr() for t in (x, weight)]
+    assert [t.untyped_storage().data_ptr() for t in saved[:2]] == [t.untyped_storage().data_ptr() for t in (x, weight)]
     assert len(saved) == 3 and saved[2].shape == (2, 7) and saved[2].dtype == torch.float32
 
 
@@ -121,9 +121,12 @@ def test_on_meta_it_allocates_what_cuda_would() -> None:
     does (6 rows of 16, bf16): the output and a float32 scale per row; in backward the output
     gradient, the input gradient, float32 partial weight gradients (3 programs of 2 rows on CPU),
     their float32 sum and its bf16 cast."""
+
     def inputs(device: str) -> tuple[torch.Tensor, ...]:
-        return (torch.ones(2, 3, 16, device=device, dtype=torch.bfloat16, requires_grad=True),
-                torch.ones(16, device=device, dtype=torch.bfloat16, requires_grad=True))
+        return (
+            torch.ones(2, 3, 16, device=device, dtype=torch.bfloat16, requires_grad=True),
+            torch.ones(16, device=device, dtype=torch.bfloat16, requires_grad=True),
+        )
 
     def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return RMSNormFunction.apply(x, weight, EPS)
@@ -172,7 +175,11 @@ def test_in_the_model_plans_stay_bit_identical(plan: str, verified_preset) -> No
     report = verified_preset(model, ids, plan)
     assert report.bit_identical
     norm = model.decoder.layers[0].input_layernorm
-    assert type(norm(torch.randn(2, 64, device=DEVICE, requires_grad=True)).grad_fn).__name__ == "RMSNormFunctionBackward"
+    assert (
+        type(norm(torch.randn(2, 64, device=DEVICE, requires_grad=True)).grad_fn).__name__ == "RMSNormFunctionBackward"
+    )
     if plan == "layernorm":
         tokens, hidden, layers = 2 * 16, model.config.hidden_size, model.config.num_layers
-        assert report.baseline.saved.bytes - report.candidate.saved.bytes == layers * 2 * (tokens * hidden * 4 + tokens * 4)
+        assert report.baseline.saved.bytes - report.candidate.saved.bytes == layers * 2 * (
+            tokens * hidden * 4 + tokens * 4
+        )

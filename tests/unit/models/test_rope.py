@@ -2,7 +2,6 @@
 and gradients against float64 autograd of the eager formula, what it saves, the refusals, the
 device dispatch, the meta device and the model's plans."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -35,8 +34,9 @@ def project_qkv(x: torch.Tensor, weight: torch.Tensor, *args) -> tuple[torch.Ten
     return split_qkv(F.linear(x, weight), *args)
 
 
-def _inputs(heads: int, groups: int, head_dim: int, dtype: torch.dtype = torch.float32, b: int = 2,
-            s: int = 5, hidden: int = 24) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    heads: int, groups: int, head_dim: int, dtype: torch.dtype = torch.float32, b: int = 2, s: int = 5, hidden: int = 24
+) -> tuple[torch.Tensor, ...]:
     """x, the fused weight, and cos/sin as the model slices them from longer tables (whose two
     halves differ here, so a kernel that mixed them up would show)."""
     x = torch.randn(b, s, hidden, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -47,8 +47,9 @@ def _inputs(heads: int, groups: int, head_dim: int, dtype: torch.dtype = torch.f
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, groups, head_dim", [(4, 2, 16), (6, 3, 12), (8, 8, 16), (3, 1, 8)])
-def test_matches_float64_autograd_of_the_eager_formula(heads: int, groups: int, head_dim: int,
-                                                       dtype: torch.dtype) -> None:
+def test_matches_float64_autograd_of_the_eager_formula(
+    heads: int, groups: int, head_dim: int, dtype: torch.dtype
+) -> None:
     """The kernels alone (the eager formula's projection an identity, exact in float64): query
     heads per group and groups a power of two or not, one group or as many as heads, a head dim
     whose half is not a power of two; every dtype the kernels take, each value computed in float32
@@ -75,8 +76,10 @@ def test_with_the_projection_matches_the_eager_formula() -> None:
     out = project_qkv(x, weight, cos, sin, 6, 2)
     grads = [torch.randn_like(t) for t in out]
     want_out = eager_project_qkv(x, weight, cos, sin, 6, 2)
-    for a, b in zip((*out, *torch.autograd.grad(out, (x, weight), grads)),
-                    (*want_out, *torch.autograd.grad(want_out, (x, weight), grads))):
+    for a, b in zip(
+        (*out, *torch.autograd.grad(out, (x, weight), grads)),
+        (*want_out, *torch.autograd.grad(want_out, (x, weight), grads)),
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -87,8 +90,9 @@ def test_any_strides_and_unused_outputs() -> None:
     x, weight, cos, sin = _inputs(4, 2, 16)
     grads = [torch.randn(16, n, 5, 2, device=DEVICE).permute(3, 2, 1, 0) for n in (4, 2, 2)]  # [2, 5, n, 16]
     want = torch.autograd.grad(eager_project_qkv(x, weight, cos, sin, 4, 2), (x, weight), grads)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.t().contiguous() if t.dim() == 2 else t,
-                                                  lambda t: t.t() if t.dim() == 2 else t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.t().contiguous() if t.dim() == 2 else t, lambda t: t.t() if t.dim() == 2 else t
+    ):
         out = project_qkv(x, weight, cos, sin, 4, 2)
     for a, b in zip(torch.autograd.grad(out, (x, weight), grads), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -105,6 +109,7 @@ def test_saves_the_tables_only_and_with_the_projection_what_the_formula_saves() 
     """RoPE is linear: its backward needs cos and sin, nothing of q or k. With the projection the
     Function saves what the eager formula and inductor's partition of it save (remat's estimate
     counts the Function's bytes for CUDA)."""
+
     def saved_storages(fn, *args) -> set[int]:
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -113,21 +118,25 @@ def test_saves_the_tables_only_and_with_the_projection_what_the_formula_saves() 
 
     x, weight, cos, sin = _inputs(4, 2, 16)
     qkv = torch.randn(2, 5, 8 * 16, device=DEVICE, requires_grad=True)
-    assert saved_storages(RotaryQKV.apply, qkv, cos, sin, 4, 2) == {
-        t.untyped_storage().data_ptr() for t in (cos, sin)}
+    assert saved_storages(RotaryQKV.apply, qkv, cos, sin, 4, 2) == {t.untyped_storage().data_ptr() for t in (cos, sin)}
     compiled = torch.compile(eager_project_qkv, backend="aot_eager_decomp_partition")
-    assert saved_storages(project_qkv, x, weight, cos, sin, 4, 2) == saved_storages(
-        compiled, x, weight, cos, sin, 4, 2) == saved_storages(eager_project_qkv, x, weight, cos, sin, 4, 2) == {
-        t.untyped_storage().data_ptr() for t in (x, weight, cos, sin)}
+    assert (
+        saved_storages(project_qkv, x, weight, cos, sin, 4, 2)
+        == saved_storages(compiled, x, weight, cos, sin, 4, 2)
+        == saved_storages(eager_project_qkv, x, weight, cos, sin, 4, 2)
+        == {t.untyped_storage().data_ptr() for t in (x, weight, cos, sin)}
+    )
 
 
 def test_bad_layouts_and_second_derivatives_are_refused() -> None:
     x, weight, cos, sin = _inputs(4, 2, 16)
     qkv = torch.randn(2, 5, 8 * 16, device=DEVICE, requires_grad=True)
-    cases = [((torch.randn(2, 5, 40), cos[:, :4], sin[:, :4], 4, 3), "4 query heads do not split into 3 groups"),
-             ((torch.randn(2, 5, 45), cos[:, :5], sin[:, :5], 3, 3), "needs an even head dim, got 5"),
-             ((qkv, cos, sin, 6, 2), "of dim 16 has 160 columns, got 128"),
-             ((qkv, cos[:4], sin[:4], 4, 2), r"cos and sin must be \[5, 16\]")]
+    cases = [
+        ((torch.randn(2, 5, 40), cos[:, :4], sin[:, :4], 4, 3), "4 query heads do not split into 3 groups"),
+        ((torch.randn(2, 5, 45), cos[:, :5], sin[:, :5], 3, 3), "needs an even head dim, got 5"),
+        ((qkv, cos, sin, 6, 2), "of dim 16 has 160 columns, got 128"),
+        ((qkv, cos[:4], sin[:4], 4, 2), r"cos and sin must be \[5, 16\]"),
+    ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             RotaryQKV.apply(*args)
@@ -140,11 +149,14 @@ def test_on_meta_it_allocates_what_cuda_would() -> None:
     """remat estimate runs the Function on meta: it must leave and allocate what a real device
     does (10 tokens, 4 query heads and 2 groups of dim 16, hidden 24, bf16): q, k, v; in backward
     their gradients, the fused projection's gradient, the weight's and the input's."""
+
     def inputs(device: str) -> tuple[torch.Tensor, ...]:
-        return (torch.ones(2, 5, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
-                torch.ones(8 * 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
-                torch.ones(5, 16, device=device, dtype=torch.bfloat16), torch.ones(5, 16, device=device,
-                                                                                   dtype=torch.bfloat16))
+        return (
+            torch.ones(2, 5, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
+            torch.ones(8 * 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True),
+            torch.ones(5, 16, device=device, dtype=torch.bfloat16),
+            torch.ones(5, 16, device=device, dtype=torch.bfloat16),
+        )
 
     def forward(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return project_qkv(*args, 4, 2)

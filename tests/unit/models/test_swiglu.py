@@ -2,7 +2,6 @@
 values and gradients against float64 autograd of the eager formula, what it saves, the device
 dispatch, the meta device, and the model's `mlp_act` site kept or discarded around it."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -22,8 +21,11 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
-             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
@@ -75,6 +77,7 @@ def test_on_meta_it_allocates_what_cuda_would() -> None:
     """remat estimate runs the Function on meta: it must leave and allocate what a real device
     does. On CPU Triton's interpreter copies tensors for the kernels, so the backward's peak is
     counted by hand: the output gradient and gate/up's gradient (bf16, ffn 16, 6 tokens)."""
+
     def inputs(device: str) -> tuple[torch.Tensor, ...]:
         return (torch.ones(2, 3, 2 * 16, device=device, dtype=torch.bfloat16, requires_grad=True),)
 

@@ -3,7 +3,6 @@ refused beside it, validate's layouts, a rank's coordinates on the mesh and what
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_context_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -38,15 +37,15 @@ def test_every_context_parallel_problem_is_named_before_any_process_starts() -> 
         "attention_backend: is 'eager'; torch's context parallelism runs scaled_dot_product_attention as ring"
         " attention, and the eager backend computes the scores itself; use sdpa",
         "attention_dropout: is 0.1; torch's ring attention draws it per block of keys, and its backward replays one"
-        " block's random state for all of them; use 0 under context parallelism"]
+        " block's random state for all of them; use 0 under context parallelism",
+    ]
 
 
 def test_what_stays_refused_beside_context_parallelism() -> None:
     assert not list(unrun_problems(TrainingFacts(layout=ParallelLayout(cp=2, pp=2, tp=2, sp=True)).capture))
     moe_ep = RunSpec(recipe="moe_tiny", device="cpu", layout=ParallelLayout(cp=2, ep=2, num_gpus=4))
     assert not list(run_problems(moe_ep))
-    assert [p.field for p in single_process_problems(ParallelLayout(cp=2))] == [
-        "context_parallel_size"]
+    assert [p.field for p in single_process_problems(ParallelLayout(cp=2))] == ["context_parallel_size"]
     with pytest.raises(ConfigError, match="context_parallel_size: is 2; the trace steps whole sequences"):
         trace_spec(RunSpec(recipe="llama3_tiny", device="cpu", layout=ParallelLayout(cp=2)))
 
@@ -69,5 +68,6 @@ def test_a_context_parallel_result_records_its_size_and_says_it_in_the_title() -
     spec = BenchSpec(recipe="llama3_tiny", device="cpu", layout=ParallelLayout(cp=2, num_gpus=4))
     shape = run_shape(spec)
     assert (shape["context_parallel"], shape["data_parallel"]) == (2, 2)
-    assert _layout_words(spec) == (", context parallel over 2 ranks (ring attention), data parallel over 2 ranks"
-                                   " (FSDP2)")
+    assert _layout_words(spec) == (
+        ", context parallel over 2 ranks (ring attention), data parallel over 2 ranks (FSDP2)"
+    )

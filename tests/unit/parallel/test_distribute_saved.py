@@ -6,7 +6,6 @@ replay, exactly, offloaded like any kept input); the estimate's by shape (the ke
 tests/test_tensor_parallel.py (one torchrun for all of its checks).
 """
 
-
 from __future__ import annotations
 
 import warnings
@@ -65,8 +64,9 @@ class Halves:
         return first, restore
 
 
-def _grads(split: Halves | None, x: torch.Tensor, *, offloader: Offloader | None = None,
-           modify_input: bool = False) -> list[torch.Tensor]:
+def _grads(
+    split: Halves | None, x: torch.Tensor, *, offloader: Offloader | None = None, modify_input: bool = False
+) -> list[torch.Tensor]:
     """Two linked calls of one region (a full-recompute range of two layers) on h = x * 2."""
     w1, w2 = _weights()
     h = x * 2  # an activation: not a leaf
@@ -144,17 +144,24 @@ def test_splitting_saved_inputs_needs_a_tensor_parallel_model() -> None:
     model = remat.models.build("llama3_tiny", num_layers=2, seq_length=16)
     with pytest.raises(ConfigError) as err:
         distribute_saved_inputs(model)
-    assert str(err.value) == ("distribute_saved_activations: splits saved inputs over the tensor-parallel ranks"
-                              " of a model split by parallelize_tensor, and this one is not; split it first,"
-                              " or turn this off")
+    assert str(err.value) == (
+        "distribute_saved_activations: splits saved inputs over the tensor-parallel ranks"
+        " of a model split by parallelize_tensor, and this one is not; split it first,"
+        " or turn this off"
+    )
     distribute_saved_inputs(model, on=False)  # off: nothing to check
     with pytest.raises(ValueError, match="meta device"):
         distribute_saved_inputs_by_shape(model, 2)
 
 
 def test_the_layout_takes_distributed_saved_activations() -> None:
-    config = RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                             distribute_saved_activations=True, facts=TrainingFacts(layout=ParallelLayout(tp=2)))
+    config = RecomputeConfig(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        distribute_saved_activations=True,
+        facts=TrainingFacts(layout=ParallelLayout(tp=2)),
+    )
     check_config(config, ModelSites(labels=(frozenset({"mlp"}),) * 2))
 
 
@@ -169,15 +176,25 @@ METHODS = [("uniform", 1, 3, "bwd2", 2), ("uniform", 2, 2, "bwd1", 0), ("block",
 
 
 def _full(method: str, k: int, distribute: bool) -> RecomputeConfig:
-    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k,
-                           distribute_saved_activations=distribute,
-                           facts=TrainingFacts(layout=ParallelLayout(tp=TP)))
+    return RecomputeConfig(
+        recompute_granularity="full",
+        recompute_method=method,
+        recompute_num_layers=k,
+        distribute_saved_activations=distribute,
+        facts=TrainingFacts(layout=ParallelLayout(tp=TP)),
+    )
 
 
 def test_the_estimate_keeps_one_tp_th_of_each_ranges_input() -> None:
-    spec = EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=LAYERS, seq_length=SEQ), micro_batch_size=MB,
-                        optimizer=False, precision=Precision("fp32"), device="cpu",
-                        layout=ParallelLayout(tp=TP))
+    spec = EstimateSpec(
+        recipe="llama3_tiny",
+        overrides=dict(num_layers=LAYERS, seq_length=SEQ),
+        micro_batch_size=MB,
+        optimizer=False,
+        precision=Precision("fp32"),
+        device="cpu",
+        layout=ParallelLayout(tp=TP),
+    )
     plans = [(f"{m[0]}_{m[1]}@{split}", _full(m[0], m[1], split)) for m in METHODS for split in (False, True)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", remat.RematWarning)
@@ -197,25 +214,40 @@ def _validate(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str
     return code, out, " ".join(err.split())
 
 
-def test_validate_takes_distributed_saved_activations_with_full_recompute_over_tensor_parallel_ranks(
-        capsys) -> None:
+def test_validate_takes_distributed_saved_activations_with_full_recompute_over_tensor_parallel_ranks(capsys) -> None:
     code, out, _ = _validate(capsys, "-tp", "2", "-rl", "1", "--recompute_method", "uniform")
     assert code == 0
     assert "recompute: full, uniform: every layer, in groups of 1" in out
     assert "saved layer inputs split over 2 tensor-parallel ranks" in out
 
 
-@pytest.mark.parametrize("flags, said", [
-    (("-tp", "2", "-rl", "1", "--sequence_parallel"),
-     ["distribute_saved_activations: sequence parallelism already splits the saved inputs"]),
-    (("-tp", "2", "--recompute_modules", "mlp"), ["distribute_saved_activations: only full recompute"]),
-    (("-rl", "1",), ["distribute_saved_activations: splits saved inputs across tensor-parallel ranks, so it needs"
-                     " tensor_model_parallel_size > 1"]),
-    (("--recompute_modules", "mlp"), ["invalid config (2 problems)", "only full recompute",
-                                      "tensor_model_parallel_size > 1"]),
-])
-def test_validate_refuses_distributed_saved_activations_without_their_conditions(capsys, flags: Any,
-                                                                                said: list[str]) -> None:
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (
+            ("-tp", "2", "-rl", "1", "--sequence_parallel"),
+            ["distribute_saved_activations: sequence parallelism already splits the saved inputs"],
+        ),
+        (("-tp", "2", "--recompute_modules", "mlp"), ["distribute_saved_activations: only full recompute"]),
+        (
+            (
+                "-rl",
+                "1",
+            ),
+            [
+                "distribute_saved_activations: splits saved inputs across tensor-parallel ranks, so it needs"
+                " tensor_model_parallel_size > 1"
+            ],
+        ),
+        (
+            ("--recompute_modules", "mlp"),
+            ["invalid config (2 problems)", "only full recompute", "tensor_model_parallel_size > 1"],
+        ),
+    ],
+)
+def test_validate_refuses_distributed_saved_activations_without_their_conditions(
+    capsys, flags: Any, said: list[str]
+) -> None:
     code, _, err = _validate(capsys, *flags)
     assert code == 1
     for text in said:

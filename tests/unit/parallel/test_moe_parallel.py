@@ -4,7 +4,6 @@ layouts are accepted.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_moe_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import sys
@@ -21,8 +20,6 @@ from remat.run.spec import RunSpec
 from remat.run.spec import run_problems as spec_run_problems
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "integration" / "workers"))  # the workers' helpers
-
-
 
 
 import moe_worker  # noqa: E402
@@ -51,11 +48,21 @@ def test_a_rank_traces_apart_from_another_whose_layers_are_of_other_kinds(monkey
     of 8 over 4 ranks, rank 1 holds a dense and an MoE layer, rank 2 two MoE layers."""
     monkeypatch.setattr(estimating, "trace_stage", lambda spec, stage, *args: stage)
     facts = TrainingFacts(layout=ParallelLayout(pp=4))
-    moe = estimating.EstimateSpec(recipe="deepseek_tiny", overrides=dict(num_layers=8, moe_layer_freq="[0]*3+[1]*5"),
-                                  global_batch_size=4, layout=facts.layout, capture=facts.capture)
+    moe = estimating.EstimateSpec(
+        recipe="deepseek_tiny",
+        overrides=dict(num_layers=8, moe_layer_freq="[0]*3+[1]*5"),
+        global_batch_size=4,
+        layout=facts.layout,
+        capture=facts.capture,
+    )
     assert estimating.trace_stages(moe) == [0, 1, 2, 3]  # type: ignore[arg-type]
-    llama = estimating.EstimateSpec(recipe="llama3_tiny", overrides=dict(num_layers=8), global_batch_size=4,
-                                    layout=facts.layout, capture=facts.capture)
+    llama = estimating.EstimateSpec(
+        recipe="llama3_tiny",
+        overrides=dict(num_layers=8),
+        global_batch_size=4,
+        layout=facts.layout,
+        capture=facts.capture,
+    )
     assert estimating.trace_stages(llama) == [0, 1, 1, 3]  # type: ignore[arg-type]
 
 
@@ -72,8 +79,13 @@ def test_moe_runs_under_pipeline_tensor_and_context_parallelism() -> None:
 
 def test_expert_parallelism_runs_beside_pipeline_stages_and_tensor_parallelism() -> None:
     def run_problems(pp: int, tp: int) -> list[str]:
-        spec = RunSpec(recipe="moe_tiny", overrides=dict(num_layers=4), global_batch_size=4, device="cpu",
-                       layout=ParallelLayout(pp=pp, tp=tp, ep=2, num_gpus=4 * tp))
+        spec = RunSpec(
+            recipe="moe_tiny",
+            overrides=dict(num_layers=4),
+            global_batch_size=4,
+            device="cpu",
+            layout=ParallelLayout(pp=pp, tp=tp, ep=2, num_gpus=4 * tp),
+        )
         return [p.message for p in spec_run_problems(spec)]
 
     assert run_problems(pp=2, tp=1) == run_problems(pp=1, tp=2) == run_problems(pp=2, tp=2) == []

@@ -3,7 +3,6 @@ torchrun started, and FSDP2's shard of each parameter by shape.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -26,8 +25,11 @@ def test_fully_shard_layers_says_what_is_missing() -> None:
 
 def test_a_bench_spec_must_match_the_processes_torchrun_started(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="num_gpus: is 1 but torchrun started 2 processes; launch with torchrun"
-                                          " --nproc-per-node 1, or let remat bench -ng 1 start it"):
+    with pytest.raises(
+        ConfigError,
+        match="num_gpus: is 1 but torchrun started 2 processes; launch with torchrun"
+        " --nproc-per-node 1, or let remat bench -ng 1 start it",
+    ):
         BenchSpec(recipe="llama3_tiny", device="cpu")
 
 

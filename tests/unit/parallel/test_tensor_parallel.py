@@ -3,7 +3,6 @@ drew, and parallelize_tensor says what is missing.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_tensor_parallel_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -23,6 +22,7 @@ def test_a_replay_draws_from_a_registered_stream_what_the_forward_drew(monkeypat
         def f(t: torch.Tensor) -> torch.Tensor:
             with stream.fork():
                 return F.dropout(t, 0.5) * t
+
         register_stream("tensor_parallel", stream)
         y = checkpoint(f, x) if recompute else f(x)
         torch.rand(1)  # the default stream moves on between forward and backward
@@ -43,4 +43,5 @@ def test_parallelize_tensor_says_what_is_missing() -> None:
     assert str(err.value).splitlines() == [
         "torch.distributed: no process group: launch with torchrun and call torch.distributed.init_process_group()"
         " first",
-        "model: Linear belongs to no model family remat knows; build it with remat.models.build"]
+        "model: Linear belongs to no model family remat knows; build it with remat.models.build",
+    ]

@@ -2,7 +2,6 @@
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_planning_runs.py."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -19,9 +18,17 @@ from remat.memory.windows import Window
 from remat.planner import NoPlanFits, plan_from_trace, uniform_config
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("60GiB", 60 * GiB), ("60 GB", 60 * 10**9), ("512MiB", 512 * MiB), ("1.5", int(1.5 * GiB)),
-    (1234, 1234), ("2tib", 2 * 2**40)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("60GiB", 60 * GiB),
+        ("60 GB", 60 * 10**9),
+        ("512MiB", 512 * MiB),
+        ("1.5", int(1.5 * GiB)),
+        (1234, 1234),
+        ("2tib", 2 * 2**40),
+    ],
+)
 def test_parse_bytes(text, expected) -> None:
     assert parse_bytes(text) == expected
 
@@ -32,8 +39,11 @@ def test_parse_bytes_reads_a_bare_number_as_bytes_for_allocator_sizes(text, expe
 
 
 def test_parse_bytes_refuses_a_fraction_of_a_byte() -> None:
-    with pytest.raises(remat.ConfigError, match=r"request: '1.5' is not a whole number of bytes \(a bare number is "
-                                                r"bytes\); give a unit, like 1.5GiB"):
+    with pytest.raises(
+        remat.ConfigError,
+        match=r"request: '1.5' is not a whole number of bytes \(a bare number is "
+        r"bytes\); give a unit, like 1.5GiB",
+    ):
         parse_bytes("1.5", "request", "b")
 
 
@@ -43,9 +53,16 @@ def test_parse_bytes_rejects_with_an_example(text) -> None:
         parse_bytes(text)
 
 
-@pytest.mark.parametrize("size, message", [
-    ("0", "is no memory"), ("0GiB", "is no memory"), (0, "is 0 bytes"), (-5, "is -5 bytes"),
-    (1.5e9, "is a float; give bytes as an int or text with a unit")])
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ("0", "is no memory"),
+        ("0GiB", "is no memory"),
+        (0, "is 0 bytes"),
+        (-5, "is -5 bytes"),
+        (1.5e9, "is a float; give bytes as an int or text with a unit"),
+    ],
+)
 def test_parse_bytes_rejects_sizes_that_are_no_memory_or_ambiguous(size, message) -> None:
     with pytest.raises(remat.ConfigError, match=message):
         parse_bytes(size)
@@ -83,10 +100,14 @@ def test_uniform_plans_come_back_as_megatron_configs(budget_trace) -> None:
     block = uniform_config(Plan(Plan.none(4).layers, [(0, 1)]), trace)
     assert (block.recompute_method, block.recompute_num_layers) == ("block", 1)
     assert uniform_config(Plan([{"mlp": "recompute"}, {}, {}, {}]), trace) is None
-    offload = uniform_config(Plan([{"layer": "offload"}] * 3 + [{}], [(i, i + 1) for i in range(4)],
-                                  min_offloaded_tensor_size=256), trace)
+    offload = uniform_config(
+        Plan([{"layer": "offload"}] * 3 + [{}], [(i, i + 1) for i in range(4)], min_offloaded_tensor_size=256), trace
+    )
     assert (offload.recompute_method, offload.cpu_offloading_num_layers, offload.min_offloaded_tensor_size) == (
-        "uniform", 3, 256)
+        "uniform",
+        3,
+        256,
+    )
     from remat.planner import PlanResult
 
     keys = PlanResult(0, Plan.none(4), offload, trace.predict(None), ()).megatron_keys()
@@ -98,15 +119,27 @@ def _synthetic(attn_freed: int) -> Trace:
     """Two layers; core_attn recompute frees `attn_freed` and costs nothing; mlp frees 10 MiB at 1 ms,
     both together the sum, in the same time."""
     none = Effect(0, {("fwd", 0): 0, ("bwd", 0): 0})
-    combos = {frozenset(): none,
-              frozenset({("core_attn", "recompute")}): Effect(attn_freed, {}, 0.0),
-              frozenset({("mlp", "recompute")}): Effect(10 * MiB, {}, 0.001),
-              frozenset({("core_attn", "recompute"), ("mlp", "recompute")}): Effect(10 * MiB + attn_freed, {}, 0.001)}
+    combos = {
+        frozenset(): none,
+        frozenset({("core_attn", "recompute")}): Effect(attn_freed, {}, 0.0),
+        frozenset({("mlp", "recompute")}): Effect(10 * MiB, {}, 0.001),
+        frozenset({("core_attn", "recompute"), ("mlp", "recompute")}): Effect(10 * MiB + attn_freed, {}, 0.001),
+    }
     effects = LayerEffects(combos, {1: Effect(20 * MiB, {}, 0.01), 2: Effect(40 * MiB, {}, 0.02)}, 0, 0.01)
-    windows = (Window("fwd0", 0, 0, 50 * MiB), Window("fwd1", 1, 1, 60 * MiB), Window("head", None, 2, 100 * MiB),
-               Window("bwd1", 1, 1, 90 * MiB), Window("bwd0", 0, 0, 70 * MiB))
-    return Trace(ModelSites(labels=(frozenset({"core_attn", "mlp"}),) * 2, has_layer_sites=True), 0, 0.1,
-                 windows, (effects, effects))
+    windows = (
+        Window("fwd0", 0, 0, 50 * MiB),
+        Window("fwd1", 1, 1, 60 * MiB),
+        Window("head", None, 2, 100 * MiB),
+        Window("bwd1", 1, 1, 90 * MiB),
+        Window("bwd0", 0, 0, 70 * MiB),
+    )
+    return Trace(
+        ModelSites(labels=(frozenset({"core_attn", "mlp"}),) * 2, has_layer_sites=True),
+        0,
+        0.1,
+        windows,
+        (effects, effects),
+    )
 
 
 def test_a_site_that_frees_nothing_is_never_chosen() -> None:
@@ -127,8 +160,9 @@ def test_cli_plan_rejects_a_host_budget_without_offload(capsys) -> None:
 def test_cli_plan_checks_where_it_writes_before_tracing(tmp_path, capsys) -> None:
     folder = tmp_path / "taken"
     folder.mkdir()
-    assert main(["plan", "-mr", "llama3_tiny", "--memory-budget", "1GiB", "-o", str(folder),
-                 "--json", str(folder)]) == 1
+    assert (
+        main(["plan", "-mr", "llama3_tiny", "--memory-budget", "1GiB", "-o", str(folder), "--json", str(folder)]) == 1
+    )
     err = capsys.readouterr().err
     assert f"--output: {folder} is a directory" in err and f"--json: {folder} is a directory" in err
 
@@ -155,11 +189,19 @@ def test_explain_merges_only_layers_doing_the_same_at_the_same_cost() -> None:
     from remat.planner import PlanResult
 
     mlp = {"mlp": "recompute"}
-    choices = (Choice(0, 1, mlp, 8 * MiB, 0.001), Choice(1, 2, mlp, 8 * MiB, 0.001),
-               Choice(2, 3, mlp, 6 * MiB, 0.001), Choice(3, 4, {}, 0, 0.0), Choice(4, 6, None, 30 * MiB, 0.02))
+    choices = (
+        Choice(0, 1, mlp, 8 * MiB, 0.001),
+        Choice(1, 2, mlp, 8 * MiB, 0.001),
+        Choice(2, 3, mlp, 6 * MiB, 0.001),
+        Choice(3, 4, {}, 0, 0.0),
+        Choice(4, 6, None, 30 * MiB, 0.02),
+    )
     result = PlanResult(0, Plan.none(6), None, _synthetic(0).predict(None), choices)
-    assert list(result.explain()) == [("0-1", "mlp=recompute", 8 * MiB, 0.001), ("2", "mlp=recompute", 6 * MiB, 0.001),
-                                      ("4-5", "full recompute, group of 2", 15 * MiB, 0.01)]
+    assert list(result.explain()) == [
+        ("0-1", "mlp=recompute", 8 * MiB, 0.001),
+        ("2", "mlp=recompute", 6 * MiB, 0.001),
+        ("4-5", "full recompute, group of 2", 15 * MiB, 0.01),
+    ]
 
 
 @pytest.fixture
@@ -179,8 +221,9 @@ def test_the_weights_checked_against_a_budget_are_this_ranks_on_its_device(one_r
 
     from remat.planner import weight_bytes
 
-    shard = DTensor.from_local(torch.zeros(8, 4), one_rank, [Shard(0)], run_check=False,
-                               shape=torch.Size((16, 4)), stride=(4, 1))
+    shard = DTensor.from_local(
+        torch.zeros(8, 4), one_rank, [Shard(0)], run_check=False, shape=torch.Size((16, 4)), stride=(4, 1)
+    )
     model = torch.nn.Module()
     model.sharded = torch.nn.Parameter(shard)
     model.elsewhere = torch.nn.Parameter(torch.zeros(100, device="meta"))  # not on the device it trains on

@@ -2,7 +2,6 @@
 gradients beside the model's, the bytes each holds as estimate and bench count them, the
 distributed optimizer's share, and the refusals."""
 
-
 from __future__ import annotations
 
 import gc
@@ -89,13 +88,15 @@ def test_a_dropped_optimizer_leaves_gradients_to_autograd() -> None:
 
 def _estimate(tmp_path, *flags: str) -> dict:
     out = tmp_path / "estimate.json"
-    assert main(["estimate", "-mr", "llama3_tiny", "--no_progress", "--configs", "none", "--json", str(out),
-                 *flags]) == 0
+    assert (
+        main(["estimate", "-mr", "llama3_tiny", "--no_progress", "--configs", "none", "--json", str(out), *flags]) == 0
+    )
     return json.loads(out.read_text())[0]["stages"][0]
 
 
-def test_estimate_counts_megatron_s_18_bytes_a_parameter_and_the_distributed_optimizer_s_share(tmp_path,
-                                                                                                 capsys) -> None:
+def test_estimate_counts_megatron_s_18_bytes_a_parameter_and_the_distributed_optimizer_s_share(
+    tmp_path, capsys
+) -> None:
     parameters = sum(p.numel() for p in build("llama3_tiny", device="meta").parameters())
     plain = _estimate(tmp_path)
     mixed = _estimate(tmp_path, "--main_params_dtype", "fp32")
@@ -103,8 +104,11 @@ def test_estimate_counts_megatron_s_18_bytes_a_parameter_and_the_distributed_opt
     capsys.readouterr()
     assert (plain["weights"], plain["grads"], plain["optimizer_state"]) == (2 * parameters, 0, 4 * parameters)
     # bf16 weights; fp32 main gradients; fp32 main parameters and two moments
-    assert (mixed["weights"], mixed["grads"], mixed["optimizer_state"]) == (2 * parameters, 4 * parameters,
-                                                                            12 * parameters)
+    assert (mixed["weights"], mixed["grads"], mixed["optimizer_state"]) == (
+        2 * parameters,
+        4 * parameters,
+        12 * parameters,
+    )
     # each of 4 data-parallel ranks keeps a quarter of the main parameters and moments
     assert (sharded["weights"], sharded["grads"]) == (2 * parameters, 4 * parameters)
     assert sharded["optimizer_state"] == pytest.approx(3 * parameters, rel=1e-3)
@@ -117,22 +121,33 @@ def test_estimate_under_torch_fsdp2_shards_weights_gradients_and_moments_in_the_
     capsys.readouterr()
     # every llama3_tiny parameter's dim 0 is even, so each rank holds half of each in fp32: 16 bytes a parameter
     # over 2 ranks, gradients held across the 2 micro-batches each rank runs
-    assert (fsdp["weights"], fsdp["grads"], fsdp["optimizer_state"]) == (2 * parameters, 2 * parameters,
-                                                                         4 * parameters)
+    assert (fsdp["weights"], fsdp["grads"], fsdp["optimizer_state"]) == (2 * parameters, 2 * parameters, 4 * parameters)
     assert fsdp["activations"] == whole["activations"]
     assert fsdp["peak"] < whole["peak"]
 
 
-@pytest.mark.parametrize(("precision", "said"), [
-    (OptimizerPrecision(main_grads_dtype="fp32"),
-     "main_grads_dtype: needs main parameters to act on; set main_params_dtype (Megatron's bf16 runs use fp32)"),
-    (OptimizerPrecision(use_distributed_optimizer=True),
-     "use_distributed_optimizer: needs main parameters to act on; set main_params_dtype"),
-    (OptimizerPrecision(main_params_dtype="fp64"), "main_params_dtype: 'fp64' is not a dtype remat knows; use one of"),
-    (OptimizerPrecision("fp32", use_distributed_optimizer=True, use_torch_fsdp2=True),
-     "use_distributed_optimizer: FSDP2 shards the main parameters and moments itself, and Megatron refuses the two"
-     " together; drop one"),
-])
+@pytest.mark.parametrize(
+    ("precision", "said"),
+    [
+        (
+            OptimizerPrecision(main_grads_dtype="fp32"),
+            "main_grads_dtype: needs main parameters to act on; set main_params_dtype (Megatron's bf16 runs use fp32)",
+        ),
+        (
+            OptimizerPrecision(use_distributed_optimizer=True),
+            "use_distributed_optimizer: needs main parameters to act on; set main_params_dtype",
+        ),
+        (
+            OptimizerPrecision(main_params_dtype="fp64"),
+            "main_params_dtype: 'fp64' is not a dtype remat knows; use one of",
+        ),
+        (
+            OptimizerPrecision("fp32", use_distributed_optimizer=True, use_torch_fsdp2=True),
+            "use_distributed_optimizer: FSDP2 shards the main parameters and moments itself, and Megatron refuses the two"
+            " together; drop one",
+        ),
+    ],
+)
 def test_precision_problems_are_refused_with_what_to_set(precision, said) -> None:
     with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
         RunSpec(device="cpu", optimizer_precision=precision)

@@ -4,7 +4,6 @@ adapt leaves parameters, state_dict, .to(), compile and saving as they were.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_adapt_runs.py."""
 
-
 from __future__ import annotations
 
 import copy
@@ -66,7 +65,9 @@ def test_unadapt_restores_the_model_exactly() -> None:
     model = _model()
     before = run_step(model, *_batch(), seed=2)
     remat.adapt(model, SITE_MAP)
-    remat.apply(model, RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    remat.apply(
+        model, RecomputeConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    )
     remat.unadapt(model)
     assert not any(isinstance(m, remat.Site) for m in model.modules())
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -94,8 +95,9 @@ def test_an_adapted_model_moves_copies_saves_and_compiles_as_before() -> None:
 
 def test_a_site_map_loads_from_yaml(tmp_path) -> None:
     path = tmp_path / "sites.yaml"
-    path.write_text("layer: layers.*\nmlp: layers.*.feed_forward\nlayernorm:\n  - layers.*.attention_norm\n"
-                    "  - layers.*.ffn_norm\n")
+    path.write_text(
+        "layer: layers.*\nmlp: layers.*.feed_forward\nlayernorm:\n  - layers.*.attention_norm\n  - layers.*.ffn_norm\n"
+    )
     model = remat.adapt(_model(), path)
     assert find_sites(model).model_sites.labels[0] == frozenset({"mlp", "layernorm"})
 
@@ -103,8 +105,9 @@ def test_a_site_map_loads_from_yaml(tmp_path) -> None:
 def test_site_map_errors_name_every_bad_label_and_pattern_at_once() -> None:
     model = _model()
     with pytest.raises(ConfigError) as err:
-        remat.adapt(model, {"mpl": "layers.*.feed_forward", "layer": "blocks.*", "core_attn": "layers.*.attn",
-                            "mlp": 3})
+        remat.adapt(
+            model, {"mpl": "layers.*.feed_forward", "layer": "blocks.*", "core_attn": "layers.*.attn", "mlp": 3}
+        )
     text = str(err.value)
     assert "'mpl' is not a site label (did you mean 'mlp'?)" in text
     assert "'mlp' needs a module path pattern or a list of them" in text
@@ -130,21 +133,28 @@ def test_a_model_remat_does_not_know_needs_a_map() -> None:
 
 def test_a_label_the_adapted_model_has_no_place_for_names_the_model_and_its_labels() -> None:
     model = remat.adapt(_model(), SITE_MAP)
-    with pytest.raises(ConfigError, match=r"'moe' matches no site in Transformer \(its sites: core_attn, layernorm,"
-                                          r" mlp\); drop 'moe'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'moe' matches no site in Transformer \(its sites: core_attn, layernorm,"
+        r" mlp\); drop 'moe'",
+    ):
         remat.apply(model, RecomputeConfig(recompute_granularity="selective", recompute_modules=["moe"]))
 
 
 def test_a_pattern_star_never_spans_a_dot() -> None:
     from remat.sites.placement import matches
+
     assert matches("layers.*", "layers.0") and not matches("layers.*", "layers.0.feed_forward")
     assert matches("layers.*.w[13]", "layers.2.w3") and not matches("layers.*.w[13]", "layers.2.w2")
 
 
 def test_a_factory_that_cannot_load_is_named(capsys) -> None:
     from remat.cli import main
+
     assert main(["bench", "--model", "test_adapt:no_such", "--no_history", "--device", "cpu"]) == 1
     assert "cannot load 'test_adapt:no_such'" in capsys.readouterr().err
-    assert main(["bench", "--model", "helpers.adapt:titan_model", "--num_layers", "2", "--no_history",
-                 "--device", "cpu"]) == 1
+    assert (
+        main(["bench", "--model", "helpers.adapt:titan_model", "--num_layers", "2", "--no_history", "--device", "cpu"])
+        == 1
+    )
     assert "a factory's model takes only -sl/--seq_length" in capsys.readouterr().err

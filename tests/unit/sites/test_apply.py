@@ -1,7 +1,6 @@
 """apply() on the reference model: every plan gives the no-recompute run's loss and gradients,
 bit for bit, and frees exactly the bytes its actions should."""
 
-
 from __future__ import annotations
 
 import itertools
@@ -39,8 +38,14 @@ def _deterministic():
 
 def _model(backend: str = "sdpa", dropout: float = 0.0, layers: int = LAYERS) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build("llama3_tiny", dtype=torch.float64, num_layers=layers, attention_backend=backend,
-                 attention_dropout=dropout, hidden_dropout=dropout)
+    return build(
+        "llama3_tiny",
+        dtype=torch.float64,
+        num_layers=layers,
+        attention_backend=backend,
+        attention_dropout=dropout,
+        hidden_dropout=dropout,
+    )
 
 
 def _batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,14 +59,12 @@ def _selective(*modules: str) -> RecomputeConfig:
 
 
 def _full(method: str, k: int) -> RecomputeConfig:
-    return RecomputeConfig(recompute_granularity="full", recompute_method=method,
-                           recompute_num_layers=k)
+    return RecomputeConfig(recompute_granularity="full", recompute_method=method, recompute_num_layers=k)
 
 
 def _all_configs() -> list[RecomputeConfig]:
     subsets = [c for r in range(1, 4) for c in itertools.combinations(SELECTIVE, r)]
-    return ([_selective(*s) for s in subsets]
-            + [_full(m, k) for m in ("uniform", "block") for k in range(1, LAYERS + 1)])
+    return [_selective(*s) for s in subsets] + [_full(m, k) for m in ("uniform", "block") for k in range(1, LAYERS + 1)]
 
 
 def _config_id(c: RecomputeConfig) -> str:
@@ -88,8 +91,12 @@ def test_every_config_is_bit_identical_to_no_recompute(config, dropout, backend)
 def test_mixed_per_layer_plan_is_bit_identical_and_round_trips(tmp_path) -> None:
     model = _model("eager", 0.1)
     plan = Plan(
-        layers=[{}, {}, {"core_attn": "recompute", "layernorm": "discard"},
-                {"mlp": "recompute", "layernorm": "recompute"}],
+        layers=[
+            {},
+            {},
+            {"core_attn": "recompute", "layernorm": "discard"},
+            {"mlp": "recompute", "layernorm": "recompute"},
+        ],
         full_recompute=[(0, 2)],
     )
     for suffix in (".yaml", ".json"):
@@ -197,9 +204,14 @@ def test_apply_rejects_labels_the_model_does_not_have_and_changes_nothing() -> N
     remat.apply(model, _selective("mlp"))
     before = [s.action for group in find_sites(model).inner for s in group]
     with pytest.raises(ConfigError, match="moe_act"):
-        remat.apply(model, RecomputeConfig(
-            recompute_granularity="selective", recompute_modules=["mlp", "moe_act"],
-            facts=TrainingFacts(moe_grouped_gemm=True)))
+        remat.apply(
+            model,
+            RecomputeConfig(
+                recompute_granularity="selective",
+                recompute_modules=["mlp", "moe_act"],
+                facts=TrainingFacts(moe_grouped_gemm=True),
+            ),
+        )
     assert [s.action for group in find_sites(model).inner for s in group] == before
 
 
@@ -210,11 +222,14 @@ def test_apply_range_checks_recompute_num_layers_against_the_model() -> None:
 
 def test_full_recompute_is_per_virtual_stage() -> None:
     facts = TrainingFacts(layout=ParallelLayout(pp=2))
-    cfg = RecomputeConfig(recompute_granularity="full", recompute_method="block",
-                          recompute_num_layers=1, facts=facts)
+    cfg = RecomputeConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=1, facts=facts)
     assert remat.apply(_model(), cfg).full_recompute == [(0, 1), (2, 3)]
-    cfg = RecomputeConfig(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=2, facts=TrainingFacts(num_layers=LAYERS))
+    cfg = RecomputeConfig(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=2,
+        facts=TrainingFacts(num_layers=LAYERS),
+    )
     assert remat.apply(_model(), cfg).full_recompute == [(0, 2), (2, 4)]
 
 
@@ -262,8 +277,8 @@ def test_verify_reports_a_lost_gradient_as_a_difference() -> None:
     model = _model()
     report = verify(model, _selective("mlp"), *_batch(model))
     lost = next(iter(report.candidate.grads))
-    crippled = type(report.candidate)(report.candidate.loss,
-                                      {n: g for n, g in report.candidate.grads.items() if n != lost},
-                                      report.candidate.saved)
+    crippled = type(report.candidate)(
+        report.candidate.loss, {n: g for n, g in report.candidate.grads.items() if n != lost}, report.candidate.saved
+    )
     broken = VerifyReport(report.plan, report.baseline, crippled)
     assert not broken.bit_identical and broken.max_grad_diff == float("inf")

@@ -7,6 +7,7 @@ Core attention is the attention *function* the module dispatches to through tran
 soft-capped one included): remat puts a routing function under every key, which calls through
 the module's Site when it has one and straight through otherwise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,10 +19,10 @@ from typing import Any
 
 from torch import nn
 
-from remat.models.family import Fork
-from remat.sites.placement import Adapter
-from remat.models.hf.loss_head import swap_loss_head
 from remat.core.problems import ConfigError, Problem, warn
+from remat.models.family import Fork
+from remat.models.hf.loss_head import swap_loss_head
+from remat.sites.placement import Adapter
 
 # The attention module of a decoder layer, by the names transformers' models use.
 _ATTENTION = ("self_attn", "attn", "self_attention")
@@ -46,6 +47,7 @@ def hf_model(model: nn.Module) -> nn.Module:
 
 def _layer_paths(model: nn.Module) -> list[str]:
     from transformers.modeling_layers import GradientCheckpointingLayer
+
     return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -116,8 +118,10 @@ class _Router:
             return self.inner
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if eager is None:
-            raise RuntimeError(f"{type(module).__name__} runs eager attention but its module defines no "
-                               "eager_attention_forward for remat's core_attn Site to call; use sdpa")
+            raise RuntimeError(
+                f"{type(module).__name__} runs eager attention but its module defines no "
+                "eager_attention_forward for remat's core_attn Site to call; use sdpa"
+            )
         return eager
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -149,8 +153,15 @@ class HfAdapter(Adapter):
     def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
         layers = _layer_paths(model)
         if not layers:
-            raise ConfigError([Problem("site_map", f"{type(model).__name__} has no decoder layers remat"
-                                                   " recognises (GradientCheckpointingLayer); give a site map")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "site_map",
+                        f"{type(model).__name__} has no decoder layers remat"
+                        " recognises (GradientCheckpointingLayer); give a site map",
+                    )
+                ]
+            )
         found: dict[str, list[tuple[str, str]]] = {}
         for path in layers:
             for label, inner in _layer_sites(model.get_submodule(path)):
@@ -167,6 +178,7 @@ class HfAdapter(Adapter):
             self.attention_sites.pop(module, None)
             if not self.attention_sites:
                 self._unroute_attention()
+
         return undo
 
     def fork_attention(self, module: nn.Module, fork: Fork) -> None:
@@ -176,6 +188,7 @@ class HfAdapter(Adapter):
 
     def _route_attention(self) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         if self.routers:
             return
         for key in ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]:
@@ -185,6 +198,7 @@ class HfAdapter(Adapter):
 
     def _unroute_attention(self) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         for key, router in self.routers.items():
             if ALL_ATTENTION_FUNCTIONS._local_mapping.get(key) is router:
                 del ALL_ATTENTION_FUNCTIONS[key]
@@ -199,8 +213,10 @@ class HfAdapter(Adapter):
         was_checkpointing = _checkpointing(model)
         if was_checkpointing:
             _set_checkpointing(model, False)
-            warn(f"remat turned off {type(model).__name__}'s gradient checkpointing: remat's Sites recompute"
-                 " instead (recompute_granularity='full' is what it did); remat.unadapt turns it back on")
+            warn(
+                f"remat turned off {type(model).__name__}'s gradient checkpointing: remat's Sites recompute"
+                " instead (recompute_granularity='full' is what it did); remat.unadapt turns it back on"
+            )
         # the modules HF's checkpointing switches, found once: the hook runs before every forward
         switches = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         handle = model.register_forward_pre_hook(functools.partial(_training_call, switches), with_kwargs=True)
@@ -209,14 +225,16 @@ class HfAdapter(Adapter):
             handle.remove()
             if was_checkpointing:
                 _set_checkpointing(model, True)
+
         return undo
 
 
 def _checkpointing(model: nn.Module, switches: list[nn.Module] | None = None) -> bool:
     """Whether HF's own checkpointing is on (5.25 renamed it activation checkpointing), by the
     `gradient_checkpointing` flag of `switches` (default: every module's)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True
-               for m in (model.modules() if switches is None else switches))
+    return any(
+        getattr(m, "gradient_checkpointing", False) is True for m in (model.modules() if switches is None else switches)
+    )
 
 
 def _set_checkpointing(model: Any, on: bool) -> None:
@@ -228,11 +246,18 @@ def _training_call(switches: list[nn.Module], model: nn.Module, args: tuple, kwa
     """Before each forward: in training, no cache (as HF's checkpointing does); HF's checkpointing
     turned on again after adapt would recompute inside remat's Sites, so it is refused."""
     if model.training and _checkpointing(model, switches):
-        raise ConfigError([Problem("gradient_checkpointing", f"{type(model).__name__} has remat's Sites and HF"
-                                                             " gradient checkpointing on at once; call"
-                                                             " model.gradient_checkpointing_disable() and let"
-                                                             " remat recompute (full recompute of every layer is"
-                                                             " what HF's did)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "gradient_checkpointing",
+                    f"{type(model).__name__} has remat's Sites and HF"
+                    " gradient checkpointing on at once; call"
+                    " model.gradient_checkpointing_disable() and let"
+                    " remat recompute (full recompute of every layer is"
+                    " what HF's did)",
+                )
+            ]
+        )
     if model.training:
         kwargs = {**kwargs, "use_cache": False}
     return args, kwargs

@@ -12,6 +12,7 @@ its head chunk's last token with its tail chunk's first label; context paralleli
 the whole sequence before sharding (`shifts_labels`), and the model takes them as HF's
 `shift_labels`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -39,31 +40,50 @@ def problems(hf: Any, seq_length: int, layout: ParallelLayout) -> Iterator[Probl
     unknown (a built model's; the batch is checked when sharded)."""
     cp, tp = layout.cp, layout.tp
     if seq_length % (2 * cp):
-        yield Problem("context_parallel_size", f"seq_length={seq_length} does not split into {2 * cp} chunks for"
-                                               f" {cp} context-parallel ranks; use a multiple of {2 * cp}")
+        yield Problem(
+            "context_parallel_size",
+            f"seq_length={seq_length} does not split into {2 * cp} chunks for"
+            f" {cp} context-parallel ranks; use a multiple of {2 * cp}",
+        )
     elif layout.sequence_split > 1 and (seq_length // cp) % tp:
-        yield Problem("sequence_parallel", f"each rank's {seq_length // cp} tokens do not split over {tp}"
-                                           f" tensor-parallel ranks; use a sequence length that is a multiple of"
-                                           f" {tp * cp}, or drop --sequence_parallel")
+        yield Problem(
+            "sequence_parallel",
+            f"each rank's {seq_length // cp} tokens do not split over {tp}"
+            f" tensor-parallel ranks; use a sequence length that is a multiple of"
+            f" {tp * cp}, or drop --sequence_parallel",
+        )
     name = type(hf).__name__
     if getattr(hf, "rope_parameters", None) is None:
-        yield Problem("context_parallel_size", f"{name} has no rotary embedding (GPT-2's positions are a learned"
-                                               " table of the tokens it is given); use 1")
+        yield Problem(
+            "context_parallel_size",
+            f"{name} has no rotary embedding (GPT-2's positions are a learned table of the tokens it is given); use 1",
+        )
     if getattr(hf, "_attn_implementation", None) not in (None, "sdpa"):
-        yield Problem("attn_implementation", f"is {hf._attn_implementation!r}; torch's context parallelism runs"
-                                             " scaled_dot_product_attention as ring attention; use sdpa")
+        yield Problem(
+            "attn_implementation",
+            f"is {hf._attn_implementation!r}; torch's context parallelism runs"
+            " scaled_dot_product_attention as ring attention; use sdpa",
+        )
     if float(getattr(hf, "attention_dropout", 0.0) or 0.0):
-        yield Problem("attention_dropout", f"is {hf.attention_dropout}; torch's ring attention draws it per block"
-                                           " of keys, and its backward replays one block's random state for all"
-                                           " of them; use 0 under context parallelism")
+        yield Problem(
+            "attention_dropout",
+            f"is {hf.attention_dropout}; torch's ring attention draws it per block"
+            " of keys, and its backward replays one block's random state for all"
+            " of them; use 0 under context parallelism",
+        )
     if _sliding(hf):
-        yield Problem("context_parallel_size", f"{name} has sliding-window layers, whose mask torch's ring"
-                                               " attention does not take; use 1")
+        yield Problem(
+            "context_parallel_size",
+            f"{name} has sliding-window layers, whose mask torch's ring attention does not take; use 1",
+        )
     if getattr(hf, "attn_logit_softcapping", None):
         yield Problem("context_parallel_size", f"{name} soft-caps its attention scores, which SDPA does not; use 1")
     if getattr(hf, "output_router_logits", False):
-        yield Problem("output_router_logits", "the router's load-balancing loss would count this rank's tokens"
-                                              " only; turn it off under context parallelism")
+        yield Problem(
+            "output_router_logits",
+            "the router's load-balancing loss would count this rank's tokens"
+            " only; turn it off under context parallelism",
+        )
 
 
 def _sliding(hf: Any) -> bool:
@@ -81,8 +101,12 @@ def prepare(model: nn.Module, layout: ParallelLayout) -> None:
     base: Any = lm.base_model
     found = list(problems(lm.config, 0, layout))
     if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
-        found.append(Problem("context_parallel_size", f"{type(base).__name__} has no rotary_emb to take the"
-                                                      " positions of a rank's tokens; use 1"))
+        found.append(
+            Problem(
+                "context_parallel_size",
+                f"{type(base).__name__} has no rotary_emb to take the positions of a rank's tokens; use 1",
+            )
+        )
     if found:
         raise ConfigError(found)
     if hasattr(base, POSITIONS):  # prepared already
@@ -104,6 +128,7 @@ def _global_positions(held: _Positions) -> Any:
             return None
         # rotary_emb(x, position_ids): the model counted 0 .. n-1 for this rank's n tokens
         return args[:1], {**kwargs, "position_ids": held.tokens}
+
     return hook
 
 
@@ -112,4 +137,5 @@ def _shifted_labels(held: _Positions) -> Any:
         if held.tokens is None or kwargs.get("labels") is None:
             return None
         return args, {**kwargs, "shift_labels": kwargs["labels"]}
+
     return hook

@@ -2,11 +2,12 @@
 of that family, shape overrides in Megatron's names) or `hf:path/to/config.json`. The model is
 built from the config (never downloaded) and adapted (`remat.models.adapt`); its fast path is the
 chunked loss head and its Sites' calls compiled."""
+
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import functools
+import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,13 +15,13 @@ import torch
 from torch import nn
 
 from remat.config.parallel import ParallelLayout
+from remat.core.problems import ConfigError, Problem
 from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.hf import context_parallel, pipeline, tensor_parallel
-from remat.models.hf.parallel import HfParallelism
-from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.adapter import ADAPTER, hf_model
+from remat.models.hf.configs import TINY, hf_config, transformers_module
+from remat.models.hf.parallel import HfParallelism
 from remat.sites.placement import compile_sites, place_sites
-from remat.core.problems import ConfigError, Problem
 
 PREFIX = "hf:"
 DEFAULT_SEQ = 64
@@ -50,8 +51,9 @@ class HfModelConfig:
 
     @property
     def ffn_hidden_size(self) -> int:
-        return int(getattr(self.hf, "intermediate_size", None) or getattr(self.hf, "n_inner", None)
-                   or 4 * self.hidden_size)
+        return int(
+            getattr(self.hf, "intermediate_size", None) or getattr(self.hf, "n_inner", None) or 4 * self.hidden_size
+        )
 
     @property
     def num_attention_heads(self) -> int:
@@ -80,8 +82,14 @@ class HfModelConfig:
         return facts
 
     def record(self) -> dict[str, Any]:
-        return {"hf_config": self.source, "model_type": self.hf.model_type, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "seq_length": self.seq_length, "vocab_size": self.vocab_size}
+        return {
+            "hf_config": self.source,
+            "model_type": self.hf.model_type,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "seq_length": self.seq_length,
+            "vocab_size": self.vocab_size,
+        }
 
 
 def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
@@ -110,8 +118,11 @@ def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
         if isinstance(module, nn.Embedding):
             continue
         own = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
-        if getattr(module, "gate_up_proj", None) is not None and getattr(module, "down_proj", None) is not None \
-                and module.gate_up_proj.dim() == 3:
+        if (
+            getattr(module, "gate_up_proj", None) is not None
+            and getattr(module, "down_proj", None) is not None
+            and module.gate_up_proj.dim() == 3
+        ):
             routed += own
         else:
             dense += own
@@ -170,9 +181,15 @@ class HfFamily(ModelFamily):
             hf.max_position_embeddings = seq
         return HfModelConfig(source, hf, seq)
 
-    def build(self, config: HfModelConfig, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, pre_process: bool = True,
-              post_process: bool = True) -> nn.Module:
+    def build(
+        self,
+        config: HfModelConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> nn.Module:
         if pre_process and post_process and config.layers is None:
             return place_sites(_build(config, dtype, device), None, ADAPTER)
         # the whole model on meta, cut to the stage's share, then allocated and initialized
@@ -203,23 +220,33 @@ class HfFamily(ModelFamily):
         config = known
         yield from tensor_parallel.config_problems(config.hf, layout.tp)
         if layout.sequence_split > 1 and config.seq_length % layout.tp:
-            yield Problem("sequence_parallel", f"seq_length={config.seq_length} does not split over {layout.tp}"
-                                               " tensor-parallel ranks; use a multiple of the tensor-parallel size,"
-                                               " or drop --sequence_parallel")
+            yield Problem(
+                "sequence_parallel",
+                f"seq_length={config.seq_length} does not split over {layout.tp}"
+                " tensor-parallel ranks; use a multiple of the tensor-parallel size,"
+                " or drop --sequence_parallel",
+            )
         if layout.pp > 1:
             yield from _pipeline_problems(config.hf.to_json_string(), config)
         if layout.sequence_split > 1 and layout.pp > 1:
-            yield Problem("sequence_parallel", "Hugging Face stages hand each other whole hidden states (the next"
-                                               " stage takes positions from them); drop --sequence_parallel beside"
-                                               " -pp")
+            yield Problem(
+                "sequence_parallel",
+                "Hugging Face stages hand each other whole hidden states (the next"
+                " stage takes positions from them); drop --sequence_parallel beside"
+                " -pp",
+            )
         if layout.cp > 1:
             yield from context_parallel.problems(config.hf, config.seq_length, layout)
 
     def shard(self, config: HfModelConfig, layout: ParallelLayout, layers: Sequence[int]) -> HfModelConfig:
         layers = tuple(layers)
         every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
-        return dataclasses.replace(config, hf=tensor_parallel.shard_config(config.hf, layout.tp),
-                                   layers=None if every else layers, seq_length=config.seq_length // layout.cp)
+        return dataclasses.replace(
+            config,
+            hf=tensor_parallel.shard_config(config.hf, layout.tp),
+            layers=None if every else layers,
+            seq_length=config.seq_length // layout.cp,
+        )
 
     def parallelism(self, model: nn.Module, layout: ParallelLayout) -> HfParallelism:
         return HfParallelism(model, layout, self.name)
@@ -229,8 +256,10 @@ class HfFamily(ModelFamily):
         matmuls (QK^T and PV at their head dims, the causal mask not halved)."""
         hf = config.hf
         dense, routed = _matmul_params(config)
-        experts = next((getattr(hf, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if getattr(hf, n, None)), None)
+        experts = next(
+            (getattr(hf, n) for n in ("num_local_experts", "num_experts", "n_routed_experts") if getattr(hf, n, None)),
+            None,
+        )
         active = dense + (routed * hf.num_experts_per_tok / experts if experts else routed)
         heads = hf.num_attention_heads
         qk = getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None) or hf.hidden_size // heads

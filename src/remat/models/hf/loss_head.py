@@ -4,6 +4,7 @@ full-vocabulary logits that HF's `ForCausalLMLoss` upcasts to float32 (4 GiB per
 tokens at a 128k vocabulary). Same loss as HF's: labels shifted by one, -100 ignored, a mean, or a
 sum over `num_items_in_batch` where the Trainer passes it. The output then has no logits. A
 micro-batch of fewer tokens than half the hidden size keeps HF's head, which then holds less."""
+
 from __future__ import annotations
 
 import functools
@@ -13,22 +14,33 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from remat.core.problems import ConfigError, Problem
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.sites.placement import replace_forward
-from remat.core.problems import ConfigError, Problem
 
 IGNORE = -100
 CHUNK_TOKENS = 4096
 
 
-def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, num_items_in_batch: Any = None,
-                   kernels: LossKernels = LossKernels(), shift_labels: Tensor | None = None) -> Tensor:
+# the loss's eager kernels (a compiled model swaps in compiled_loss_kernels)
+EAGER = LossKernels()
+
+
+def causal_lm_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    num_items_in_batch: Any = None,
+    kernels: LossKernels = EAGER,
+    shift_labels: Tensor | None = None,
+) -> Tensor:
     """HF's causal-LM loss of `hidden` [b, s, h] through `weight` [V, h], without all the logits at
     once; as HF's, `shift_labels` are the labels shifted already (by context parallelism)."""
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift_labels is None else shift_labels
     flat = shifted.reshape(-1).to(hidden.device)
-    mean = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, CHUNK_TOKENS, IGNORE,
-                                        kernels=kernels)
+    mean = chunked_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat, CHUNK_TOKENS, IGNORE, kernels=kernels
+    )
     if num_items_in_batch is None:
         return mean
     valid = (flat != IGNORE).sum()
@@ -39,12 +51,20 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
     """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
     problems = []
     if getattr(model.config, "final_logit_softcapping", None):
-        problems.append(Problem("loss_head", f"{type(model).__name__} soft-caps its logits, which the chunked"
-                                             " loss head does not; leave loss_head off"))
+        problems.append(
+            Problem(
+                "loss_head",
+                f"{type(model).__name__} soft-caps its logits, which the chunked"
+                " loss head does not; leave loss_head off",
+            )
+        )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        problems.append(Problem("loss_head", f"{type(model).__name__}'s output layer is not a Linear without bias;"
-                                             " leave loss_head off"))
+        problems.append(
+            Problem(
+                "loss_head", f"{type(model).__name__}'s output layer is not a Linear without bias; leave loss_head off"
+            )
+        )
     if problems or head is None:
         raise ConfigError(problems)
     base = model.base_model

@@ -1,6 +1,7 @@
 """Hugging Face causal LMs under a parallel layout: tensor (and sequence) parallelism by each
 model's own plan (`tensor_parallel.py`), context parallelism by its rotary embedding taking the
 rank's positions (`context_parallel.py`)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

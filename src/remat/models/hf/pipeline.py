@@ -13,6 +13,7 @@ A tied embedding (`tie_word_embeddings`) is held twice, as Megatron's stages hol
 stage's embedding and, under its own name `lm_head.weight`, by the last stage's output layer; the
 pipeline starts the last copy as the first and sums their gradients (`tied_parameters`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -106,13 +107,19 @@ def problems(lm: nn.Module) -> Iterator[Problem]:
     name = type(lm).__name__
     missing = [part for part in _PARTS if not isinstance(_get(lm, part), nn.Module)]
     if missing or not isinstance(_get(lm, "model.layers"), nn.ModuleList):
-        yield Problem(FIELD, f"is above 1; {name} has no {', '.join(missing) or 'model.layers list'}, which remat's"
-                             " pipeline stages split (Llama's layout); use 1")
+        yield Problem(
+            FIELD,
+            f"is above 1; {name} has no {', '.join(missing) or 'model.layers list'}, which remat's"
+            " pipeline stages split (Llama's layout); use 1",
+        )
         return
     config = lm.config
     if getattr(config, "output_router_logits", False):
-        yield Problem("output_router_logits", f"is True; {name}'s auxiliary loss reads every layer's router logits,"
-                                              " which other stages hold; set it False under pipeline parallelism")
+        yield Problem(
+            "output_router_logits",
+            f"is True; {name}'s auxiliary loss reads every layer's router logits,"
+            " which other stages hold; set it False under pipeline parallelism",
+        )
 
 
 def _get(module: nn.Module, path: str) -> Any:

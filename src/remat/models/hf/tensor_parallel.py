@@ -17,6 +17,7 @@ the same on every rank), so it runs on this rank's heads unchanged. Attention dr
 draws from the rank's own stream: the adapter's attention router calls the attention function
 inside the family's `fork`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,9 +32,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from remat.config.parallel import ParallelLayout
+from remat.core.problems import ConfigError, Problem
 from remat.models.family import Fork, SequenceParallelPoints, TokensHook, on_tokens_argument, on_tokens_output
 from remat.models.hf.adapter import ADAPTER, attention_modules, hf_model
-from remat.core.problems import ConfigError, Problem
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # Attention attributes some models reshape by: a head count no plan divides.
@@ -61,16 +62,24 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
         return
     unmapped = sorted({f"{key}: {style}" for key, style in plan.items() if style not in STYLES})
     if unmapped:
-        yield Problem(FIELD, f"is {tp}; {model}'s tensor-parallel plan has entries remat does not map"
-                             f" ({', '.join(unmapped)}), only {' and '.join(STYLES)}; use 1")
-    counts = [("num_attention_heads", hf.num_attention_heads),
-              ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)]
+        yield Problem(
+            FIELD,
+            f"is {tp}; {model}'s tensor-parallel plan has entries remat does not map"
+            f" ({', '.join(unmapped)}), only {' and '.join(STYLES)}; use 1",
+        )
+    counts = [
+        ("num_attention_heads", hf.num_attention_heads),
+        ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+    ]
     if _splits_mlp(plan):
         counts.append(("intermediate_size", hf.intermediate_size))
     for name, size in counts:
         if size % tp:
-            yield Problem(FIELD, f"{name}={size} does not split over {tp} tensor-parallel ranks; use a"
-                                 " tensor-parallel size that divides it")
+            yield Problem(
+                FIELD,
+                f"{name}={size} does not split over {tp} tensor-parallel ranks; use a"
+                " tensor-parallel size that divides it",
+            )
 
 
 def _matches(pattern: str, names: list[str]) -> list[str]:
@@ -86,8 +95,11 @@ def _planned(model: nn.Module) -> tuple[str, dict[str, nn.Module], dict[str, str
     base: nn.Module = hf.base_model  # type: ignore[assignment]  # transformers' PreTrainedModel property
     prefix = {m: n for n, m in model.named_modules()}[base]
     modules = {name: m for name, m in base.named_modules() if name}
-    return prefix, modules, {name: style for pattern, style in _plan(hf.config).items()
-                             for name in _matches(pattern, list(modules))}
+    return (
+        prefix,
+        modules,
+        {name: style for pattern, style in _plan(hf.config).items() for name in _matches(pattern, list(modules))},
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,12 @@ class _SequenceSplit:
     def of(cls, modules: dict[str, nn.Module], planned: dict[str, str]) -> _SequenceSplit:
         blocks = sorted({name.rpartition(".")[0] for name in planned}, key=list(modules).index)
         layers = sorted({block.rpartition(".")[0] for block in blocks}, key=list(modules).index)
-        others = [f"{layer}.{child}" for layer in layers for child, module in modules[layer].named_children()
-                  if f"{layer}.{child}" not in blocks and any(True for _ in module.parameters())]
+        others = [
+            f"{layer}.{child}"
+            for layer in layers
+            for child, module in modules[layer].named_children()
+            if f"{layer}.{child}" not in blocks and any(True for _ in module.parameters())
+        ]
         return cls(blocks, layers, others)
 
     def norms(self, modules: dict[str, nn.Module]) -> list[str]:
@@ -147,8 +163,11 @@ def sequence_points(model: nn.Module) -> SequenceParallelPoints:
     if problems:
         raise ConfigError(problems)
     split = _SequenceSplit.of(modules, planned)
-    return SequenceParallelPoints(blocks=[modules[b] for b in split.blocks], split_before=[modules[split.layers[0]]],
-                                  gather_after=[modules[split.layers[-1]]])
+    return SequenceParallelPoints(
+        blocks=[modules[b] for b in split.blocks],
+        split_before=[modules[split.layers[0]]],
+        gather_after=[modules[split.layers[-1]]],
+    )
 
 
 def model_problems(model: nn.Module, layout: ParallelLayout) -> Iterator[Problem]:
@@ -161,20 +180,29 @@ def model_problems(model: nn.Module, layout: ParallelLayout) -> Iterator[Problem
     for pattern in _plan(hf.config):
         found = _matches(pattern, list(modules))
         if not found or not all(isinstance(modules[n], nn.Linear) for n in found):
-            yield Problem(FIELD, f"{type(hf).__name__}'s tensor-parallel plan entry {pattern!r} names no Linear"
-                                 " modules of this model; use 1")
+            yield Problem(
+                FIELD,
+                f"{type(hf).__name__}'s tensor-parallel plan entry {pattern!r} names no Linear"
+                " modules of this model; use 1",
+            )
     if layout.sp:
         yield from _sequence_problems(modules, planned)
     for attention in attention_modules(model):
         held = [name for name in _HEAD_COUNTS if isinstance(getattr(attention, name, None), int)]
         if held:
-            yield Problem(FIELD, f"{type(attention).__name__} holds head counts ({', '.join(held)}) that its"
-                                 " forward may use whole; remat does not split it; use 1")
+            yield Problem(
+                FIELD,
+                f"{type(attention).__name__} holds head counts ({', '.join(held)}) that its"
+                " forward may use whole; remat does not split it; use 1",
+            )
         dropout = getattr(attention, "attention_dropout", 0.0) or 0.0
         if dropout and attention not in ADAPTER.attention_sites:
-            yield Problem("attention_dropout", f"is {dropout}; {type(attention).__name__} has no core_attn Site,"
-                                               " through which its dropout draws from this rank's stream; place"
-                                               " remat's Sites (remat.models.adapt) or use 0")
+            yield Problem(
+                "attention_dropout",
+                f"is {dropout}; {type(attention).__name__} has no core_attn Site,"
+                " through which its dropout draws from this rank's stream; place"
+                " remat's Sites (remat.models.adapt) or use 0",
+            )
 
 
 def _sequence_problems(modules: dict[str, nn.Module], planned: dict[str, str]) -> Iterator[Problem]:
@@ -185,16 +213,29 @@ def _sequence_problems(modules: dict[str, nn.Module], planned: dict[str, str]) -
     norms = split.norms(modules)
     unsplit = sorted({type(modules[name]).__name__ for name in split.others if name not in norms})
     if unsplit:
-        yield Problem("sequence_parallel", f"the layers' {', '.join(unsplit)} hold weights the tensor-parallel"
-                                           " plan does not split, which would run on this rank's tokens only;"
-                                           " drop --sequence_parallel")
-    dropout = sorted({name.rpartition(".")[2] for layer in split.layers for name, m in modules[layer].named_modules()
-                      if isinstance(m, nn.Dropout) and m.p > 0 and not any(
-                          f"{layer}.{name}".startswith(f"{b}.") for b in split.blocks)})
+        yield Problem(
+            "sequence_parallel",
+            f"the layers' {', '.join(unsplit)} hold weights the tensor-parallel"
+            " plan does not split, which would run on this rank's tokens only;"
+            " drop --sequence_parallel",
+        )
+    dropout = sorted(
+        {
+            name.rpartition(".")[2]
+            for layer in split.layers
+            for name, m in modules[layer].named_modules()
+            if isinstance(m, nn.Dropout)
+            and m.p > 0
+            and not any(f"{layer}.{name}".startswith(f"{b}.") for b in split.blocks)
+        }
+    )
     if dropout:
-        yield Problem("sequence_parallel", f"the layers' dropout ({', '.join(dropout)}) outside attention would draw"
-                                           " the same masks on every rank's tokens; set it to 0 or drop"
-                                           " --sequence_parallel")
+        yield Problem(
+            "sequence_parallel",
+            f"the layers' dropout ({', '.join(dropout)}) outside attention would draw"
+            " the same masks on every rank's tokens; set it to 0 or drop"
+            " --sequence_parallel",
+        )
 
 
 def styles(model: nn.Module, fork: Fork, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -207,8 +248,9 @@ def styles(model: nn.Module, fork: Fork, sequence_parallel: bool) -> dict[str, P
     found: dict[str, ParallelStyle] = {name: STYLES[style]() for name, style in planned.items()}
     if sequence_parallel:
         split = _SequenceSplit.of(modules, planned)
-        found |= {name: RowwiseParallel(output_layouts=Shard(1)) for name, style in planned.items()
-                  if style == "rowwise"}
+        found |= {
+            name: RowwiseParallel(output_layouts=Shard(1)) for name, style in planned.items() if style == "rowwise"
+        }
         found |= {block: _Tokens(before=GATHER) for block in split.blocks}
         found |= {norm: SequenceParallel(use_local_output=True) for norm in split.norms(modules)}
         first, last = split.layers[0], split.layers[-1]

@@ -16,6 +16,7 @@ tensor hooks on the weight that would expect to see the gradient. Otherwise it r
 gradient as torch's linear does. Hooks registered on the weight's AccumulateGrad node itself (as
 torch's DDP does) are not seen: they run with no gradient from a fused call.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,9 +41,16 @@ def accumulates_into_grad(weight: Tensor | None, fuse: bool) -> bool:
     if not fuse or weight is None:
         return False
     grad = weight.grad
-    if (grad is None or torch.is_grad_enabled() or grad.is_sparse or grad.shape != weight.shape
-            or grad.dtype != weight.dtype or not grad.is_contiguous()
-            or weight._backward_hooks or weight._post_accumulate_grad_hooks):
+    if (
+        grad is None
+        or torch.is_grad_enabled()
+        or grad.is_sparse
+        or grad.shape != weight.shape
+        or grad.dtype != weight.dtype
+        or not grad.is_contiguous()
+        or weight._backward_hooks
+        or weight._post_accumulate_grad_hooks
+    ):
         return False
     try:
         return torch._C._will_engine_execute_node(get_gradient_edge(weight).node)
@@ -97,8 +105,15 @@ class Linear(nn.Linear):
     gradient into weight.grad. A module rather than a function call, so that hooks on it (torch's
     tensor-parallel styles) see the call."""
 
-    def __init__(self, in_features: int, out_features: int, *, fuse_grads: bool, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        fuse_grads: bool,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device)
         self.fuse_grads = fuse_grads
 

@@ -5,11 +5,12 @@ kept activations. Here the logits exist one token chunk at a time, and the gradi
 hidden states and the output weight are computed in the forward pass, chunk by chunk, so the
 backward pass only scales them.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -20,8 +21,9 @@ from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, row
 ChunkFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
 
-def chunk_loss_in_place(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                        need_grad: bool) -> tuple[Tensor, Tensor | None]:
+def chunk_loss_in_place(
+    logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     """One chunk's summed token losses and d loss/d logits, built in place in one fp32 buffer."""
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     logits32 = logits.to(compute_dtype)
@@ -36,8 +38,9 @@ def chunk_loss_in_place(logits: Tensor, labels: Tensor, valid: Tensor, row_scale
     return loss, d_logits.mul_(row_scale[:, None]).to(logits.dtype)
 
 
-def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                       need_grad: bool) -> tuple[Tensor, Tensor | None]:
+def chunk_loss_fusable(
+    logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     """The same, as torch.compile can fuse it: a few passes over the logits, the last writing the
     gradients over them in place (a chunk then holds one buffer of logits, not two)."""
     logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -58,22 +61,36 @@ def chunk_loss_fusable(logits: Tensor, labels: Tensor, valid: Tensor, row_scale:
 _LOSS_BLOCK, _LOSS_WARPS = 8192, 8
 
 
-def chunk_loss_triton(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                      need_grad: bool) -> tuple[Tensor, Tensor | None]:
+def chunk_loss_triton(
+    logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     """The same in one Triton kernel, a program per token: two passes over its logits (the second
     served mostly by L2) where inductor's code made three. Contiguous float32/bf16/fp16 logits,
     finite (a matmul's), labels in [0, vocab): the kernel checks neither."""
     rows, vocab = logits.shape
     losses = logits.new_empty(rows, dtype=torch.float32)
     block = min(_LOSS_BLOCK, row_block(vocab))
-    launch("cross_entropy_chunk", (rows,), logits, logits, labels, row_scale, losses, vocab,
-           NEED_GRAD=need_grad, N_BLOCKS=-(-vocab // block), BLOCK=block, num_warps=_LOSS_WARPS)
+    launch(
+        "cross_entropy_chunk",
+        (rows,),
+        logits,
+        logits,
+        labels,
+        row_scale,
+        losses,
+        vocab,
+        NEED_GRAD=need_grad,
+        N_BLOCKS=-(-vocab // block),
+        BLOCK=block,
+        num_warps=_LOSS_WARPS,
+    )
     loss = torch.where(valid, losses, 0.0).sum().to(row_scale.dtype)
     return loss, logits if need_grad else None
 
 
-def chunk_loss_shapes(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor,
-                      need_grad: bool) -> tuple[Tensor, Tensor | None]:
+def chunk_loss_shapes(
+    logits: Tensor, labels: Tensor, valid: Tensor, row_scale: Tensor, need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     """The compiled loss chunk by shape, for the meta device: inductor's kernels (remat's one on
     CUDA) allocate only the chunk's loss and write the logit gradients over the logits."""
     loss = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
@@ -83,8 +100,11 @@ def chunk_loss_shapes(logits: Tensor, labels: Tensor, valid: Tensor, row_scale: 
 def on_cuda(fallback: ChunkFn) -> ChunkFn:
     """chunk_loss_triton for contiguous CUDA logits of KERNEL_DTYPES (when Triton is installed);
     `fallback` for anything else."""
-    return dispatch(chunk_loss_triton, fallback, lambda logits, *_: (
-        logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous()))
+    return dispatch(
+        chunk_loss_triton,
+        fallback,
+        lambda logits, *_: logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous(),
+    )
 
 
 def scale_grad(grad: Tensor, grad_output: Tensor) -> Tensor:
@@ -113,8 +133,11 @@ class LossKernels:
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
     # Compiled, not eager: eagerly, a multiply by a 0-dim CUDA tensor broadcasts it and takes
     # torch's unvectorized path (benchmarks/README.md has the profile).
-    return LossKernels(on_cuda(torch.compile(chunk_loss_fusable, backend=backend)),
-                       torch.compile(scale_grad, backend=backend), torch.compile(add_scaled_grad, backend=backend))
+    return LossKernels(
+        on_cuda(torch.compile(chunk_loss_fusable, backend=backend)),
+        torch.compile(scale_grad, backend=backend),
+        torch.compile(add_scaled_grad, backend=backend),
+    )
 
 
 # torch >= 2.8 on CUDA: a bf16/fp16 GEMM may write (mm) or add into (addmm) a float32 output.
@@ -223,8 +246,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, ignore_index: int = -100,
-    *, kernels: LossKernels = LossKernels(), fuse_grads: bool = False,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    chunk_size: int,
+    ignore_index: int = -100,
+    *,
+    kernels: LossKernels = LossKernels(),
+    fuse_grads: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` (mean), in chunks.
 
@@ -237,15 +266,13 @@ def chunked_linear_cross_entropy(
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"need hidden [N, h] and weight [V, h] with the same h; got {tuple(hidden.shape)} "
-            f"and {tuple(weight.shape)}"
+            f"need hidden [N, h] and weight [V, h] with the same h; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must have shape [{hidden.shape[0]}], got {tuple(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, kernels,
-                                                fuse_grads)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, kernels, fuse_grads)
     # Under no_grad the Function would still report needs_input_grad and compute gradients.
     return _loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, False, False, kernels.chunk)[0]

@@ -8,9 +8,11 @@ rows each, so the result is deterministic), and a small sum over programs finish
 kernels compute in float32 and round once. Launching, meta tensors and CPU testing:
 remat.models.kernels.triton_ops.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +52,7 @@ class RMSNormFunction(torch.autograd.Function):
         y = torch.empty_like(x)
         rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
         block, warps = _block(width)
-        launch("rms_norm_forward", (rstd.numel(),), y, x, weight, y, rstd, width, eps,
-               BLOCK=block, num_warps=warps)
+        launch("rms_norm_forward", (rstd.numel(),), y, x, weight, y, rstd, width, eps, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -66,8 +67,22 @@ class RMSNormFunction(torch.autograd.Function):
         per_program = _rows_per_program(rows, x.device)
         dw_partial = x.new_empty((-(-rows // per_program), width), dtype=torch.float32)
         block, warps = _block(width)
-        launch("rms_norm_backward", (len(dw_partial),), dx, x, weight, grad, rstd, dx, dw_partial, rows, width,
-               ROWS=per_program, BLOCK=block, num_warps=warps)
+        launch(
+            "rms_norm_backward",
+            (len(dw_partial),),
+            dx,
+            x,
+            weight,
+            grad,
+            rstd,
+            dx,
+            dw_partial,
+            rows,
+            width,
+            ROWS=per_program,
+            BLOCK=block,
+            num_warps=warps,
+        )
         dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
@@ -86,6 +101,16 @@ def on_cuda(fallback: NormFn = rms_norm) -> NormFn:
     """RMSNorm through RMSNormFunction for plain CUDA tensors of KERNEL_DTYPES with a weight of the
     same dtype and device (when Triton is installed and autocast is off, which would pick the
     norm's dtype); `fallback` for anything else (a sequence-parallel norm's DTensors among them)."""
-    return dispatch(triton_rms_norm, fallback, lambda x, weight, eps: (
-        type(x) is Tensor and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
-        and weight.device == x.device and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled("cuda")))
+    return dispatch(
+        triton_rms_norm,
+        fallback,
+        lambda x, weight, eps: (
+            type(x) is Tensor
+            and x.is_cuda
+            and x.dtype in KERNEL_DTYPES
+            and weight.dtype == x.dtype
+            and weight.device == x.device
+            and x.shape[-1] <= MAX_WIDTH
+            and not torch.is_autocast_enabled("cuda")
+        ),
+    )

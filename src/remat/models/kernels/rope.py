@@ -10,9 +10,11 @@ tables (slices of the model's buffers): the projection before it saves its own i
 kernels compute in float32 and round once.
 Launching, meta tensors and CPU testing: remat.models.kernels.triton_ops.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,13 +24,29 @@ from remat.models.kernels.triton_ops import KERNEL_DTYPES, dispatch, launch, ref
 SplitFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
 
 
-def _launch(fused: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-            forward: bool) -> None:
+def _launch(fused: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, forward: bool) -> None:
     b, s, heads, head_dim = q.shape
     groups = k.shape[2]
-    launch("rotary_qkv", (b * s,), fused, fused, q, k, v, cos, sin, s, HEADS=heads, GROUPS=groups,
-           PER_GROUP=heads // groups, HALF=head_dim // 2, HEADS_BLOCK=row_block(heads),
-           GROUPS_BLOCK=row_block(groups), HALF_BLOCK=row_block(head_dim // 2), FORWARD=forward)
+    launch(
+        "rotary_qkv",
+        (b * s,),
+        fused,
+        fused,
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        s,
+        HEADS=heads,
+        GROUPS=groups,
+        PER_GROUP=heads // groups,
+        HALF=head_dim // 2,
+        HEADS_BLOCK=row_block(heads),
+        GROUPS_BLOCK=row_block(groups),
+        HALF_BLOCK=row_block(head_dim // 2),
+        FORWARD=forward,
+    )
 
 
 class RotaryQKV(torch.autograd.Function):
@@ -37,8 +55,14 @@ class RotaryQKV(torch.autograd.Function):
     Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, qkv: Tensor, cos: Tensor, sin: Tensor,  # type: ignore[override]
-                num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        qkv: Tensor,
+        cos: Tensor,
+        sin: Tensor,  # type: ignore[override]
+        num_heads: int,
+        num_groups: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         b, s, width = qkv.shape
         head_dim = cos.shape[-1]
         if num_groups < 1 or num_heads % num_groups:
@@ -46,8 +70,10 @@ class RotaryQKV(torch.autograd.Function):
         if head_dim % 2:
             raise ValueError(f"rotate-half RoPE needs an even head dim, got {head_dim}")
         if width != (num_heads + 2 * num_groups) * head_dim:
-            raise ValueError(f"a fused QKV row of {num_heads} query heads and {num_groups} key and value heads "
-                             f"of dim {head_dim} has {(num_heads + 2 * num_groups) * head_dim} columns, got {width}")
+            raise ValueError(
+                f"a fused QKV row of {num_heads} query heads and {num_groups} key and value heads "
+                f"of dim {head_dim} has {(num_heads + 2 * num_groups) * head_dim} columns, got {width}"
+            )
         if cos.shape != (s, head_dim) or sin.shape != cos.shape:
             raise ValueError(f"cos and sin must be [{s}, {head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
@@ -70,8 +96,7 @@ class RotaryQKV(torch.autograd.Function):
         return d_qkv, None, None, None, None
 
 
-def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-              num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """remat.models.llama.model.split_qkv through RotaryQKV."""
     return RotaryQKV.apply(qkv, cos, sin, num_heads, num_groups)
 
@@ -79,9 +104,13 @@ def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
 def _kernel_takes(qkv: Tensor, cos: Tensor, sin: Tensor, *_: int) -> bool:
     # Under autocast, or with tables of another dtype, the formula would give q and k another
     # dtype than the kernel writes; tables that require grad get none from the Function.
-    return (qkv.is_cuda and qkv.dtype in KERNEL_DTYPES and not torch.is_autocast_enabled("cuda")
-            and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (cos, sin))
-            and not (cos.requires_grad or sin.requires_grad))
+    return (
+        qkv.is_cuda
+        and qkv.dtype in KERNEL_DTYPES
+        and not torch.is_autocast_enabled("cuda")
+        and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (cos, sin))
+        and not (cos.requires_grad or sin.requires_grad)
+    )
 
 
 def on_cuda(fallback: SplitFn) -> SplitFn:

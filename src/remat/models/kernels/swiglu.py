@@ -7,9 +7,11 @@ which measured slower: benchmarks/README.md). The kernels compute in float32 and
 discarded activation rebuilt in backward has the forward's bits. Launching, meta tensors and CPU
 testing: remat.models.kernels.triton_ops.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor

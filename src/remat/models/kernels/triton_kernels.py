@@ -1,5 +1,6 @@
 """remat's Triton kernels (SwiGLU, RMSNorm, the loss chunk, the QKV split with RoPE); imported
 only when one is first launched (remat.models.kernels.triton_ops)."""
+
 import triton
 import triton.language as tl
 
@@ -43,8 +44,7 @@ def rms_norm_forward(x, weight, y, rstd, n_cols, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROWS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS rows from pid * ROWS on: their input gradient, and the sum of their weight gradients
     into dw_partial[pid]; one pass over x and grad for both."""
     pid = tl.program_id(0)
@@ -70,8 +70,9 @@ def rms_norm_backward(x, weight, grad, rstd, dx, dw_partial, n_rows, n_cols, ROW
 
 
 @triton.jit
-def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl.constexpr,
-                        N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+def cross_entropy_chunk(
+    logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr
+):
     """One row of logits: its loss logsumexp - logit[label] into losses, and (NEED_GRAD) the
     gradient (softmax - onehot) * row_scale written over the logits. Two passes over the row;
     the second finds it in L2 when few rows run at once. Logits finite, labels in [0, n_cols)."""
@@ -99,8 +100,9 @@ def cross_entropy_chunk(logits, labels, row_scale, losses, n_cols, NEED_GRAD: tl
 
 
 @triton.jit
-def _rotary_rows(src, src_rows, dst, dst_rows, mask, c1, c2, s1, s2, HALF: tl.constexpr,
-                 HALF_BLOCK: tl.constexpr, MODE: tl.constexpr):
+def _rotary_rows(
+    src, src_rows, dst, dst_rows, mask, c1, c2, s1, s2, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, MODE: tl.constexpr
+):
     """Rows of 2 * HALF at element offsets src_rows into dst_rows, each half a [rows, HALF_BLOCK]
     tile: MODE 1 rotate-half RoPE (y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2), MODE -1 its transpose
     (x1 = y1 c1 + y2 s2, x2 = y2 c2 - y1 s1), MODE 0 a copy."""
@@ -116,9 +118,23 @@ def _rotary_rows(src, src_rows, dst, dst_rows, mask, c1, c2, s1, s2, HALF: tl.co
 
 
 @triton.jit
-def rotary_qkv(fused, q, k, v, cos, sin, seq_len, HEADS: tl.constexpr, GROUPS: tl.constexpr,
-               PER_GROUP: tl.constexpr, HALF: tl.constexpr, HEADS_BLOCK: tl.constexpr,
-               GROUPS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, FORWARD: tl.constexpr):
+def rotary_qkv(
+    fused,
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    seq_len,
+    HEADS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+    GROUPS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    FORWARD: tl.constexpr,
+):
     """One token. FORWARD: its fused projection row (per query group PER_GROUP query heads, a key
     and a value head) into q, k rotated and v copied; else q, k, v's gradients back into the fused
     row's gradient. cos and sin are [seq_len, 2 * HALF] tables."""

@@ -6,12 +6,14 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how the tests ch
 meta device nothing is launched: a Function then only allocates, which is what remat's estimate
 needs of it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,6 +35,7 @@ def triton_available() -> bool:
 @functools.cache
 def _kernels() -> Any:
     from remat.models.kernels import triton_kernels
+
     return triton_kernels
 
 
@@ -61,5 +64,7 @@ def refuse_double_backward(what: str) -> None:
     """A kernel's result has no graph: refuse create_graph=True instead of returning wrong
     second derivatives."""
     if torch.is_grad_enabled():
-        raise RuntimeError(f"remat's Triton {what} is not twice differentiable; for second derivatives "
-                           "run the model without compile_regions()")
+        raise RuntimeError(
+            f"remat's Triton {what} is not twice differentiable; for second derivatives "
+            "run the model without compile_regions()"
+        )

@@ -1,4 +1,5 @@
 """The dense Llama-3 family behind the model seam."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core.labels import Label
 from remat.config.parallel import ParallelLayout
+from remat.core.labels import Label
+from remat.core.problems import Problem
 from remat.models.family import ModelFamily, Target, padded_vocab, unknown
 from remat.models.llama.config import RECIPES, LlamaConfig
 from remat.models.llama.model import LlamaModel
 from remat.models.llama.parallel import LlamaParallelism
-from remat.core.problems import Problem
 
 # The SwiGLU activation between linear_fc1 and linear_fc2: what `moe_act` is in Megatron's
 # experts, for a dense MLP. Its output is all linear_fc2 saves, so it can only be discarded.
@@ -56,9 +57,15 @@ class LlamaFamily(ModelFamily):
         """The config's fields: the recipe's, with overrides."""
         return {**recipe, **overrides}
 
-    def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, pre_process: bool = True,
-              post_process: bool = True) -> LlamaModel:
+    def build(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> LlamaModel:
         return LlamaModel(config, dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def reset_parameters(self, model: nn.Module) -> None:
@@ -67,34 +74,52 @@ class LlamaFamily(ModelFamily):
     def layout_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
         yield from super().layout_problems(config, layout)
         tp, cp = layout.tp, layout.cp
-        for name, size in (("num_attention_heads", config.num_attention_heads),
-                           ("num_query_groups", config.num_query_groups), ("ffn_hidden_size", config.ffn_hidden_size)):
+        for name, size in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_query_groups", config.num_query_groups),
+            ("ffn_hidden_size", config.ffn_hidden_size),
+        ):
             if tp >= 1 and size % tp:
-                yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
-                                                            f" ranks; use a tensor-parallel size that divides it")
+                yield Problem(
+                    "tensor_model_parallel_size",
+                    f"{name}={size} does not split over {tp} tensor-parallel"
+                    f" ranks; use a tensor-parallel size that divides it",
+                )
         # causal load balancing gives each context-parallel rank two chunks of the sequence
         chunks = 2 * cp if cp > 1 else 1
         seq = config.seq_length
         if cp >= 1 and seq % chunks:
-            yield Problem("context_parallel_size", f"seq_length={seq} does not split into {chunks} chunks"
-                                                   f" for {cp} context-parallel ranks; use a sequence length that"
-                                                   f" is a multiple of {chunks}")
+            yield Problem(
+                "context_parallel_size",
+                f"seq_length={seq} does not split into {chunks} chunks"
+                f" for {cp} context-parallel ranks; use a sequence length that"
+                f" is a multiple of {chunks}",
+            )
         elif layout.sp and tp > 1 and cp >= 1 and (seq // cp) % tp:
-            yield Problem("sequence_parallel", f"each rank's {seq // cp} tokens do not split over {tp}"
-                                               f" tensor-parallel ranks; use a sequence length that is a multiple"
-                                               f" of {tp * cp}, or turn sequence parallelism off")
+            yield Problem(
+                "sequence_parallel",
+                f"each rank's {seq // cp} tokens do not split over {tp}"
+                f" tensor-parallel ranks; use a sequence length that is a multiple"
+                f" of {tp * cp}, or turn sequence parallelism off",
+            )
         if cp > 1:
             yield from self._context_problems(config)
 
     def _context_problems(self, config: LlamaConfig) -> Iterator[Problem]:
         if config.attention_backend != "sdpa":
-            yield Problem("attention_backend", f"is {config.attention_backend!r}; torch's context parallelism runs"
-                                               " scaled_dot_product_attention as ring attention, and the eager"
-                                               " backend computes the scores itself; use sdpa")
+            yield Problem(
+                "attention_backend",
+                f"is {config.attention_backend!r}; torch's context parallelism runs"
+                " scaled_dot_product_attention as ring attention, and the eager"
+                " backend computes the scores itself; use sdpa",
+            )
         if config.attention_dropout:
-            yield Problem("attention_dropout", f"is {config.attention_dropout}; torch's ring attention draws it per"
-                                               " block of keys, and its backward replays one block's random state"
-                                               " for all of them; use 0 under context parallelism")
+            yield Problem(
+                "attention_dropout",
+                f"is {config.attention_dropout}; torch's ring attention draws it per"
+                " block of keys, and its backward replays one block's random state"
+                " for all of them; use 0 under context parallelism",
+            )
 
     def shard(self, config: LlamaConfig, layout: ParallelLayout, layers: Sequence[int]) -> LlamaConfig:
         return dataclasses.replace(config, **self.shard_fields(config, layout, tuple(layers)))
@@ -104,10 +129,15 @@ class LlamaFamily(ModelFamily):
         its heads, FFN, vocabulary and tokens (a family with more fields adds its own)."""
         tp = layout.tp
         return dict(
-            num_layers=len(layers), global_layers=layers,
-            num_attention_heads=config.num_attention_heads // tp, num_query_groups=config.num_query_groups // tp,
-            ffn_hidden_size=config.ffn_hidden_size // tp, vocab_size=padded_vocab(config.vocab_size, tp),
-            seq_length=config.seq_length // layout.cp, kv_channels=config.head_dim)
+            num_layers=len(layers),
+            global_layers=layers,
+            num_attention_heads=config.num_attention_heads // tp,
+            num_query_groups=config.num_query_groups // tp,
+            ffn_hidden_size=config.ffn_hidden_size // tp,
+            vocab_size=padded_vocab(config.vocab_size, tp),
+            seq_length=config.seq_length // layout.cp,
+            kv_channels=config.head_dim,
+        )
 
     def flops(self, config: LlamaConfig, tokens_per_seq: int, sequences: int) -> float:
         """6 x (layer parameters + output layer) x tokens for the dense part (the embedding lookup

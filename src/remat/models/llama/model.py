@@ -3,11 +3,12 @@
 The model knows nothing of recompute: it only calls its computations through ``Site``s, which
 ``remat`` may later set to keep, recompute, discard or offload what they save.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,6 @@ from remat.models.kernels.grad_accumulation import Linear
 from remat.models.kernels.loss import LossKernels, chunked_linear_cross_entropy, compiled_loss_kernels
 from remat.models.llama.config import LlamaConfig
 from remat.sites.site import Site
-
 
 # F.dropout's signature (input, p, training): what a family may swap for one drawing elsewhere
 DropoutFn = Callable[[Tensor, float, bool], Tensor]
@@ -32,8 +32,14 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm over the hidden size, computed by `kernel`: torch's F.rms_norm (fused where torch
     has a fused kernel), swapped by LlamaModel.compile_regions for remat's Triton one on CUDA."""
 
-    def __init__(self, config: LlamaConfig, *, size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__(size or config.hidden_size, eps=config.norm_epsilon, **_factory(dtype, device))
         self.kernel: rmsnorm.NormFn = rmsnorm.rms_norm
 
@@ -47,8 +53,9 @@ class RotaryEmbedding(nn.Module):
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.base = config.rotary_dim, config.rotary_base
         self.seq_length = config.seq_length
@@ -91,8 +98,7 @@ def _expand_kv(x: Tensor, num_heads: int) -> Tensor:
     return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
-def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-              num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+def split_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """The fused QKV projection's output into heads, with RoPE: qkv [b, s, (heads + 2 * groups) * d]
     -> q [b, s, heads, d], k and v [b, s, groups, d].
 
@@ -113,7 +119,8 @@ def split_heads(qkv: Tensor, num_heads: int, num_groups: int, head_dim: int) -> 
     """split_qkv's layout without RoPE (for norms between the split and RoPE)."""
     b, s, _ = qkv.shape
     q, k, v = qkv.view(b, s, num_groups, num_heads // num_groups + 2, head_dim).split(
-        [num_heads // num_groups, 1, 1], dim=3)
+        [num_heads // num_groups, 1, 1], dim=3
+    )
     return q.reshape(b, s, num_heads, head_dim), k.squeeze(3), v.squeeze(3).contiguous()
 
 
@@ -126,8 +133,9 @@ def merge_heads(o: Tensor) -> Tensor:
 class SelfAttention(nn.Module):
     """Grouped-query causal self-attention with Megatron's fused ``linear_qkv`` and ``linear_proj``."""
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_groups = config.num_attention_heads, config.num_query_groups
         self.head_dim = config.head_dim
@@ -136,15 +144,20 @@ class SelfAttention(nn.Module):
         qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
         fuse = config.gradient_accumulation_fusion
         self.linear_qkv = Linear(config.hidden_size, qkv_size, fuse_grads=fuse, **_factory(dtype, device))
-        self.linear_proj = Linear(config.attention_width, config.hidden_size, fuse_grads=fuse,
-                                  **_factory(dtype, device))
+        self.linear_proj = Linear(
+            config.attention_width, config.hidden_size, fuse_grads=fuse, **_factory(dtype, device)
+        )
         # SDPA's fused kernels already recompute the scores in backward; eager keeps them.
         self.core_attn_site = Site("core_attn", fused=self.backend == "sdpa")
         # the scores, softmax, dropout and values (a family may run it drawing from another stream)
         self.attention: Callable[[Tensor, Tensor, Tensor, float, str], Tensor] = causal_attention
         # Qwen3's norms of each query and key head, before RoPE (Megatron's qk_layernorm)
-        self.q_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
-        self.k_layernorm = RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
+        self.q_layernorm = (
+            RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
+        )
+        self.k_layernorm = (
+            RMSNorm(config, size=self.head_dim, dtype=dtype, device=device) if config.qk_layernorm else None
+        )
         # Swapped for compiled versions by LlamaModel.compile_regions (shared by all layers).
         self.split_qkv: rope.SplitFn = split_qkv
         self.merge_heads = merge_heads
@@ -171,8 +184,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend:
     """
     if backend == "sdpa":
         # enable_gqa keeps k/v unexpanded, which measured faster on cuDNN than expanding them.
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        )
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     s = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -192,12 +206,19 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 class MLP(nn.Module):
     """SwiGLU feed-forward with Megatron's fused gate/up ``linear_fc1`` and ``linear_fc2``."""
 
-    def __init__(self, config: LlamaConfig, *, ffn_hidden_size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        ffn_hidden_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size  # a shared expert's is its own
-        self.linear_fc1 = Linear(config.hidden_size, 2 * ffn, fuse_grads=config.gradient_accumulation_fusion,
-                                 **_factory(dtype, device))
+        self.linear_fc1 = Linear(
+            config.hidden_size, 2 * ffn, fuse_grads=config.gradient_accumulation_fusion, **_factory(dtype, device)
+        )
         # torch's linear, not the fusing one: it saves its input before its matmul, so a recompute
         # replay of the MLP (or of a whole layer) stops there instead of running the GEMM again.
         self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=False, **_factory(dtype, device))
@@ -212,9 +233,16 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm decoder layer; its Sites are exactly the places remat acts on."""
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, self_attention: nn.Module | None = None,
-                 mlp: nn.Module | None = None, mlp_label: str = "mlp") -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        self_attention: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+        mlp_label: str = "mlp",
+    ) -> None:
         """`self_attention` and `mlp` replace the dense ones (MLA, an MoE layer, whose Site is
         `mlp_label`); both take the normed hidden states, attention also RoPE's cos and sin."""
         super().__init__()
@@ -245,9 +273,15 @@ class TransformerLayer(nn.Module):
 class TransformerBlock(nn.Module):
     """The decoder stack: ``layers`` then ``final_layernorm``."""
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, final_layernorm: bool = True,
-                 build_layer: Callable[[int], TransformerLayer] | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        final_layernorm: bool = True,
+        build_layer: Callable[[int], TransformerLayer] | None = None,
+    ) -> None:
         super().__init__()
         build = build_layer or (lambda _: TransformerLayer(config, dtype=dtype, device=device))
         self.layers = nn.ModuleList(build(index) for index in config.layers)
@@ -277,9 +311,15 @@ class LlamaModel(nn.Module):
     and loss head (``post_process=False``: forward returns hidden states).
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, pre_process: bool = True,
-                 post_process: bool = True) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> None:
         super().__init__()
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
@@ -288,13 +328,22 @@ class LlamaModel(nn.Module):
         # Built on meta, then allocated and filled once by init_weights(): torch's default inits
         # would cost time on big models and consume RNG that a meta-then-to_empty build does not.
         meta = torch.device("meta")
-        self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size, **_factory(dtype, meta))
-                          if pre_process else None)
+        self.embedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size, **_factory(dtype, meta)) if pre_process else None
+        )
         self.rotary_pos_emb = RotaryEmbedding(config, dtype=dtype, device=meta)
-        self.decoder = TransformerBlock(config, dtype=dtype, device=meta, final_layernorm=post_process,
-                                        build_layer=lambda index: self.build_layer(index, dtype, meta))
-        self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                       **_factory(dtype, meta)) if post_process else None)
+        self.decoder = TransformerBlock(
+            config,
+            dtype=dtype,
+            device=meta,
+            final_layernorm=post_process,
+            build_layer=lambda index: self.build_layer(index, dtype, meta),
+        )
+        self.output_layer = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False, **_factory(dtype, meta))
+            if post_process
+            else None
+        )
         self.loss_kernels = LossKernels()  # compile_regions compiles them
         self.embedding_dropout: DropoutFn = F.dropout  # a family may swap it for one drawing from another stream
         # Under sequence parallelism a rank holds 1/n of the tokens outside attention and MLP; the
@@ -333,8 +382,11 @@ class LlamaModel(nn.Module):
         if self.output_layer is None:
             return x
         return chunked_linear_cross_entropy(
-            x.reshape(-1, x.shape[-1]), self.output_layer.weight, labels.reshape(-1),
-            self.config.loss_chunk_size, kernels=self.loss_kernels,
+            x.reshape(-1, x.shape[-1]),
+            self.output_layer.weight,
+            labels.reshape(-1),
+            self.config.loss_chunk_size,
+            kernels=self.loss_kernels,
             fuse_grads=self.config.gradient_accumulation_fusion,
         )
 
@@ -352,8 +404,10 @@ class LlamaModel(nn.Module):
         "aot_eager_decomp_partition", which saves what inductor's partitioner saves.
         """
         compiled_qkv, compiled_merge, activation = (
-            rope.on_cuda(torch.compile(split_qkv, backend=backend)), torch.compile(merge_heads, backend=backend),
-            swiglu.on_cuda(torch.compile(silu_mul, backend=backend)))
+            rope.on_cuda(torch.compile(split_qkv, backend=backend)),
+            torch.compile(merge_heads, backend=backend),
+            swiglu.on_cuda(torch.compile(silu_mul, backend=backend)),
+        )
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.split_qkv, module.merge_heads = compiled_qkv, compiled_merge

@@ -1,5 +1,6 @@
 """The dense Llama under a parallel layout: Megatron's tensor-parallel split in torchtitan's styles,
 where sequence parallelism communicates, and the RoPE tables context parallelism shards."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -9,8 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from remat.core.problems import Problem
 from remat.models.family import Fork, ModelParallelism, SequenceParallelPoints
@@ -22,9 +28,11 @@ R = TypeVar("R")
 
 def forked(fork: Fork, fn: Callable[P, R]) -> Callable[P, R]:
     """`fn`, drawing its randoms from the stream `fork` swaps in."""
+
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         with fork():
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -50,11 +58,20 @@ class LlamaParallelism(ModelParallelism):
         yield from super().problems()
         if self.layout.tp == 1:
             return
-        others = sorted({type(part).__name__ for layer in self.llama.decoder.transformer_layers()
-                         for part in (layer.self_attention, layer.mlp) if not isinstance(part, self.parts)})
+        others = sorted(
+            {
+                type(part).__name__
+                for layer in self.llama.decoder.transformer_layers()
+                for part in (layer.self_attention, layer.mlp)
+                if not isinstance(part, self.parts)
+            }
+        )
         if others:
-            yield Problem("model", f"layers with {', '.join(others)} have no tensor-parallel plan; only"
-                                   f" {', '.join(part.__name__ for part in self.parts)} split")
+            yield Problem(
+                "model",
+                f"layers with {', '.join(others)} have no tensor-parallel plan; only"
+                f" {', '.join(part.__name__ for part in self.parts)} split",
+            )
 
     def tensor_parallel(self, fork: Fork) -> dict[str, ParallelStyle]:
         """Megatron's split, in torchtitan's styles: each layer's attention and MLP by
@@ -67,19 +84,26 @@ class LlamaParallelism(ModelParallelism):
         for layer in llama.decoder.transformer_layers():
             name = names[layer]
             for part, path in ((layer.self_attention, "self_attention"), (layer.mlp, "mlp")):
-                plan |= {f"{name}.{path}{sub}": style for sub, style in
-                         self.tensor_parallel_part(part, tokens, fork).items()}
+                plan |= {
+                    f"{name}.{path}{sub}": style for sub, style in self.tensor_parallel_part(part, tokens, fork).items()
+                }
             if sp:
                 layer.dropout = forked(fork, layer.dropout)  # over this rank's tokens
-                plan |= {f"{name}.{norm}": SequenceParallel(use_local_output=True)
-                         for norm in ("input_layernorm", "pre_mlp_layernorm")}
+                plan |= {
+                    f"{name}.{norm}": SequenceParallel(use_local_output=True)
+                    for norm in ("input_layernorm", "pre_mlp_layernorm")
+                }
         if sp:
             points = self.sequence_points()
             llama.embedding_dropout = forked(fork, llama.embedding_dropout)
-            plan |= {names[m]: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-                     for m in points.split_after}
-            plan |= {names[m]: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
-                     for m in points.gather_after}
+            plan |= {
+                names[m]: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+                for m in points.split_after
+            }
+            plan |= {
+                names[m]: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+                for m in points.gather_after
+            }
             if llama.decoder.final_layernorm is not None:
                 plan[names[llama.decoder.final_layernorm]] = SequenceParallel(use_local_output=True)
         return plan
@@ -95,26 +119,35 @@ class LlamaParallelism(ModelParallelism):
         tp = self.layout.tp
         if isinstance(part, MLP):
             gate_up_by_rank(part.linear_fc1.weight, tp)
-            return {".linear_fc1": ColwiseParallel(input_layouts=tokens),
-                    ".linear_fc2": RowwiseParallel(output_layouts=tokens)}
+            return {
+                ".linear_fc1": ColwiseParallel(input_layouts=tokens),
+                ".linear_fc2": RowwiseParallel(output_layouts=tokens),
+            }
         assert isinstance(part, SelfAttention)  # problems()
         part.num_heads, part.num_groups = part.num_heads // tp, part.num_groups // tp
         part.attention = forked(fork, part.attention)  # over this rank's heads
-        plan: dict[str, ParallelStyle] = {".linear_qkv": ColwiseParallel(input_layouts=tokens),
-                                          ".linear_proj": RowwiseParallel(output_layouts=tokens)}
+        plan: dict[str, ParallelStyle] = {
+            ".linear_qkv": ColwiseParallel(input_layouts=tokens),
+            ".linear_proj": RowwiseParallel(output_layouts=tokens),
+        }
         if part.q_layernorm is not None:  # q, k [b, s, heads, d]: this rank's heads
-            plan |= {f".{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
-                     for norm in ("q_layernorm", "k_layernorm")}
+            plan |= {
+                f".{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                for norm in ("q_layernorm", "k_layernorm")
+            }
         return plan
 
     def sequence_points(self) -> SequenceParallelPoints:
         llama = self.llama
         llama.sequence_parallel_size = self.layout.tp
-        blocks: list[nn.Module] = [block for layer in llama.decoder.transformer_layers()
-                                   for block in (layer.self_attention, layer.mlp)]
+        blocks: list[nn.Module] = [
+            block for layer in llama.decoder.transformer_layers() for block in (layer.self_attention, layer.mlp)
+        ]
         return SequenceParallelPoints(
-            blocks=blocks, split_after=[llama.embedding] if llama.embedding is not None else [],
-            gather_after=[llama.decoder] if llama.output_layer is not None else [])
+            blocks=blocks,
+            split_after=[llama.embedding] if llama.embedding is not None else [],
+            gather_after=[llama.decoder] if llama.output_layer is not None else [],
+        )
 
     def context_buffers(self, group: dist.ProcessGroup) -> list[tuple[Tensor, int]]:
         rotary = self.llama.rotary_pos_emb

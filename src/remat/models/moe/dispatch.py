@@ -2,9 +2,10 @@
 parallelism its all-to-all dispatcher on torch's autograd-aware all-to-all (torchtitan's
 ExpertParallel). Every op is deterministic, so a recompute replays the same routing and the same
 sums (a scatter-add's atomics would not)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

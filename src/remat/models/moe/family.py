@@ -1,4 +1,5 @@
 """The MoE family (DeepSeek-V3, Qwen3-MoE, Mixtral shapes) behind the model seam."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,9 +48,15 @@ class MoEFamily(LlamaFamily):
     def config_fields(self, recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         return config_fields(recipe, overrides)
 
-    def build(self, config: LlamaConfig, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, pre_process: bool = True,
-              post_process: bool = True) -> MoEModel:
+    def build(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> MoEModel:
         return MoEModel(_moe(config), dtype=dtype, device=device, pre_process=pre_process, post_process=post_process)
 
     def layout_problems(self, config: LlamaConfig, layout: ParallelLayout) -> Iterator[Problem]:
@@ -63,16 +70,24 @@ class MoEFamily(LlamaFamily):
             yield Problem("expert_tensor_parallel_size", f"({etp}) must divide moe_ffn_hidden_size ({c.expert_ffn})")
         if tp <= 1:
             return
-        for name, size in (("moe_ffn_hidden_size", c.expert_ffn),
-                           ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size or 0)):
+        for name, size in (
+            ("moe_ffn_hidden_size", c.expert_ffn),
+            ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size or 0),
+        ):
             if size % tp:
-                yield Problem("tensor_model_parallel_size", f"{name}={size} does not split over {tp} tensor-parallel"
-                                                            " ranks; use a tensor-parallel size that divides it")
+                yield Problem(
+                    "tensor_model_parallel_size",
+                    f"{name}={size} does not split over {tp} tensor-parallel"
+                    " ranks; use a tensor-parallel size that divides it",
+                )
         if etp == 1:
-            yield Problem("expert_tensor_parallel_size", "is 1, experts whole on every tensor-parallel rank, which"
-                                                         " does not run yet; beside -tp remat splits each expert over"
-                                                         " the tensor-parallel ranks as Megatron's default (etp ="
-                                                         " tp) does: drop -etp")
+            yield Problem(
+                "expert_tensor_parallel_size",
+                "is 1, experts whole on every tensor-parallel rank, which"
+                " does not run yet; beside -tp remat splits each expert over"
+                " the tensor-parallel ranks as Megatron's default (etp ="
+                " tp) does: drop -etp",
+            )
         elif etp is not None and etp != tp:
             yield Problem("expert_tensor_parallel_size", ETP_BESIDE_TP.format(etp))
 
@@ -86,11 +101,14 @@ class MoEFamily(LlamaFamily):
         c, tp = _moe(config), layout.tp
         fields = super().shard_fields(config, layout, layers)
         shared = c.moe_shared_expert_intermediate_size
-        return dict(fields, moe_layer_freq=[int(c.is_moe_layer(i)) for i in fields["global_layers"]],
-                    moe_ffn_hidden_size=c.expert_ffn // tp,
-                    moe_shared_expert_intermediate_size=shared // tp if shared else shared,
-                    expert_model_parallel_size=layout.ep,
-                    expert_tensor_parallel_size=(layout.etp or 1) if tp == 1 else 1)
+        return dict(
+            fields,
+            moe_layer_freq=[int(c.is_moe_layer(i)) for i in fields["global_layers"]],
+            moe_ffn_hidden_size=c.expert_ffn // tp,
+            moe_shared_expert_intermediate_size=shared // tp if shared else shared,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=(layout.etp or 1) if tp == 1 else 1,
+        )
 
     def parallelism(self, model: nn.Module, layout: ParallelLayout) -> MoEParallelism:
         return MoEParallelism(_moe_model(model), layout, self.name)
@@ -104,13 +122,20 @@ class MoEFamily(LlamaFamily):
         if c.multi_latent_attention:
             qk, v = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
             q = h * heads * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * heads * qk
-            attention = q + h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * heads * (
-                c.qk_head_dim + v) + heads * v * h
+            attention = (
+                q
+                + h * (c.kv_lora_rank + c.qk_pos_emb_head_dim)
+                + c.kv_lora_rank * heads * (c.qk_head_dim + v)
+                + heads * v * h
+            )
         else:
             qk = v = c.head_dim
             attention = 2 * h * heads * qk + 2 * h * c.num_query_groups * qk
-        moe = h * c.num_moe_experts + c.moe_router_topk * 3 * h * c.expert_ffn + 3 * h * (
-            c.moe_shared_expert_intermediate_size or 0)
+        moe = (
+            h * c.num_moe_experts
+            + c.moe_router_topk * 3 * h * c.expert_ffn
+            + 3 * h * (c.moe_shared_expert_intermediate_size or 0)
+        )
         mlps = sum(moe if c.is_moe_layer(i) else 3 * h * c.ffn_hidden_size for i in c.layers)
         active = c.num_layers * attention + mlps + h * c.vocab_size
         scores = 6 * c.num_layers * sequences * tokens_per_seq**2 * heads * (qk + v)

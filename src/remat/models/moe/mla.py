@@ -1,7 +1,8 @@
 """Multi-latent attention in the DeepSeek-V3 form, with Megatron Core's module names."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -34,18 +35,25 @@ class MLASelfAttention(nn.Module):
     projections with RoPE: their outputs are what core attention saves, so they can be discarded
     and rebuilt for its backward."""
 
-    def __init__(self, config: MoEConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, config: MoEConfig, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         c = config
-        self.heads, self.qk_dim, self.rope_dim, self.v_dim = (c.num_attention_heads, c.qk_head_dim,
-                                                              c.qk_pos_emb_head_dim, c.v_head_dim)
+        self.heads, self.qk_dim, self.rope_dim, self.v_dim = (
+            c.num_attention_heads,
+            c.qk_head_dim,
+            c.qk_pos_emb_head_dim,
+            c.v_head_dim,
+        )
         self.kv_lora_rank = c.kv_lora_rank
         q_width = self.heads * (self.qk_dim + self.rope_dim)
 
         def linear(in_features: int, out_features: int) -> Linear:
-            return Linear(in_features, out_features, fuse_grads=c.gradient_accumulation_fusion, dtype=dtype,
-                          device=device)
+            return Linear(
+                in_features, out_features, fuse_grads=c.gradient_accumulation_fusion, dtype=dtype, device=device
+            )
+
         if c.q_lora_rank is None:
             self.linear_q_proj: Linear | None = linear(c.hidden_size, q_width)
         else:
@@ -71,14 +79,16 @@ class MLASelfAttention(nn.Module):
         o = self.core_attn_site(self.core_attention, q, k, v)
         return self.linear_proj(merge_heads(o))
 
-    def up_project(self, q_latent: Tensor, kv_latent: Tensor, k_rope: Tensor, cos: Tensor,
-                   sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def up_project(
+        self, q_latent: Tensor, kv_latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """-> q, k [b, heads, s, qk + rope] and v [b, heads, s, v] (a view of the kv projection)."""
         b, s, _ = kv_latent.shape
         q_proj = self.linear_q_proj if self.linear_q_proj is not None else self.linear_q_up_proj
         q_nope, q_rope = q_proj(q_latent).view(b, s, self.heads, -1).split([self.qk_dim, self.rope_dim], dim=-1)
-        k_nope, v = self.linear_kv_up_proj(kv_latent).view(b, s, self.heads, -1).split([self.qk_dim, self.v_dim],
-                                                                                         dim=-1)
+        k_nope, v = (
+            self.linear_kv_up_proj(kv_latent).view(b, s, self.heads, -1).split([self.qk_dim, self.v_dim], dim=-1)
+        )
         # built head-major, as attention takes them: what it saves is then these very tensors
         q = torch.cat((q_nope.transpose(1, 2), apply_rotary(q_rope, cos, sin).transpose(1, 2)), dim=-1)
         k = torch.cat((k_nope.transpose(1, 2), self.rotary_key(k_rope, cos, sin)), dim=-1)

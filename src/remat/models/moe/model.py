@@ -1,5 +1,6 @@
 """MoEModel: remat's decoder with mixture-of-experts layers (after any dense first layers) and,
 optionally, multi-latent attention; the rest (embedding, norms, RoPE, loss head) is the Llama's."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ class MoEModel(LlamaModel):
         attention = MLASelfAttention(c, dtype=dtype, device=device) if c.multi_latent_attention else None
         if not c.is_moe_layer(index):
             return TransformerLayer(c, dtype=dtype, device=device, self_attention=attention)
-        return TransformerLayer(c, dtype=dtype, device=device, self_attention=attention,
-                                mlp=MoELayer(c, layer=index, dtype=dtype, device=device), mlp_label="moe")
+        return TransformerLayer(
+            c,
+            dtype=dtype,
+            device=device,
+            self_attention=attention,
+            mlp=MoELayer(c, layer=index, dtype=dtype, device=device),
+            mlp_label="moe",
+        )
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """The Llama's regions, and the experts' activation with its routing probabilities."""

@@ -2,13 +2,14 @@
 GEMMs (on one rank or split over an expert-parallel group), optional shared experts. Every op is
 deterministic, so a recompute replays the same routing and the same sums (a scatter-add's atomics
 would not)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -76,8 +77,9 @@ class TopKRouter(nn.Module):
     expert_bias: Tensor
     local_tokens_per_expert: Tensor
 
-    def __init__(self, config: MoEConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, config: MoEConfig, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=dtype, device=device))
@@ -85,8 +87,9 @@ class TopKRouter(nn.Module):
         # DeepSeek-V3's balancing: a per-expert bias on the choice (not on the weights), moved after
         # each step towards the mean load (update_expert_bias)
         self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32, device=device))
-        self.register_buffer("local_tokens_per_expert", torch.zeros(experts, dtype=torch.float32, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "local_tokens_per_expert", torch.zeros(experts, dtype=torch.float32, device=device), persistent=False
+        )
         self.loss_scale = 1.0  # the aux loss's gradient scale: the step's scale of its micro-batch loss
         # under context parallelism, the ranks holding the other shares of this rank's sequences
         self.context_group: dist.ProcessGroup | None = None
@@ -135,7 +138,8 @@ class TopKRouter(nn.Module):
         grouped = choice.view(tokens, groups, experts // groups)
         group_scores = grouped.topk(min(2, experts // groups), dim=-1).values.sum(-1)
         kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
-            1, group_scores.topk(group_topk, dim=-1).indices, True)
+            1, group_scores.topk(group_topk, dim=-1).indices, True
+        )
         return grouped.masked_fill(~kept[..., None], float("-inf")).view(tokens, experts)
 
     def _aux_loss(self, scores: Tensor, experts: Tensor, sequences: int) -> Tensor:
@@ -194,8 +198,12 @@ def grouped_mm_for(x: Tensor) -> GroupedMM:
     meta), the per-expert loop elsewhere."""
     if x.device.type == "meta":
         return grouped_mm_torch if hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 else grouped_mm_shapes
-    fast = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and (
-        torch.cuda.get_device_capability(x.device) >= (9, 0))
+    fast = (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and (torch.cuda.get_device_capability(x.device) >= (9, 0))
+    )
     return grouped_mm_torch if fast else grouped_mm_loop
 
 
@@ -219,8 +227,14 @@ class GroupedExperts(nn.Module):
     [experts, 2 x ffn, hidden] (gate and up) and linear_fc2 [experts, hidden, ffn]. Under expert
     parallelism it holds a share of them, the first being expert `first_expert`."""
 
-    def __init__(self, config: MoEConfig, *, layer: int = 0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        layer: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         experts, ffn = config.local_experts, config.expert_ffn // config.expert_tensor_parallel_size
         self.weight1 = nn.Parameter(torch.empty(experts, 2 * ffn, config.hidden_size, dtype=dtype, device=device))
@@ -265,8 +279,14 @@ class MoELayer(nn.Module):
     hold them) -> grouped experts -> back, summing the k outputs, plus the shared experts' MLP on
     every token."""
 
-    def __init__(self, config: MoEConfig, *, layer: int = 0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        layer: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.topk, self.local_experts = config.moe_router_topk, config.local_experts
         self.init_std = config.init_method_std
@@ -296,8 +316,9 @@ class MoELayer(nn.Module):
         slots = experts.flatten()
         # Without a dispatch, a config that splits the experts estimates one expert-parallel rank's
         # share by shape: every slot lands on one of its local experts, as a balanced all-to-all would.
-        permuted, order, inverse = permute(tokens, slots if self.dispatch is not None else slots % self.local_experts,
-                                          self.topk)
+        permuted, order, inverse = permute(
+            tokens, slots if self.dispatch is not None else slots % self.local_experts, self.topk
+        )
         permuted_probs = probs.flatten()[order]
         if self.dispatch is None:
             counts = tokens_per_expert.view(-1, self.local_experts).sum(0)  # global experts onto local ones

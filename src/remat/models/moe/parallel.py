@@ -2,6 +2,7 @@
 tensor parallelism as Megatron splits them (models/moe/tensor_parallel.py), the routers' load over
 the context-parallel group and the replicas, and the routed experts split over expert-parallel
 ranks."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ from remat.models.moe.moe_layer import MoELayer
 from remat.models.moe.tensor_parallel import mla_plan, moe_plan
 
 # beside tp, each expert's FFN splits over the tp ranks: Megatron's default expert_tensor_parallel_size
-ETP_BESIDE_TP = ("is {}; beside tensor parallelism remat splits each expert over the tensor-parallel ranks, as"
-                 " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp")
+ETP_BESIDE_TP = (
+    "is {}; beside tensor parallelism remat splits each expert over the tensor-parallel ranks, as"
+    " Megatron's default (etp = tp) does; other expert tensor-parallel sizes do not run yet: drop -etp"
+)
 
 
 class MoEParallelism(LlamaParallelism):
@@ -37,13 +40,19 @@ class MoEParallelism(LlamaParallelism):
         yield from super().problems()
         config, layout = self.moe.config, self.layout
         if layout.ep > 1 and config.expert_model_parallel_size != layout.ep:
-            yield Problem("expert_model_parallel_size", f"the model was built for {config.expert_model_parallel_size}"
-                                                        f" expert-parallel rank(s), not {layout.ep}; build it with"
-                                                        f" expert_model_parallel_size={layout.ep}")
+            yield Problem(
+                "expert_model_parallel_size",
+                f"the model was built for {config.expert_model_parallel_size}"
+                f" expert-parallel rank(s), not {layout.ep}; build it with"
+                f" expert_model_parallel_size={layout.ep}",
+            )
         built = config.expert_tensor_parallel_size  # 1 unless built for expert tensor parallelism without tp
         if layout.tp == 1 and (etp := built if built != 1 else layout.etp or 1) != 1:
-            yield Problem("expert_tensor_parallel_size", f"is {etp}; each expert runs whole on its rank (no expert"
-                                                         " tensor parallelism yet; remat estimate predicts it); use 1")
+            yield Problem(
+                "expert_tensor_parallel_size",
+                f"is {etp}; each expert runs whole on its rank (no expert"
+                " tensor parallelism yet; remat estimate predicts it); use 1",
+            )
         elif layout.tp > 1 and built != 1:
             yield Problem("expert_tensor_parallel_size", ETP_BESIDE_TP.format(built))
 

@@ -22,6 +22,7 @@ ranks before they reach the router and the layer's input: the router's gradient 
 every rank, the auxiliary loss's counted once. Every collective runs inside the layer's call (its
 `moe` Site), in the same order on every rank, so a replay runs them again.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -29,8 +30,13 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
 
 from remat.models.family import Fork
 from remat.models.llama.parallel import forked, gate_up_by_rank
@@ -62,7 +68,8 @@ class SummedGradient(ParallelStyle):
             setattr(holder, name, nn.Parameter(weight.detach().chunk(size, dim)[rank].clone()))
         n = self.inputs
         module.register_forward_pre_hook(
-            lambda _, args: (*(summed_gradient(x, device_mesh) for x in args[:n]), *args[n:]))
+            lambda _, args: (*(summed_gradient(x, device_mesh) for x in args[:n]), *args[n:])
+        )
         return module
 
 
@@ -73,12 +80,16 @@ def mla_plan(attention: MLASelfAttention, tp: int, tokens: Placement, fork: Fork
     attention.rotary_key.heads //= tp
     attention.attention = forked(fork, attention.attention)
     up = ColwiseParallel(input_layouts=Replicate())
-    plan: dict[str, ParallelStyle] = {".linear_kv_up_proj": up, ".rotary_key": SummedGradient(),
-                                      ".linear_proj": RowwiseParallel(output_layouts=tokens)}
+    plan: dict[str, ParallelStyle] = {
+        ".linear_kv_up_proj": up,
+        ".rotary_key": SummedGradient(),
+        ".linear_proj": RowwiseParallel(output_layouts=tokens),
+    }
     plan[".linear_q_proj" if attention.linear_q_proj is not None else ".linear_q_up_proj"] = up
     if tokens != Replicate():  # every token into the replicated down projections
-        plan[""] = PrepareModuleInput(input_layouts=(tokens, None, None), desired_input_layouts=(Replicate(), None, None),
-                                      use_local_output=True)
+        plan[""] = PrepareModuleInput(
+            input_layouts=(tokens, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        )
     return plan
 
 
@@ -88,9 +99,15 @@ def moe_plan(moe: MoELayer, tp: int, tokens: Placement) -> dict[str, ParallelSty
     for weight in moe.experts.weight1:  # each expert's [gate; up] rows
         gate_up_by_rank(weight, tp)
     plan: dict[str, ParallelStyle] = {
-        "": PrepareModuleInputOutput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                                     output_layouts=(Partial(),), desired_output_layouts=(tokens,)),
-        ".experts": SummedGradient(inputs=2, slices={"weight1": 1, "weight2": 2})}
+        "": PrepareModuleInputOutput(
+            input_layouts=(tokens,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(tokens,),
+        ),
+        ".experts": SummedGradient(inputs=2, slices={"weight1": 1, "weight2": 2}),
+    }
     if moe.shared_experts is not None:
         gate_up_by_rank(moe.shared_experts.linear_fc1.weight, tp)
         plan[".shared_experts"] = SummedGradient(slices={"linear_fc1.weight": 0, "linear_fc2.weight": 1})
