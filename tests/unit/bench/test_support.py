@@ -56,3 +56,7 @@ def test_the_readme_holds_the_table_the_code_makes() -> None:
     after = text.split(MARKER, 1)[1].lstrip("\n")
     table = "\n".join(re.match(r"((?:\|.*\|\n?)+)", after).group(1).strip().splitlines())  # type: ignore[union-attr]
     assert table == support.markdown(), "run `remat support --markdown` and paste the table under the marker"
+
+
+def test_the_readme_stays_a_guide_of_at_most_15_kb() -> None:
+    assert len((ROOT / "README.md").read_bytes()) <= 15 * 1024, "measurements go to benchmarks/README.md"

@@ -6,74 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.planning import GiB, MiB
+from helpers.planning import MiB
 
 import remat
 from remat.cli import main
 from remat.config.model_sites import ModelSites
 from remat.config.plan import Plan
-from remat.core.sizes import parse_bytes
 from remat.memory.prediction import Effect, LayerEffects, Trace
 from remat.memory.windows import Window
 from remat.planner import NoPlanFits, plan_from_trace, uniform_config
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("60GiB", 60 * GiB),
-        ("60 GB", 60 * 10**9),
-        ("512MiB", 512 * MiB),
-        ("1.5", int(1.5 * GiB)),
-        (1234, 1234),
-        ("2tib", 2 * 2**40),
-    ],
-)
-def test_parse_bytes(text, expected) -> None:
-    assert parse_bytes(text) == expected
-
-
-@pytest.mark.parametrize("text, expected", [("2147483648", 2 * GiB), ("2GiB", 2 * GiB), ("512 MiB", 512 * MiB)])
-def test_parse_bytes_reads_a_bare_number_as_bytes_for_allocator_sizes(text, expected) -> None:
-    assert parse_bytes(text, "request", "b") == expected
-
-
-def test_parse_bytes_refuses_a_fraction_of_a_byte() -> None:
-    with pytest.raises(
-        remat.ConfigError,
-        match=r"request: '1.5' is not a whole number of bytes \(a bare number is "
-        r"bytes\); give a unit, like 1.5GiB",
-    ):
-        parse_bytes("1.5", "request", "b")
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "60XB", "-3GiB", "1e3GB"])
-def test_parse_bytes_rejects_with_an_example(text) -> None:
-    with pytest.raises(remat.ConfigError, match="like 60GiB"):
-        parse_bytes(text)
-
-
-@pytest.mark.parametrize(
-    "size, message",
-    [
-        ("0", "is no memory"),
-        ("0GiB", "is no memory"),
-        (0, "is 0 bytes"),
-        (-5, "is -5 bytes"),
-        (1.5e9, "is a float; give bytes as an int or text with a unit"),
-    ],
-)
-def test_parse_bytes_rejects_sizes_that_are_no_memory_or_ambiguous(size, message) -> None:
-    with pytest.raises(remat.ConfigError, match=message):
-        parse_bytes(size)
-
-
-def test_parse_bytes_takes_zero_only_where_asked() -> None:
-    assert parse_bytes("0", "cublas_workspace", "b", zero=True) == parse_bytes(0, zero=True) == 0
-    assert parse_bytes("0MiB", zero=True) == 0
-    for size, message in (("-1", "cannot read '-1'"), (-1, "is -1 bytes")):
-        with pytest.raises(remat.ConfigError, match=message):
-            parse_bytes(size, zero=True)
 
 
 def test_a_budget_below_every_plan_says_by_how_much(budget_trace) -> None:
