@@ -21,7 +21,8 @@ import torch
 
 from remat.config.plan import Plan
 from remat.config.recompute import RecomputeConfig
-from remat.estimate.stages import DEFAULT_CUBLAS_WORKSPACE, EstimateSpec, estimate
+from remat.estimate.spec import DEFAULT_CUBLAS_WORKSPACE
+from remat.estimate.stages import EstimateSpec, estimate
 
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(os.environ.get("OUT", RESULTS))

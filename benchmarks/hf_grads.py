@@ -1,8 +1,8 @@
 """Bit-identical gradients on CUDA for every Hugging Face family and label: the CPU test matrix of
-tests/test_hf.py (float64, dropout on, every label alone, all together, full uniform and block),
+tests/integration/test_hf_runs.py (float64, dropout on, every label alone, all together, full uniform and block),
 with the models on the GPU; and core_attn under flex attention (no backward on CPU), in float32.
 
-  PYTHONPATH=src:tests python benchmarks/hf_grads.py      writes $OUT/hf_grads.json
+  PYTHONPATH=src:tests:tests/integration python benchmarks/hf_grads.py      writes $OUT/hf_grads.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from test_hf import CASES, _case_id, batch, build, selective
+from helpers.hf import batch, build, selective
+from test_hf_runs import CASES, _case_id
 
 import remat
 from remat.core.problems import RematWarning
@@ -53,7 +54,7 @@ def main() -> None:
         torch=torch.__version__,
         transformers=transformers.__version__,
         date=time.strftime("%Y-%m-%d"),
-        command="PYTHONPATH=src:tests python benchmarks/hf_grads.py",
+        command="PYTHONPATH=src:tests:tests/integration python benchmarks/hf_grads.py",
         identical=sum(r["bit_identical"] for r in rows),
         cases=len(rows),
         rows=rows,

@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from remat.bench.run import run_bench
 from remat.bench.spec import BenchSpec
+from remat.config.parallel import ParallelLayout
 from remat.config.recompute import RecomputeConfig
-from remat.parallel import Pipeline, PipelineLayout, fully_shard_layers
+from remat.parallel import Pipeline, fully_shard_layers
+from remat.run.build import build_model
 from remat.run.optimizer import OptimizerPrecision
-from remat.run.step import build_model
 
 PLANS = {
     "none": None,
@@ -61,7 +62,7 @@ def layouts(spec: BenchSpec, main_params: bool) -> dict[str, object]:
             spec.micro_batch_size, config.seq_length, config.hidden_size, dtype=spec.dtype, device="meta"
         )
         return Pipeline(
-            [build_model(spec)], PipelineLayout(1), pipeline_rank=0, hidden=hidden, micro_batches=spec.micro_batches
+            [build_model(spec)], ParallelLayout(pp=1), pipeline_rank=0, hidden=hidden, micro_batches=spec.micro_batches
         )
 
     def sync_last(model: torch.nn.Module) -> torch.nn.Module:
@@ -112,7 +113,7 @@ def main() -> None:
         command="benchmarks/issue27_overhead.py",
     )
     # FSDP2's fp32 shards are the main parameters: its models step plain AdamW on them
-    main = dataclasses.replace(spec, precision=OptimizerPrecision("fp32")) if args.main_params else spec
+    main = dataclasses.replace(spec, optimizer_precision=OptimizerPrecision("fp32")) if args.main_params else spec
     rows = []
     for repeat in range(args.repeats):
         for name, make in layouts(spec, args.main_params).items():

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     # remat imports triton.language through torch's submodules: so it is set before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["helpers.bench", "helpers.planning", "helpers.trace"]
+pytest_plugins = ["helpers.bench", "helpers.hostile", "helpers.planning", "helpers.trace"]
 
 import remat  # noqa: E402
 from remat.memory import peak_during  # noqa: E402
@@ -77,6 +77,14 @@ def verified_preset():
 @pytest.fixture
 def measured_peak():
     return measure_peak
+
+
+@pytest.fixture
+def deterministic():
+    """torch's deterministic algorithms for the test (a module asks for it: usefixtures)."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
 from remat.estimate.stages import EstimateSpec, trace_stages
 
@@ -26,7 +25,7 @@ def main() -> None:
     spec = EstimateSpec(
         recipe=args.recipe,
         overrides={"num_layers": args.layers, "seq_length": args.seq},
-        facts=TrainingFacts(layout=ParallelLayout(pp=args.pp)),
+        layout=ParallelLayout(pp=args.pp),
         micro_batch_size=1,
         global_batch_size=2 * args.pp,
         device=args.device,

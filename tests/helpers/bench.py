@@ -65,6 +65,14 @@ def fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Runs that record history write to tmp_path, never to ~/.cache (a module asks for it: usefixtures)."""
+    default = tmp_path / "default-history.sqlite"
+    monkeypatch.setenv("REMAT_HISTORY", str(default))
+    return default
+
+
+@pytest.fixture
 def no_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail loudly if anything trains."""
 

@@ -1,6 +1,6 @@
-"""adapt() on a model remat did not write (a torchtitan-style module tree, from a site map): every
-plan gives the unmodified model's loss and gradients bit for bit, frees the bytes it should, and
-adapt leaves parameters, state_dict, .to(), compile and saving as they were.
+"""adapt() on a torchtitan-style model end to end: every selective subset and full recompute plan
+gives the unmodified model's loss and gradients bit for bit and frees bytes, and `remat bench` and
+`remat estimate` run such a model from a factory (--model helpers.adapt:titan_model).
 
 The quick tests of the same code: tests/unit/sites/test_adapt.py."""
 
@@ -10,14 +10,7 @@ import itertools
 
 import pytest
 import torch
-from helpers.adapt import (
-    LAYERS,
-    SELECTIVE,
-    SEQ,
-    SITE_MAP,
-    _batch,
-    _model,
-)
+from helpers.adapt import LAYERS, SELECTIVE, SEQ, SITE_MAP, _batch, _model
 
 import remat
 from remat.config.recompute import RecomputeConfig

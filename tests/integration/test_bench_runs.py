@@ -1,8 +1,8 @@
-"""Tests for the benchmark harness: `remat bench` / `remat sweep` on a tiny recipe on CPU.
-
-The records themselves (golden comparison, history, plot, tables) are tested in test_bench_records.py; these tests
-drive the harness end to end: flag validation, real training steps, golden checks and history through the CLI,
-simulated out-of-memory errors, sweeps and presets, determinism of the mock data.
+"""The benchmark harness end to end: `remat bench` / `remat sweep` on a tiny recipe on CPU, every
+bad flag refused without a step, real training steps and the result they write (whether gradient
+accumulation was fused too), golden checks and history through the CLI, simulated out-of-memory
+errors, sweeps and their advice, and --no_optimizer's gradients accumulating over the run (bf16:
+within 2% of the largest entry).
 
 The quick tests of the same code: tests/unit/bench/test_bench.py."""
 
@@ -17,17 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.bench import (
-    MB,
-    NUM_LAYERS,
-    SEQ,
-    STEPS,
-    TINY,
-    _edit_golden,
-    cli,
-    oom_error,
-    tiny_spec,
-)
+from helpers.bench import MB, NUM_LAYERS, SEQ, STEPS, TINY, _edit_golden, cli, oom_error, tiny_spec
 
 import remat.bench.run as bench_run
 import remat.run.build as run_build
@@ -45,12 +35,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 
 
-@pytest.fixture(autouse=True)
-def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Runs that record history write to tmp_path, never to ~/.cache."""
-    default = tmp_path / "default-history.sqlite"
-    monkeypatch.setenv("REMAT_HISTORY", str(default))
-    return default
+pytestmark = pytest.mark.usefixtures("_private_history")
 
 
 REJECTED = [

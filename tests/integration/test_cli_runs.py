@@ -1,4 +1,5 @@
-"""The `remat` command: flags map to Megatron keys, errors exit 1 listing every problem.
+"""The `remat` command running a step end to end: `remat verify` trains a tiny step under a selective
+plan with dropout and reports it bit-identical.
 
 The quick tests of the same code: tests/unit/cli/test_cli.py."""
 

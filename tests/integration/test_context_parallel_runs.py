@@ -1,8 +1,8 @@
 """Context parallelism (torch's ring attention, remat.parallel.context_parallel) on CPU: two
-processes under torchrun with gloo, one launch for every case (tests/workers/cp_worker.py: the
-Llama and the MoE recipes), four for context parallelism beside tensor parallelism (cp 2 x tp 2,
-sequence parallelism off and on) and beside pipeline parallelism (pp 2 x cp 2), one launch, and
-eight for all three (a slow test).
+processes under torchrun with gloo, one launch for every case
+(tests/integration/workers/cp_worker.py: the Llama and the MoE recipes), four for context
+parallelism beside tensor parallelism (cp 2 x tp 2, sequence parallelism off and on) and beside
+pipeline parallelism (pp 2 x cp 2), one launch, and eight for all three (a slow test).
 
 torch dispatches its ring to CUDA's attention kernels only; on CPU remat hands torch's own ring
 the CPU flash kernel, so what runs here is torch's ring, head-tail load balancing and merge, with

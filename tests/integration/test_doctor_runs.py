@@ -1,5 +1,4 @@
-"""remat doctor: OOM classification on recorded allocator snapshots, OOM messages, recommendations,
-the watch() context manager, the checks on bench results, and the CLI.
+"""`remat doctor --timeline` end to end: one step of the tiny Llama on CPU, plotted to a PNG.
 
 The quick tests of the same code: tests/unit/doctor/test_doctor.py."""
 

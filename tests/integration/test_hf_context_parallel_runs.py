@@ -1,6 +1,7 @@
 """Hugging Face causal LMs under context parallelism (torch's ring attention; on CPU remat hands it
-the CPU flash kernel): one 2-process launch (tests/workers/hf_cp_worker.py: hf:llama under every
-plan and SFT, hf:mixtral, a bench run) and, slow, one of 4 (cp 2 beside tp 2 and beside pp 2).
+the CPU flash kernel): one 2-process launch (tests/integration/workers/hf_cp_worker.py: hf:llama
+under every plan and SFT, hf:mixtral, a bench run) and, slow, one of 4 (cp 2 beside tp 2 and beside
+pp 2).
 
 The rotary embedding takes where each rank's tokens sit in the whole sequence, and the labels are
 shifted over the whole sequence before sharding (models/hf/context_parallel.py): without either a

@@ -1,6 +1,6 @@
-"""Pipeline parallelism for Hugging Face causal LMs: stages cut from the transformers model by the hf
-family, on CPU under torchrun with gloo (tests/workers/hf_pp_worker.py), and the refusals without a
-launch.
+"""Pipeline parallelism for Hugging Face causal LMs on CPU under torchrun with gloo
+(tests/integration/workers/hf_pp_worker.py), the estimate of each stage, and `remat bench` on
+stages (slow).
 
 A tiny HF Llama and Mixtral (float64, 4 layers) under 1F1B over 2 stages and interleaved 1F1B over
 2 x 2 virtual stages give the loss and every gradient of the whole model's step on one process bit
@@ -16,9 +16,7 @@ A Llama with tied embeddings holds the weight on both ends (the first stage's em
 stage's output layer), their gradients summed after the step: every gradient is one process's bit
 for bit, the tied one the sum of the embedding's and the output layer's gradients of the untied
 model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
-Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too. A
-rank holding both ends (virtual stages of one rank) sums them itself; Megatron's main gradients,
-which take the gradient out of .grad, are summed where they are (`main_grad`).
+Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too.
 
 The quick tests of the same code: tests/unit/models/test_hf_pipeline.py."""
 

@@ -1,6 +1,9 @@
-"""remat on Hugging Face transformers models, built from small configs (no download): the site
-map each family gets, and every label and full recompute bit-identical to the unmodified model in
-float64 with dropout on.
+"""remat on Hugging Face transformers models (small configs, no download), the sweeps and the
+commands: every label and full recompute bit-identical to the unmodified model in float64 with
+dropout on, for every family; the trace's saved bytes against what saved-tensor hooks find and
+what each plan leaves allocated (full recompute's groups overcount the shared position_ids by a
+known amount); the meta estimate equal to the CPU trace; `remat bench` and `remat verify` on a
+transformers model.
 
 The quick tests of the same code: tests/unit/models/test_hf.py."""
 

@@ -1,13 +1,13 @@
-"""Tensor parallelism for Hugging Face causal LMs by their own plans (`base_model_tp_plan`), on
-CPU: two processes under torchrun with gloo (tests/workers/hf_tp_worker.py), and the refusals
-without a launch.
+"""Tensor parallelism for Hugging Face causal LMs by their own plans (`base_model_tp_plan`) on CPU:
+two processes under torchrun with gloo (tests/integration/workers/hf_tp_worker.py).
 
-Split over two ranks, a tiny HF Llama (attention and MLP split) and Mixtral (attention split, the
-experts whole) give the loss and every gradient of one process in float64 to 1e-12: the
-row-parallel projections sum each rank's partial products, which reorders the additions of one
-process's matmul (rounding, not a different computation). Every recompute plan is bit-identical
-to the split run without recompute, attention dropout on or off: each rank's dropout over its own
-heads draws from its own stream, which every replay restores.
+Split over two ranks, a tiny HF Llama (attention and MLP split; with and without sequence
+parallelism) and Mixtral (attention split, the experts whole) give the loss and every gradient of
+one process in float64 to 1e-12: the row-parallel projections sum each rank's partial products,
+which reorders the additions of one process's matmul (rounding, not a different computation).
+Every recompute plan is bit-identical to the split run without recompute, attention dropout on or
+off: each rank's dropout over its own heads draws from its own stream, which every replay
+restores.
 
 The quick tests of the same code: tests/unit/models/test_hf_tensor_parallel.py."""
 

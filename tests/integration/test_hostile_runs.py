@@ -1,22 +1,16 @@
-"""Hostile input and noisy machines, as a new user meets them: each command exits with a message
-(never a traceback, never a hang), keeps every result it measured, and tells noise from a change.
+"""Commands run end to end on an 80-column terminal: the tables of estimate (llama3_70b over 32
+GPUs, slow), bench, sweep and recipes fit in it, no cell cut short.
 
 The quick tests of the same code: tests/unit/cli/test_hostile.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from helpers.hostile import TINY_RUN, run
 
 from remat.cli import common
 
-
-@pytest.fixture(autouse=True)
-def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("REMAT_HISTORY", str(tmp_path / "history.sqlite"))
-    monkeypatch.chdir(tmp_path)  # rescue files land here
+pytestmark = pytest.mark.usefixtures("private_run_dir")
 
 
 @pytest.mark.parametrize(

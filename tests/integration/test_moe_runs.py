@@ -1,8 +1,8 @@
-"""The MoE family (moe_tiny: Qwen3-MoE-like, softmax router; deepseek_tiny: DeepSeek-V3-like, MLA,
-sigmoid group-limited router with expert bias, dense first layer): every label and full recompute
-bit-identical to the unmodified model in float64 with dropout on; the exact bytes moe_act,
-mla_up_proj and shared_experts free; the router's replay; the expert bias's token counts; the
-auxiliary losses; grouped GEMMs; config problems; FLOPs; the CLI.
+"""The MoE family's sweeps and commands (moe_tiny, deepseek_tiny): every label, Megatron Bridge's
+label combinations and full recompute bit-identical to the unmodified model in float64 with
+dropout on; expert offload bit-identical, moving exactly the experts' inputs; `remat estimate` on
+an MoE slice (moe_act's saving) and with expert parallelism (one rank's share of the experts);
+the planner's MoE plan as Megatron keys; `remat verify` on an MoE recipe.
 
 The quick tests of the same code: tests/unit/models/test_moe.py."""
 
@@ -34,12 +34,7 @@ from remat.planner import uniform_config
 from remat.run.verify import run_step, verify
 from remat.sites.apply import offloader_of
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 # Megatron Bridge's recipes: DeepSeek-V3 "mla_up_proj,mlp", "layernorm,moe_act", "moe"; Qwen3-MoE

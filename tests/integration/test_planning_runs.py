@@ -1,4 +1,7 @@
-"""remat.plan: budgets read, plans that fit (measured), Megatron configs when uniform, the CLI.
+"""remat.plan against runs: the plans chosen under several budgets fit when run (the measured peak
+is the predicted one), offload reaches below every recompute plan and fits when run, and `remat
+plan` writes a plan file that bench takes and verifies (measured within 1e-3 of predicted), with
+offload too (slow).
 
 The quick tests of the same code: tests/unit/planner/test_planning.py."""
 

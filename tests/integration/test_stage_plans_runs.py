@@ -1,5 +1,7 @@
-"""A plan per pipeline rank: each rank's trace, its micro-batches in flight, the plan file that
-carries the ranks' plans, and the uniform Megatron config they are compared with.
+"""A plan per pipeline rank against each rank's trace on the device and through the commands: the
+by-shape estimate of each rank equal to its CPU trace, byte for byte, for the ranks' plans and
+Megatron's configs; `remat estimate --memory-budget` writing a plan per rank that bench refuses
+under another layout; `remat plan` tracing each rank on the device.
 
 The quick tests of the same code: tests/unit/estimate/test_stage_plans.py."""
 

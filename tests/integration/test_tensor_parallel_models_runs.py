@@ -1,7 +1,7 @@
-"""Tensor parallelism on the layers beyond the dense Llama's (tests/workers/tp_models_worker.py,
-two processes under torchrun with gloo): Qwen3's q/k norms, DeepSeek-V3's multi-latent
-attention (with and without the queries' low rank), MoE layers (routed and shared experts split
-over the ranks, the router replicated).
+"""Tensor parallelism on the layers beyond the dense Llama's
+(tests/integration/workers/tp_models_worker.py, two processes under torchrun with gloo): Qwen3's q/k
+norms, DeepSeek-V3's multi-latent attention (with and without the queries' low rank), MoE layers
+(routed and shared experts split over the ranks, the router replicated).
 
 Each is split over two ranks, with and without sequence parallelism. Without recompute and
 dropout, each rank's loss and every gradient match one process's: not bit for bit, since the

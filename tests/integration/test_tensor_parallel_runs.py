@@ -141,7 +141,7 @@ def test_fsdp2_over_tensor_parallelism_without_recompute_matches_one_process_on_
     loss = forward_loss(model, *fsdp_worker.global_batch(REPLICAS))
     loss.backward()
     # ranks are replica-major: each replica's tensor-parallel ranks hold its loss whole; FSDP2
-    # averages the replicas' gradients (rounding as in the tests above and in test_parallel.py)
+    # averages the replicas' gradients (rounding as in the tests above and in test_parallel_runs.py)
     per_replica = losses[::TP]
     assert all(losses[i] == per_replica[i // TP] for i in range(len(losses)))
     assert sum(per_replica) / REPLICAS == pytest.approx(loss.item(), rel=1e-13)

@@ -1,4 +1,6 @@
-"""trace(): per-layer effects of every action, composed into exact saved-byte predictions.
+"""trace()'s exact predictions over random plans (hypothesis): the saved bytes of any plan equal what
+the CPU allocator counts (eager attention, and sdpa slow), and an offload plan's peak, saved and
+host bytes equal what it measures.
 
 The quick tests of the same code: tests/unit/memory/test_trace.py."""
 

@@ -98,8 +98,10 @@ SCHEDULES: dict[str, Schedule] = {
 }
 
 
-def _size(public: str, short: str, help: str) -> Any:
-    return setting(1, parse=parse_int, public=public, flag=True, short=short, metavar="N", help=help)
+def _size(public: str, short: str, help: str, default: int | None = 1) -> Any:
+    """A size flag: `short` or Megatron's `--public`; None as the default means unset."""
+    parse = parse_int if default is not None else optional(parse_int)
+    return setting(default, parse=parse, public=public, flag=True, short=short, metavar="N", help=help)
 
 
 @dataclass(frozen=True)
@@ -120,14 +122,8 @@ class ParallelLayout:
         help="split the tokens outside attention and MLP over the tensor-parallel ranks",
     )
     pp: int = _size("pipeline_model_parallel_size", "-pp", "pipeline stages")
-    vp: int | None = setting(
-        None,
-        parse=optional(parse_int),
-        public="virtual_pipeline_model_parallel_size",
-        flag=True,
-        short="-vp",
-        metavar="N",
-        help="model chunks per pipeline rank (interleaved 1F1B)",
+    vp: int | None = _size(
+        "virtual_pipeline_model_parallel_size", "-vp", "model chunks per pipeline rank (interleaved 1F1B)", None
     )
     cp: int = _size(
         "context_parallel_size",
@@ -140,24 +136,17 @@ class ParallelLayout:
         "MoE models: each MoE layer's routed experts split over N data-parallel ranks, tokens sent"
         " to their experts' ranks by all-to-all",
     )
-    etp: int | None = setting(
+    etp: int | None = _size(
+        "expert_tensor_parallel_size",
+        "-etp",
+        "MoE models: each expert's FFN split over N ranks (beside -tp, Megatron's default: the tensor-parallel ranks)",
         None,
-        parse=optional(parse_int),
-        public="expert_tensor_parallel_size",
-        flag=True,
-        short="-etp",
-        metavar="N",
-        help="MoE models: each expert's FFN split over N ranks (beside -tp,"
-        " Megatron's default: the tensor-parallel ranks)",
     )
-    num_gpus: int | None = setting(
+    num_gpus: int | None = _size(
+        "num_gpus",
+        "-ng",
+        "GPUs in all: tp x pp x cp x data parallel (default: one copy of the model, tp x pp x cp)",
         None,
-        parse=optional(parse_int),
-        public="num_gpus",
-        flag=True,
-        short="-ng",
-        metavar="N",
-        help="GPUs in all: tp x pp x cp x data parallel (default: one copy of the model, tp x pp x cp)",
     )
     schedule: str | None = setting(
         None,

@@ -4,7 +4,7 @@ On CUDA the caching allocator's own counters (what `max_memory_allocated` report
 storages ops create, counted by a dispatch mode, on top of the model's and optimizer's tensors.
 What no op creates is not counted on CPU: Python numbers autograd saves as 0-dim tensors (8
 bytes) and the CPU RNG state a recompute keeps (5 KiB), which beside an accelerator stay in host
-memory. tests/test_trace.py checks the rest against the CPU allocator's own events.
+memory. tests/unit/memory/test_trace.py checks the rest against the CPU allocator's own events.
 """
 
 from __future__ import annotations

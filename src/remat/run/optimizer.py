@@ -34,27 +34,23 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 LR, BETAS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 0.1
 
 
+def _dtype(help: str) -> Any:
+    """An optional dtype flag, one of DTYPES."""
+    return setting(
+        None, parse=optional(parse_str), flag=True, choices=tuple(sorted(DTYPES)), metavar="DTYPE", help=help
+    )
+
+
 @dataclass(frozen=True)
 class OptimizerPrecision:
     """Megatron's optimizer precision flags; all unset: AdamW on the model's parameters."""
 
-    main_params_dtype: str | None = setting(
-        None,
-        parse=optional(parse_str),
-        flag=True,
-        choices=tuple(sorted(DTYPES)),
-        metavar="DTYPE",
-        help="Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside the model's (fp32"
-        " in Megatron's bf16 runs); default: AdamW on the model's parameters",
+    main_params_dtype: str | None = _dtype(
+        "Megatron's mixed-precision optimizer: AdamW on main parameters of this dtype beside the model's (fp32"
+        " in Megatron's bf16 runs); default: AdamW on the model's parameters"
     )
-    main_grads_dtype: str | None = setting(
-        None,
-        parse=optional(parse_str),
-        flag=True,
-        choices=tuple(sorted(DTYPES)),
-        metavar="DTYPE",
-        help="with --main_params_dtype: the main gradients each backward adds into (default: the main parameters'"
-        " dtype)",
+    main_grads_dtype: str | None = _dtype(
+        "with --main_params_dtype: the main gradients each backward adds into (default: the main parameters' dtype)"
     )
     use_distributed_optimizer: bool = setting(
         False,

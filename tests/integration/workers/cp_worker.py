@@ -1,13 +1,14 @@
-"""Run by tests/test_context_parallel.py under torchrun (gloo, CPU). With 2 processes: remat's tiny
-Llama built by `build_model` with -cp 2 (torch's ring attention over the two ranks, FSDP2 over the
-flattened dp x cp mesh), one step of 2 micro-batches on the step's mock data: every plan with hidden
-dropout, and no recompute without dropout (pretrain, and SFT whose masked prompt leaves the ranks
-unequal shares of labelled tokens); the MoE recipes (moe_tiny; deepseek_tiny with MLA) in float64
-under each plan, then the balancing step. With 4: -cp 2 beside -tp 2, sequence parallelism off and
-on, in float64: the plans with hidden dropout and none without, each rank's hidden dropout masks,
-the MoE recipes, a refusal and a bench run; and -cp 2 beside -pp 2 (cp_pp_results). With 8 (a slow
-test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full gradients and expert biases of each,
-each rank's share of a sequence, the bench runs and the refusals to the file argv[1]."""
+"""Run by tests/integration/test_context_parallel_runs.py under torchrun (gloo, CPU). With 2
+processes: remat's tiny Llama built by `build_model` with -cp 2 (torch's ring attention over the two
+ranks, FSDP2 over the flattened dp x cp mesh), one step of 2 micro-batches on the step's mock data:
+every plan with hidden dropout, and no recompute without dropout (pretrain, and SFT whose masked
+prompt leaves the ranks unequal shares of labelled tokens); the MoE recipes (moe_tiny; deepseek_tiny
+with MLA) in float64 under each plan, then the balancing step. With 4: -cp 2 beside -tp 2, sequence
+parallelism off and on, in float64: the plans with hidden dropout and none without, each rank's
+hidden dropout masks, the MoE recipes, a refusal and a bench run; and -cp 2 beside -pp 2
+(cp_pp_results). With 8 (a slow test): pp 2 x cp 2 x tp 2. Rank 0 saves the mean loss, the full
+gradients and expert biases of each, each rank's share of a sequence, the bench runs and the
+refusals to the file argv[1]."""
 
 from __future__ import annotations
 

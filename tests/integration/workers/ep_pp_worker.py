@@ -1,4 +1,5 @@
-"""Run by tests/test_moe_parallel.py under torchrun (gloo, CPU, 4 processes), one launch for all:
+"""Run by tests/integration/test_moe_parallel_runs.py under torchrun (gloo, CPU, 4 processes), one
+launch for all:
 
 - beside pipeline stages: the MoE recipes of moe_worker over pp 2 x dp 2 with their experts split
   over ep 2 (each pipeline stage's experts over the 2 data-parallel ranks of that stage), built by

@@ -1,9 +1,9 @@
-"""Run by tests/test_expert_parallel.py under torchrun (gloo, CPU, 2 processes): remat's tiny MoE
-with its 4 experts split over 2 expert-parallel ranks (2 each), which are data-parallel ranks
-under FSDP2; one step per plan on this rank's share of a global batch, dropout on. Rank 0 saves
-every rank's loss, the full gradients (the experts' gathered from their expert-parallel group, in
-expert order), how many token exchanges each step ran, and the refusals to the file named by
-argv[1]. With 4 processes (2 ranks holding the same experts) it runs the same."""
+"""Run by tests/integration/test_expert_parallel_runs.py under torchrun (gloo, CPU, 2 processes):
+remat's tiny MoE with its 4 experts split over 2 expert-parallel ranks (2 each), which are
+data-parallel ranks under FSDP2; one step per plan on this rank's share of a global batch, dropout
+on. Rank 0 saves every rank's loss, the full gradients (the experts' gathered from their
+expert-parallel group, in expert order), how many token exchanges each step ran, and the refusals to
+the file named by argv[1]. With 4 processes (2 ranks holding the same experts) it runs the same."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Run by tests/test_parallel.py under torchrun (gloo, CPU): remat's tiny Llama sharded with FSDP2,
-one step per plan on this rank's share of a global batch; rank 0 saves the losses of every rank
-and the full gradients to the file named by argv[1]."""
+"""Run by tests/integration/test_parallel_runs.py under torchrun (gloo, CPU): remat's tiny Llama
+sharded with FSDP2, one step per plan on this rank's share of a global batch; rank 0 saves the
+losses of every rank and the full gradients to the file named by argv[1]."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Run by tests/test_hf_context_parallel.py under torchrun (gloo, CPU). With 2 processes: tiny
-Hugging Face causal LMs built by `build_model` with -cp 2 (torch's ring attention over the two
-ranks, FSDP2 over the flattened dp x cp mesh), one float64 step of 2 micro-batches on the step's
-mock data: hf:llama under every plan, and SFT (rank 0's head chunk all prompt) through the
-chunked loss head, hf:mixtral without recompute; and a bench run. With 4 (a slow test): -cp 2
+"""Run by tests/integration/test_hf_context_parallel_runs.py under torchrun (gloo, CPU). With 2
+processes: tiny Hugging Face causal LMs built by `build_model` with -cp 2 (torch's ring attention
+over the two ranks, FSDP2 over the flattened dp x cp mesh), one float64 step of 2 micro-batches on
+the step's mock data: hf:llama under every plan, and SFT (rank 0's head chunk all prompt) through
+the chunked loss head, hf:mixtral without recompute; and a bench run. With 4 (a slow test): -cp 2
 beside -tp 2 (sequence parallelism off and on) and beside -pp 2 (the stages loaded with one
-process's weights). Rank 0 saves the mean loss and the full gradients of each, and the bench
-run, to argv[1]."""
+process's weights). Rank 0 saves the mean loss and the full gradients of each, and the bench run, to
+argv[1]."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Run by tests/test_hf_pipeline.py under torchrun (gloo, CPU, 2 processes): tiny Hugging Face Llama
-and Mixtral causal LMs (float64, 4 layers) cut into pipeline stages by the hf family, each stage
-holding the whole model's weights for its layers (copied by name), under torch's 1F1B and
-interleaved 1F1B (2 virtual stages); one step of 4 micro-batches without recompute (attention
-dropout off, to hold against the whole model's step on one process, which rank 0 also runs, and
-on) and one per recompute plan with dropout on (to hold against no recompute). Rank 0 saves every
-result to the file argv[1]. Under 4 processes the same runs 1F1B on a pp 2 x tp 2 mesh, each stage
-split by the model's own tensor-parallel plan.
+"""Run by tests/integration/test_hf_pipeline_runs.py under torchrun (gloo, CPU, 2 processes): tiny
+Hugging Face Llama and Mixtral causal LMs (float64, 4 layers) cut into pipeline stages by the hf
+family, each stage holding the whole model's weights for its layers (copied by name), under torch's
+1F1B and interleaved 1F1B (2 virtual stages); one step of 4 micro-batches without recompute
+(attention dropout off, to hold against the whole model's step on one process, which rank 0 also
+runs, and on) and one per recompute plan with dropout on (to hold against no recompute). Rank 0
+saves every result to the file argv[1]. Under 4 processes the same runs 1F1B on a pp 2 x tp 2 mesh,
+each stage split by the model's own tensor-parallel plan.
 
 The Llama with tied embeddings (TIED) holds its embedding on both ends of the pipeline: a stage
 loads the whole model's weight under either name. Beside the tied model's own step on one process,

@@ -1,7 +1,8 @@
-"""Run by tests/test_hf_tensor_parallel.py under torchrun (gloo, CPU, 2 processes): tiny Hugging
-Face Llama and Mixtral causal LMs (float64, built from configs, adapted), split by their own
-tensor-parallel plans, one step per plan on the same batch on both ranks, attention dropout off
-and on; and the same model on one process. Rank 0 saves every result to the file named by argv[1]."""
+"""Run by tests/integration/test_hf_tensor_parallel_runs.py under torchrun (gloo, CPU, 2 processes):
+tiny Hugging Face Llama and Mixtral causal LMs (float64, built from configs, adapted), split by
+their own tensor-parallel plans, one step per plan on the same batch on both ranks, attention
+dropout off and on; and the same model on one process. Rank 0 saves every result to the file named
+by argv[1]."""
 
 from __future__ import annotations
 

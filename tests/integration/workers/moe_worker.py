@@ -1,4 +1,5 @@
-"""Run by tests/test_moe_parallel.py under torchrun (gloo, CPU, 2 processes), one launch for all:
+"""Run by tests/integration/test_moe_parallel_runs.py under torchrun (gloo, CPU, 2 processes), one
+launch for all:
 
 - pipeline: an MoE recipe (moe_tiny; deepseek_tiny with MLA and expert bias) split into 2
   stages by `remat.run.build.build_model` (1F1B, and interleaved 1F1B with 2 virtual stages), each

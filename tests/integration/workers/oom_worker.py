@@ -1,7 +1,7 @@
-"""Run by tests/test_doctor_ranks.py: `remat ARGV`, where under torchrun rank 1 runs out of memory
-in its first MLP forward and rank 0 does not. The OOM is CUDA's, simulated on CPU: torch's message
-with rank 1's numbers (RANK1_MESSAGE). In the process that starts torchrun (no RANK), torchrun runs
-this script on each rank instead of `python -m remat`."""
+"""Run by tests/integration/test_doctor_ranks_runs.py: `remat ARGV`, where under torchrun rank 1
+runs out of memory in its first MLP forward and rank 0 does not. The OOM is CUDA's, simulated on
+CPU: torch's message with rank 1's numbers (RANK1_MESSAGE). In the process that starts torchrun (no
+RANK), torchrun runs this script on each rank instead of `python -m remat`."""
 
 from __future__ import annotations
 

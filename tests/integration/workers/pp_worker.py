@@ -1,7 +1,8 @@
-"""Run by tests/test_pipeline.py under torchrun (gloo, CPU, 2 processes): remat's tiny Llama split
-into pipeline stages run by torch's 1F1B schedule (and interleaved 1F1B with 2 virtual stages),
-each stage's weights those of one whole model; one step of 4 micro-batches per plan. Rank 0 saves
-the mean loss and every stage's gradients, named as in the whole model, to the file argv[1]."""
+"""Run by tests/integration/test_pipeline_runs.py under torchrun (gloo, CPU, 2 processes): remat's
+tiny Llama split into pipeline stages run by torch's 1F1B schedule (and interleaved 1F1B with 2
+virtual stages), each stage's weights those of one whole model; one step of 4 micro-batches per
+plan. Rank 0 saves the mean loss and every stage's gradients, named as in the whole model, to the
+file argv[1]."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Run by tests/test_tensor_parallel_models.py under torchrun (gloo, CPU, 2 processes): the tiny
-models whose layers split under tensor parallelism beyond the dense Llama's (Qwen3's q/k norms,
-DeepSeek-V3's multi-latent attention, MoE layers), each split over 2 ranks with and without
-sequence parallelism, one step per plan on the same batch on both ranks. Rank 0 saves every
-result to the file named by argv[1]: each rank's loss, the full gradients (the experts' slices
+"""Run by tests/integration/test_tensor_parallel_models_runs.py under torchrun (gloo, CPU, 2
+processes): the tiny models whose layers split under tensor parallelism beyond the dense Llama's
+(Qwen3's q/k norms, DeepSeek-V3's multi-latent attention, MoE layers), each split over 2 ranks with
+and without sequence parallelism, one step per plan on the same batch on both ranks. Rank 0 saves
+every result to the file named by argv[1]: each rank's loss, the full gradients (the experts' slices
 gathered), and the parameters held whole on every rank whose gradients differ between ranks."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Run by tests/test_tensor_parallel.py under torchrun (gloo, CPU). With 2 processes: remat's tiny
-Llama split by tensor parallelism (with and without sequence parallelism), one step per plan on
-the same batch on both ranks; the dropout masks each rank draws; the refusals. With 4: FSDP2 over
-2 data-parallel replicas of tensor parallelism over 2 ranks with sequence parallelism, one step
-per plan, each replica its own share of the global batch. Plans go in as `remat bench` installs
-them (build.apply_plan), so a config's distribute_saved_activations splits what full recompute keeps
-(sequence parallelism off). Rank 0 saves every result to the file named by argv[1]."""
+"""Run by tests/integration/test_tensor_parallel_runs.py under torchrun (gloo, CPU). With 2
+processes: remat's tiny Llama split by tensor parallelism (with and without sequence parallelism),
+one step per plan on the same batch on both ranks; the dropout masks each rank draws; the refusals.
+With 4: FSDP2 over 2 data-parallel replicas of tensor parallelism over 2 ranks with sequence
+parallelism, one step per plan, each replica its own share of the global batch. Plans go in as
+`remat bench` installs them (build.apply_plan), so a config's distribute_saved_activations splits
+what full recompute keeps (sequence parallelism off). Rank 0 saves every result to the file named by
+argv[1]."""
 
 from __future__ import annotations
 

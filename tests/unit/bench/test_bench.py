@@ -15,19 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.bench import (
-    ALLOCATED,
-    MB,
-    NUM_LAYERS,
-    RESERVED,
-    SEQ,
-    STEPS,
-    TINY,
-    _edit_golden,
-    cli,
-    oom_error,
-    tiny_spec,
-)
+from helpers.bench import ALLOCATED, MB, NUM_LAYERS, RESERVED, SEQ, STEPS, TINY, _edit_golden, cli, oom_error, tiny_spec
 from torch import nn
 
 import remat.bench.run as bench_run
@@ -48,12 +36,7 @@ from remat.sites.apply import apply, find_sites
 FACTS = {"num_layers": NUM_LAYERS, "attention_dropout": 0.0, "hidden_dropout": 0.0}
 
 
-@pytest.fixture(autouse=True)
-def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Runs that record history write to tmp_path, never to ~/.cache."""
-    default = tmp_path / "default-history.sqlite"
-    monkeypatch.setenv("REMAT_HISTORY", str(default))
-    return default
+pytestmark = pytest.mark.usefixtures("_private_history")
 
 
 @pytest.mark.usefixtures("no_steps")

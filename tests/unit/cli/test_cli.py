@@ -1,4 +1,6 @@
-"""The `remat` command: flags map to Megatron keys, errors exit 1 listing every problem.
+"""The `remat` command in one process: flags map to Megatron keys as Bridge's do, validate prints the
+resolved config and plan, every bad input is refused before anything runs (exit 1, every problem
+listed), and the console script's help, version and usage.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_cli_runs.py."""
 

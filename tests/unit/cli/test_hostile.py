@@ -1,5 +1,6 @@
-"""Hostile input and noisy machines, as a new user meets them: each command exits with a message
-(never a traceback, never a hang), keeps every result it measured, and tells noise from a change.
+"""Hostile input and noisy machines, as a new user meets them, in one process: each command exits
+with a message (never a traceback, never a hang: each answers within 10 s on a CPU), keeps every
+result it measured, and tells noise from a change.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hostile_runs.py."""
 
@@ -25,10 +26,7 @@ from remat.models.llama import MLP
 SECONDS = 10.0
 
 
-@pytest.fixture(autouse=True)
-def _private_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("REMAT_HISTORY", str(tmp_path / "history.sqlite"))
-    monkeypatch.chdir(tmp_path)  # rescue files land here
+pytestmark = pytest.mark.usefixtures("private_run_dir")
 
 
 @pytest.mark.parametrize(

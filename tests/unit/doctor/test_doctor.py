@@ -1,5 +1,6 @@
-"""remat doctor: OOM classification on recorded allocator snapshots, OOM messages, recommendations,
-the watch() context manager, the checks on bench results, and the CLI.
+"""remat doctor in one process: OOM classification on recorded allocator snapshots and on the OOM
+messages of several torch versions, the recommendations, the watch() context manager, the checks
+on bench results, what each site of each layer saved, and the doctor command's files and refusals.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_doctor_runs.py."""
 

@@ -1,5 +1,8 @@
-"""Offload on CPU (host copies are plain copies, same logic as CUDA): gradients bit-identical on
-the tiny Llama, exact byte counts, views and dedup, pool reuse, prefetch order, plan lowering.
+"""Offload on CPU in one process (host copies are plain copies, same logic as CUDA): every layer
+offloaded moving exactly the bytes it frees, the size threshold (bit-identical) and its warning,
+host buffers reused across steps and given back when a graph is freed, retain_graph, views, dedup
+and in-place changes after save, when an offloaded group loads and is prefetched, Megatron's offload
+configs lowered to per-layer plans, plan round trips.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_offload_runs.py."""
 
@@ -21,12 +24,7 @@ from remat.engine.offload import _HostCopy
 from remat.run.verify import verify
 from remat.sites.apply import find_sites, offloader_of
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 @pytest.mark.parametrize(("threshold", "warns"), [(2**20, True), (0, False)])

@@ -1,5 +1,9 @@
-"""remat estimate: shapes-only predictions on the meta device, against the trace and the layouts
-of tensor, sequence, context and pipeline parallelism.
+"""remat estimate in one process, shapes only on the meta device: weights, gradients and AdamW's
+state; what tensor, sequence, context and pipeline parallelism leave each rank (micro-batches in
+flight by Megatron's schedules, per-layer plans on interleaved stages); step time with the
+recompute FLOPs; the layout and batch rules, every problem at once; what only CUDA saves or holds
+(compiled regions, layernorm discard, cuBLAS workspaces); offload it cannot price; the command's
+refusals.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_estimate_runs.py."""
 

@@ -1,5 +1,7 @@
-"""A plan per pipeline rank: each rank's trace, its micro-batches in flight, the plan file that
-carries the ranks' plans, and the uniform Megatron config they are compared with.
+"""A plan per pipeline rank in one process, by shape (four ranks traced once): each rank's fastest
+plan that fits with its micro-batches in flight, the uniform Megatron config compared, a rank no
+plan fits, the ranks' plans joined into one, the plan file's pipeline section and its rules, the
+layout a plan runs on, and estimate's refusals.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_stage_plans_runs.py."""
 

@@ -1,4 +1,7 @@
-"""trace(): per-layer effects of every action, composed into exact saved-byte predictions.
+"""trace() in one process: the predicted peak of random plans equal to the measured one, with an
+optimizer step too; Megatron configs and the baseline; plans that do not fit the model refused;
+offload's predictions and the trace they need; what each site saves against what recomputing it
+frees; the cost of combined actions; a traced model left clean; the timeline; timing repeats.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_trace_runs.py."""
 

@@ -1,6 +1,9 @@
-"""remat on Hugging Face transformers models, built from small configs (no download): the site
-map each family gets, and every label and full recompute bit-identical to the unmodified model in
-float64 with dropout on.
+"""remat on Hugging Face transformers models, built from small configs (no download), in one
+process: the sites each family gets, core_attn under each attention implementation, the exact
+bytes mlp frees and what moe frees, unadapt, HF's gradient checkpointing turned off, the cache and
+eval mode, the chunked loss head against HF's (loss to 1e-6, gradients to 1e-5 relative), LoRA
+adapters and Trainer steps with gradient accumulation bit-identical to the unmodified model, and
+the messages for mistakes and a missing transformers.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_runs.py."""
 

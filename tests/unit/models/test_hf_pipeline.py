@@ -1,24 +1,9 @@
-"""Pipeline parallelism for Hugging Face causal LMs: stages cut from the transformers model by the hf
-family, on CPU under torchrun with gloo (tests/workers/hf_pp_worker.py), and the refusals without a
-launch.
-
-A tiny HF Llama and Mixtral (float64, 4 layers) under 1F1B over 2 stages and interleaved 1F1B over
-2 x 2 virtual stages give the loss and every gradient of the whole model's step on one process bit
-for bit: each stage runs the base model's own forward on its layers (position ids, causal mask and
-rotary tables computed again, alike), so every micro-batch runs the same ops in the same order.
-HF's loss head reduces in float32 on both. With attention dropout each rank draws its own masks,
-so every recompute plan is held against the pipeline without recompute, also bit for bit.
-Beside tensor parallelism (pp 2 x tp 2, four processes, slow) the loss and gradients agree with
-one process to 1e-12 (the row-parallel projections sum each rank's partial products, which
-reorders one process's additions), and every plan is bit-identical to none.
-
-A Llama with tied embeddings holds the weight on both ends (the first stage's embedding, the last
-stage's output layer), their gradients summed after the step: every gradient is one process's bit
-for bit, the tied one the sum of the embedding's and the output layer's gradients of the untied
-model, which one process with the tied weight adds up in autograd's order instead: to 1e-15 of it.
-Under FSDP2 (pp 2 x dp 2, slow) each end's shard is summed with the other's, bit for bit too. A
-rank holding both ends (virtual stages of one rank) sums them itself; Megatron's main gradients,
-which take the gradient out of .grad, are summed where they are (`main_grad`).
+"""Pipeline stages cut from Hugging Face causal LMs by the hf family, without a launch: stages
+chained on one process give the whole model's loss and gradients bit for bit (Qwen2's sliding and
+full masks by layer position, DeepSeek-V3's dense first layer by number); a rank holding both
+ends of a tied embedding (virtual stages of one rank) sums their gradients itself, to 1e-15 of
+one process's (float64, added in autograd's order there), and sums Megatron's main gradients
+(`main_grad`) where they are; which models and layouts stages are refused or accepted for.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_pipeline_runs.py."""
 
@@ -160,5 +145,5 @@ def test_models_stages_cannot_cut_are_refused_each_by_what_to_change() -> None:
     assert "output_router_logits: is True" in _problems("mixtral", output_router_logits=True)
 
 
-def test_context_parallelism_runs_beside_stages() -> None:  # tests/test_hf_context_parallel.py runs it
+def test_context_parallelism_runs_beside_stages() -> None:  # tests/integration/test_hf_context_parallel_runs.py runs it
     assert _problems("llama", ParallelLayout(pp=2, cp=2)) == ""

@@ -1,13 +1,8 @@
-"""Tensor parallelism for Hugging Face causal LMs by their own plans (`base_model_tp_plan`), on
-CPU: two processes under torchrun with gloo (tests/workers/hf_tp_worker.py), and the refusals
-without a launch.
-
-Split over two ranks, a tiny HF Llama (attention and MLP split) and Mixtral (attention split, the
-experts whole) give the loss and every gradient of one process in float64 to 1e-12: the
-row-parallel projections sum each rank's partial products, which reorders the additions of one
-process's matmul (rounding, not a different computation). Every recompute plan is bit-identical
-to the split run without recompute, attention dropout on or off: each rank's dropout over its own
-heads draws from its own stream, which every replay restores.
+"""Tensor parallelism for Hugging Face causal LMs by their own plans (`base_model_tp_plan`), without
+a launch: plans remat does not map and models without one refused, shapes that do not split named
+by field, sequence parallelism's refusals (unsplit weights, hidden dropout, odd sequences, beside
+stages), attention dropout without a core_attn site, a rank's shard by shape, and the estimate's
+tokens split under sequence parallelism.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_hf_tensor_parallel_runs.py."""
 

@@ -1,8 +1,8 @@
 """The MoE family (moe_tiny: Qwen3-MoE-like, softmax router; deepseek_tiny: DeepSeek-V3-like, MLA,
-sigmoid group-limited router with expert bias, dense first layer): every label and full recompute
-bit-identical to the unmodified model in float64 with dropout on; the exact bytes moe_act,
-mla_up_proj and shared_experts free; the router's replay; the expert bias's token counts; the
-auxiliary losses; grouped GEMMs; config problems; FLOPs; the CLI.
+sigmoid group-limited router with expert bias, dense first layer) in one process: the labels each
+recipe has; the exact bytes moe_act, mla_up_proj and shared_experts free; expert_fc1 refused as a
+recompute; the router's replay; the expert bias's token counts and its update (by the bench step
+too); the auxiliary losses; grouped GEMMs; config problems; FLOPs; validate's labels.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_moe_runs.py."""
 
@@ -39,12 +39,7 @@ from remat.models.moe.moe_layer import GroupedExperts, TopKRouter, grouped_mm_lo
 from remat.run.verify import run_step
 from remat.sites.calls import forward_loss
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 OFFLOAD_ONLY = ("expert_fc1",)  # sites kept or offloaded, never recomputed

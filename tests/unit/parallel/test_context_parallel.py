@@ -51,7 +51,7 @@ def test_what_stays_refused_beside_context_parallelism() -> None:
 
 
 def test_validate_takes_context_beside_tensor_and_pipeline_parallelism() -> None:
-    # estimate's shards of cp beside tp (and sp): tests/test_estimate.py
+    # estimate's shards of cp beside tp (and sp): tests/unit/estimate/test_estimate.py
     tiny = ["--num_layers", "2", "-rl", "1"]
     assert main(["validate", "-mr", "llama3_tiny", *tiny, "-tp", "2", "-cp", "2", "--sequence_parallel"]) == 0
     assert main(["validate", "-mr", "moe_tiny", *tiny, "-pp", "2", "-cp", "2"]) == 0

@@ -3,7 +3,7 @@
 The engine's side on small functions (a call's `KeptInputs` keeps a stand-in, rebuilt before the
 replay, exactly, offloaded like any kept input); the estimate's by shape (the kept inputs shrink to
 1/tp, byte for byte); the rules through `remat validate`. The runs on two gloo processes are in
-tests/test_tensor_parallel.py (one torchrun for all of its checks).
+tests/integration/test_tensor_parallel_runs.py (one torchrun for all of its checks).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""remat.plan: budgets read, plans that fit (measured), Megatron configs when uniform, the CLI.
+"""remat.plan in one process: budgets read and refused, a host budget needing an offload trace,
+uniform plans as Megatron configs, a site that frees nothing never chosen, explain's merged
+layers, this rank's weights against the budget, and the plan command's refusals before tracing.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_planning_runs.py."""
 

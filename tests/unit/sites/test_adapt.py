@@ -1,6 +1,8 @@
-"""adapt() on a model remat did not write (a torchtitan-style module tree, from a site map): every
-plan gives the unmodified model's loss and gradients bit for bit, frees the bytes it should, and
-adapt leaves parameters, state_dict, .to(), compile and saving as they were.
+"""adapt() on a model remat did not write (a torchtitan-style module tree, from a site map), in one
+process: where the sites go (parameters and state_dict untouched), adapting again and unadapt
+(the model restored exactly), an adapted model moved, copied, saved and compiled as before, the
+exact bytes mlp frees, site maps read from YAML and their mistakes named all at once, and a
+--model factory that cannot load.
 
 The launches, the runs through the command line and the exhaustive sweeps: tests/integration/test_adapt_runs.py."""
 
@@ -11,16 +13,7 @@ import io
 
 import pytest
 import torch
-from helpers.adapt import (
-    BATCH,
-    FFN,
-    LAYERS,
-    SELECTIVE,
-    SEQ,
-    SITE_MAP,
-    _batch,
-    _model,
-)
+from helpers.adapt import BATCH, FFN, LAYERS, SELECTIVE, SEQ, SITE_MAP, _batch, _model
 
 import remat
 from remat.config.recompute import RecomputeConfig

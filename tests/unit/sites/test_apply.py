@@ -29,11 +29,7 @@ SELECTIVE = ["core_attn", "layernorm", "mlp"]
 F64 = 8  # bytes per float64 element
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _model(backend: str = "sdpa", dropout: float = 0.0, layers: int = LAYERS) -> torch.nn.Module:
