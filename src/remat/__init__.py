@@ -6,8 +6,6 @@ site saves and costs, `plan` picks the fastest plan under a memory budget, `esti
 peak memory from shapes alone, `verify` checks a plan's gradients, and `doctor` explains OOMs.
 """
 
-from importlib.metadata import version
-
 from remat import doctor, models
 from remat.config.capture import Capture
 from remat.config.megatron import TrainingFacts
@@ -16,6 +14,7 @@ from remat.config.plan import Plan
 from remat.config.precision import Precision
 from remat.config.recompute import RecomputeConfig
 from remat.core.problems import ConfigError, RematWarning
+from remat.core.version import remat_version
 from remat.engine import checkpoint
 from remat.estimate.spec import EstimateSpec
 from remat.estimate.stages import estimate
@@ -54,4 +53,4 @@ __all__ = [
     "unadapt",
     "verify",
 ]
-__version__ = version("remat")
+__version__ = remat_version()

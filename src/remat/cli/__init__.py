@@ -7,7 +7,6 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
-from importlib.metadata import version
 
 from rich.markup import escape
 
@@ -15,6 +14,7 @@ from remat.cli import bench, doctor, estimate, history, plan, recipes, support, 
 from remat.cli.args import select_model
 from remat.cli.common import err
 from remat.core.problems import ConfigError, Problem
+from remat.core.version import remat_version
 
 COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, support, history)
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remat", description="Activation recompute for PyTorch transformer training.", allow_abbrev=False
     )
-    parser.add_argument("--version", action="version", version=f"remat {version('remat')}")
+    parser.add_argument("--version", action="version", version=f"remat {remat_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         name = command.__name__.rsplit(".", 1)[1]
