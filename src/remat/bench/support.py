@@ -15,6 +15,7 @@ from remat import models
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 from remat.core.problems import ConfigError, Problem
+from remat.run.spec import parallel_meta_model
 
 # A representative recipe of each family (None: a factory's, which needs a model of the user's).
 FAMILIES: dict[str, str | None] = {"llama": "llama3_tiny", "moe": "moe_tiny", "hf": "hf:llama", "module": None}
@@ -151,8 +152,7 @@ def refusals(family_name: str, layout: ParallelLayout, precision: str) -> tuple[
     config = family.config(recipe, **SHAPE[family_name])
     found += family.layout_problems(config, layout)
     if not found:
-        built = family.shard(config, ParallelLayout(ep=layout.ep), range(config.num_layers))
-        found += family.parallelism(family.build(built, device="meta"), layout).problems()
+        found += family.parallelism(parallel_meta_model(family, config, layout), layout).problems()
     return tuple(found)
 
 

@@ -49,10 +49,10 @@ RUN_OVERRIDES = (
 )
 
 
-def add_model_source_flags(g: argparse._ActionsContainer, recipe_default: str | None = "llama3_tiny") -> None:
+def add_model_source_flags(g: argparse._ActionsContainer) -> None:
     """Which model: a recipe, a Hugging Face config, or any model from a factory."""
     g.add_argument("-m", "--model_family_name", default="llama", choices=list(FAMILIES))
-    add_settings(g, RunSpec, only=["recipe"], defaults={"model_recipe_name": recipe_default})
+    add_settings(g, RunSpec, only=["recipe"], defaults={"model_recipe_name": "llama3_tiny"})
     g.add_argument(
         "--hf_config",
         metavar="FAMILY_OR_JSON",
@@ -68,19 +68,13 @@ def add_model_source_flags(g: argparse._ActionsContainer, recipe_default: str | 
     )
 
 
-def add_model_flags(
-    p: argparse.ArgumentParser,
-    *,
-    overrides: Iterable[str] = RUN_OVERRIDES,
-    defaults: Mapping[str, Any] | None = None,
-    skip: Iterable[str] = (),
-) -> argparse._ArgumentGroup:
+def add_model_flags(p: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> argparse._ArgumentGroup:
     """The model, its shape and the step: Megatron Bridge's names."""
     g = p.add_argument_group("model and run (Megatron Bridge names)")
     add_model_source_flags(g)
-    add_settings(g, ModelOverrides, only=overrides)
-    add_settings(g, RunSpec, skip=["recipe", *skip], defaults=defaults)
-    add_settings(g, Precision, defaults=defaults)
+    add_settings(g, ModelOverrides, only=RUN_OVERRIDES)
+    add_settings(g, RunSpec, skip=["recipe", *skip])
+    add_settings(g, Precision)
     add_settings(g, OptimizerPrecision)
     return g
 
@@ -166,7 +160,7 @@ def gpus_of(args: argparse.Namespace) -> int:
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe's fields the flags replace."""
-    return ModelOverrides(**given(ModelOverrides, args)).given()
+    return given(ModelOverrides, args)
 
 
 def compile_default(flag: bool | None, device: str) -> bool:

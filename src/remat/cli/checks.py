@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from remat.bench.golden import threshold_problems
-from remat.cli.flags import flag_of
-from remat.config.megatron import RecomputeFields
 from remat.config.offload_rules import min_offload_size_problems
 from remat.config.recompute import RecomputeConfig
 from remat.core.problems import Problem
@@ -199,9 +197,7 @@ def planning_flag_problems(configs: Sequence[str] | None, recompute_flags: Mappi
         yield Problem("--configs", "--memory-budget plans instead of estimating given configs; drop one of them")
     for key in recompute_flags:
         if key != "min_offloaded_tensor_size":
-            yield Problem(
-                flag_of(RecomputeFields, key), "--memory-budget chooses what to recompute or offload; drop the flag"
-            )
+            yield Problem(key, "--memory-budget chooses what to recompute or offload; drop the flag")
 
 
 def per_stage_verify_problems(verify: bool, model_parallel: int) -> Iterator[Problem]:

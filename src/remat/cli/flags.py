@@ -39,7 +39,6 @@ def add_settings(
             options["action"] = argparse.BooleanOptionalAction
         elif meta.flag_type is None:  # a switch: on, or off where its flag says --no_
             options["action"] = "store_false" if flags[-1].startswith("--no_") else "store_true"
-            options["default"] = defaults.get(name)
         else:
             options.update(
                 type=str if meta.text else meta.flag_type,
@@ -68,11 +67,3 @@ def given(cls: Any, args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     return values
-
-
-def flag_of(cls: Any, name: str) -> str:
-    """The flags that set field `name` of `cls`, as a problem names them ("-tp/--tensor_model_parallel_size")."""
-    for f, meta in settings(cls):
-        if f.name == name:
-            return "/".join([*([meta.short] if meta.short else []), _long_flag(public_name(f), meta)])
-    raise KeyError(name)

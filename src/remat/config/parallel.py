@@ -181,6 +181,11 @@ class ParallelLayout:
         return 1 if self.num_gpus is None else max(self.num_gpus // self.model_parallel, 1)
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, over which FSDP2 shards them and reduces gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def gpus(self) -> int:
         """The GPUs the run takes: num_gpus, else one copy of the model."""
         return self.num_gpus or self.model_parallel

@@ -79,6 +79,13 @@ class RecomputeConfig(RecomputeFields):
         """Whether anything goes to host memory (as Plan.offloads)."""
         return (self.cpu_offloading and self.cpu_offloading_num_layers > 0) or self.fine_grained_activation_offloading
 
+    def on_layers(self, num_layers: int, stages: int = 1) -> RecomputeConfig:
+        """This config as Megatron applies it to `num_layers` layers run as `stages` pipeline stages
+        (one chunk's layers; a pipeline rank's chunks, back to back): `recompute_num_layers` counts
+        per stage, as in each (virtual) stage of the whole run."""
+        layout = dataclasses.replace(self.facts.layout, pp=stages, vp=None, schedule=None)
+        return dataclasses.replace(self, facts=dataclasses.replace(self.facts, num_layers=num_layers, layout=layout))
+
     def to_megatron(self) -> dict[str, Any]:
         """A flat dict of Megatron keys that `from_megatron` turns back into an equal config."""
         return {**to_public(self), **self.facts.to_megatron()}

@@ -4,8 +4,8 @@ Each rule is a small function yielding the `Problem`s it finds in a well-typed c
 types are checked before any rule runs). `RULES` are errors, `WARNING_RULES` advice. A comment
 on each says whose rule it is: Megatron's (the same check, worded to say what to change) or
 remat's (a combination Megatron accepts silently that does nothing or cannot run here). The
-fine-grained offloading rules are in `remat.config.offload_rules`; rules that need the model's own
-layout are in `remat.config.model_sites`.
+fine-grained offloading rules are in `remat.config.offload_rules`; rules that need the model's sites
+(`ModelSites`) are in `remat.config.model_sites`.
 """
 
 from __future__ import annotations

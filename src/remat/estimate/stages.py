@@ -394,13 +394,7 @@ def rank_plan(plan: PlanLike, spec: EstimateSpec, stage: int) -> PlanLike:
     layout = spec.layout
     if isinstance(plan, RecomputeConfig):
         # Megatron lowers recompute_num_layers per virtual chunk: the stage's chunks act as stages of its layers
-        chunks = ParallelLayout(pp=layout.virtual)
-        stage_facts = dataclasses.replace(
-            plan.facts,
-            num_layers=spec.model_config.num_layers // layout.pp,
-            layout=dataclasses.replace(plan.facts.layout, pp=chunks.pp, vp=None, schedule=None),
-        )
-        return dataclasses.replace(plan, facts=stage_facts)
+        return plan.on_layers(spec.model_config.num_layers // layout.pp, stages=layout.virtual)
     if isinstance(plan, Plan) and layout.pp > 1:
         return plan.cut(layout.rank_layers(len(plan.layers), stage))
     return plan

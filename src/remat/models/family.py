@@ -79,7 +79,7 @@ class SequenceParallelPoints:
     gather_after: their output is gathered again (the stack before a vocabulary-parallel loss head).
     split_before, gather_before: the same of their input (a first layer, whose model takes the
     positions from the embedding's whole output; a final norm).
-    A module's tokens are its first tensor argument, positional or keyword (`tokens_argument`).
+    A module's tokens are its first tensor argument, positional or keyword (`on_tokens_argument`).
     """
 
     blocks: list[nn.Module] = field(default_factory=list)
@@ -135,7 +135,7 @@ def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
 REFUSED: dict[str, tuple[str, str]] = {
     "tp": ("tensor_model_parallel_size", "is {size}; {kind} have no tensor-parallel split; use 1"),
     "pp": ("pipeline_model_parallel_size", "is {size}; {kind} run as one pipeline stage; use 1"),
-    "cp": ("context_parallel_size", "is {size}; {kind} have no context-parallel plan; use 1"),
+    "cp": ("context_parallel_size", "is {size}; {kind} have no context-parallel split; use 1"),
     "ep": (
         "expert_model_parallel_size",
         "is {size}, but {kind} have no routed experts that remat splits; use an MoE"

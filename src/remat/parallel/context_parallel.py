@@ -27,7 +27,7 @@ its cp peers (each over its own tokens).
 
 Each rank's loss is its tokens' mean; weighted by its share of the group's labelled tokens, the
 mean over the group is the sequence's mean, and FSDP2's mean over dp x cp is its gradient. An MoE
-router's auxiliary loss takes the group's load alike (its family's `context_parallel`).
+router's auxiliary loss takes the group's load alike (its `ModelParallelism.context_buffers`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from remat.parallel.pipeline import model_chunks
 from remat.parallel.state import (
     ContextShards,
     ParallelState,
-    layout_problems,
+    built_layout_problems,
     mesh_problems,
     planned,
     state_of,
@@ -123,7 +123,7 @@ def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     raise_if_any([*mesh_problems(mesh, "context-parallel", "cp"), *unknown_model_problems(model)])
     # beside sequence parallelism each rank's seq / cp tokens split again over its tp ranks
     state = planned(model, cp=mesh.size())
-    raise_if_any(layout_problems(model, state))
+    raise_if_any(built_layout_problems(model, state))
     return shard_context(state, mesh)
 
 
@@ -206,7 +206,7 @@ def _cpu_flash(
 ) -> tuple[DTensor, ...]:
     """aten._scaled_dot_product_flash_attention_for_cpu's signature, run by torch's ring."""
     if attn_mask is not None or dropout_p:
-        # the family's context_parallel_problems refuse both before a run; a model called otherwise lands here
+        # the family's layout_problems refuse both before a run; a model called otherwise lands here
         raise ConfigError(
             [
                 Problem(

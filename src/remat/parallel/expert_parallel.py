@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from remat.config.parallel import ParallelLayout
 from remat.core.problems import Problem, raise_if_any
 from remat.parallel.data_parallel import fully_shard_layers, mixed_precision
-from remat.parallel.state import ParallelState, layout_problems, mesh_problems, planned, unknown_model_problems
+from remat.parallel.state import ParallelState, built_layout_problems, mesh_problems, planned, unknown_model_problems
 
 EXPERT_MESH_DIMS = ("edp", "ep")
 
@@ -85,19 +85,14 @@ class ExpertSplit:
     experts: list[nn.Module]
 
 
-def split_experts(
-    model: nn.Module, mesh: DeviceMesh | None, ep: int, *, context: tuple[DeviceMesh, DeviceMesh] | None = None
-) -> ExpertSplit:
+def split_experts(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> ExpertSplit:
     """Split the routed experts of `model` (built with expert_model_parallel_size = `ep`) over
     groups of `ep` ranks of the data-parallel `mesh` (default: every rank of the default process
     group): each rank draws its experts whole, as one process draws them. Under tensor parallelism
     call it before `parallelize_tensor` (which then splits each expert's FFN over the
     tensor-parallel ranks) and `shard_experts` after; `parallelize_experts` does both without.
-    Call on every rank, after seeding torch alike on all of them. `context`: under context
-    parallelism, the pp x dp x cp x tp mesh (`ParallelLayout.mesh`) whose "dp" `mesh` is, and
-    its flattened dp x cp replicas: each cp rank's expert gradients are of its own tokens, so the
-    ranks holding the same experts are edp x cp of it.
-    Raises one ConfigError with every problem before changing anything."""
+    Call on every rank, after seeding torch alike on all of them (`parallelize` splits them
+    under context parallelism too). Raises one ConfigError with every problem before changing anything."""
     problems = [*_mesh_problems(mesh, ep), *unknown_model_problems(model)]
     if any(isinstance(p, DTensor) for p in model.parameters()):
         problems.append(
@@ -110,17 +105,18 @@ def split_experts(
         )
     raise_if_any(problems)
     state = planned(model, ep=ep)
-    raise_if_any(layout_problems(model, state))
+    raise_if_any(built_layout_problems(model, state))
     device = next(model.parameters()).device
-    return split_checked(
-        state, mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)), context
-    )
+    return split_checked(state, mesh or init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)))
 
 
 def split_checked(
     state: ParallelState, mesh: DeviceMesh, context: tuple[DeviceMesh, DeviceMesh] | None = None
 ) -> ExpertSplit:
-    """`split_experts` on a model whose layout's problems are checked."""
+    """`split_experts` on a model whose layout's problems are checked. `context`: under context
+    parallelism, the pp x dp x cp x tp mesh (`ParallelLayout.mesh`) whose "dp" `mesh` is, and its
+    flattened dp x cp replicas: each cp rank's expert gradients are of its own tokens, so the ranks
+    holding the same experts are edp x cp of it."""
     ep = state.layout.ep
     if context is None:
         split = expert_mesh(mesh, ep)

@@ -23,7 +23,7 @@ from remat.models import ModelFamily
 from remat.parallel.context_parallel import shard_context
 from remat.parallel.data_parallel import fully_shard_layers, shard_bytes
 from remat.parallel.expert_parallel import shard_experts, split_checked
-from remat.parallel.state import layout_problems, planned
+from remat.parallel.state import built_layout_problems, planned
 from remat.parallel.tensor_parallel import (
     distribute_saved_inputs_by_shape,
     seed_problems,
@@ -52,7 +52,7 @@ def parallelize(
     the layout on this model is raised as one ConfigError before anything changes. Call on every
     rank, after seeding torch alike on all of them. Returns `model`."""
     state = planned(model, family, layout)
-    problems = [*layout.problems(), *layout_problems(model, state)]
+    problems = [*layout.problems(), *built_layout_problems(model, state)]
     if layout.tp > 1:
         problems += seed_problems(mesh["tp"])
     raise_if_any(problems)
@@ -64,7 +64,7 @@ def parallelize(
         split_tensor(model, state, mesh["tp"])
     if context:
         shard_context(state, mesh["cp"])
-    if layout.dp * layout.cp == 1:
+    if layout.replicas == 1:
         return model
     state.parallelism.replicas(replicas.get_group())
     compute, reduce, once = sharding.compute_dtype, sharding.reduce_dtype, sharding.reduce_once_a_step
@@ -91,7 +91,7 @@ def parallelize_by_shape(
 def sharded_state_bytes(model: nn.Module, family: ModelFamily, layout: ParallelLayout, dtype: torch.dtype) -> int:
     """Bytes of `model` (one rank's shard) FSDP2 leaves this rank: its routed experts sharded over
     the ranks holding the same experts (dp x cp / ep), everything else over dp x cp."""
-    replicas = layout.dp * layout.cp
+    replicas = layout.replicas
     experts = {p for module in family.parallelism(model, layout).routed_experts() for p in module.parameters()}
     rest = [p for p in model.parameters() if p not in experts]
     return shard_bytes(rest, replicas, dtype) + shard_bytes(experts, replicas // layout.ep, dtype)

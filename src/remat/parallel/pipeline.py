@@ -116,11 +116,11 @@ _NO_OUTPUTS: dict[str, Any] = (
 )
 
 
-# torch's class that runs each of ParallelLayout's SCHEDULES, and whether it takes a rank's stages
-# as a list (a schedule of several model chunks per rank) or its one stage
-TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle] | type[PipelineScheduleMulti], bool]] = {
-    "1f1b": (Schedule1F1B, False),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
+# torch's class that runs each of ParallelLayout's SCHEDULES (a PipelineScheduleMulti takes a
+# rank's stages as a list, a PipelineScheduleSingle its one stage)
+TORCH_SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
 
 
@@ -134,9 +134,10 @@ def _schedule(
     def scaled(output: Tensor, weight: Tensor) -> Tensor:
         return output * weight[0] / micro_batches
 
-    schedule, many = TORCH_SCHEDULES[layout.pipeline_schedule]
+    schedule = TORCH_SCHEDULES[layout.pipeline_schedule]
     options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule.__init__).parameters else {}
-    return schedule(stages if many else stages[0], micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
+    chunks = stages if issubclass(schedule, PipelineScheduleMulti) else stages[0]
+    return schedule(chunks, micro_batches, loss_fn=scaled, **options)  # type: ignore[arg-type]
 
 
 def model_chunks(model: nn.Module) -> list[nn.Module]:

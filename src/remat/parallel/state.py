@@ -91,7 +91,7 @@ def mesh_problems(mesh: DeviceMesh | None, kind: str, name: str) -> Iterator[Pro
         )
 
 
-def layout_problems(model: nn.Module, state: ParallelState) -> Iterator[Problem]:
+def built_layout_problems(model: nn.Module, state: ParallelState) -> Iterator[Problem]:
     """Why `model` cannot run under its state's layout: its config's and the built model's."""
     if state.family is not None:
         yield from state.family.layout_problems(getattr(model, "config", None), state.layout)

@@ -39,7 +39,7 @@ from remat.models.family import on_tokens_argument, on_tokens_output
 from remat.parallel.data_parallel import layer_modules
 from remat.parallel.state import (
     ParallelState,
-    layout_problems,
+    built_layout_problems,
     mesh_problems,
     planned,
     state_of,
@@ -109,7 +109,7 @@ def parallelize_tensor(model: nn.Module, mesh: DeviceMesh | None = None, *, sequ
     device = next(model.parameters()).device
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     state = planned(model, tp=mesh.size(), sp=sequence_parallel)
-    raise_if_any([*layout_problems(model, state), *seed_problems(mesh)])
+    raise_if_any([*built_layout_problems(model, state), *seed_problems(mesh)])
     return split_tensor(model, state, mesh)
 
 

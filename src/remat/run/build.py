@@ -4,8 +4,6 @@ schedule; and a plan installed on it as Megatron applies one to each (virtual) p
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -153,10 +151,5 @@ def stage_plan(plan: PlanLike, layout: ParallelLayout, num_layers: int, stage: i
     if isinstance(plan, Plan):
         return plan.cut(layout.chunk_layers(num_layers, stage))
     if isinstance(plan, RecomputeConfig):
-        facts = dataclasses.replace(
-            plan.facts,
-            num_layers=num_layers // layout.chunks,
-            layout=dataclasses.replace(plan.facts.layout, pp=1, vp=None, schedule=None),
-        )
-        return dataclasses.replace(plan, facts=facts)
+        return plan.on_layers(num_layers // layout.chunks)
     return plan

@@ -8,7 +8,6 @@ micro-batches of forward and backward (gradients accumulate), then an AdamW step
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from remat import models
 from remat.config.capture import Capture
@@ -72,10 +72,6 @@ class ModelOverrides:
     attention_backend: str | None = setting(None, parse=optional(parse_str), flag=True, choices=("sdpa", "eager"))
     attention_dropout: float | None = setting(None, parse=optional(parse_float), flag=True, metavar="P")
     hidden_dropout: float | None = setting(None, parse=optional(parse_float), flag=True, metavar="P")
-
-    def given(self) -> dict[str, Any]:
-        """The fields replaced, by name."""
-        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -207,7 +203,7 @@ class RunSpec:
     def fully_sharded(self) -> bool:
         """Whether FSDP2 shards the training state over the dp x cp ranks: in every run with data
         or context parallelism (remat's data parallelism is FSDP2)."""
-        return self.layout.dp * self.layout.cp > 1
+        return self.layout.replicas > 1
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -240,11 +236,16 @@ def run_problems(spec: RunSpec) -> Iterator[Problem]:
         )
     yield from unrun_problems(spec.capture)
     try:
-        config = spec.family.shard(spec.model_config, ParallelLayout(ep=layout.ep), range(spec.model_config.num_layers))
-        model = spec.family.build(config, device="meta")
+        model = parallel_meta_model(spec.family, spec.model_config, layout)
     except (ConfigError, ValueError):  # the spec's own problems, reported with it
         return
     yield from spec.family.parallelism(model, layout).problems()
+
+
+def parallel_meta_model(family: ModelFamily, config: Any, layout: ParallelLayout) -> nn.Module:
+    """The model of `config` on the meta device with its experts split by the layout's ep: what
+    the family's `ModelParallelism` checks before a run."""
+    return family.build(family.shard(config, ParallelLayout(ep=layout.ep), range(config.num_layers)), device="meta")
 
 
 def single_process_problems(layout: ParallelLayout) -> Iterator[Problem]:

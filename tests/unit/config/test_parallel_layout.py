@@ -15,6 +15,7 @@ sizes = st.sampled_from([1, 2, 3, 4])
 def test_coordinates_place_every_rank_once_with_tp_innermost(tp, pp, cp, dp) -> None:
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, num_gpus=tp * pp * cp * dp)
     assert layout.dp == dp and layout.gpus == tp * pp * cp * dp and layout.mesh_shape == (pp, dp, cp, tp)
+    assert layout.replicas == dp * cp
     places = [layout.coordinates(rank) for rank in range(layout.gpus)]
     assert sorted(places) == places  # rank order is the mesh's row-major order: pp, dp, cp, tp
     assert len(set(places)) == layout.gpus

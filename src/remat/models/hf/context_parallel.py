@@ -96,7 +96,7 @@ def _sliding(hf: Any) -> bool:
 def prepare(model: nn.Module, layout: ParallelLayout) -> None:
     """Have `model`'s rotary embedding take the positions `set_positions` gives, and its loss the
     labels as shifted already, while a sharded batch runs; ConfigError if its causal LM's config
-    (a pipeline stage's too) cannot run over `size` ranks."""
+    (a pipeline stage's too) cannot run over `layout.cp` ranks."""
     lm: Any = hf_model(model)
     base: Any = lm.base_model
     found = list(problems(lm.config, 0, layout))

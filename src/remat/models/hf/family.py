@@ -154,7 +154,8 @@ def _packed_sequences_on_meta() -> None:
 def _of(config: HfModelConfig | Any) -> HfModelConfig | None:
     """`config`, or what context_parallel_model passes, a built model's `config`: a transformers
     config, as one of unknown sequence length (0: its splits pass; a batch is checked when it is
-    sharded), or None for a pipeline stage, whose causal LM's `context_parallel` checks."""
+    sharded), or None for a pipeline stage, whose causal LM `context_parallel.prepare` checks when
+    `HfParallelism.context_buffers` runs."""
     if config is None or isinstance(config, HfModelConfig):
         return config
     return HfModelConfig(config.model_type, config, 0)

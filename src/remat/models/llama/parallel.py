@@ -69,7 +69,7 @@ class LlamaParallelism(ModelParallelism):
         if others:
             yield Problem(
                 "model",
-                f"layers with {', '.join(others)} have no tensor-parallel plan; only"
+                f"layers with {', '.join(others)} have no tensor-parallel split; only"
                 f" {', '.join(part.__name__ for part in self.parts)} split",
             )
 

@@ -235,9 +235,7 @@ class MoEConfig(LlamaConfig):
         return self.num_attention_heads * (self.v_head_dim if self.multi_latent_attention else self.head_dim)
 
     def record(self) -> dict[str, Any]:
-        # the expert-parallel size where it splits the experts, as a result records other parallel sizes
-        ep = self.expert_model_parallel_size
-        split = {"expert_model_parallel_size": ep} if ep > 1 else {}
+        # the whole model's shape: a result records ep beside the other parallel sizes, from the layout
         return dict(
             super().record(),
             num_moe_experts=self.num_moe_experts,
@@ -245,7 +243,6 @@ class MoEConfig(LlamaConfig):
             moe_ffn_hidden_size=self.expert_ffn,
             moe_layer_freq=self._pattern,
             multi_latent_attention=self.multi_latent_attention,
-            **split,
         )
 
     def megatron_facts(self) -> dict[str, Any]:

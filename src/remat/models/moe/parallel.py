@@ -13,13 +13,13 @@ from torch import nn
 from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from remat.core.problems import ConfigError, Problem
+from remat.core.problems import Problem
 from remat.models.family import Fork
 from remat.models.llama.parallel import LlamaParallelism
 from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.model import MoEModel
 from remat.models.moe.moe_layer import MoELayer
-from remat.models.moe.tensor_parallel import mla_plan, moe_plan
+from remat.models.moe.tensor_parallel import mla_styles, moe_styles
 
 # beside tp, each expert's FFN splits over the tp ranks: Megatron's default expert_tensor_parallel_size
 ETP_BESIDE_TP = (
@@ -59,9 +59,9 @@ class MoEParallelism(LlamaParallelism):
     def tensor_parallel_part(self, part: nn.Module, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
         """MLA and MoE layers as Megatron splits them; the Llama's parts as it does."""
         if isinstance(part, MLASelfAttention):
-            return mla_plan(part, self.layout.tp, tokens, fork)
+            return mla_styles(part, self.layout.tp, tokens, fork)
         if isinstance(part, MoELayer):
-            return moe_plan(part, self.layout.tp, tokens)
+            return moe_styles(part, self.layout.tp, tokens)
         return super().tensor_parallel_part(part, tokens, fork)
 
     def replicas(self, group: dist.ProcessGroup) -> None:
@@ -83,10 +83,8 @@ class MoEParallelism(LlamaParallelism):
     def split_experts(self, group: dist.ProcessGroup) -> list[nn.Module]:
         """Megatron's and torchtitan's split: rank r of the group holds experts [r x local,
         (r + 1) x local) of each MoE layer, and the layer exchanges token slots with the others
-        by all-to-all; the router, the shared experts and the rest stay whole on every rank."""
-        problems = list(self.problems())
-        if problems:
-            raise ConfigError(problems)
+        by all-to-all; the router, the shared experts and the rest stay whole on every rank.
+        Its callers have run `problems()`."""
         for layer in self.model.modules():
             if isinstance(layer, MoELayer):
                 layer.split_experts(group)

@@ -73,7 +73,7 @@ class SummedGradient(ParallelStyle):
         return module
 
 
-def mla_plan(attention: MLASelfAttention, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
+def mla_styles(attention: MLASelfAttention, tp: int, tokens: Placement, fork: Fork) -> dict[str, ParallelStyle]:
     """`attention` as one of `tp` ranks (its heads, dropout over them from this rank's stream);
     the styles of its modules by path below it."""
     attention.heads //= tp
@@ -93,7 +93,7 @@ def mla_plan(attention: MLASelfAttention, tp: int, tokens: Placement, fork: Fork
     return plan
 
 
-def moe_plan(moe: MoELayer, tp: int, tokens: Placement) -> dict[str, ParallelStyle]:
+def moe_styles(moe: MoELayer, tp: int, tokens: Placement) -> dict[str, ParallelStyle]:
     """`moe` as one of `tp` ranks: its experts' FFN shares, its collectives; the styles of its
     modules by path below it."""
     for weight in moe.experts.weight1:  # each expert's [gate; up] rows
