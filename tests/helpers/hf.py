@@ -25,7 +25,7 @@ def build(family: str, attention: str | None = None, dropout: float = DROPOUT, *
             setattr(config, name, dropout)
     torch.manual_seed(0)
     kwargs = {"attn_implementation": attention} if attention else {}
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
+    if any(getattr(config, n, None) for n in ("num_local_experts", "num_experts", "n_routed_experts")):
         kwargs["experts_implementation"] = "eager"  # grouped_mm takes no float64
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, **kwargs)
     return model.train()
@@ -58,5 +58,5 @@ LABELS = {
     "mixtral": ("core_attn", "layernorm", "moe", "moe_act"),
     "qwen2_moe": ("core_attn", "layernorm", "moe", "moe_act", "shared_experts"),
     "qwen3_moe": ("core_attn", "layernorm", "mlp", "moe", "moe_act"),
-    "deepseek_v3": ("core_attn", "layernorm", "mlp", "mla_up_proj", "moe", "moe_act", "shared_experts"),
+    "deepseek_v3": ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts"),
 }

@@ -173,8 +173,8 @@ def test_the_estimate_on_meta_agrees_exactly_with_the_trace_on_cpu(family) -> No
             ), name
 
 
-def test_remat_verify_takes_moe_and_mla_labels_on_a_transformers_model(capsys) -> None:
-    """The config's facts (grouped GEMM experts, multi-latent attention) come from the model."""
+def test_remat_verify_takes_moe_labels_on_a_transformers_model(capsys) -> None:
+    """The config's facts (grouped GEMM experts) come from the model."""
     from remat.cli import main
 
     code = main(
@@ -189,7 +189,7 @@ def test_remat_verify_takes_moe_and_mla_labels_on_a_transformers_model(capsys) -
             "-sl",
             "16",
             "--recompute_modules",
-            "moe_act,mla_up_proj,shared_experts",
+            "moe_act,shared_experts",
         ]
     )
     out, err = capsys.readouterr()

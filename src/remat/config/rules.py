@@ -224,7 +224,7 @@ def rule_cpu_offload_graphs(c: RecomputeFields) -> Iterator[Problem]:  # Megatro
 
 @_rule
 def rule_moe_act_needs_grouped_gemm(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if "moe_act" in selected(c) and not c.facts.moe_grouped_gemm:
+    if "moe_act" in selected(c) and c.facts.moe_grouped_gemm is False:
         yield Problem(
             "recompute_modules", "'moe_act' recompute needs moe_grouped_gemm=True; enable it or drop 'moe_act'"
         )
@@ -232,7 +232,7 @@ def rule_moe_act_needs_grouped_gemm(c: RecomputeFields) -> Iterator[Problem]:  #
 
 @_rule
 def rule_mla_up_proj_needs_mla(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if "mla_up_proj" in selected(c) and not c.facts.multi_latent_attention:
+    if "mla_up_proj" in selected(c) and c.facts.multi_latent_attention is False:
         yield Problem(
             "recompute_modules",
             "'mla_up_proj' exists only with multi_latent_attention=True; enable it or drop 'mla_up_proj'",

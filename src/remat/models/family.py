@@ -62,11 +62,14 @@ class ModelConfig(Protocol):
 
 
 def dense_facts(config: ModelConfig) -> dict[str, Any]:
-    """The recompute rules' keys every model fixes: its layers and dropout."""
+    """The recompute rules' keys every model fixes: its layers and dropout; a dense model has
+    neither grouped-GEMM experts nor multi-latent attention."""
     return {
         "num_layers": config.num_layers,
         "attention_dropout": config.attention_dropout,
         "hidden_dropout": config.hidden_dropout,
+        "moe_grouped_gemm": False,
+        "multi_latent_attention": False,
     }
 
 

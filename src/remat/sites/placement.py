@@ -176,7 +176,12 @@ def replace_forward(module: nn.Module, wrap: Callable[[Callable[..., Any]], Call
     """Set `module`'s forward to `wrap(its forward)` on the instance; returns what puts back the
     forward it had (its class's, or one installed on the instance before)."""
     own = module.__dict__.get("forward")
-    module.forward = wrap(module.forward)  # type: ignore[method-assign]
+    inner = module.forward
+    wrapped = wrap(inner)
+    # inspect.signature follows __wrapped__: the forward keeps its parameters' names (HF's
+    # Trainer keeps only the dataset columns the forward's signature names)
+    wrapped.__wrapped__ = inner  # type: ignore[attr-defined]
+    module.forward = wrapped  # type: ignore[method-assign]
 
     def undo() -> None:
         if own is None:

@@ -179,8 +179,18 @@ FAILING: list[tuple[str, dict[str, Any], str, str]] = [
         "cpu_offloading",
         "per-layer CUDA graphs",
     ),
-    ("rule_moe_act_needs_grouped_gemm", sel("moe_act"), "recompute_modules", "moe_grouped_gemm=True"),
-    ("rule_mla_up_proj_needs_mla", sel("mla_up_proj"), "recompute_modules", "multi_latent_attention=True"),
+    (
+        "rule_moe_act_needs_grouped_gemm",
+        {**sel("moe_act"), "moe_grouped_gemm": False},
+        "recompute_modules",
+        "moe_grouped_gemm=True",
+    ),
+    (
+        "rule_mla_up_proj_needs_mla",
+        {**sel("mla_up_proj"), "multi_latent_attention": False},
+        "recompute_modules",
+        "multi_latent_attention=True",
+    ),
     (
         "rule_shared_experts_not_with_overlap",
         {**sel("shared_experts"), "moe_shared_expert_intermediate_size": 1024, "moe_shared_expert_overlap": True},
@@ -445,6 +455,9 @@ PASSING: list[tuple[str, dict[str, Any]]] = [
     ("rule_cpu_offload_graphs", {"cpu_offloading": True, "cuda_graph_impl": "full_iteration"}),
     ("rule_moe_act_needs_grouped_gemm", {**sel("moe_act"), "moe_grouped_gemm": True}),
     ("rule_mla_up_proj_needs_mla", {**sel("mla_up_proj"), "multi_latent_attention": True}),
+    # not said: the model the config is applied to tells
+    ("rule_moe_act_needs_grouped_gemm", sel("moe_act")),
+    ("rule_mla_up_proj_needs_mla", sel("mla_up_proj")),
     ("rule_shared_experts_not_with_overlap", {**sel("shared_experts"), "moe_shared_expert_intermediate_size": 1024}),
     ("rule_fp8_delayed_discard_labels", {**sel("layernorm"), "fp8": "e4m3", "fp8_recipe": "tensorwise"}),
     (

@@ -9,6 +9,8 @@ The launches, the runs through the command line and the exhaustive sweeps: tests
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from helpers.hf import BATCH, DROPOUT, LABELS, LAYERS, SEQ, batch, build, full, selective, transformers
@@ -17,6 +19,7 @@ import remat  # noqa: E402
 from remat.config.recompute import RecomputeConfig  # noqa: E402
 from remat.core.problems import ConfigError  # noqa: E402
 from remat.models.hf.configs import TINY, hf_config  # noqa: E402
+from remat.models.hf.family import _matmul_params  # noqa: E402
 from remat.run.verify import run_step, verify  # noqa: E402
 from remat.sites.apply import find_sites  # noqa: E402
 from remat.sites.placement import site_map_of  # noqa: E402
@@ -275,3 +278,96 @@ def test_without_transformers_the_message_says_how_to_install_it(monkeypatch) ->
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"^Hugging Face models need transformers: pip install 'remat\[hf\]'$"):
         transformers_module()
+
+
+@pytest.mark.parametrize(
+    "family, field, value",
+    [
+        ("granite", "logits_scaling", 8.0),  # divides its logits
+        ("granitemoe", "logits_scaling", 4.0),
+        ("hyperclovax", "logits_scaling", 2.0),  # multiplies by a field of the same name
+        ("cohere", "logit_scale", 0.25),
+    ],
+)
+def test_the_chunked_loss_head_scales_the_logits_as_the_model_head_does(family, field, value) -> None:
+    model = build(family, dropout=0.0, **{field: value})
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    plain = run_step(model, ids, ids, seed=0)
+    remat.adapt(model, loss_head=True)
+    for _ in range(2):  # the first call reads the scale, the next ones apply it
+        chunked = run_step(model, ids, ids, seed=0)
+        torch.testing.assert_close(chunked.loss.float(), plain.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_a_head_whose_logits_no_scale_explains_is_refused_on_the_first_call() -> None:
+    model = build("llama", dropout=0.0)
+    model.lm_head.register_forward_hook(lambda module, args, out: out + 1.0)  # a bias HF's head would add
+    remat.adapt(model, loss_head=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ConfigError, match="no scale of its output layer's gives"):
+        model(ids, labels=ids)
+
+
+def test_the_forward_keeps_its_signature_and_the_trainer_trains_with_the_loss_head(tmp_path) -> None:
+    pytest.importorskip("accelerate")
+    model = build("llama", dropout=0.0)
+    model.float()
+    before = inspect.signature(model.forward)
+    remat.adapt(model, loss_head=True)
+    assert inspect.signature(model.forward) == before
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (4, 48), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+    )
+    result = transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+@pytest.mark.parametrize(
+    "family, present, absent",
+    [
+        ("gpt_neox", {"core_attn": "gpt_neox.layers.*.attention"}, ()),  # attention by what it calls
+        ("granitemoe", {"moe": "model.layers.*.block_sparse_moe"}, ("mlp",)),  # the block holding experts
+        ("olmo2", {}, ("layernorm",)),  # post-norms: their output goes into the residual add
+        ("gemma2", {"layernorm": "model.layers.*.pre_feedforward_layernorm"}, ()),
+        ("deepseek_v3", {}, ("mla_up_proj",)),  # HF's up-projections run inline: a Site frees nothing
+    ],
+)
+def test_sites_are_found_by_what_the_modules_do(family, present, absent) -> None:
+    from remat.models.hf.adapter import ADAPTER
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+    found = ADAPTER.site_map(model)
+    for label, pattern in present.items():
+        assert pattern in found[label], (label, found[label])
+    assert not set(absent) & set(found)
+    if family == "gemma2":  # its post_attention_layernorm is a post-norm
+        assert "model.layers.*.post_attention_layernorm" not in found["layernorm"]
+
+
+def test_a_config_without_model_facts_is_judged_by_the_model_it_is_applied_to() -> None:
+    moe_act = RecomputeConfig(recompute_granularity="selective", recompute_modules=["moe_act"])
+    report = remat.verify(remat.adapt(build("mixtral")), moe_act, *batch(build("mixtral")))
+    assert report.bit_identical and report.freed_bytes > 0
+    with pytest.raises(ConfigError, match="'moe_act' matches no site in LlamaForCausalLM"):
+        remat.apply(remat.adapt(build("llama")), moe_act)
+
+
+def test_a_fused_gate_up_projection_counts_as_dense_and_phi3_runs_from_the_command_line(capsys) -> None:
+    from remat.cli import main
+    from remat.models.hf.family import FAMILY
+
+    config = FAMILY.config("hf:phi3")
+    dense, routed = _matmul_params(config)
+    assert routed == 0 and dense > 0
+    code = main(["verify", "-mr", "hf:phi3", "-rl", "1", "--recompute_method", "uniform"])
+    assert code == 0, capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,14 +25,15 @@ from remat.models.family import Fork
 from remat.models.hf.loss_head import swap_loss_head
 from remat.sites.placement import Adapter
 
-# The attention module of a decoder layer, by the names transformers' models use.
-_ATTENTION = ("self_attn", "attn", "self_attention")
-# A layer's pre-norms: before attention, and before the MLP. Llama-style models call the second
-# post_attention_layernorm; Gemma's post_attention_layernorm is a post-norm (its output goes into
-# the residual add, which saves nothing) and pre_feedforward_layernorm is the pre-MLP norm.
-_PRE_NORMS = (("input_layernorm", "ln_1"), ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2"))
-_SHARED_EXPERTS = ("shared_expert", "shared_experts")
-_MLA_UP = ("q_b_proj", "kv_b_proj")
+# What a decoder layer's attention module calls: transformers' attention functions.
+_ATTENTION_CALLS = frozenset({"ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"})
+# A layer's feed-forward block, dense or MoE, by the names transformers' models give it.
+_FEED_FORWARD = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+_SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")
+# A norm whose output only goes into the residual add saves nothing for backward: transformers
+# names them post_*. Llama's post_attention_layernorm is the exception: the pre-MLP norm of a
+# layer whose only other norm is its input_layernorm.
+_LLAMA_PRE_MLP = "post_attention_layernorm"
 
 
 def _is_transformers(obj: type) -> bool:
@@ -54,7 +56,38 @@ def _layer_paths(model: nn.Module) -> list[str]:
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """Each decoder layer's attention module."""
     layers = [model.get_submodule(path) for path in _layer_paths(model)]
-    return [layer.get_submodule(name) for layer in layers if (name := _first_child(layer, _ATTENTION)) is not None]
+    return [layer.get_submodule(name) for layer in layers for name in _attention(layer)]
+
+
+def _calls_attention(module: nn.Module) -> bool:
+    """Whether `module`'s forward dispatches to one of transformers' attention functions."""
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and not _ATTENTION_CALLS.isdisjoint(code.co_names)
+
+
+def _attention(layer: nn.Module) -> list[str]:
+    return [name for name, child in layer.named_children() if _calls_attention(child)]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def _pre_norms(layer: nn.Module) -> list[str]:
+    """The norms whose output a sublayer takes (and saves), not those before a residual add."""
+    norms = [name for name, child in layer.named_children() if _is_norm(child)]
+    pre = [n for n in norms if not n.startswith("post")]
+    if _LLAMA_PRE_MLP in norms and pre == ["input_layernorm"]:
+        pre.append(_LLAMA_PRE_MLP)
+    return pre
+
+
+def _feed_forward(layer: nn.Module) -> str | None:
+    """The layer's MLP or MoE block: a child holding experts, else one by a feed-forward name."""
+    children = dict(layer.named_children())
+    moe = next((n for n, c in children.items() if isinstance(getattr(c, "experts", None), nn.Module)), None)
+    return moe or next((n for n in _FEED_FORWARD if isinstance(children.get(n), nn.Module)), None)
 
 
 def _first_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -62,31 +95,28 @@ def _first_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
 
 
 def _layer_sites(layer: nn.Module) -> Iterator[tuple[str, str]]:
-    """(label, path inside the layer) of one decoder layer's sites."""
+    """(label, path inside the layer) of one decoder layer's sites. No mla_up_proj: transformers'
+    multi-latent attention runs its up-projections inline, and a Site on q_b_proj or kv_b_proj
+    alone frees nothing (attention keeps the query, key and value after RoPE, not their outputs)."""
     yield "layer", ""
-    for names in _PRE_NORMS:
-        norm = _first_child(layer, names)
-        if norm is not None:
-            yield "layernorm", norm
-    attention = _first_child(layer, _ATTENTION)
-    if attention is not None:
+    for norm in _pre_norms(layer):
+        yield "layernorm", norm
+    for attention in _attention(layer):
         yield "core_attn", attention
-        for name in _MLA_UP:
-            if isinstance(getattr(layer.get_submodule(attention), name, None), nn.Module):
-                yield "mla_up_proj", f"{attention}.{name}"
-    mlp = getattr(layer, "mlp", None)
-    if not isinstance(mlp, nn.Module):
+    block = _feed_forward(layer)
+    if block is None:
         return
-    experts = getattr(mlp, "experts", None)
+    module = layer.get_submodule(block)
+    experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.Module):
-        yield "mlp", "mlp"
+        yield "mlp", block
         return
-    yield "moe", "mlp"
+    yield "moe", block
     if isinstance(getattr(experts, "act_fn", None), nn.Module):
-        yield "moe_act", "mlp.experts.act_fn"
-    shared = _first_child(mlp, _SHARED_EXPERTS)
+        yield "moe_act", f"{block}.experts.act_fn"
+    shared = _first_child(module, _SHARED_EXPERTS)
     if shared is not None:
-        yield "shared_experts", f"mlp.{shared}"
+        yield "shared_experts", f"{block}.{shared}"
 
 
 def _compress(hits: list[tuple[str, str]], layers: list[str]) -> tuple[str, ...]:

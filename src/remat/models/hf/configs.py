@@ -9,57 +9,26 @@ from pathlib import Path
 from typing import Any
 
 from remat.core.problems import ConfigError, Problem, did_you_mean
+from remat.models.hf import catalog
 
 INSTALL = "Hugging Face models need transformers: pip install 'remat[hf]'"
 
-_DENSE: dict[str, Any] = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=256,
-    max_position_embeddings=256,
-    head_dim=16,
-)
-_MOE_EAGER: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-# family -> (transformers model_type, fields beside the dense defaults). Experts run in float64 on
-# CPU only through transformers' eager experts (grouped_mm takes float16/32 only).
-TINY: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("llama", {}),
-    "mistral": ("mistral", {}),
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
-    "gemma2": ("gemma2", {}),
-    "gemma3": ("gemma3_text", {}),
-    "phi3": ("phi3", {"pad_token_id": 0}),
-    "gpt2": (
-        "gpt2",
-        dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0, eos_token_id=0),
-    ),
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("qwen2_moe", dict(_MOE_EAGER, num_experts=4, shared_expert_intermediate_size=64)),
-    "qwen3_moe": ("qwen3_moe", dict(_MOE_EAGER, num_experts=4, mlp_only_layers=[0])),
-    "deepseek_v3": (
-        "deepseek_v3",
-        dict(
-            _MOE_EAGER,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            head_dim=8,
-        ),
-    ),  # DeepSeek's head_dim is its RoPE part
+# The families the README shows, by the name remat lists them under -> transformers' model_type.
+# Every other decoder-only family of the installed transformers builds as `hf:<model_type>` too.
+TINY: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "gpt2": "gpt2",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
 }
-_NO_DENSE_DEFAULTS = {"gpt2"}
 
 # Megatron's names -> transformers' (the config's attribute_map takes GPT-2's n_embd etc. from these).
 MEGATRON_NAMES: dict[str, tuple[str, ...]] = {
@@ -92,9 +61,14 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
     Megatron's names (num_layers, hidden_size, ...) or the config's own; every bad name at once."""
     transformers = transformers_module()
     path = Path(family_or_json)
-    if family_or_json in TINY:
-        model_type, fields = TINY[family_or_json]
-        base = dict(fields) if family_or_json in _NO_DENSE_DEFAULTS else {**_DENSE, **fields}
+    model_type = TINY.get(family_or_json, family_or_json)
+    if model_type in catalog.causal_lm_types():
+        reason = catalog.scope(model_type)
+        if reason is not None:
+            raise ConfigError(
+                [Problem("hf_config", f"{family_or_json!r} is {reason}; remat adapts decoder-only causal LMs")]
+            )
+        base = catalog.tiny_fields(model_type)
     elif path.suffix == ".json" or path.is_file():
         try:
             base = json.loads(path.read_text())
@@ -108,8 +82,9 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
             [
                 Problem(
                     "hf_config",
-                    f"{family_or_json!r} is neither a family{did_you_mean(family_or_json, TINY)}"
-                    f" ({', '.join(TINY)}) nor a config.json",
+                    f"{family_or_json!r} is neither a family"
+                    f"{did_you_mean(family_or_json, [*TINY, *catalog.decoder_families()])}"
+                    f" ({', '.join(TINY)}, or any causal LM model_type of transformers) nor a config.json",
                 )
             ]
         )
@@ -129,6 +104,9 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
         fields.update((name, value) for name in names)
     if problems:
         raise ConfigError(problems)
+    kinds, layers = fields.get("layer_types"), fields.get("num_hidden_layers")
+    if isinstance(kinds, list) and kinds and isinstance(layers, int) and len(kinds) != layers:
+        fields["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]  # the pattern, repeated
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 

@@ -115,17 +115,14 @@ def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
     model = _build(config, None, "meta")
     dense = routed = 0
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv2d)):
             continue
-        own = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
-        if (
-            getattr(module, "gate_up_proj", None) is not None
-            and getattr(module, "down_proj", None) is not None
-            and module.gate_up_proj.dim() == 3
-        ):
-            routed += own
-        else:
-            dense += own
+        for p in module.parameters(recurse=False):
+            # transformers stacks routed experts' weights, [experts, out, in]; a Linear's are 2-D
+            if p.dim() == 3:
+                routed += p.numel()
+            elif p.dim() == 2:
+                dense += p.numel()
     if getattr(model.config, "tie_word_embeddings", False):  # the output layer is the embedding's weight
         dense += model.get_output_embeddings().weight.numel()
     return dense, routed
@@ -169,7 +166,7 @@ class HfFamily(ModelFamily):
     def recipes(self) -> Mapping[str, Mapping[str, Any]]:
         if importlib.util.find_spec("transformers") is None:  # listed where they can be built
             return {}
-        return {f"{PREFIX}{family}": {"model_type": model_type} for family, (model_type, _) in TINY.items()}
+        return {f"{PREFIX}{family}": {"model_type": model_type} for family, model_type in TINY.items()}
 
     def owns(self, recipe: str) -> bool:
         return recipe.startswith(PREFIX)

@@ -3,7 +3,11 @@ the output embedding, chunk by chunk (remat's chunked linear + cross-entropy), i
 full-vocabulary logits that HF's `ForCausalLMLoss` upcasts to float32 (4 GiB per sequence of 8192
 tokens at a 128k vocabulary). Same loss as HF's: labels shifted by one, -100 ignored, a mean, or a
 sum over `num_items_in_batch` where the Trainer passes it. The output then has no logits. A
-micro-batch of fewer tokens than half the hidden size keeps HF's head, which then holds less."""
+micro-batch of fewer tokens than half the hidden size keeps HF's head, which then holds less.
+
+Some heads scale their logits (Granite divides by `logits_scaling`, HyperCLOVAX multiplies by a
+field of the same name, Cohere by `logit_scale`): the first call reads the scale off the logits
+the model returns for its last position, and refuses a head whose logits no scale explains."""
 
 from __future__ import annotations
 
@@ -47,6 +51,35 @@ def causal_lm_loss(
     return mean * valid / torch.as_tensor(num_items_in_batch, device=mean.device)
 
 
+def _whole(t: Tensor) -> Tensor:
+    """A plain tensor of `t`'s whole value (a DTensor's gathered)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def logit_scale(logits: Tensor, hidden: Tensor, weight: Tensor, model: str) -> float:
+    """The scalar by which `model`'s head multiplies `hidden @ weight.T` into the `logits` it
+    returned for the last position; ConfigError if no scalar gives them to the dtype's rounding."""
+    base = nn.functional.linear(_whole(hidden)[:, -1:], _whole(weight)).double()
+    got = _whole(logits).double().reshape(base.shape)
+    tolerance = 4 * torch.finfo(hidden.dtype).eps
+    scale = float((got * base).sum() / (base * base).sum().clamp_min(torch.finfo(torch.float64).tiny))
+    if abs(scale - 1) <= tolerance:
+        scale = 1.0
+    error = float((got - scale * base).abs().max())
+    if error > tolerance * abs(scale) * float(base.abs().max()):
+        raise ConfigError(
+            [
+                Problem(
+                    "loss_head",
+                    f"{model}'s head computes logits that no scale of its output layer's gives (off by"
+                    f" up to {error:.3g}), which the chunked loss head cannot reproduce; leave loss_head off",
+                )
+            ]
+        )
+    return scale
+
+
 def swap_loss_head(model: Any) -> Callable[[], None]:
     """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
     problems = []
@@ -83,12 +116,18 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
             # hidden size keep less HF's way
             return inner(*args, labels=labels, **kwargs)
         shift_labels = kwargs.pop("shift_labels", None)  # the loss's, not the model's
+        first = "scale" not in state
         handle = base.register_forward_hook(capture)
-        try:  # no logits at all: keep none of the positions
-            out = inner(*args, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
+        try:  # no logits at all (the first call: the last position's, to read the head's scale)
+            out = inner(*args, logits_to_keep=1 if first else torch.empty(0, dtype=torch.long), **kwargs)
         finally:
             handle.remove()
         hidden = state.pop("hidden")
+        if first:
+            with torch.no_grad():
+                state["scale"] = logit_scale(out.logits, hidden, head.weight, type(model).__name__)
+        if state["scale"] != 1.0:
+            hidden = hidden * state["scale"]
         # compiled on CUDA (remat's Triton chunk kernel); eager elsewhere, where compiling costs more than it saves
         kernels = compiled_loss_kernels() if hidden.is_cuda else LossKernels()
         loss = causal_lm_loss(hidden, head.weight, labels, kwargs.get("num_items_in_batch"), kernels, shift_labels)
