@@ -371,3 +371,20 @@ def test_a_fused_gate_up_projection_counts_as_dense_and_phi3_runs_from_the_comma
     assert routed == 0 and dense > 0
     code = main(["verify", "-mr", "hf:phi3", "-rl", "1", "--recompute_method", "uniform"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_the_families_come_from_transformers_mappings_and_the_others_say_why() -> None:
+    from remat.models.hf import catalog
+
+    families = catalog.decoder_families()
+    assert {"llama", "gpt_neox", "olmo2", "granitemoe", "cohere"} <= set(families)
+    assert catalog.scope("bart") == "an encoder-decoder model"
+    assert catalog.scope("bert") == "an encoder (masked LM) that can run as a decoder"
+    assert catalog.scope("mllama").startswith("multimodal")
+    with pytest.raises(ConfigError, match="'bart' is an encoder-decoder model; remat adapts decoder-only"):
+        hf_config("bart")
+    # a tiny config sets only the fields a family has, token ids inside the vocabulary
+    assert hf_config("gpt2").n_embd == 64 and hf_config("gpt2").eos_token_id < catalog.VOCAB
+    assert hf_config("deepseek_v3").kv_lora_rank == 16  # multi-latent attention, by its fields
+    with pytest.raises(ConfigError, match="transformers refuses this zaya config"):
+        hf_config("zaya")

@@ -1,12 +1,13 @@
 """Hugging Face transformers causal LMs: where remat's Sites go, found from the module tree.
 
-A decoder layer is a `GradientCheckpointingLayer` (what HF's own checkpointing wraps); inside it
-the attention module (`self_attn`, or GPT-2's `attn`), the pre-norms, and the MLP or MoE block.
-Core attention is the attention *function* the module dispatches to through transformers'
-`ALL_ATTENTION_FUNCTIONS` (sdpa, flex, flash, or the model file's own eager function, Gemma's
-soft-capped one included): remat puts a routing function under every key, which calls through
-the module's Site when it has one and straight through otherwise.
-"""
+A decoder layer is a `GradientCheckpointingLayer` (what HF's own checkpointing wraps). Inside it:
+the attention module, found by what its forward calls (transformers' attention functions); the
+norms whose output a sublayer takes (pre-norms; a post-norm feeds only the residual add and saves
+nothing); the MoE block (the child holding `experts`) or the MLP. Core attention is the attention
+*function* the module dispatches to through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa, flex,
+flash, or the model file's own eager function, Gemma's soft-capped one included): remat puts a
+routing function under every key, which calls through the module's Site when it has one and
+straight through otherwise."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def _pre_norms(layer: nn.Module) -> list[str]:
 
 def _feed_forward(layer: nn.Module) -> str | None:
     """The layer's MLP or MoE block: a child holding experts, else one by a feed-forward name."""
-    children = dict(layer.named_children())
+    children = {n: c for n, c in layer.named_children() if not _calls_attention(c)}  # JetMoE's attention has experts
     moe = next((n for n, c in children.items() if isinstance(getattr(c, "experts", None), nn.Module)), None)
     return moe or next((n for n in _FEED_FORWARD if isinstance(children.get(n), nn.Module)), None)
 

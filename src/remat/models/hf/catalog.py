@@ -20,6 +20,7 @@ _SIZES: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
+    rotary_dim=8,
     intermediate_size=128,
     vocab_size=256,
     max_position_embeddings=256,
@@ -29,26 +30,29 @@ _SIZES: dict[str, Any] = dict(
     num_local_experts=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,  # a dense layer, then an MoE one
+)
+# Multi-latent attention (DeepSeek's and its kind): a config with kv_lora_rank; its head_dim is
+# the RoPE part and every head has its own key and value.
+_MLA: dict[str, Any] = dict(
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    head_dim=8,
+    num_key_value_heads=4,
 )
 VOCAB = _SIZES["vocab_size"]
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 # A family's own fields beside the sizes, where its config ties them together.
 TWEAKS: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        head_dim=8,  # DeepSeek's head_dim is its RoPE part
-        n_shared_experts=1,
-    ),
     "qwen3_moe": dict(mlp_only_layers=[0]),
+    "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size x expand = heads x head_dim
 }
 
 
@@ -66,7 +70,7 @@ def causal_lm_types() -> tuple[str, ...]:
     return tuple(_mappings()[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scope(model_type: str) -> str | None:
     """None for a decoder-only text causal LM; else why remat does not adapt this family."""
     from transformers import CONFIG_MAPPING
@@ -98,6 +102,8 @@ def tiny_fields(model_type: str) -> dict[str, Any]:
     # a field of its own or one its attribute_map names (a derived property cannot be set)
     own = {*config.to_dict(), *getattr(config, "attribute_map", {})}
     fields = {k: v for k, v in _SIZES.items() if k in own}
+    if "kv_lora_rank" in own:
+        fields.update((k, v) for k, v in _MLA.items() if k in own)
     for name in _TOKEN_IDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value >= VOCAB:

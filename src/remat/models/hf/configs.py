@@ -4,7 +4,7 @@ shape overrides in Megatron's names; or a config.json. Nothing is downloaded."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ def transformers_module() -> Any:
 def hf_config(family_or_json: str, **overrides: Any) -> Any:
     """A transformers config: a family's small default (TINY) or a config.json, with overrides in
     Megatron's names (num_layers, hidden_size, ...) or the config's own; every bad name at once."""
-    transformers = transformers_module()
+    transformers_module()  # ImportError with how to install it
     path = Path(family_or_json)
     model_type = TINY.get(family_or_json, family_or_json)
     if model_type in catalog.causal_lm_types():
@@ -68,7 +68,7 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
             raise ConfigError(
                 [Problem("hf_config", f"{family_or_json!r} is {reason}; remat adapts decoder-only causal LMs")]
             )
-        base = catalog.tiny_fields(model_type)
+        base = _refused_as_problem(model_type, catalog.tiny_fields, model_type)
     elif path.suffix == ".json" or path.is_file():
         try:
             base = json.loads(path.read_text())
@@ -90,7 +90,7 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
         )
     # built twice: the first tells the config's own names, the second sets them from the start
     # (fields derived in __init__, such as layer_types from num_hidden_layers, follow)
-    probe = transformers.AutoConfig.for_model(model_type, **base)
+    probe = _refused_as_problem(model_type, transformers_module().AutoConfig.for_model, model_type, **base)
     problems, fields = [], dict(base)
     for key, value in overrides.items():
         names = [n for n in MEGATRON_NAMES.get(key, (key,)) if hasattr(probe, n)]
@@ -107,7 +107,17 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
     kinds, layers = fields.get("layer_types"), fields.get("num_hidden_layers")
     if isinstance(kinds, list) and kinds and isinstance(layers, int) and len(kinds) != layers:
         fields["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]  # the pattern, repeated
-    return transformers.AutoConfig.for_model(model_type, **fields)
+    return _refused_as_problem(model_type, transformers_module().AutoConfig.for_model, model_type, **fields)
+
+
+def _refused_as_problem(model_type: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`make(*args, **kwargs)`, building a `model_type` config; ConfigError with transformers'
+    reason if it refuses the fields."""
+    try:
+        return make(*args, **kwargs)
+    except Exception as err:  # transformers' validators raise their own types beside ValueError
+        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise ConfigError([Problem("hf_config", f"transformers refuses this {model_type} config: {reason}")]) from err
 
 
 def overrides_from(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch import nn
 from remat.config.parallel import ParallelLayout
 from remat.core.problems import ConfigError, Problem
 from remat.models.family import ModelFamily, Target, dense_facts
-from remat.models.hf import context_parallel, pipeline, tensor_parallel
+from remat.models.hf import catalog, context_parallel, fusions, pipeline, tensor_parallel
 from remat.models.hf.adapter import ADAPTER, hf_model
 from remat.models.hf.configs import TINY, hf_config, transformers_module
 from remat.models.hf.parallel import HfParallelism
@@ -148,6 +148,36 @@ def _packed_sequences_on_meta() -> None:
     masking.find_packed_sequence_indices = find_packed_sequence_indices
 
 
+# A family's small config that still holds more parameters than this is refused: its sizes live in
+# sub-configs that the tiny fields do not reach (BLT's patcher, encoder and decoder).
+SMALL_PARAMETERS = 50_000_000
+
+
+def _small_problems(config: HfModelConfig) -> None:
+    """ConfigError if `config`, a family's small one, is not small (counted on the meta device)."""
+    if not hasattr(config.hf, "num_hidden_layers"):
+        raise ConfigError(
+            [
+                Problem(
+                    "hf_config",
+                    f"{config.hf.model_type}'s config has no num_hidden_layers (its layers are set in"
+                    " sub-configs), which remat reads; adapt the model in Python with a site map",
+                )
+            ]
+        )
+    dense, routed = _matmul_params(config)
+    if dense + routed > SMALL_PARAMETERS:
+        raise ConfigError(
+            [
+                Problem(
+                    "hf_config",
+                    f"the small {config.hf.model_type} config still has {(dense + routed) / 1e6:.0f} M matmul"
+                    " parameters (sizes in sub-configs remat does not shrink); give a config.json",
+                )
+            ]
+        )
+
+
 def _of(config: HfModelConfig | Any) -> HfModelConfig | None:
     """`config`, or what context_parallel_model passes, a built model's `config`: a transformers
     config, as one of unknown sequence length (0: its splits pass; a batch is checked when it is
@@ -177,7 +207,10 @@ class HfFamily(ModelFamily):
         hf = hf_config(source, **overrides)
         if getattr(hf, "max_position_embeddings", seq) < seq:
             hf.max_position_embeddings = seq
-        return HfModelConfig(source, hf, seq)
+        config = HfModelConfig(source, hf, seq)
+        if source in catalog.causal_lm_types() or source in TINY:
+            _small_problems(config)
+        return config
 
     def build(
         self,
@@ -274,6 +307,8 @@ class HfFamily(ModelFamily):
         place_sites(model, None, ADAPTER, loss_head=not isinstance(model, pipeline.HfStage) or model.post_process)
         if not shapes_only:
             compile_sites(model)
+            fusions.compile_rotary(model)
+            fusions.compile_routers(model)
 
 
 FAMILY = HfFamily()

@@ -60,9 +60,9 @@ def _whole(t: Tensor) -> Tensor:
 def logit_scale(logits: Tensor, hidden: Tensor, weight: Tensor, model: str) -> float:
     """The scalar by which `model`'s head multiplies `hidden @ weight.T` into the `logits` it
     returned for the last position; ConfigError if no scalar gives them to the dtype's rounding."""
-    base = nn.functional.linear(_whole(hidden)[:, -1:], _whole(weight)).double()
-    got = _whole(logits).double().reshape(base.shape)
-    tolerance = 4 * torch.finfo(hidden.dtype).eps
+    base = nn.functional.linear(_whole(hidden)[:, -1:].to(weight.dtype), _whole(weight)).double()
+    got = _whole(logits)[:, -1:].double()  # a model may return every position's logits
+    tolerance = 4 * max(torch.finfo(t.dtype).eps for t in (hidden, weight, logits))
     scale = float((got * base).sum() / (base * base).sum().clamp_min(torch.finfo(torch.float64).tiny))
     if abs(scale - 1) <= tolerance:
         scale = 1.0
@@ -78,6 +78,18 @@ def logit_scale(logits: Tensor, hidden: Tensor, weight: Tensor, model: str) -> f
             ]
         )
     return scale
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module whose output the head takes: the one holding the decoder layers' list
+    (`model` in Llama's layout, `model.decoder` in OPT's; a model's base_model may be itself)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layer = next((n for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)), "")
+    if layer.count(".") >= 2:
+        return model.get_submodule(layer.rsplit(".", 2)[0])
+    base: nn.Module = model.base_model
+    return base
 
 
 def swap_loss_head(model: Any) -> Callable[[], None]:
@@ -100,7 +112,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
         )
     if problems or head is None:
         raise ConfigError(problems)
-    base = model.base_model
+    base = _decoder(model)
     state: dict[str, Any] = {}
 
     def capture(module: nn.Module, args: tuple, out: Any) -> None:
@@ -126,6 +138,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
         if first:
             with torch.no_grad():
                 state["scale"] = logit_scale(out.logits, hidden, head.weight, type(model).__name__)
+        hidden = hidden.to(head.weight.dtype)  # as heads that cast their input do
         if state["scale"] != 1.0:
             hidden = hidden * state["scale"]
         # compiled on CUDA (remat's Triton chunk kernel); eager elsewhere, where compiling costs more than it saves

@@ -71,10 +71,10 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
         ("num_attention_heads", hf.num_attention_heads),
         ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
     ]
-    if _splits_mlp(plan):
-        counts.append(("intermediate_size", hf.intermediate_size))
+    if _splits_mlp(plan):  # MoE-only configs have no dense intermediate_size
+        counts.append(("intermediate_size", getattr(hf, "intermediate_size", None)))
     for name, size in counts:
-        if size % tp:
+        if isinstance(size, int) and size % tp:
             yield Problem(
                 FIELD,
                 f"{name}={size} does not split over {tp} tensor-parallel ranks; use a"

@@ -1,0 +1,96 @@
+"""transformers' models against remat's own at the same shapes, through `remat bench` (bf16, the
+compiled fast path, no recompute), in one process: Llama at W1 (8 Llama-3-8B layers, seq 8192,
+micro-batch 2) and the Qwen3-30B-A3B slice (4 layers, seq 4096, micro-batch 4); each HF model
+with and without the fusions of `remat.models.hf.fusions`.
+
+  PYTHONPATH=src python benchmarks/hf_speed.py     writes $OUT/hf_speed.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from remat.cli import main
+from remat.models.hf import fusions
+
+OUT = Path(os.environ.get("OUT", "."))
+RUN = ["-ms", "10", "--warmup_steps", "4", "--no_history", "--no_progress"]
+LLAMA = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    vocab_size=151936,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    mlp_only_layers=[],
+)
+W1 = ["-sl", "8192", "-mb", "2", "-gb", "2"]
+MOE = ["-sl", "4096", "-mb", "4", "-gb", "4"]
+
+
+def bench(name: str, argv: list[str]) -> dict:
+    out = OUT / f"{name}.json"
+    code = main(["bench", *argv, *RUN, "--json", str(out)])
+    result = json.loads(out.read_text()) if out.exists() else {}
+    return {"name": name, "exit": code, "argv": argv, "result": result}
+
+
+def main_() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    configs = {}
+    for name, fields in (("llama_w1", LLAMA), ("qwen3_moe_slice", QWEN3_MOE)):
+        path = OUT / f"{name}_config.json"
+        path.write_text(json.dumps(fields))
+        configs[name] = str(path)
+    fused = fusions.compile_rotary, fusions.compile_routers
+    # transformers' models first without the fusions (a swapped function stays swapped)
+    fusions.compile_rotary = fusions.compile_routers = lambda model: 0  # type: ignore[assignment]
+    rows = [
+        bench("remat_llama3_8b", ["-mr", "llama3_8b", "--num_layers", "8", *W1]),
+        bench("hf_llama_unfused", ["-m", "hf", "--hf_config", configs["llama_w1"], *W1]),
+        bench("remat_qwen3_30b_a3b", ["-mr", "qwen3_30b_a3b", "--num_layers", "4", *MOE]),
+        bench("hf_qwen3_moe_unfused", ["-m", "hf", "--hf_config", configs["qwen3_moe_slice"], *MOE]),
+    ]
+    fusions.compile_rotary, fusions.compile_routers = fused
+    rows += [
+        bench("hf_llama", ["-m", "hf", "--hf_config", configs["llama_w1"], *W1]),
+        bench("hf_qwen3_moe", ["-m", "hf", "--hf_config", configs["qwen3_moe_slice"], *MOE]),
+    ]
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rows": rows,
+    }
+    (OUT / "hf_speed.json").write_text(json.dumps(record, indent=1))
+    for row in rows:
+        print(row["name"], row["exit"], {k: v for k, v in row["result"].items() if "step" in k or "tflops" in k})
+
+
+if __name__ == "__main__":
+    sys.exit(main_())
