@@ -3,7 +3,7 @@ compiled fast path, no recompute), in one process: Llama at W1 (8 Llama-3-8B lay
 micro-batch 2) and the Qwen3-30B-A3B slice (4 layers, seq 4096, micro-batch 4); each HF model
 with and without the fusions of `remat.models.hf.fusions`.
 
-  PYTHONPATH=src python benchmarks/hf_speed.py     writes $OUT/hf_speed.json
+  PYTHONPATH=src:benchmarks python benchmarks/hf_speed.py     writes $OUT/hf_speed.json
 """
 
 from __future__ import annotations
@@ -15,40 +15,14 @@ from pathlib import Path
 
 import torch
 import transformers
+from hf_llama import llama_config
+from hf_moe import SLICES
 
 from remat.cli import main
 from remat.models.hf import fusions
 
 OUT = Path(os.environ.get("OUT", "."))
 RUN = ["-ms", "10", "--warmup_steps", "4", "--no_history", "--no_progress"]
-LLAMA = dict(
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=8,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-QWEN3_MOE = dict(
-    model_type="qwen3_moe",
-    hidden_size=2048,
-    num_hidden_layers=4,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    vocab_size=151936,
-    norm_topk_prob=True,
-    max_position_embeddings=4096,
-    mlp_only_layers=[],
-)
 W1 = ["-sl", "8192", "-mb", "2", "-gb", "2"]
 MOE = ["-sl", "4096", "-mb", "4", "-gb", "4"]
 
@@ -62,8 +36,13 @@ def bench(name: str, argv: list[str]) -> dict:
 
 def main_() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    moe_fields, moe_seq, _, _ = SLICES["qwen3_moe"]
+    shapes = {  # the HF models' config.json files
+        "llama_w1": llama_config(layers=8, seq=8192).to_dict(),
+        "qwen3_moe_slice": dict(moe_fields, model_type="qwen3_moe", max_position_embeddings=moe_seq),
+    }
     configs = {}
-    for name, fields in (("llama_w1", LLAMA), ("qwen3_moe_slice", QWEN3_MOE)):
+    for name, fields in shapes.items():
         path = OUT / f"{name}_config.json"
         path.write_text(json.dumps(fields))
         configs[name] = str(path)

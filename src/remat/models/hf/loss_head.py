@@ -116,7 +116,7 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
     state: dict[str, Any] = {}
 
     def capture(module: nn.Module, args: tuple, out: Any) -> None:
-        state["hidden"] = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        state["hidden"] = out if isinstance(out, Tensor) else out[0] if isinstance(out, tuple) else out.last_hidden_state
 
     def chunked(inner: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(_forward, inner)
