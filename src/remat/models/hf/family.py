@@ -309,6 +309,7 @@ class HfFamily(ModelFamily):
             compile_sites(model)
             fusions.compile_rotary(model)
             fusions.compile_routers(model)
+            fusions.use_grouped_experts(model)
 
 
 FAMILY = HfFamily()
