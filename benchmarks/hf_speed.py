@@ -46,16 +46,16 @@ def main_() -> None:
         path = OUT / f"{name}_config.json"
         path.write_text(json.dumps(fields))
         configs[name] = str(path)
-    fused = fusions.compile_rotary, fusions.compile_routers
+    fused = fusions.compile_rotary, fusions.compile_routers, fusions.use_grouped_experts
     # transformers' models first without the fusions (a swapped function stays swapped)
-    fusions.compile_rotary = fusions.compile_routers = lambda model: 0  # type: ignore[assignment]
+    fusions.compile_rotary = fusions.compile_routers = fusions.use_grouped_experts = lambda model: 0  # type: ignore[assignment]
     rows = [
         bench("remat_llama3_8b", ["-mr", "llama3_8b", "--num_layers", "8", *W1]),
         bench("hf_llama_unfused", ["-m", "hf", "--hf_config", configs["llama_w1"], *W1]),
         bench("remat_qwen3_30b_a3b", ["-mr", "qwen3_30b_a3b", "--num_layers", "4", *MOE]),
         bench("hf_qwen3_moe_unfused", ["-m", "hf", "--hf_config", configs["qwen3_moe_slice"], *MOE]),
     ]
-    fusions.compile_rotary, fusions.compile_routers = fused
+    fusions.compile_rotary, fusions.compile_routers, fusions.use_grouped_experts = fused
     rows += [
         bench("hf_llama", ["-m", "hf", "--hf_config", configs["llama_w1"], *W1]),
         bench("hf_qwen3_moe", ["-m", "hf", "--hf_config", configs["qwen3_moe_slice"], *MOE]),

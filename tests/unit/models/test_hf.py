@@ -388,3 +388,23 @@ def test_the_families_come_from_transformers_mappings_and_the_others_say_why() -
     assert hf_config("deepseek_v3").kv_lora_rank == 16  # multi-latent attention, by its fields
     with pytest.raises(ConfigError, match="transformers refuses this zaya config"):
         hf_config("zaya")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_fast_path_experts_give_transformers_loss_and_gradients(family) -> None:
+    """remat's permutation around transformers' grouped GEMMs: loss and gradients to float32
+    rounding (a token's slots are summed in another order in backward)."""
+    from remat.models.hf import fusions
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(family), dtype=torch.float32, experts_implementation="grouped_mm"  # no float64 grouped GEMM
+    )
+    ids, labels = batch(model)
+    plain = run_step(model, ids, labels, seed=0)
+    assert fusions.use_grouped_experts(model) == 1
+    assert fusions.use_grouped_experts(model) == 0  # switched once
+    fast = run_step(model, ids, labels, seed=0)
+    torch.testing.assert_close(fast.loss, plain.loss)  # float32's default tolerances
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(fast.grads[name], grad)

@@ -69,7 +69,8 @@ def _grouped_experts(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor,
     """transformers' grouped-GEMM experts with remat's permutation (the same rows, sums and order)."""
     from transformers.integrations import moe
 
-    if self._is_expert_parallel or self.has_bias or self.has_post_expert_norm:
+    # transformers before 5.2x has no expert parallelism or post-expert norms on its experts
+    if any(getattr(self, flag, False) for flag in ("_is_expert_parallel", "has_bias", "has_post_expert_norm")):
         return moe.grouped_mm_experts_forward(self, hidden, top_k_index, weights)
     topk, slots = top_k_index.size(-1), top_k_index.reshape(-1)
     rows, order, inverse = permute(hidden, slots, topk)
