@@ -30,11 +30,6 @@ class Row:
     loss_head: str = ""  # "yes", or why it is refused
     layouts: tuple[str, ...] = ()  # the layouts remat's checks accept for it
 
-    @property
-    def adapts(self) -> bool:
-        """Adapted with every placed site effective and full recompute exact."""
-        return not self.refused and not self.failing and self.full
-
     def line(self) -> str:
         if self.refused:
             return f"| {self.family} | refused: {self.refused} | | | |"
@@ -72,8 +67,8 @@ def _first_line(err: BaseException) -> str:
 def _trained_once(family: str, ids: torch.Tensor) -> torch.nn.Module:
     """The family's model after one step of its own: with dropout where it trains with dropout."""
     for dropout in (0.1, 0.0):
-        model = _build(family, dropout)
         try:
+            model = _build(family, dropout)
             model(input_ids=ids, labels=ids).loss.backward()
             return model
         except ValueError:  # a model that refuses dropout (DiffLlama) is tried without

@@ -3,8 +3,8 @@ family adapted from a tiny config on CPU in float64, every placed label bit-iden
 bytes, full recompute bit-identical, the chunked loss head equal to HF's loss or refused by name,
 the layouts remat's checks accept, and the command line (`verify`, `bench -d`, `estimate`).
 
-The rows make docs/hf-support.md; `python tests/integration/test_hf_families.py` writes it again
-(after a transformers upgrade, or a change to the adapter)."""
+The rows make docs/hf-support.md; `python tests/integration/test_hf_families.py [FAMILY ...]` writes
+it again, whole or the rows named (after a transformers upgrade, or a change to the adapter)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ if __name__ == "__main__":  # run as a script: the helpers are beside this folde
     sys.path.insert(0, str(Path(__file__).parents[1]))
 pytest.importorskip("transformers")
 
-from helpers.hf_families import Row, check  # noqa: E402
+from helpers.hf_families import check  # noqa: E402
 
 from remat.models.hf import catalog  # noqa: E402
 
@@ -29,10 +29,16 @@ HEADER = (
 )
 
 
-def document(rows: list[Row]) -> str:
+def _adapts(line: str) -> bool:
+    """A table row of a family that adapts with every placed site effective."""
+    return not line.split("|")[2].strip().startswith("refused:") and "**" not in line
+
+
+def document(lines: dict[str, str]) -> str:
+    """The page, from each decoder-only family's row."""
     import transformers
 
-    adapted = sum(r.adapts for r in rows)
+    adapted = sum(map(_adapts, lines.values()))
     others = [f"| {t} | {catalog.scope(t)} |" for t in catalog.causal_lm_types() if catalog.scope(t)]
     return "\n".join(
         [
@@ -45,11 +51,11 @@ def document(rows: list[Row]) -> str:
             " entry is one that does not. Layouts: the model-parallel sizes remat's checks accept for the"
             " family (run on gloo for the families of `tests/integration/test_hf_runs.py`).",
             "",
-            f"{adapted} of {len(rows)} decoder-only families adapt with every placed site effective.",
+            f"{adapted} of {len(lines)} decoder-only families adapt with every placed site effective.",
             "",
             HEADER,
             "|---|---|---|---|---|",
-            *(r.line() for r in rows),
+            *lines.values(),
             "",
             "## Not decoder-only",
             "",
@@ -63,7 +69,9 @@ def document(rows: list[Row]) -> str:
 
 def _documented() -> dict[str, str]:
     lines = TABLE.read_text().splitlines() if TABLE.exists() else []
-    return {m.group(1): line for line in lines if (m := re.match(r"\| (\S+) \|", line)) and line.count("|") == 6}
+    rows = {m.group(1): line for line in lines if (m := re.match(r"\| (\S+) \|", line)) and line.count("|") == 6}
+    rows.pop("family", None)  # the header
+    return rows
 
 
 FAMILIES = catalog.decoder_families()
@@ -72,7 +80,7 @@ FAMILIES = catalog.decoder_families()
 def test_the_table_lists_every_decoder_only_family_and_meets_the_target() -> None:
     documented = _documented()
     assert sorted(documented) == sorted(FAMILIES), "run python tests/integration/test_hf_families.py"
-    adapted = sum(" | refused:" not in line and "**" not in line for line in documented.values())
+    adapted = sum(map(_adapts, documented.values()))
     assert adapted >= TARGET * len(FAMILIES), f"{adapted} of {len(FAMILIES)}"
 
 
@@ -84,7 +92,7 @@ def test_each_family_does_what_the_table_says(family: str) -> None:
         assert row.effective and row.full
 
 
-@pytest.mark.parametrize("family", [f for f, line in _documented().items() if "| refused:" not in line])
+@pytest.mark.parametrize("family", [f for f, line in _documented().items() if _adapts(line)])
 def test_the_command_line_runs_each_adapted_family(family: str, capsys: pytest.CaptureFixture[str]) -> None:
     from remat.cli import main
 
@@ -98,9 +106,11 @@ def test_the_command_line_runs_each_adapted_family(family: str, capsys: pytest.C
         assert code == 0, (argv, capsys.readouterr().err[-2000:])
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the whole page, or the rows of the families named
     from concurrent.futures import ProcessPoolExecutor
 
+    rows = _documented()
     with ProcessPoolExecutor() as pool:
-        TABLE.write_text(document(list(pool.map(check, FAMILIES))))
+        rows.update((row.family, row.line()) for row in pool.map(check, sys.argv[1:] or FAMILIES))
+    TABLE.write_text(document({f: rows[f] for f in FAMILIES if f in rows}))
     print(f"wrote {TABLE}")

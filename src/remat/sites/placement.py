@@ -134,7 +134,15 @@ def _placements(model: nn.Module, site_map: Mapping[str, tuple[str, ...]]) -> It
                     )
                 )
             for name, module in hits:
-                if claimed.setdefault(name, label) != label:
+                if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+                    problems.append(
+                        Problem(
+                            "site_map",
+                            f"{label}: {name} is a {type(module).__name__}, which runs or lists every child and"
+                            " would take a Site for one; place it on the module that calls it",
+                        )
+                    )
+                elif claimed.setdefault(name, label) != label:
                     problems.append(
                         Problem(
                             "site_map",

@@ -151,3 +151,11 @@ def test_a_factory_that_cannot_load_is_named(capsys) -> None:
         == 1
     )
     assert "a factory's model takes only -sl/--seq_length" in capsys.readouterr().err
+
+
+def test_a_container_module_is_refused_as_a_site() -> None:
+    """An nn.Sequential runs every child, a Site too: the Site goes on the module that calls it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    with pytest.raises(ConfigError, match="mlp: 1 is a Sequential, which runs or lists every child"):
+        remat.adapt(model, {"layer": "0", "mlp": "1"})
+    assert not any(isinstance(m, remat.Site) for m in model.modules())

@@ -49,9 +49,20 @@ def hf_model(model: nn.Module) -> nn.Module:
 
 
 def _layer_paths(model: nn.Module) -> list[str]:
+    """The decoder layers: GradientCheckpointingLayers, or in older model files (CTRL, GPT-1) the
+    list of blocks of one class, one per layer of the config."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    found = [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if found or not layers:
+        return found
+    stacks = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == layers and len({type(block) for block in m}) == 1
+    ]
+    return [f"{stacks[0]}.{i}" for i in range(layers)] if len(stacks) == 1 else []
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -86,7 +97,8 @@ def _pre_norms(layer: nn.Module) -> list[str]:
 
 def _feed_forward(layer: nn.Module) -> str | None:
     """The layer's MLP or MoE block: a child holding experts, else one by a feed-forward name."""
-    children = {n: c for n, c in layer.named_children() if not _calls_attention(c)}  # JetMoE's attention has experts
+    # not attention (JetMoE's has experts) nor a container, which would run a Site as a child
+    children = {n: c for n, c in layer.named_children() if not _calls_attention(c) and not isinstance(c, nn.Sequential)}
     moe = next((n for n, c in children.items() if isinstance(getattr(c, "experts", None), nn.Module)), None)
     return moe or next((n for n in _FEED_FORWARD if isinstance(children.get(n), nn.Module)), None)
 
@@ -188,8 +200,8 @@ class HfAdapter(Adapter):
                 [
                     Problem(
                         "site_map",
-                        f"{type(model).__name__} has no decoder layers remat"
-                        " recognises (GradientCheckpointingLayer); give a site map",
+                        f"{type(model).__name__} has no decoder layers remat recognises"
+                        " (GradientCheckpointingLayer, or one list of blocks); give a site map",
                     )
                 ]
             )

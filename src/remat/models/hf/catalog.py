@@ -53,7 +53,16 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 TWEAKS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(mlp_only_layers=[0]),
     "mamba2": dict(num_heads=8, head_dim=16),  # hidden_size x expand = heads x head_dim
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one layer of each, two in all
+    "zaya": dict(num_experts_per_tok=1),
+    "xlnet": dict(d_head=16),  # d_model / n_head
+    "kolibri1_1": dict(index_num_heads=1, index_layers=[1]),
+    "gemma3n_text": dict(num_kv_shared_layers=0),
 }
+
+
+# Sub-configs that hold a composite model's decoder or the encoders beside it.
+_COMPOSITE = frozenset({"text_config", "decoder", "decoder_config", "encoder_config", "text_encoder"})
 
 
 def _mappings() -> tuple[dict[str, str], frozenset[str]]:
@@ -85,6 +94,8 @@ def scope(model_type: str) -> str | None:
         return "an encoder (masked LM) that can run as a decoder"
     if any(name in config.sub_configs for name in ("vision_config", "audio_config", "vq_config")):
         return "multimodal: adapt its text decoder"
+    if _COMPOSITE & set(config.sub_configs):
+        return f"a composite model (its decoder is set in {', '.join(sorted(_COMPOSITE & set(config.sub_configs)))}): adapt its decoder"
     return None
 
 

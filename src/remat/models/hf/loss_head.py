@@ -12,6 +12,7 @@ the model returns for its last position, and refuses a head whose logits no scal
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,8 @@ def _decoder(model: nn.Module) -> nn.Module:
     layer = next((n for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)), "")
     if layer.count(".") >= 2:
         return model.get_submodule(layer.rsplit(".", 2)[0])
-    base: nn.Module = model.base_model
+    base = model.base_model
+    assert isinstance(base, nn.Module)
     return base
 
 
@@ -101,6 +103,16 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
                 "loss_head",
                 f"{type(model).__name__} soft-caps its logits, which the chunked"
                 " loss head does not; leave loss_head off",
+            )
+        )
+    forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    loss = getattr(getattr(model, "loss_function", None), "__name__", None)
+    if forward is None or "loss_function" not in forward.co_names or loss != "ForCausalLMLoss":
+        problems.append(
+            Problem(
+                "loss_head",
+                f"{type(model).__name__} computes its own loss, not transformers' causal LM loss (labels"
+                " shifted by one), which the chunked loss head computes; leave loss_head off",
             )
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -116,7 +128,9 @@ def swap_loss_head(model: Any) -> Callable[[], None]:
     state: dict[str, Any] = {}
 
     def capture(module: nn.Module, args: tuple, out: Any) -> None:
-        state["hidden"] = out if isinstance(out, Tensor) else out[0] if isinstance(out, tuple) else out.last_hidden_state
+        state["hidden"] = (
+            out if isinstance(out, Tensor) else out[0] if isinstance(out, tuple) else out.last_hidden_state
+        )
 
     def chunked(inner: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(_forward, inner)
