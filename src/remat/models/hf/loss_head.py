@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -94,34 +94,29 @@ def _decoder(model: nn.Module) -> nn.Module:
     return base
 
 
-def swap_loss_head(model: Any) -> Callable[[], None]:
-    """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
-    problems = []
+def _head_problems(model: Any, head: nn.Module | None) -> Iterator[Problem]:
+    """Why the chunked loss head cannot stand in for `model`'s."""
+    name = type(model).__name__
     if getattr(model.config, "final_logit_softcapping", None):
-        problems.append(
-            Problem(
-                "loss_head",
-                f"{type(model).__name__} soft-caps its logits, which the chunked"
-                " loss head does not; leave loss_head off",
-            )
+        yield Problem(
+            "loss_head", f"{name} soft-caps its logits, which the chunked loss head does not; leave loss_head off"
         )
     forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
     loss = getattr(getattr(model, "loss_function", None), "__name__", None)
     if forward is None or "loss_function" not in forward.co_names or loss != "ForCausalLMLoss":
-        problems.append(
-            Problem(
-                "loss_head",
-                f"{type(model).__name__} computes its own loss, not transformers' causal LM loss (labels"
-                " shifted by one), which the chunked loss head computes; leave loss_head off",
-            )
+        yield Problem(
+            "loss_head",
+            f"{name} computes its own loss, not transformers' causal LM loss (labels shifted by one),"
+            " which the chunked loss head computes; leave loss_head off",
         )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        problems.append(
-            Problem(
-                "loss_head", f"{type(model).__name__}'s output layer is not a Linear without bias; leave loss_head off"
-            )
-        )
+        yield Problem("loss_head", f"{name}'s output layer is not a Linear without bias; leave loss_head off")
+
+
+def swap_loss_head(model: Any) -> Callable[[], None]:
+    """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    problems = list(_head_problems(model, head))
     if problems or head is None:
         raise ConfigError(problems)
     base = _decoder(model)
