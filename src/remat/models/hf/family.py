@@ -1,7 +1,7 @@
 """Hugging Face transformers causal LMs behind the model seam: recipes `hf:FAMILY` (a small config
 of that family, shape overrides in Megatron's names) or `hf:path/to/config.json`. The model is
 built from the config (never downloaded) and adapted (`remat.models.adapt`); its fast path is the
-chunked loss head and its Sites' calls compiled."""
+chunked loss head where it applies, its Sites' calls compiled and `fusions`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.hf import catalog, context_parallel, fusions, pipeline, tensor_parallel
 from remat.models.hf.adapter import ADAPTER, hf_model
 from remat.models.hf.configs import TINY, hf_config, transformers_module
+from remat.models.hf.loss_head import loss_head_problems
 from remat.models.hf.parallel import HfParallelism
 from remat.sites.placement import compile_sites, place_sites
 
@@ -303,8 +304,9 @@ class HfFamily(ModelFamily):
             _packed_sequences_on_meta()
         if not compiled:
             return
-        # a stage before the last has no loss head
-        place_sites(model, None, ADAPTER, loss_head=not isinstance(model, pipeline.HfStage) or model.post_process)
+        # the chunked loss head where it stands in for the model's (a stage before the last has none)
+        last = not isinstance(model, pipeline.HfStage) or model.post_process
+        place_sites(model, None, ADAPTER, loss_head=last and not list(loss_head_problems(hf_model(model))))
         if not shapes_only:
             compile_sites(model)
             fusions.compile_rotary(model)

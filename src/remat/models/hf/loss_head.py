@@ -61,6 +61,8 @@ def _whole(t: Tensor) -> Tensor:
 def logit_scale(logits: Tensor, hidden: Tensor, weight: Tensor, model: str) -> float:
     """The scalar by which `model`'s head multiplies `hidden @ weight.T` into the `logits` it
     returned for the last position; ConfigError if no scalar gives them to the dtype's rounding."""
+    if hidden.is_meta:  # shapes only: no values to read a scale from
+        return 1.0
     base = nn.functional.linear(_whole(hidden)[:, -1:].to(weight.dtype), _whole(weight)).double()
     got = _whole(logits)[:, -1:].double()  # a model may return every position's logits
     tolerance = 4 * max(torch.finfo(t.dtype).eps for t in (hidden, weight, logits))
@@ -94,9 +96,10 @@ def _decoder(model: nn.Module) -> nn.Module:
     return base
 
 
-def _head_problems(model: Any, head: nn.Module | None) -> Iterator[Problem]:
-    """Why the chunked loss head cannot stand in for `model`'s."""
+def loss_head_problems(model: Any) -> Iterator[Problem]:
+    """Why the chunked loss head cannot stand in for `model`'s (a causal LM of transformers)."""
     name = type(model).__name__
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(model.config, "final_logit_softcapping", None):
         yield Problem(
             "loss_head", f"{name} soft-caps its logits, which the chunked loss head does not; leave loss_head off"
@@ -115,10 +118,10 @@ def _head_problems(model: Any, head: nn.Module | None) -> Iterator[Problem]:
 
 def swap_loss_head(model: Any) -> Callable[[], None]:
     """Compute `model`'s training loss with the chunked head whenever labels are given; returns the undo."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    problems = list(_head_problems(model, head))
-    if problems or head is None:
+    problems = list(loss_head_problems(model))
+    if problems:
         raise ConfigError(problems)
+    head = model.get_output_embeddings()
     base = _decoder(model)
     state: dict[str, Any] = {}
 
