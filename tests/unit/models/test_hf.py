@@ -411,3 +411,12 @@ def test_the_fast_path_experts_give_transformers_loss_and_gradients(family) -> N
     torch.testing.assert_close(fast.loss, plain.loss)  # float32's default tolerances
     for name, grad in plain.grads.items():
         torch.testing.assert_close(fast.grads[name], grad)
+
+
+def test_the_loss_head_is_refused_where_the_forward_computes_its_own_loss() -> None:
+    """TrOCR's forward computes a cross-entropy of its own (labels not shifted): the chunked head,
+    which computes transformers' causal LM loss, would train on another loss (5.57 against 4.74)."""
+    model = build("trocr")
+    with pytest.raises(ConfigError, match="TrOCRForCausalLM computes its own loss"):
+        remat.adapt(model, loss_head=True)
+    assert "forward" not in model.__dict__
