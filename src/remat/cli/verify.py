@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         model = build(args.model_recipe_name, dtype=precision.dtype, device=args.device, **overrides)
         ids = torch.randint(0, shape.vocab_size, (args.micro_batch_size, shape.seq_length + 1), device=args.device)
-        report = verify(model, config, ids[:, :-1], ids[:, 1:], seed=args.seed)
+        report = verify(model, config, ids[:, :-1], ids[:, 1:].contiguous(), seed=args.seed)  # losses may view labels
     print_warnings(caught)
     out.print(report.plan.describe())
     show(

@@ -3,12 +3,16 @@ on CPU) where torch would take its unfused path, and fused AdamW's state without
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from remat.core.problems import ConfigError, Problem
 
 
 class TargetKernels(TorchFunctionMode):
@@ -29,8 +33,11 @@ class TargetKernels(TorchFunctionMode):
 
     def _fused(self, args: tuple, kwargs: dict) -> bool:
         """Whether the target runs SDPA fused: flash and cuDNN take one head dim for q, k and v
-        (MLA's v is narrower), and CPU flash no dropout; torch runs those unfused, as meta does."""
+        (MLA's v is narrower), CPU flash no dropout, and only the unfused path gives a learned mask
+        (Inkling's position bias) its gradient with grouped key heads; meta runs unfused."""
         if len(args) < 3 or args[0].shape[-1] != args[2].shape[-1]:
+            return False
+        if _learned(kwargs.get("attn_mask", args[3] if len(args) > 3 else None)):
             return False
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         return self.target == "cuda" or not dropout
@@ -53,6 +60,33 @@ class TargetKernels(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )[0]
+
+
+@contextmanager
+def target_kernels(target: str, model: nn.Module) -> Iterator[None]:
+    """TargetKernels over a step of `model`; a model whose step reads tensor values (a mask's
+    `.item()`, routing counts `.tolist()`, `torch.unique`), which meta tensors lack, refused by name."""
+    try:
+        with TargetKernels(target):
+            yield
+    except (RuntimeError, NotImplementedError) as err:
+        if "meta" not in str(err).lower():
+            raise
+        reason = str(err).splitlines()[0][:120]
+        raise ConfigError(
+            [
+                Problem(
+                    "model",
+                    f"{type(model).__name__}'s step reads tensor values, which a shapes-only run on the meta"
+                    f" device does not have ({reason}); measure it on its device instead (`remat bench`,"
+                    " `remat plan`)",
+                )
+            ]
+        ) from err
+
+
+def _learned(mask: Any) -> bool:
+    return isinstance(mask, Tensor) and mask.requires_grad
 
 
 class AdamWState(torch.optim.Optimizer):

@@ -36,9 +36,9 @@ from remat.config.model_sites import ModelSites
 from remat.config.parallel import ParallelLayout
 from remat.config.plan import Plan, PlanLike, check_plan, plan_pipeline_problems
 from remat.config.recompute import RecomputeConfig
-from remat.core.problems import ConfigError, Problem, advise
+from remat.core.problems import ConfigError, Problem, advise, warn
 from remat.core.sizes import format_bytes
-from remat.estimate.kernels import AdamWState, TargetKernels, begin_state
+from remat.estimate.kernels import AdamWState, begin_state, target_kernels
 from remat.estimate.spec import EstimateSpec, estimate_threshold_problems
 from remat.memory.measure import Stepper, gradients_persist, trace, training_state_kept
 from remat.memory.meter import storage_bytes
@@ -290,7 +290,7 @@ def trace_stage(
     that many elements or more); `split_inputs`: as `_stage_model`."""
     shard = _stage_model(spec, stage, device, split_inputs)
     note = progress or (lambda what: None)
-    with TargetKernels(spec.target):
+    with target_kernels(spec.target, shard.model):
         offload: dict[str, Any] = (
             {}
             if offload_threshold is None
@@ -344,7 +344,7 @@ def step_peak(spec: RunSpec, plan: PlanLike) -> int:
         seed=0,
         min_offloaded=resolved.min_offloaded_tensor_size,
     )
-    with TargetKernels(shape.target), training_state_kept(shard.model, shard.optimizer):
+    with target_kernels(shape.target, shard.model), training_state_kept(shard.model, shard.optimizer):
         stepper.step()  # the state a steady step starts from
         record = stepper.measure(resolved)
     return max(record.peaks.values()) + shape.workspace_bytes
@@ -376,7 +376,11 @@ def cpu_run_problems(spec: RunSpec, plans: Sequence[tuple[str, PlanLike]], extra
     if available is None:
         return
     for name, plan in plans:
-        need = step_peak(spec, plan) + extra_bytes
+        try:
+            need = step_peak(spec, plan) + extra_bytes
+        except ConfigError as err:  # no prediction: run unchecked, as a plain PyTorch run would
+            warn(f"not checked against this machine's free memory: {err.problems[0].message}")
+            return
         if need > HOST_SHARE * available:
             yield Problem(
                 "memory",

@@ -129,6 +129,8 @@ class WindowMarks:
         if self.backward or i != self.last:
             return
         self.mark("head")
+        if isinstance(out, (tuple, list)) and out:  # older HF layers return (hidden, cache, ...)
+            out = out[0]
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._on_grad(f"bwd{i}"))
 

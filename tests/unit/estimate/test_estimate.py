@@ -329,3 +329,18 @@ def test_on_cuda_the_peak_holds_one_cublas_workspace_per_gemm_thread(monkeypatch
         _spec(**cuda, cublas_workspace=-1)
     with pytest.raises(ConfigError, match="cublas_workspace: counts only on the cuda target, not 'cpu'; drop it"):
         _spec(device="cpu", cublas_workspace=2**20)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_learned_attention_mask_runs_unfused_on_meta(target) -> None:
+    """A mask with a gradient (Inkling's position bias) beside grouped key heads: torch takes the
+    unfused path, which gives the mask its gradient; the fused kernels would not."""
+    from remat.estimate.kernels import TargetKernels
+
+    q = torch.empty(1, 4, 16, 8, device="meta", requires_grad=True)
+    k, v = (torch.empty(1, 2, 16, 8, device="meta", requires_grad=True) for _ in range(2))
+    bias = torch.empty(1, 4, 16, 16, device="meta", requires_grad=True)
+    with TargetKernels(target):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        out.sum().backward()
+    assert bias.grad is not None and bias.grad.shape == bias.shape

@@ -420,3 +420,68 @@ def test_the_loss_head_is_refused_where_the_forward_computes_its_own_loss() -> N
     with pytest.raises(ConfigError, match="TrOCRForCausalLM computes its own loss"):
         remat.adapt(model, loss_head=True)
     assert "forward" not in model.__dict__
+
+
+def test_layers_returning_tuples_get_every_window_traced() -> None:
+    """Bloom's blocks return (hidden, cache): the last layer's backward window starts at the
+    gradient of the hidden state, the tuple's first element."""
+    model = remat.adapt(build("bloom"))
+    ids, labels = batch(model)
+    trace = remat.trace(model, (ids, labels), timing_repeats=1)
+    names = [w.name for w in trace.windows]
+    assert [f"bwd{i}" for i in reversed(range(LAYERS))] == [n for n in names if n.startswith("bwd")]
+    assert names.index("head") < names.index(f"bwd{LAYERS - 1}") < names.index("tail")
+
+
+def test_a_step_that_reads_tensor_values_is_refused_by_estimate_and_verified_unchecked(capsys) -> None:
+    """BioGPT's mask check calls .item(), which meta tensors cannot answer: `estimate` (shapes only)
+    says so by name; `verify` runs without the host-memory check it predicts on meta, and says so."""
+    from remat.cli import main
+
+    assert main(["estimate", "-mr", "hf:biogpt", "-sl", "16", "--no_progress"]) == 1
+    err = capsys.readouterr().err
+    assert "BioGptForCausalLM's step reads tensor values" in err and "Tensor.item()" in err
+    assert main(["verify", "-mr", "hf:biogpt", "-sl", "16"]) == 0
+    assert "warning: not checked against this machine's free memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("family", "layers"), [("hrm_text", 4), ("longcat_flash", 28)])
+def test_the_layer_count_is_the_models_where_num_hidden_layers_counts_otherwise(family, layers) -> None:
+    """HRM's num_hidden_layers counts passes through its two stacks, LongCat's half-layers."""
+    from remat.models.hf.family import FAMILY
+
+    config = FAMILY.config(f"hf:{family}")
+    assert config.hf.num_hidden_layers != layers and config.num_layers == layers
+    assert find_sites(FAMILY.build(config, device="meta")).model_sites.num_layers == layers
+
+
+def test_attention_flops_follow_each_layers_head_size() -> None:
+    """Gemma 4's sliding and global layers have their own head_dim (a heterogeneous config)."""
+    from remat.models.hf.family import FAMILY
+
+    config = FAMILY.config("hf:gemma4_text", seq_length=16)
+    one = FAMILY.flops(config, 16, 1)
+    widths = [c.num_attention_heads * 2 * c.head_dim for c in (config.hf.per_layer_config[i] for i in range(2))]
+    assert widths[0] != widths[1]
+    assert FAMILY.flops(config, 32, 1) - 2 * one == 6 * (32**2 - 2 * 16**2) * sum(widths)
+
+
+def test_experts_run_as_their_class_allows() -> None:
+    """Aria names its expert count moe_num_experts; Llama 4's experts take no implementation."""
+    from remat.models.hf.family import FAMILY
+
+    aria = FAMILY.build(FAMILY.config("hf:aria_text"), dtype=torch.float64, device="meta")
+    assert aria.config._experts_implementation == "batched_mm"  # no float64 grouped GEMM
+    assert FAMILY.config("hf:aria_text").megatron_facts()["moe_grouped_gemm"]
+    FAMILY.build(FAMILY.config("hf:llama4_text"), device="meta")
+
+
+def test_attention_through_a_model_files_own_registry_is_recomputed() -> None:
+    """Doge looks its attention function up in a registry of its own file: core_attn's Site stands
+    there too, and frees the scores of its learned mask."""
+    model = build("doge")
+    ids, labels = batch(model)
+    plain = run_step(model, ids, labels, seed=5)
+    remat.adapt(model)
+    report = verify(model, selective("core_attn"), ids, labels, seed=5)
+    assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss) and report.freed_bytes > 0

@@ -48,7 +48,7 @@ def hf_model(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else model
 
 
-def _layer_paths(model: nn.Module) -> list[str]:
+def layer_paths(model: nn.Module) -> list[str]:
     """The decoder layers: GradientCheckpointingLayers, or in older model files (CTRL, GPT-1) the
     list of blocks of one class, one per layer of the config."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -67,8 +67,17 @@ def _layer_paths(model: nn.Module) -> list[str]:
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """Each decoder layer's attention module."""
-    layers = [model.get_submodule(path) for path in _layer_paths(model)]
+    layers = [model.get_submodule(path) for path in layer_paths(model)]
     return [layer.get_submodule(name) for layer in layers for name in _attention(layer)]
+
+
+def _attention_interfaces(module: nn.Module) -> list[Any]:
+    """The attention function registries `module` may look its function up in: transformers' shared
+    one, and its model file's own where that file declares one to override an entry (Doge)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    own = getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", ALL_ATTENTION_FUNCTIONS)
+    return [ALL_ATTENTION_FUNCTIONS] if own is ALL_ATTENTION_FUNCTIONS else [ALL_ATTENTION_FUNCTIONS, own]
 
 
 def _calls_attention(module: nn.Module) -> bool:
@@ -186,7 +195,9 @@ class HfAdapter(Adapter):
 
     def __init__(self) -> None:
         self.attention_sites: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-        self.routers: dict[str, _Router] = {}
+        # (attention interface, key, the router standing there): transformers' shared interface, and
+        # a model file's own (Doge's) where it has one
+        self.routers: list[tuple[Any, str, _Router]] = []
         # attention modules whose function draws its randoms from a tensor-parallel rank's stream
         self.forks: weakref.WeakKeyDictionary[nn.Module, Fork] = weakref.WeakKeyDictionary()
 
@@ -194,7 +205,7 @@ class HfAdapter(Adapter):
         return _is_transformers(type(hf_model(model)))
 
     def site_map(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
-        layers = _layer_paths(model)
+        layers = layer_paths(model)
         if not layers:
             raise ConfigError(
                 [
@@ -214,7 +225,7 @@ class HfAdapter(Adapter):
     def place(self, label: str, module: nn.Module, site: nn.Module) -> Callable[[], None] | None:
         if label != "core_attn" or not hasattr(module, "config"):
             return None
-        self._route_attention()
+        self._route_attention(_attention_interfaces(module))
         self.attention_sites[module] = site
 
         def undo() -> None:
@@ -229,22 +240,19 @@ class HfAdapter(Adapter):
         routers stand wherever a core_attn Site was placed."""
         self.forks[module] = fork
 
-    def _route_attention(self) -> None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        if self.routers:
-            return
-        for key in ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]:
-            inner = None if key == "eager" else ALL_ATTENTION_FUNCTIONS[key]
-            self.routers[key] = _Router(self, key, inner)
-            ALL_ATTENTION_FUNCTIONS[key] = self.routers[key]
+    def _route_attention(self, interfaces: list[Any]) -> None:
+        for interface in interfaces:
+            if any(routed is interface for routed, _, _ in self.routers):
+                continue
+            for key in ["eager", *interface.keys()]:
+                router = _Router(self, key, None if key == "eager" else interface[key])
+                self.routers.append((interface, key, router))
+                interface[key] = router
 
     def _unroute_attention(self) -> None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        for key, router in self.routers.items():
-            if ALL_ATTENTION_FUNCTIONS._local_mapping.get(key) is router:
-                del ALL_ATTENTION_FUNCTIONS[key]
+        for interface, key, router in self.routers:
+            if interface._local_mapping.get(key) is router:
+                del interface[key]
         self.routers.clear()
 
     def loss_head(self, model: nn.Module) -> Callable[[], None]:

@@ -30,6 +30,7 @@ _SIZES: dict[str, Any] = dict(
     num_local_experts=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
+    top_k_experts=2,
     n_shared_experts=1,
     n_group=2,
     topk_group=1,

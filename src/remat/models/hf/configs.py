@@ -39,12 +39,18 @@ MEGATRON_NAMES: dict[str, tuple[str, ...]] = {
     "num_query_groups": ("num_key_value_heads",),
     "kv_channels": ("head_dim",),
     "vocab_size": ("vocab_size",),
-    "num_moe_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "num_moe_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
-    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_router_topk": ("num_experts_per_tok", "top_k_experts", "moe_topk"),
     "attention_dropout": ("attention_dropout", "attn_pdrop"),
     "hidden_dropout": ("hidden_dropout", "resid_pdrop"),
 }
+
+
+def field_of(hf: Any, name: str) -> Any:
+    """The value of Megatron's `name` in a transformers config, under whichever of its names the
+    family uses (None where it has none, or leaves it unset)."""
+    return next((v for n in MEGATRON_NAMES[name] if (v := getattr(hf, n, None))), None)
 
 
 def transformers_module() -> Any:

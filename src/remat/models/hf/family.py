@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -18,8 +18,8 @@ from remat.config.parallel import ParallelLayout
 from remat.core.problems import ConfigError, Problem
 from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.hf import catalog, context_parallel, fusions, pipeline, tensor_parallel
-from remat.models.hf.adapter import ADAPTER, hf_model
-from remat.models.hf.configs import TINY, hf_config, transformers_module
+from remat.models.hf.adapter import ADAPTER, hf_model, layer_paths
+from remat.models.hf.configs import TINY, field_of, hf_config, transformers_module
 from remat.models.hf.loss_head import loss_head_problems
 from remat.models.hf.parallel import HfParallelism
 from remat.sites.placement import compile_sites, place_sites
@@ -40,7 +40,8 @@ class HfModelConfig:
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf.num_hidden_layers) if self.layers is None else len(self.layers)
+        # the layers the model holds: num_hidden_layers counts LongCat's half-layers, HRM's passes
+        return _meta_counts(self.hf.to_json_string(), self).layers if self.layers is None else len(self.layers)
 
     @property
     def hidden_size(self) -> int:
@@ -76,7 +77,7 @@ class HfModelConfig:
         """Dense facts, and for MoE and MLA models what their labels need: transformers' experts
         run as grouped GEMMs (moe_act's rule), DeepSeek's attention is multi-latent."""
         facts = dense_facts(self)
-        if any(getattr(self.hf, n, None) for n in ("num_local_experts", "num_experts", "n_routed_experts")):
+        if field_of(self.hf, "num_moe_experts"):
             facts["moe_grouped_gemm"] = True
         if getattr(self.hf, "kv_lora_rank", None):
             facts["multi_latent_attention"] = True
@@ -96,7 +97,8 @@ class HfModelConfig:
 def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
     transformers = transformers_module()
     kwargs: dict[str, Any] = {}
-    if config.megatron_facts().get("moe_grouped_gemm"):
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config.hf)]
+    if field_of(config.hf, "num_moe_experts") and model_class._can_set_experts_implementation():
         # torch's grouped GEMM takes bf16 (on meta, and float64 nowhere); other dtypes run the
         # experts as batched matmuls, whose shapes, unlike the eager loop's, do not depend on routing
         kwargs["experts_implementation"] = "grouped_mm" if dtype == torch.bfloat16 else "batched_mm"
@@ -106,13 +108,35 @@ def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.devic
     return model
 
 
+def _layer_configs(hf: Any) -> list[Any]:
+    """Each layer's config: a heterogeneous config's own per layer (Gemma 4's head sizes differ
+    between its sliding and global layers), else the model's for every layer."""
+    per_layer = getattr(hf, "per_layer_config", None)
+    return [per_layer[i] for i in range(hf.num_hidden_layers)] if per_layer else [hf] * hf.num_hidden_layers
+
+
+def _attention_width(hf: Any) -> int:
+    """heads x (query-key + value head dims) of one layer's attention: what its two matmuls
+    (QK^T and PV) multiply per pair of tokens; 0 for a layer without attention (state-space)."""
+    heads = getattr(hf, "num_attention_heads", None) or 0
+    qk = getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None) or hf.hidden_size // max(heads, 1)
+    return heads * (qk + (getattr(hf, "v_head_dim", None) or qk))
+
+
 def _matmul_params(config: HfModelConfig) -> tuple[int, int]:
     """(parameters every token multiplies by, those of its routed experts), on a meta model."""
-    return _counted(config.hf.to_json_string(), config)
+    counts = _meta_counts(config.hf.to_json_string(), config)
+    return counts.dense, counts.routed
+
+
+class MetaCounts(NamedTuple):
+    dense: int  # matmul parameters every token multiplies by
+    routed: int  # those of the routed experts
+    layers: int  # decoder layers, as adapt finds them (num_hidden_layers where it finds none)
 
 
 @functools.lru_cache(maxsize=16)
-def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
+def _meta_counts(key: str, config: HfModelConfig) -> MetaCounts:
     model = _build(config, None, "meta")
     dense = routed = 0
     for module in model.modules():
@@ -126,7 +150,7 @@ def _counted(key: str, config: HfModelConfig) -> tuple[int, int]:
                 dense += p.numel()
     if getattr(model.config, "tie_word_embeddings", False):  # the output layer is the embedding's weight
         dense += model.get_output_embeddings().weight.numel()
-    return dense, routed
+    return MetaCounts(dense, routed, len(layer_paths(model)) or config.hf.num_hidden_layers)
 
 
 @functools.lru_cache(maxsize=16)
@@ -229,7 +253,7 @@ class HfFamily(ModelFamily):
         problems = list(pipeline.problems(lm))
         if problems:
             raise ConfigError(problems)
-        layers = range(config.hf.num_hidden_layers) if config.layers is None else config.layers
+        layers = range(config.num_layers) if config.layers is None else config.layers
         stage = pipeline.HfStage(lm, layers, pre_process=pre_process, post_process=post_process)
         target = torch.empty(0, device=device).device
         if target.type != "meta":
@@ -272,7 +296,7 @@ class HfFamily(ModelFamily):
 
     def shard(self, config: HfModelConfig, layout: ParallelLayout, layers: Sequence[int]) -> HfModelConfig:
         layers = tuple(layers)
-        every = layers == tuple(range(config.hf.num_hidden_layers))  # the whole model, built as one
+        every = layers == tuple(range(config.num_layers))  # the whole model, built as one
         return dataclasses.replace(
             config,
             hf=tensor_parallel.shard_config(config.hf, layout.tp),
@@ -288,15 +312,10 @@ class HfFamily(ModelFamily):
         matmuls (QK^T and PV at their head dims, the causal mask not halved)."""
         hf = config.hf
         dense, routed = _matmul_params(config)
-        experts = next(
-            (getattr(hf, n) for n in ("num_local_experts", "num_experts", "n_routed_experts") if getattr(hf, n, None)),
-            None,
-        )
-        active = dense + (routed * hf.num_experts_per_tok / experts if experts else routed)
-        heads = hf.num_attention_heads
-        qk = getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        v = getattr(hf, "v_head_dim", None) or qk
-        attention = 6 * hf.num_hidden_layers * sequences * tokens_per_seq**2 * heads * (qk + v)
+        experts = field_of(hf, "num_moe_experts")
+        active = dense + (routed * field_of(hf, "moe_router_topk") / experts if experts else routed)
+        widths = sum(map(_attention_width, _layer_configs(hf)))
+        attention = 6 * sequences * tokens_per_seq**2 * widths
         return float(6 * active * sequences * tokens_per_seq + attention)
 
     def use_kernels(self, model: nn.Module, target: Target, *, compiled: bool, shapes_only: bool = False) -> None:
