@@ -485,3 +485,26 @@ def test_attention_through_a_model_files_own_registry_is_recomputed() -> None:
     remat.adapt(model)
     report = verify(model, selective("core_attn"), ids, labels, seed=5)
     assert report.bit_identical and torch.equal(plain.loss, report.candidate.loss) and report.freed_bytes > 0
+
+
+def test_the_fast_path_compiles_rotary_and_routers_once_with_the_same_math(monkeypatch) -> None:
+    """compile_rotary swaps each modeling file's apply_rotary_pos_emb, compile_routers each MoE
+    router's forward, once; traced by AOTAutograd without inductor (aot_eager) the step is the
+    eager one, bit for bit."""
+    import functools
+
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from remat.models.hf import fusions
+
+    monkeypatch.setattr(fusions.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(modeling_qwen3_moe, fusions.ROTARY, modeling_qwen3_moe.apply_rotary_pos_emb)  # restored after
+    model = build("qwen3_moe")
+    ids, labels = batch(model)
+    plain = run_step(model, ids, labels, seed=0)
+    assert fusions.compile_rotary(model) == 1 and fusions.compile_rotary(model) == 0
+    assert fusions.compile_routers(model) == LAYERS - 1  # qwen3_moe's tiny config: one dense layer first
+    assert fusions.compile_routers(model) == 0
+    fast = run_step(model, ids, labels, seed=0)
+    assert torch.equal(fast.loss, plain.loss)
+    assert all(torch.equal(fast.grads[name], grad) for name, grad in plain.grads.items())
