@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from remat.bench.result import BenchResult, timing_noise
-from remat.core.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem, read_file
 
 Verdict = Literal["ok", "within noise", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
 OK: Verdict = "ok"
@@ -206,12 +206,7 @@ def save_golden(result: BenchResult, path: str | os.PathLike[str]) -> Path:
 def load_golden(path: str | os.PathLike[str]) -> BenchResult:
     """Read a golden written by save_golden; any problem with the file is a ValueError naming it."""
     source = Path(path)
-    try:
-        data = json.loads(source.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read golden file {source}: {err}") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(f"golden file {source} is not valid JSON: {err}") from err
+    data = read_file(source, json.loads, "JSON")
     if not isinstance(data, dict):
         raise ValueError(f"golden file {source} must hold a JSON object, got {type(data).__name__}")
     try:

@@ -13,7 +13,7 @@ from rich.markup import escape
 from remat.cli import bench, doctor, estimate, history, plan, recipes, support, sweep, validate, verify
 from remat.cli.args import select_model
 from remat.cli.common import err
-from remat.core.problems import ConfigError, Problem
+from remat.core.problems import ConfigError, Problem, count
 from remat.core.version import remat_version
 
 COMMANDS = (validate, verify, bench, sweep, plan, estimate, doctor, recipes, support, history)
@@ -72,10 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         select_model(args)
         return args.func(args)
     except ConfigError as e:
-        err.print(f"[red]invalid config ({len(e.problems)} problem{'s' if len(e.problems) != 1 else ''}):[/]")
-        for problem in e.problems:
+        err.print(f"[red]invalid config ({count(len(e.problems), 'problem')}):[/]")
+        for problem in e.shown:
             shown = on_command_line(problem, args.command_parser)
             err.print(f"  [bold]{escape(shown.field)}[/]: {escape(shown.message)}")
+        for line in e.more:
+            err.print(f"  {line}")
         return 1
     except ValueError as e:  # bad recipe name or shape override
         err.print(f"[red]error:[/] {e}")

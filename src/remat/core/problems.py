@@ -42,7 +42,18 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Sequence[Problem]) -> None:
         self.problems: list[Problem] = list(problems)
-        super().__init__("\n".join(map(str, self.problems)))
+        super().__init__("\n".join([*map(str, self.shown), *self.more]))
+
+    @property
+    def shown(self) -> list[Problem]:
+        """The problems a message prints in full (SHOWN_PROBLEMS)."""
+        return self.problems[:SHOWN_PROBLEMS]
+
+    @property
+    def more(self) -> list[str]:
+        """A line counting the problems past those shown, if any."""
+        rest = len(self.problems) - SHOWN_PROBLEMS
+        return [f"... and {count(rest, 'more problem')}"] if rest > 0 else []
 
 
 def raise_if_any(problems: Iterable[Problem]) -> None:
@@ -89,16 +100,60 @@ def one_of(choices: Iterable[str]) -> str:
     return ", ".join(repr(c) for c in choices)
 
 
-def read_file(path: Path, parse: Callable[[bytes], Any], kind: str) -> Any:
-    """parse(the file's bytes); ConfigError naming the file when it cannot be read or parsed."""
+# A config, plan or site map file is kilobytes; past this it is not one (and parsing it would take
+# minutes and gigabytes).
+MAX_FILE_BYTES = 4 * 2**20
+# Nodes a YAML document may expand to through its aliases: a plan of thousands of layers is far
+# below; nine nested aliases of nine ("billion laughs") are a billion.
+MAX_YAML_NODES = 1_000_000
+# Problems printed in full; the rest are counted.
+SHOWN_PROBLEMS = 50
+
+
+def read_file(path: Path, parse: Callable[[bytes], Any], kind: str, limit: int = MAX_FILE_BYTES) -> Any:
+    """parse(the file's bytes); ConfigError naming the file when it cannot be read or parsed, or
+    is over `limit` bytes (larger than any file of its kind)."""
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
     except OSError as err:
         raise ConfigError([Problem(str(path), f"cannot read the file ({err}); check the path")]) from None
+    if len(raw) > limit:
+        raise ConfigError(
+            [Problem(str(path), f"is over {limit // 2**20:,} MiB, larger than any {kind} file remat reads")]
+        )
     try:
         return parse(raw)
     except Exception as err:  # whatever the parser raises, the file is not what it should be
         raise ConfigError([Problem(str(path), f"is not valid {kind} ({err}); check the file")]) from None
+
+
+def safe_yaml(text: str | bytes) -> Any:
+    """yaml.safe_load, refusing a document whose aliases expand it past MAX_YAML_NODES nodes
+    (counted on the node graph before anything is built)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_NODES:
+            raise ValueError(f"its aliases expand it to {size:,} nodes, more than {MAX_YAML_NODES:,}")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes under `node` with every alias expanded; each node counted once (sizes by id)."""
+    if id(node) not in sizes:
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[id(node)]
 
 
 def load_mapping(path: Path) -> Mapping[str, Any]:
@@ -106,7 +161,7 @@ def load_mapping(path: Path) -> Mapping[str, Any]:
     kind = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix.lower())
     if kind is None:
         raise ConfigError([Problem(str(path), "unsupported file type; use a .yaml, .yml or .json file")])
-    data = read_file(path, json.loads if kind == "JSON" else yaml.safe_load, kind)
+    data = read_file(path, json.loads if kind == "JSON" else safe_yaml, kind)
     if not isinstance(data, Mapping):
         raise ConfigError(
             [

@@ -4,6 +4,7 @@ read from the text of a CUDA out-of-memory message (one process's, or each rank'
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import pickle
 import re
@@ -160,10 +161,29 @@ def oom_state(error: BaseException, device: torch.device | int | str | None = No
     return state
 
 
+# A memory snapshot of a long run with stack traces is hundreds of megabytes.
+MAX_SNAPSHOT_BYTES = 2**31
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """Plain data only: a snapshot is dicts, lists, strings and numbers; a pickle that names any
+    class or function (which loading would call) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}; a memory snapshot holds plain data only")
+
+
+def _data_pickle(raw: bytes) -> Any:
+    return _DataUnpickler(io.BytesIO(raw)).load()
+
+
 def load_snapshot(path: str | Path) -> dict[str, Any]:
-    """A snapshot written by `torch.cuda.memory._dump_snapshot` (a pickle: load only your own) or as JSON."""
+    """A snapshot written by `torch.cuda.memory._dump_snapshot` (a pickle of plain data) or as JSON."""
     p = Path(path)
-    snapshot = read_file(p, json.loads, "JSON") if p.suffix.lower() == ".json" else read_file(p, pickle.loads, "pickle")
+    json_file = p.suffix.lower() == ".json"
+    snapshot = read_file(
+        p, json.loads if json_file else _data_pickle, "JSON" if json_file else "pickle", MAX_SNAPSHOT_BYTES
+    )
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
         raise ConfigError(
             [

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from remat.core.labels import site_labels
-from remat.core.problems import ConfigError, Problem, did_you_mean, raise_if_any
+from remat.core.problems import ConfigError, Problem, did_you_mean, raise_if_any, read_file, safe_yaml
 from remat.sites.site import Site
 
 # The child name a placed Site gets on the module it wraps.
@@ -76,10 +75,7 @@ def load_site_map(source: SiteMapLike) -> dict[str, tuple[str, ...]]:
     problem (unknown label, a value that is not a pattern or a list of them) at once."""
     if isinstance(source, (str, Path)):
         path = Path(source)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError([Problem("site_map", f"cannot read {path}: {err}")]) from err
+        loaded = read_file(path, safe_yaml, "YAML")
         if not isinstance(loaded, Mapping):
             raise ConfigError([Problem("site_map", f"{path} holds no mapping of label -> module patterns")])
         source = loaded

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from remat.core.problems import ConfigError, Problem, did_you_mean
+from remat.core.problems import ConfigError, Problem, did_you_mean, read_file
 from remat.models.hf import catalog
 
 INSTALL = "Hugging Face models need transformers: pip install 'remat[hf]'"
@@ -76,13 +76,12 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
             )
         base = _refused_as_problem(model_type, catalog.tiny_fields, model_type)
     elif path.suffix == ".json" or path.is_file():
-        try:
-            base = json.loads(path.read_text())
-            model_type = base.pop("model_type")
-        except (OSError, ValueError, KeyError) as err:
+        base = read_file(path, json.loads, "JSON")
+        model_type = base.pop("model_type", None) if isinstance(base, dict) else None
+        if not isinstance(model_type, str):
             raise ConfigError(
-                [Problem("hf_config", f"cannot read a transformers config from {path}: {err!r}")]
-            ) from err
+                [Problem("hf_config", f"{path} is no transformers config (no model_type); give a config.json")]
+            )
     else:
         raise ConfigError(
             [
