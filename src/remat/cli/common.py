@@ -32,11 +32,17 @@ from remat.cli.checks import (
 from remat.cli.tables import fit_width
 from remat.core.problems import ConfigError, Problem, RematWarning
 
+# Widths output is laid out in, whatever COLUMNS says: at 0 rich prints nothing (errors included),
+# at 5 a word a line, at 10**8 each rule and table line is that wide.
+MIN_WIDTH, MAX_WIDTH = 40, 1000
+
 
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False, emoji=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width, console.soft_wrap = 160, True  # logs and pipes: lines and table columns whole
+    else:
+        console.width = min(max(console.width, MIN_WIDTH), MAX_WIDTH)
     return console
 
 

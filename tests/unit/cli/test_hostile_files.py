@@ -78,3 +78,24 @@ def test_a_config_json_that_is_not_a_transformers_config_is_named(capsys, tmp_pa
     path.write_text(text)
     code, _, err, _ = run(capsys, "verify", "-m", "hf", "--hf_config", str(path))
     assert code == 1 and said in err
+
+
+@pytest.mark.parametrize(("columns", "width"), [("0", 40), ("5", 40), ("-3", 80), ("100", 100), ("99999999", 1000)])
+def test_output_is_laid_out_at_a_readable_width_whatever_columns_says(monkeypatch, columns, width) -> None:
+    """Not a number: rich's default of 80."""
+    from remat.cli.common import _console
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert _console(stderr=True).width == width
+
+
+def test_columns_zero_still_prints_the_errors() -> None:
+    """As found: the console is made at import, so a fresh process with COLUMNS=0."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "remat", "validate", "--num_layers", "8", "-rl", "0", "-pp", "3"]
+    done = subprocess.run(argv, env={**os.environ, "COLUMNS": "0"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "invalid config (2 problems)" in done.stderr and "pipeline stages" in " ".join(done.stderr.split())
