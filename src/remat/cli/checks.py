@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from remat.bench import history
 from remat.bench.golden import threshold_problems
 from remat.config.offload_rules import min_offload_size_problems
 from remat.config.recompute import RecomputeConfig
@@ -163,12 +164,18 @@ def tolerance_problems(tolerance: float) -> Iterator[Problem]:
 
 
 def history_file_problems(path: str | os.PathLike[str]) -> Iterator[Problem]:
-    """An existing --history file must be a run history (SQLite), or the run's record is lost at its end."""
+    """An existing --history file must be a run history remat can read and write, or the run's
+    record is lost at its end: checked before the run."""
     target = Path(path)
     if target.is_file() and target.stat().st_size:  # SQLite starts an empty file itself
         with target.open("rb") as f:
-            if f.read(16) != b"SQLite format 3\x00":
-                yield Problem("--history", f"{path} is not a run history (not an SQLite database); choose another file")
+            header = f.read(16)
+        try:
+            if header != b"SQLite format 3\x00":  # SQLite reads a file shorter than its header as empty
+                raise history.HistoryError(f"{path} is not a run history (file is not a database); choose another file")
+            history.check(target)
+        except history.HistoryError as err:
+            yield Problem("--history", str(err))
 
 
 def history_flag_problems(history: str | None, no_history: bool) -> Iterator[Problem]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from remat.bench.history import default_history_path, entries, entry
-from remat.cli.checks import history_file_problems
-from remat.cli.common import Problems, out, show
+from rich.markup import escape
+
+from remat.bench.history import HistoryError, check, default_history_path, entries, entry
+from remat.cli.common import Problems, collected_warnings, err, out, print_warnings, show
 from remat.cli.tables import history_table, memory_table, results_table
-from remat.core.problems import Problem
+from remat.core.problems import ConfigError, Problem
 
 HELP = "list past runs from the run history, or show one"
 
@@ -31,9 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = args.history or default_history_path()
+    path = Path(args.history) if args.history else default_history_path()
     found = Problems()
-    found.add(history_file_problems(path))
     if args.what == "show" and args.id is None:
         found.add([Problem("ID", "show needs the id of a run; `remat history` lists them")])
     if args.what == "list" and args.id is not None:
@@ -41,19 +42,31 @@ def run(args: argparse.Namespace) -> int:
     if args.limit < 1:
         found.add([Problem("--limit", f"is {args.limit}; list at least 1 run")])
     found.raise_if_any()
-    if args.what == "show":
-        result = entry(args.id, path)
-        if result is None:
-            found.add([Problem("ID", f"no run {args.id} in {path}; `remat history` lists the runs there")])
-            found.raise_if_any()
-        assert result is not None  # or a problem was raised
-        out.print(f"run {args.id}: {result.date}, {result.command}")
-        show(results_table([result], title=f"{result.recipe} on {result.gpu}, torch {result.torch}"))
-        if result.memory is not None:
-            show(memory_table(result))
-        out.print(f"config: {result.config or 'no recompute'}\nshape: {result.shape}")
-        return 0
-    runs = entries(args.limit, path)
+    # a file that is no run history is one line naming it, not an "invalid config" of flags
+    try:
+        check(path)
+        return _show(args.id, path) if args.what == "show" else _list(args.limit, path)
+    except HistoryError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        return 1
+
+
+def _show(row_id: int, path: Path) -> int:
+    result = entry(row_id, path)
+    if result is None:
+        raise ConfigError([Problem("ID", f"no run {row_id} in {path}; `remat history` lists the runs there")])
+    out.print(f"run {row_id}: {escape(result.date)}, {escape(result.command)}")
+    show(results_table([result], title=f"{result.recipe} on {result.gpu}, torch {result.torch}"))
+    if result.memory is not None:
+        show(memory_table(result))
+    out.print(f"config: {escape(str(result.config or 'no recompute'))}\nshape: {escape(str(result.shape))}")
+    return 0
+
+
+def _list(limit: int, path: Path) -> int:
+    with collected_warnings() as caught:  # runs skipped for a record that cannot be read
+        runs = entries(limit, path)
+    print_warnings(caught)
     if not runs:
         out.print(f"no runs recorded in {path} yet; `remat bench` and `remat sweep` record theirs there")
         return 0

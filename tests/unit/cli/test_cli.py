@@ -181,7 +181,7 @@ TINY_RUN = ("-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16", "--no_progre
         ),
         (
             ("bench", *TINY_RUN, "-ms", "5", "--history", "{tmp}/not_a_db.sqlite"),
-            "--history: {tmp}/not_a_db.sqlite is not a run history (not an SQLite database)",
+            "--history: {tmp}/not_a_db.sqlite is not a run history (file is not a database)",
         ),
         (
             ("doctor", "--snapshot", "{tmp}/list.json", "--limit", "12GiB"),
