@@ -15,6 +15,7 @@ from remat.config.recompute import RecomputeConfig
 from remat.core.problems import ConfigError, Problem
 from remat.models import ModelConfig
 from remat.parallel import Pipeline, Sharding, model_chunks, parallelize
+from remat.parallel.seeding import seeded_parameters, whole_model_names
 from remat.parallel.tensor_parallel import distribute_saved_inputs
 from remat.run.optimizer import DTYPES
 from remat.run.spec import RunSpec
@@ -108,11 +109,17 @@ def sharding(spec: RunSpec) -> Sharding:
 
 
 def reset_parameters(spec: RunSpec, model: nn.Module) -> None:
-    """The weights every run of a spec starts from."""
+    """The weights every run of a spec starts from, whatever its layout: each parameter drawn whole
+    from its own seed (the spec's and its whole-model name), each rank keeping its share of it."""
     stages = model.stage_indices if isinstance(model, Pipeline) else [0]
+    num_layers = spec.model_config.num_layers
     for stage, chunk in zip(stages, model_chunks(model)):
-        torch.manual_seed(spec.seed + stage)
-        spec.family.reset_parameters(chunk)
+        # torch's seed alike on every stage: weights drawn from generators of their own derive theirs from it
+        torch.manual_seed(spec.seed)
+        names = whole_model_names(chunk, spec.layout.chunk_layers(num_layers, stage))
+        with seeded_parameters(chunk, names, spec.seed):
+            spec.family.reset_parameters(chunk)
+        torch.manual_seed(spec.seed + stage)  # each stage's own stream for dropout, as before
     if isinstance(model, Pipeline):
         model.tie_weights()  # a tied embedding's copy on the last stage starts as the first's
 

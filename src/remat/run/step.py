@@ -16,6 +16,7 @@ from remat.memory.measure import trace
 from remat.memory.meter import local_tensor
 from remat.memory.prediction import Trace
 from remat.parallel import Pipeline
+from remat.parallel.seeding import named_seed
 from remat.run.build import build_model, reset_parameters
 from remat.run.optimizer import adamw
 from remat.run.optimizer import make as make_step_optimizer
@@ -44,24 +45,37 @@ def forward_backward(model: nn.Module, data: MockData, micro_batches: int) -> to
 
 
 class MockData:
-    """Random tokens, a fresh batch per micro-batch, generated on the device (no host copies)."""
+    """Random tokens, a fresh batch per micro-batch, generated on the device (no host copies). The
+    same global batch under every layout: sequence k of the run (each step's global batch is the
+    next `micro_batches x micro_batch_size x dp` of them) is drawn from a generator seeded by the
+    spec's seed and k; a data-parallel rank takes its consecutive share of each step's, the same on
+    all of its pipeline stages and its context- and tensor-parallel ranks (they shard them)."""
 
     def __init__(self, spec: RunSpec) -> None:
         config = spec.model_config
         self.spec, self.vocab, self.seq = spec, config.vocab_size, config.seq_length
-        # each data-parallel replica its own sequences, the same on all of its pipeline stages and
-        # context-parallel ranks (each shards them)
-        replica = spec.layout.coordinates(parallel.rank()).dp
-        self.generator = torch.Generator(device=spec.device).manual_seed(spec.seed + replica)
+        self.replica = spec.layout.coordinates(parallel.rank()).dp
+        self.calls = 0  # micro-batches handed out
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(
-            0, self.vocab, (self.spec.micro_batch_size, self.seq + 1), device=self.spec.device, generator=self.generator
-        )
+        tokens = torch.stack([self._sequence(k) for k in self._sequences()])
         labels = tokens[:, 1:].clone()
         if self.spec.task == "sft":
             labels[:, : self.seq // 4] = -100
         return tokens[:, :-1], labels
+
+    def _sequences(self) -> range:
+        """The run's indices of the sequences of this rank's next micro-batch."""
+        spec, micro_batches = self.spec, self.spec.micro_batches
+        step, index = divmod(self.calls, micro_batches)
+        self.calls += 1
+        size = spec.micro_batch_size
+        first = (step * spec.layout.dp + self.replica) * micro_batches * size + index * size
+        return range(first, first + size)
+
+    def _sequence(self, k: int) -> torch.Tensor:
+        generator = torch.Generator(device=self.spec.device).manual_seed(named_seed(self.spec.seed, f"sequence {k}"))
+        return torch.randint(0, self.vocab, (self.seq + 1,), device=self.spec.device, generator=generator)
 
 
 def make_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer | None:

@@ -3,6 +3,7 @@ where sequence parallelism communicates, and the RoPE tables context parallelism
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
@@ -119,6 +120,9 @@ class LlamaParallelism(ModelParallelism):
         tp = self.layout.tp
         if isinstance(part, MLP):
             gate_up_by_rank(part.linear_fc1.weight, tp)
+            # the whole model's rows as the split stores them: weights drawn again whole
+            # (remat.parallel.seeding) are reordered so before each rank's rows are cut
+            vars(part.linear_fc1)["whole_to_split"] = {"weight": functools.partial(gate_up_by_rank, tp=tp)}
             return {
                 ".linear_fc1": ColwiseParallel(input_layouts=tokens),
                 ".linear_fc2": RowwiseParallel(output_layouts=tokens),

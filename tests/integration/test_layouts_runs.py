@@ -1,0 +1,66 @@
+"""Losses that do not depend on the layout (remat.parallel.seeding, remat.run.step.MockData): on
+CPU, two processes under torchrun with gloo, one launch running remat bench's step under each
+layout (tests/integration/workers/layouts_worker.py), beside one process in this one.
+
+Every layout starts from the whole model's weights (each parameter drawn whole from its own
+seed, each rank keeping its share) and steps on the same global batch (sequence k of the run from
+its own seed, each data-parallel rank its consecutive share), so its losses are one process's,
+in fp32: tensor (with and without sequence parallelism), pipeline (with virtual stages), data
+and expert parallelism bit for bit or to the last bits (seen: equal, and 8e-8 relative for
+expert parallelism's third step); context parallelism within 3e-5 relative (seen: 1.0e-5 in
+fp32, 1.1e-6 in fp64, 3.5e-6 in bf16): torch's ring merges blocks by a float32 log-sum-exp.
+A golden file of one process then checks the loss of a run of any layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_under_torchrun
+
+from remat.bench.golden import OK, compare
+from remat.bench.result import BenchResult
+from remat.bench.run import run_bench
+from remat.config.parallel import ParallelLayout
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+
+
+import layouts_worker  # noqa: E402
+
+# relative tolerance against one process's losses, by layout (measured: see the module's docstring)
+TOLERANCE = {name: 3e-5 if name == "cp2" else 1e-6 for name in layouts_worker.LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, BenchResult]:
+    out = tmp_path_factory.mktemp("layouts") / "results.json"
+    run_under_torchrun(Path(layouts_worker.__file__), out)
+    return {name: BenchResult.from_dict(result) for name, result in json.loads(out.read_text()).items()}
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, BenchResult]:
+    recipes = {recipe for recipe, _ in layouts_worker.LAYOUTS.values()}
+    return {
+        recipe: run_bench(layouts_worker.spec(recipe, ParallelLayout()), layouts_worker.plan()) for recipe in recipes
+    }
+
+
+@pytest.mark.parametrize("name", list(layouts_worker.LAYOUTS))
+def test_each_layout_steps_as_one_process(layouts, one_process, name) -> None:
+    recipe, _ = layouts_worker.LAYOUTS[name]
+    losses, one = layouts[name].losses, one_process[recipe].losses
+    assert len(losses) == layouts_worker.STEPS
+    assert losses == pytest.approx(one, rel=TOLERANCE[name], abs=0)
+    # a golden of one process checks the loss of this layout's run
+    (loss,) = [check for check in compare(layouts[name], one_process[recipe]) if check.metric == "loss"]
+    assert loss.verdict == OK and abs(loss.rel_diff) <= TOLERANCE[name]
+
+
+def test_another_seed_gives_other_weights_and_data(one_process) -> None:
+    spec = dataclasses.replace(layouts_worker.spec("llama3_tiny", ParallelLayout()), seed=7)
+    assert run_bench(spec, layouts_worker.plan()).losses[0] != one_process["llama3_tiny"].losses[0]
