@@ -11,6 +11,7 @@ from remat.config.capture import Capture
 from remat.config.megatron import TrainingFacts
 from remat.config.parallel import ParallelLayout
 from remat.config.plan import Plan
+from remat.config.plan import load_plan_or_config as load_plan
 from remat.config.precision import Precision
 from remat.config.recompute import RecomputeConfig
 from remat.core.problems import ConfigError, RematWarning
@@ -25,6 +26,7 @@ from remat.models.adapt import adapt, unadapt
 from remat.planner import PlanResult, plan
 from remat.run.verify import verify
 from remat.sites.apply import apply, find_sites
+from remat.sites.calls import WithLoss, cross_entropy
 from remat.sites.site import Site
 
 __all__ = [
@@ -40,12 +42,15 @@ __all__ = [
     "Site",
     "Trace",
     "TrainingFacts",
+    "WithLoss",
     "PlanResult",
     "adapt",
     "apply",
     "checkpoint",
+    "cross_entropy",
     "estimate",
     "find_sites",
+    "load_plan",
     "measure_saved",
     "models",
     "plan",

@@ -25,12 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"remat {remat_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers: dict[str, argparse.ArgumentParser] = {}
     for command in COMMANDS:
         name = command.__name__.rsplit(".", 1)[1]
-        p = sub.add_parser(name, help=command.HELP, description=command.__doc__, allow_abbrev=False)
+        p = parsers[name] = sub.add_parser(name, help=command.HELP, description=command.__doc__, allow_abbrev=False)
         command.add_arguments(p)
-        # command_parser: so an unknown flag gets its command's usage
-        p.set_defaults(func=command.run, command_parser=p)
+        # command_parser: so an unknown flag gets its command's usage; parsers: a follow-up line's flags
+        p.set_defaults(func=command.run, command_parser=p, parsers=parsers)
     return parser
 
 

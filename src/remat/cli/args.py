@@ -33,7 +33,7 @@ from remat.config.precision import Precision
 from remat.config.recompute import RecomputeConfig
 from remat.core.problems import ConfigError, Problem, advise
 from remat.estimate.stages import cpu_run_problems
-from remat.models import FAMILIES, build, recipe_config
+from remat.models import FAMILIES, build, module_recipe, recipe_config
 from remat.run.optimizer import OptimizerPrecision
 from remat.run.spec import ModelOverrides, RunSpec
 from remat.sites.apply import apply, find_sites
@@ -64,7 +64,14 @@ def add_model_source_flags(g: argparse._ActionsContainer) -> None:
         "--model",
         metavar="PACKAGE.MODULE:FUNCTION",
         help="any model: a function (no arguments) returning it, or (model, site map); token ids"
-        " below its first embedding's vocabulary, -sl tokens",
+        " below its first embedding's vocabulary, -sl tokens; imported from the current folder too."
+        " It takes labels= and returns its loss, or it returns logits and --loss_fn gives the loss",
+    )
+    g.add_argument(
+        "--loss_fn",
+        metavar="PACKAGE.MODULE:FUNCTION",
+        help="with --model, for a model that returns logits: a function (output, labels) -> loss;"
+        " remat:cross_entropy for next-token cross-entropy",
     )
 
 
@@ -109,9 +116,13 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
 
 
 def select_model(args: argparse.Namespace) -> None:
-    """-m hf --hf_config X is the recipe hf:X (--hf_config needs -m hf); --model P is module:P."""
+    """-m hf --hf_config X is the recipe hf:X (--hf_config needs -m hf); --model P is module:P,
+    and with --loss_fn L module:P+L."""
     family = getattr(args, "model_family_name", None)
     hf, factory = getattr(args, "hf_config", None), getattr(args, "model", None)
+    loss_fn = getattr(args, "loss_fn", None)
+    if loss_fn is not None and factory is None:
+        raise ConfigError([Problem("loss_fn", "is the loss of a --model that returns logits; add --model")])
     if hf is not None and family != "hf":
         raise ConfigError([Problem("hf_config", "names a Hugging Face config; add -m hf")])
     if factory is not None and family == "hf":
@@ -119,7 +130,7 @@ def select_model(args: argparse.Namespace) -> None:
     if family == "hf":
         args.model_recipe_name = f"hf:{hf or 'llama'}"
     elif factory is not None:
-        args.model_recipe_name = f"module:{factory}"
+        args.model_recipe_name = module_recipe(factory, loss_fn)
 
 
 def config_file(args: argparse.Namespace) -> RecomputeConfig | Plan | None:

@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import json
 import os
+import shlex
 import sqlite3
 import tempfile
 import warnings
@@ -210,3 +211,24 @@ def output_problems(args: argparse.Namespace, default_plot: str | None = None) -
         *(history_file_problems(history) if history else ()),
         *png_path_problems("--plot", given.get("--plot")),
     ]
+
+
+# Flags a follow-up run does not repeat: the file it runs is its config, and the plan replaces
+# whatever recompute or offload the planning run was given.
+_NOT_REPEATED = ("config", "configs", "recompute_", "cpu_offloading", "fine_grained", "offload", "distribute_saved")
+
+
+def follow_up(args: argparse.Namespace, command: str, *extra: str) -> str:
+    """`remat COMMAND` with the flags of this run's command line that COMMAND takes (the model,
+    its shape, the layout), then `extra`: the line a user types to run what this one wrote."""
+    flags = {s: a for a in args.parsers[command]._actions for s in a.option_strings}
+    kept, argv, i = [], list(getattr(args, "argv", [])), 0
+    while i < len(argv):
+        action = flags.get(argv[i].split("=", 1)[0])
+        n = 0 if action is None or "=" in argv[i] or action.nargs == 0 else 1
+        if action is not None and action.nargs in ("+", "*"):
+            n = next((j for j, t in enumerate(argv[i + 1 :]) if t.startswith("-")), len(argv) - i - 1)
+        if action is not None and not action.dest.startswith(_NOT_REPEATED):
+            kept += argv[i : i + 1 + n]
+        i += 1 + n
+    return shlex.join(["remat", command, *kept, *extra])

@@ -27,6 +27,7 @@ from remat.cli.common import (
     Outputs,
     Problems,
     collected_warnings,
+    follow_up,
     out,
     path_problems,
     print_warnings,
@@ -153,7 +154,7 @@ def plan_per_stage(
     outputs = Outputs("plan", result.to_dict())
     outputs.write("--output", args.output, lambda: _save(result.plan, args.output))
     if not outputs.failed:
-        out.print(f"written to {args.output}; run it with `remat bench --config {args.output}` and the same layout")
+        out.print(f"written to {args.output}; run it with `{follow_up(args, 'bench', '--config', str(args.output))}`")
     if args.json:
         outputs.write("--json", args.json, lambda: write_json(result.to_dict(), args.json))
     return outputs.close()
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if not outputs.failed:
         if keys is not None:
             out.print(f"a Megatron config expresses this plan: {keys or 'no recompute'}")
-        out.print(f"written to {args.output}; run it with `remat bench --config {args.output}`")
+        out.print(f"written to {args.output}; run it with `{follow_up(args, 'bench', '--config', str(args.output))}`")
     if args.verify:
         with progress_bar(not args.no_progress) as bar:
             bench = run_bench(spec, result.config or result.plan, model=model, name="plan", on_step=bar.on_step())

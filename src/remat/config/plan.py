@@ -197,7 +197,8 @@ PlanLike = RecomputeConfig | Plan | None  # what apply() takes
 
 
 def load_plan_or_config(path: str | Path) -> Plan | RecomputeConfig:
-    """A file may hold a per-layer plan (`remat_plan: 1`) or Megatron recompute keys."""
+    """What a plan file holds, as `remat plan -o` writes it: a per-layer plan (`remat_plan: 1`)
+    or Megatron recompute keys (where a config expresses the plan); `remat.load_plan`."""
     data = load_mapping(Path(path))
     return Plan.from_dict(data) if "remat_plan" in data else RecomputeConfig.from_megatron(data)
 
@@ -326,7 +327,9 @@ def plan_file_problems(data: Mapping[str, Any]) -> list[Problem]:
         problems.append(
             Problem(
                 "remat_plan",
-                f"expected `remat_plan: {PLAN_FORMAT}` at the top of a plan file; is this a RecomputeConfig instead?",
+                f"expected `remat_plan: {PLAN_FORMAT}` at the top of a plan file; a file of Megatron"
+                " recompute keys (what `remat plan -o` writes where a config expresses the plan) loads"
+                " with remat.load_plan, which reads either",
             )
         )
     elif data["remat_plan"] != PLAN_FORMAT:

@@ -48,7 +48,7 @@ from remat.memory.prediction import (
 )
 from remat.memory.windows import Window
 from remat.sites.apply import FoundSites, apply, find_sites, offloader_of
-from remat.sites.calls import forward_loss
+from remat.sites.calls import LossFn, forward_loss, with_loss
 from remat.sites.site import Site
 
 # Host link bandwidth assumed for offload copies on the meta device, each way: pinned copies on the
@@ -325,9 +325,11 @@ def trace(
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE,
     host_bytes_per_s: float | None = None,
     progress: Callable[[str], None] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> Trace:
     """Measure, with training steps on `batch` (input_ids, labels, as `remat.plan` takes it),
-    what every action saves and costs in every layer.
+    what every action saves and costs in every layer; a model that returns logits takes
+    `loss_fn(output, labels)` (e.g. `remat.cross_entropy`).
 
     The step is `remat bench`'s: forward, backward, then `optimizer` (None: gradients accumulate
     across steps, as `bench --no_optimizer` runs). The optimizer's learning rate is 0 while
@@ -339,6 +341,7 @@ def trace(
     with storages below `min_offloaded_tensor_size` elements kept on the device; on the meta device
     the copies are timed at `host_bytes_per_s`, hidden behind the next layer's forward and backward.
     """
+    model = with_loss(model, loss_fn)
     sites = find_sites(model)
     model_sites = sites.model_sites
     input_ids, labels = batch

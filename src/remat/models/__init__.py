@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from remat.models import factory, llama
+from remat.models.factory import module_recipe
 from remat.models.family import ModelConfig, ModelFamily, ModelParallelism, SequenceParallelPoints, Target
 from remat.models.hf import family as hf_family
 from remat.models.hf.adapter import ADAPTER as HF_ADAPTER
@@ -53,6 +54,7 @@ def parameter_count(recipe: str, **overrides: Any) -> int:
 
 
 __all__ = [
+    "module_recipe",
     "ADAPTERS",
     "Adapter",
     "FAMILIES",

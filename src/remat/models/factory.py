@@ -1,13 +1,17 @@
-"""Any model, from a factory: recipe `module:package.module:function`. The function takes no
-arguments and returns the model, or (model, site map) for `remat.models.adapt`; a transformers model is
-adapted as it is. The step feeds it `model(input_ids, labels=labels)` with token ids below the
-vocabulary of its first embedding. Runs on one device; FLOPs count its matmul weights only."""
+"""Any model, from a factory: recipe `module:package.module:function`, imported from the current
+folder too (as `python -m` would). The function takes no arguments and returns the model, or
+(model, site map) for `remat.models.adapt`; a transformers model is adapted as it is. The step feeds
+it `model(input_ids, labels=labels)` with token ids below the vocabulary of its first embedding; a
+model that returns logits takes a loss function, `module:package.module:function+package.module:loss`
+(`WithLoss`). Runs on one device; FLOPs count its matmul weights only."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,15 +23,24 @@ from remat.core.labels import LAYER
 from remat.core.problems import ConfigError, Problem
 from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.registry import adapter_for
+from remat.sites.calls import with_loss
 from remat.sites.placement import compile_sites, place_sites
 from remat.sites.site import Site
 
 PREFIX = "module:"
+LOSS_SEPARATOR = "+"  # module:MODEL+LOSS
 DEFAULT_SEQ = 64
 
 
-def _factory(path: str) -> Any:
+def module_recipe(model: str, loss_fn: str | None = None) -> str:
+    """The recipe of the model `model` (package.module:function) returns, with its loss function."""
+    return f"{PREFIX}{model}" + (f"{LOSS_SEPARATOR}{loss_fn}" if loss_fn else "")
+
+
+def _factory(path: str, what: str = "the model") -> Any:
     module_name, _, attribute = path.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `remat` script's path has no cwd
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as err:
@@ -35,22 +48,25 @@ def _factory(path: str) -> Any:
             [
                 Problem(
                     "model",
-                    f"cannot load {path!r} ({err}); give package.module:function, a function that returns the model",
+                    f"cannot load {path!r} ({err}); give package.module:function, a function that returns {what}",
                 )
             ]
         ) from err
     if not callable(factory):
-        raise ConfigError([Problem("model", f"{path!r} is not a function; give one that returns the model")])
+        raise ConfigError([Problem("model", f"{path!r} is not a function; give one that returns {what}")])
     return factory
 
 
-def _made(path: str) -> nn.Module:
-    """The factory's model, adapted (its own Sites, a transformers family, or the map it returned)."""
+def _made(recipe_path: str) -> nn.Module:
+    """The factory's model, adapted (its own Sites, a transformers family, or the map it returned),
+    inside WithLoss where the recipe names a loss function."""
+    path, _, loss = recipe_path.partition(LOSS_SEPARATOR)
     made = _factory(path)()
     model, site_map = made if isinstance(made, tuple) else (made, None)
     if not isinstance(model, nn.Module):
         raise ConfigError([Problem("model", f"{path} returned {type(model).__name__}, not an nn.Module")])
-    return place_sites(model, site_map, adapter_for(model))
+    placed = place_sites(model, site_map, adapter_for(model))
+    return with_loss(placed, _factory(loss, "the loss (output, labels) -> loss") if loss else None)
 
 
 @dataclasses.dataclass(frozen=True)

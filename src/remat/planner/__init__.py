@@ -27,6 +27,7 @@ from remat.memory.meter import storage_bytes
 from remat.memory.prediction import Prediction, Trace
 from remat.memory.windows import Choice
 from remat.planner.solver import NoPlanFits, solve
+from remat.sites.calls import LossFn
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,13 @@ def plan(
     micro_batches: int = 1,
     offload: bool = False,
     host_budget: int | str | None = None,
+    loss_fn: LossFn | None = None,
 ) -> PlanResult:
     """Trace `model` on `batch` (one step per action, see `remat.trace`) and return the fastest
     plan whose predicted peak allocated memory fits `budget` (bytes, or text like '60GiB').
     The weights, gradients and optimizer state are left as they were: it can run mid-training.
-    `offload`: consider offloading to host memory too, at most `host_budget` bytes if given."""
+    `offload`: consider offloading to host memory too, at most `host_budget` bytes if given; a
+    model that returns logits takes `loss_fn(output, labels)` (e.g. `remat.cross_entropy`)."""
     budget_bytes = parse_bytes(budget)
     host_bytes = None if host_budget is None else parse_bytes(host_budget, "host_memory_budget")
     raise_if_any(
@@ -179,7 +182,7 @@ def plan(
             *plan_search_problems(budget_bytes, weight_bytes(model, batch[0].device.type), Trace.max_group),
         ]
     )
-    traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload)
+    traced = trace(model, batch, optimizer=optimizer, micro_batches=micro_batches, offload=offload, loss_fn=loss_fn)
     return plan_from_trace(traced, budget_bytes, host_bytes)
 
 

@@ -11,7 +11,7 @@ from remat.config.plan import Plan
 from remat.config.recompute import RecomputeConfig
 from remat.memory import SavedMemory, measure_saved
 from remat.sites.apply import apply, offloader_of, warn_if_nothing_offloaded
-from remat.sites.calls import forward_loss
+from remat.sites.calls import LossFn, forward_loss, with_loss
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,17 @@ def run_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, se
 
 
 def verify(
-    model: nn.Module, plan: RecomputeConfig | Plan, input_ids: torch.Tensor, labels: torch.Tensor, seed: int = 0
+    model: nn.Module,
+    plan: RecomputeConfig | Plan,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    seed: int = 0,
+    *,
+    loss_fn: LossFn | None = None,
 ) -> VerifyReport:
-    """Run the batch without recompute, then with `plan` (left applied to `model`)."""
+    """Run the batch without recompute, then with `plan` (left applied to `model`); a model that
+    returns logits takes `loss_fn(output, labels)` (e.g. `remat.cross_entropy`)."""
+    model = with_loss(model, loss_fn)
     model.train()
     apply(model, None)
     baseline = run_step(model, input_ids, labels, seed)

@@ -1298,7 +1298,7 @@ def test_plan_file_problems_name_the_key_at_fault(change: dict[str, Any], field:
 def test_a_plan_file_of_another_format_version_is_told_apart_from_a_config() -> None:
     newer = {k: v for k, v in GOOD_PLAN_FILE.items() if k != "remat_plan"}
     [missing] = layer_plan.plan_file_problems(newer)
-    assert "is this a RecomputeConfig instead?" in missing.message
+    assert "a file of Megatron recompute keys" in missing.message and "remat.load_plan" in missing.message
     [other] = layer_plan.plan_file_problems({**newer, "remat_plan": 2})
     assert other.message.startswith("2 is not a plan format this remat reads; it reads `remat_plan: 1`")
 

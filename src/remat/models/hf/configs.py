@@ -77,11 +77,12 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
         base = _refused_as_problem(model_type, catalog.tiny_fields, model_type)
     elif path.suffix == ".json" or path.is_file():
         base = read_file(path, json.loads, "JSON")
-        model_type = base.pop("model_type", None) if isinstance(base, dict) else None
-        if not isinstance(model_type, str):
+        found = base.pop("model_type", None) if isinstance(base, dict) else None
+        if not isinstance(found, str):
             raise ConfigError(
                 [Problem("hf_config", f"{path} is no transformers config (no model_type); give a config.json")]
             )
+        model_type = found
     else:
         raise ConfigError(
             [
