@@ -47,3 +47,15 @@ def test_the_readme_command_lines_run_as_written(tmp_path: Path) -> None:
 def test_the_lines_that_read_an_earlier_lines_output_follow_it(line: str) -> None:
     lines = command_lines()
     assert line in [" ".join(x.split("#")[0].split()) for x in lines]
+
+
+def test_the_readme_training_loop_runs_as_written(tmp_path: Path) -> None:
+    """Plan, apply, torch.compile (inductor) and three optimizer steps, in a fresh process."""
+    [loop] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "torch.compile" in b]
+    (tmp_path / "loop.py").write_text(loop)
+    env = {**os.environ, "PYTHONPATH": str(README.parent / "src")}
+    done = subprocess.run(
+        [sys.executable, "loop.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "recompute" in done.stdout and len(done.stdout.splitlines()) >= 4

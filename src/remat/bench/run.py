@@ -282,8 +282,16 @@ def _host_out_of_memory(error: BaseException) -> bool:
 
 
 def sweep(
-    spec: BenchSpec, plans: Sequence[tuple[str, PlanLike]], *, on_step: OnStep | None = None
+    spec: BenchSpec,
+    plans: Sequence[tuple[str, PlanLike]],
+    *,
+    on_step: OnStep | None = None,
+    into: list[BenchResult] | None = None,
 ) -> list[BenchResult]:
-    """Run every (name, plan) on one model in one process; OOMs are results, the rest go on."""
+    """Run every (name, plan) on one model in one process; OOMs are results, the rest go on. Each
+    result is appended to `into` as it finishes (what an interrupted sweep has measured)."""
+    results = [] if into is None else into
     model = build.build_model(spec)
-    return [run_bench(spec, plan, model=model, name=name, on_step=on_step) for name, plan in plans]
+    for name, plan in plans:
+        results.append(run_bench(spec, plan, model=model, name=name, on_step=on_step))
+    return results

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from remat.cli import bench, doctor, estimate, history, plan, recipes, support, sweep, validate, verify
 from remat.cli.args import select_model
-from remat.cli.common import err
+from remat.cli.common import INTERRUPTED, err
 from remat.core.problems import ConfigError, Problem, count
 from remat.core.version import remat_version
 
@@ -83,3 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # bad recipe name or shape override
         err.print(f"[red]error:[/] {e}")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        err.print("interrupted")
+        return INTERRUPTED

@@ -33,6 +33,8 @@ from remat.cli.checks import (
 from remat.cli.tables import fit_width
 from remat.core.problems import ConfigError, Problem, RematWarning
 
+INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C (SIGINT), as shells report it
+
 # Widths output is laid out in, whatever COLUMNS says: at 0 rich prints nothing (errors included),
 # at 5 a word a line, at 10**8 each rule and table line is that wide.
 MIN_WIDTH, MAX_WIDTH = 40, 1000

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from remat.bench.plot import pareto_plot
+from remat.bench.result import BenchResult
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
 from remat.cli.args import (
@@ -22,9 +23,11 @@ from remat.cli.args import (
 )
 from remat.cli.checks import one_process_problems
 from remat.cli.common import (
+    INTERRUPTED,
     Outputs,
     Problems,
     collected_warnings,
+    err,
     out,
     output_problems,
     print_warnings,
@@ -35,11 +38,10 @@ from remat.cli.common import (
 from remat.cli.flags import add_settings
 from remat.cli.tables import results_table
 from remat.config.plan import PlanLike
+from remat.core.problems import count
 from remat.estimate.stages import cpu_run_problems
 from remat.parallel import launched_world
 from remat.run.spec import unrun_problems
-
-DEFAULT_PLOT = "pareto.png"
 
 HELP = "bench many recompute configs in one process; table and Pareto plot"
 
@@ -49,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_settings(p, BenchSpec, only=["dryrun"], defaults={"dryrun": False})
     add_layout_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
-    p.add_argument("--plot", metavar="PNG", help=f"where to write the Pareto plot (default {DEFAULT_PLOT})")
+    p.add_argument("--plot", metavar="PNG", help="write the Pareto plot (memory against throughput) here")
     p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
 
 
@@ -67,7 +69,7 @@ def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike
             facts.to_megatron(),
             lambda config: unrun_problems(config.facts.capture),
         )
-    found.add(output_problems(args, DEFAULT_PLOT))
+    found.add(output_problems(args))
     found.add(one_process_problems("sweep", gpus_of(args), launched_world()))
     found.raise_if_any()
     assert spec is not None  # or a problem was raised
@@ -86,21 +88,31 @@ def run(args: argparse.Namespace) -> int:
         for name, _ in plans:
             out.print(name)
         return 0
+    results: list[BenchResult] = []
     with collected_warnings() as caught, progress_bar(not args.no_progress) as bar:
-        results = sweep(spec, plans, on_step=bar.on_step())
+        try:
+            sweep(spec, plans, on_step=bar.on_step(), into=results)
+        except KeyboardInterrupt:  # the configs run so far are results: kept, then exit 130
+            if not results:
+                raise
+            err.print(f"interrupted after {count(len(results), 'config')} of {len(plans)}; recording those")
     print_warnings(caught, printed=checked)
+    code = _outputs(args, spec, results)
+    return INTERRUPTED if len(results) < len(plans) else code
+
+
+def _outputs(args: argparse.Namespace, spec: BenchSpec, results: list[BenchResult]) -> int:
+    """The table, --json, the history and --plot of the configs run."""
     show(results_table(results, title=f"remat sweep: {spec.recipe}"))
     data = [r.to_dict() for r in results]
     outputs = Outputs("sweep", data)
     if args.json:
         outputs.write("--json", args.json, lambda: write_json(data, args.json))
     outputs.history(results, args)
-    plot, failed = args.plot or DEFAULT_PLOT, len(outputs.failed)
-    outputs.write(
-        "--plot",
-        plot,
-        lambda: pareto_plot(results, plot, title=f"{spec.recipe} on {results[0].gpu}: memory vs throughput"),
-    )
-    if len(outputs.failed) == failed:
-        out.print(f"Pareto plot: {plot}")
+    if args.plot:
+        failed = len(outputs.failed)
+        title = f"{spec.recipe} on {results[0].gpu}: memory vs throughput"
+        outputs.write("--plot", args.plot, lambda: pareto_plot(results, args.plot, title=title))
+        if len(outputs.failed) == failed:
+            out.print(f"Pareto plot: {args.plot}")
     return outputs.close()

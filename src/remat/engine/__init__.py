@@ -11,6 +11,8 @@ from remat.engine.checkpoint import (
     inside_region,
     offloading,
     output_tensors,
+    refuse_compiled,
+    traced_checkpoint,
 )
 from remat.engine.offload import HostPool, Offloader, OffloadStats
 from remat.engine.rng import RNGStream, register_stream
@@ -31,6 +33,8 @@ __all__ = [
     "inside_region",
     "offloading",
     "output_tensors",
+    "refuse_compiled",
     "register_stream",
     "storage_key",
+    "traced_checkpoint",
 ]

@@ -22,13 +22,15 @@ into the input when the replay needs it (the shards gathered).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import checkpoint as torch_checkpoint
 
 from remat.engine.offload import Offloaded, Offloader, active_offloader
 from remat.engine.rng import ReplayState, forked_rng
@@ -172,6 +174,8 @@ class Region:
         `before_replay` runs before the replay calls `fn` again (e.g. gathering the sharded
         parameters of a layer replayed from a later layer's backward); a `KeptInputs` also
         chooses how the call's inputs are kept."""
+        if torch.compiler.is_compiling():
+            refuse_compiled(_TRACED)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         stand_in = before_replay.stand_in if isinstance(before_replay, KeptInputs) else None
         self._calls.append(
@@ -287,6 +291,32 @@ class Region:
         return arg
 
 
+@torch.compiler.disable
+def refuse_compiled(message: str) -> NoReturn:
+    """Raise `message` from code torch.compile traces. Raised while dynamo traces, an error only
+    makes dynamo give up on the frame and run it eagerly (here: an eager Region around compiled
+    calls, the wrong backward this refusal exists to prevent); a call dynamo may not trace runs
+    when the compiled code does, and its error reaches the caller."""
+    raise RuntimeError(message)
+
+
+_TRACED = (
+    "remat's recompute region cannot run inside torch.compile: its saved-tensor hooks would see "
+    "the compiled graph's saved tensors while its replay runs eagerly; under torch.compile use "
+    "remat.checkpoint or a Site's action (they lower to torch's compile-aware checkpoint)"
+)
+
+
+def traced_checkpoint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`fn(*args, **kwargs)` recomputed in backward, the way torch.compile can trace it: torch's
+    non-reentrant checkpoint, which dynamo turns into a higher-order op whose ops AOTAutograd
+    recomputes in the compiled backward (random ops saved or replayed, never drawn anew). A
+    Region cannot be traced: dynamo breaks the graph at its hooks, so they would number the
+    compiled graph's saved tensors while the replay (in backward, outside dynamo) saves eager ones."""
+    call = functools.partial(fn, **kwargs) if kwargs else fn  # kwargs never clash with checkpoint's own
+    return torch_checkpoint.checkpoint(call, *args, use_reentrant=False)
+
+
 class _ReplayDone(BaseException):  # not an Exception: user fallbacks must not catch it
     """Raised inside a replay once every saved tensor is back."""
 
@@ -304,6 +334,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run `fn` keeping only its inputs; rebuild what backward needs by one RNG-exact replay."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return traced_checkpoint(fn, args, kwargs)
     region = Region()
     out = region.call(fn, args, kwargs)
     region.close()

@@ -15,9 +15,19 @@ from remat.config.model_sites import ModelSites, check_config
 from remat.config.plan import Plan, check_plan
 from remat.config.recompute import RecomputeConfig
 from remat.core.labels import LAYER
-from remat.core.problems import Problem, advise
-from remat.engine import DiscardScope, Offloader, Region, checkpoint, current_scope, offloading, output_tensors
-from remat.sites.site import Site
+from remat.core.problems import ConfigError, Problem, advise
+from remat.engine import (
+    DiscardScope,
+    Offloader,
+    Region,
+    checkpoint,
+    current_scope,
+    offloading,
+    output_tensors,
+    refuse_compiled,
+    traced_checkpoint,
+)
+from remat.sites.site import Site, SiteAction
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,16 @@ def find_sites(model: nn.Module) -> FoundSites:
     return FoundSites(layers, inner, type(model).__name__)
 
 
+def _not_a_plan(plan: object) -> Problem:
+    example = "RecomputeConfig(recompute_granularity='selective', recompute_modules=['mlp'])"
+    hints: dict[type, str] = {
+        dict: f"Megatron keys go through RecomputeConfig.from_megatron({{...}}), e.g. {example}",
+        str: f"a label is one of a config's recompute_modules, e.g. {example}; a file: remat.load_plan(path)",
+    }
+    hint = hints.get(type(plan), f"e.g. {example}")
+    return Problem("plan", f"is a {type(plan).__name__}; give a RecomputeConfig, a Plan or None ({hint})")
+
+
 def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     """Set every Site of `model` to the actions of `plan`; returns the per-layer plan in force.
 
@@ -72,9 +92,11 @@ def apply(model: nn.Module, plan: RecomputeConfig | Plan | None) -> Plan:
     elif isinstance(plan, RecomputeConfig):
         check_config(plan, model_sites)
         resolved = Plan.from_config(plan, model_sites)
-    else:
+    elif isinstance(plan, Plan):
         check_plan(plan.layers, plan.full_recompute, model_sites)
         resolved = plan
+    else:
+        raise ConfigError([_not_a_plan(plan)])
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     offloader = (
         Offloader(
@@ -175,25 +197,47 @@ def _offload_groups(plan: Plan) -> Iterator[tuple[int, int]]:
             yield i, ranges.get(i, i + 1) - 1
 
 
-def _recompute(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return checkpoint(fn, *args, **kwargs)
+class _Recompute:
+    """Keep the call's inputs, rebuild what its backward needs by one RNG-exact replay."""
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return checkpoint(fn, *args, **kwargs)
+
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return traced_checkpoint(fn, args, kwargs)
 
 
-def _discard(site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    scope = current_scope()
-    if scope is None:
-        raise RuntimeError(
-            f"site {site.label!r} is set to discard but was called outside its "
-            "layer Site; place the layer Site around the layer's forward"
-        )
-    return scope.discard(fn, args, kwargs)
+class _Discard:
+    """Recompute the call, and its consumers in the layer keep no copy of its output either."""
+
+    def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        scope = current_scope()
+        if scope is None:
+            raise RuntimeError(
+                f"site {site.label!r} is set to discard but was called outside its "
+                "layer Site; place the layer Site around the layer's forward"
+            )
+        return scope.discard(fn, args, kwargs)
+
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # Compiled, a checkpointed region's outputs are recomputed like its insides (AOTAutograd's
+        # partitioner saves no tensor tagged for recompute), so consumers keep none: no scope needed.
+        return traced_checkpoint(fn, args, kwargs)
 
 
-_ACTIONS: dict[str, Callable[..., Any] | None] = {
+_ACTIONS: dict[str, SiteAction | None] = {
     "keep": None,
-    "recompute": _recompute,
-    "discard": _discard,
+    "recompute": _Recompute(),
+    "discard": _Discard(),
 }
+
+
+def _refuse_offload(site: Site) -> Any:
+    refuse_compiled(
+        f"site {site.label!r} offloads, which cannot run inside torch.compile (remat offloads through"
+        " saved-tensor hooks, which compiled graphs do not call); compile what runs between Sites instead"
+        " (the CLI's --compile, remat.sites.placement.compile_sites), or drop offload from the plan"
+    )
 
 
 @dataclass(frozen=True)
@@ -209,6 +253,9 @@ class _Offload:
     def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         with self.context():
             return fn(*args, **kwargs)
+
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return _refuse_offload(site)
 
 
 @dataclass(frozen=True)
@@ -234,6 +281,9 @@ class _OffloadNeighbour:
                 self.offloader.prefetch_on_grad(first, key)
         return out
 
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return _refuse_offload(site)
+
 
 @dataclass(frozen=True)
 class _LayerScope:
@@ -249,6 +299,10 @@ class _LayerScope:
             if self.offload is not None:  # inside the scope: discarded outputs stay references
                 stack.enter_context(self.offload.context())
             return fn(*args, **kwargs)
+
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # compiled, discarding sites need no scope (see _Discard.traced)
+        return fn(*args, **kwargs) if self.offload is None else _refuse_offload(site)
 
 
 class _LayerGroup:
@@ -287,3 +341,11 @@ class _GroupMember:
             group.region.close()
             group.region = None
         return out
+
+    def traced(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # Compiled, each layer of the group is its own checkpoint: the gradients are the same,
+        # but every layer's input is kept, not the group's first alone (AOTAutograd saves the
+        # boundary between two checkpointed regions).
+        if self.group.offload is not None:
+            return _refuse_offload(site)
+        return traced_checkpoint(fn, args, kwargs)

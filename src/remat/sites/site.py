@@ -9,13 +9,28 @@ import torch
 from torch import nn
 
 from remat.core.labels import site_labels
-from remat.engine import inside_region
+from remat.engine import inside_region, refuse_compiled
 
 
 class SiteAction(Protocol):
-    """What apply() installs on a Site: runs the wrapped call with recompute/discard machinery."""
+    """What apply() installs on a Site: runs the wrapped call with recompute/discard machinery.
+    Under torch.compile the Site calls the action's `traced` method (same arguments) instead."""
 
     def __call__(self, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
+
+
+def traced(action: SiteAction, site: Site, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """What `action` does while torch.compile traces the Site: its own `traced` method (torch's
+    compile-aware checkpoint where it recomputes or discards, a refusal where it offloads); one without it
+    is refused in the compiled forward, rather than compiled into a wrong backward."""
+    lower = getattr(action, "traced", None)
+    if lower is not None:
+        return lower(site, fn, args, kwargs)
+    return refuse_compiled(
+        f"site {site.label!r}: {type(action).__name__} cannot run inside torch.compile; compile what runs"
+        " between Sites instead (the CLI's --compile, remat.sites.placement.compile_sites), or drop"
+        " that action from the plan"
+    )
 
 
 class Site(nn.Module):
@@ -42,6 +57,8 @@ class Site(nn.Module):
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.action is None or not torch.is_grad_enabled() or inside_region():
             return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return traced(self.action, self, fn, args, kwargs)
         return self.action(self, fn, args, kwargs)
 
     def extra_repr(self) -> str:

@@ -1,5 +1,6 @@
-"""Hostile files, round two, run the way they were found: a YAML alias bomb, a file of tens of
-megabytes, thousands of problems, a pickle that would run code, a config.json without a model."""
+"""Hostile input, round two, run the way it was found: a YAML alias bomb, a file of tens of
+megabytes, thousands of problems, a pickle that would run code, a config.json without a model,
+COLUMNS=0, Ctrl-C in a command and in a sweep."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ import yaml
 from helpers.hostile import run
 
 from remat.core.problems import MAX_FILE_BYTES, SHOWN_PROBLEMS, safe_yaml
+
+TINY_SWEEP = [
+    "-mr",
+    "llama3_tiny",
+    "--num_layers",
+    "2",
+    "-sl",
+    "16",
+    "-ms",
+    "4",
+    "--warmup_steps",
+    "1",
+    "--no_progress",
+]
 
 
 def _bomb(depth: int = 9) -> str:
@@ -99,3 +114,41 @@ def test_columns_zero_still_prints_the_errors() -> None:
     done = subprocess.run(argv, env={**os.environ, "COLUMNS": "0"}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "invalid config (2 problems)" in done.stderr and "pipeline stages" in " ".join(done.stderr.split())
+
+
+def test_an_interrupted_sweep_keeps_the_configs_it_finished(capsys, tmp_path, monkeypatch) -> None:
+    """Ctrl-C in the third of four configs: the two finished are in --json and the history, the
+    command says so in one line and exits 130."""
+    import json
+
+    import remat.bench.run as bench_run
+
+    real, calls = bench_run.run_bench, []
+
+    def third_interrupted(*args, **kwargs):
+        calls.append(kwargs.get("name"))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "run_bench", third_interrupted)
+    monkeypatch.setenv("REMAT_HISTORY", str(tmp_path / "history.sqlite"))
+    monkeypatch.chdir(tmp_path)
+    configs = ["none", "mlp", "core_attn", "full_uniform_1"]
+    argv = ["sweep", *TINY_SWEEP, "--configs", *configs, "--json", "sweep.json"]
+    code, _, err, _ = run(capsys, *argv)
+    assert code == 130 and "interrupted after 2 configs of 4; recording those" in err and "Traceback" not in err
+    assert [r["name"] for r in json.loads((tmp_path / "sweep.json").read_text())] == configs[:2]
+    code, out, _, _ = run(capsys, "history")
+    assert code == 0 and "none" in out and "mlp" in out and not list(tmp_path.glob("*.png"))  # no plot unasked
+
+
+def test_ctrl_c_anywhere_in_a_command_is_one_line_and_exit_130(capsys, monkeypatch) -> None:
+    import remat.cli.validate as validate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "run", interrupted)
+    code, out, err, _ = run(capsys, "validate", "--num_layers", "8")
+    assert (code, out, err) == (130, "", "interrupted")

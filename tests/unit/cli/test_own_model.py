@@ -119,3 +119,10 @@ def test_the_plans_follow_up_line_runs_the_same_model_and_load_plan_reads_the_fi
     assert isinstance(loaded, remat.RecomputeConfig) and loaded.recompute_granularity is None
     with pytest.raises(remat.ConfigError, match="loads with remat.load_plan"):
         remat.Plan.load("plan.yaml")
+
+
+@pytest.mark.parametrize(("plan", "said"), [({"recompute_granularity": "full"}, "from_megatron"), ("mlp", "load_plan")])
+def test_apply_names_a_plan_of_the_wrong_kind(plan, said) -> None:
+    model = remat.models.build("llama3_tiny", num_layers=1)
+    with pytest.raises(remat.ConfigError, match=f"plan: is a {type(plan).__name__}; give a RecomputeConfig.*{said}"):
+        remat.apply(model, plan)
