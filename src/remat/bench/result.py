@@ -14,6 +14,10 @@ Status = Literal["ok", "oom"]
 # percent (40-48% measured on a 2-core machine), far beyond the spread within either run; CPU
 # timings are told apart only beyond this, a factor of two.
 CPU_TIMING_NOISE = 1.0
+# Said under CPU timings wherever they are shown (a sweep's table, plan --verify's)
+CPU_TIMING_CAVEAT = (
+    "step time on CPU: one process runs tens of percent faster than another, and more under load; memory is exact"
+)
 
 
 @dataclass

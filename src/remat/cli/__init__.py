@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import shlex
 import sys
@@ -12,7 +13,7 @@ from rich.markup import escape
 
 from remat.cli import bench, doctor, estimate, history, plan, recipes, support, sweep, validate, verify
 from remat.cli.args import select_model
-from remat.cli.common import INTERRUPTED, err
+from remat.cli.common import INTERRUPTED, err, tables_to_stderr
 from remat.core.problems import ConfigError, Problem, count
 from remat.core.version import remat_version
 
@@ -62,7 +63,17 @@ def on_command_line(problem: Problem, parser: argparse.ArgumentParser) -> Proble
     return Problem(field, re.sub(r"\b([a-z_]+)=([^\s,;)]+)", typed, problem.message))
 
 
+def survive_any_encoding() -> None:
+    """Output that stdout or stderr cannot encode is written as '?': a '±' in a table on a non-UTF-8
+    stream (PYTHONIOENCODING=ascii, a Latin-1 terminal), or a lone surrogate from a config file's
+    escaped key on UTF-8, must not stop a command before it writes its files."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="replace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    survive_any_encoding()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the command's own usage, not the top level's
@@ -70,8 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = shlex.join(["remat", *argv])  # recorded with each result
     args.argv = argv  # what a command that starts torchrun runs again in each process
     try:
-        select_model(args)
-        return args.func(args)
+        with tables_to_stderr(args):
+            select_model(args)
+            return args.func(args)
     except ConfigError as e:
         err.print(f"[red]invalid config ({count(len(e.problems), 'problem')}):[/]")
         for problem in e.shown:

@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_settings(p, BenchSpec, only=["dryrun"])
     add_layout_flags(p)
     add_recompute_flags(p)
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument(
+        "--json", metavar="PATH", help="write the result as JSON; - for stdout (the tables then go to stderr)"
+    )
     p.add_argument(
         "--golden",
         metavar="FILE",

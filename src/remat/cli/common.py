@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import sqlite3
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -143,8 +144,28 @@ def progress_bar(enabled: bool = True) -> Iterator[Bar]:
         yield Bar(progress)
 
 
+# --json's path for standard output: the JSON alone goes there, the tables to stderr (tables_to_stderr)
+STDOUT = "-"
+
+
+@contextlib.contextmanager
+def tables_to_stderr(args: argparse.Namespace) -> Iterator[None]:
+    """With `--json -`, what a command prints to stdout goes to stderr inside, so that stdout holds
+    the JSON alone and reads with json.load."""
+    before = out.stderr
+    out.stderr = before or getattr(args, "json", None) == STDOUT
+    try:
+        yield
+    finally:
+        out.stderr = before
+
+
 def write_json(data: Any, path: str | Path) -> None:
-    """JSON output; like every file the commands write, its missing folders are created."""
+    """JSON output, to stdout for `-`; like every file the commands write, its missing folders are created."""
+    if str(path) == STDOUT:
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+        sys.stdout.flush()
+        return
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(data, indent=1))
@@ -191,7 +212,12 @@ class Outputs:
 
 def path_problems(written: dict[str, str | Path | None]) -> list[Problem]:
     """Each file a command will write (flag -> path, None: not written), checked before it runs."""
-    return [p for flag, path in written.items() if path is not None for p in output_path_problems(flag, path)]
+    return [
+        p
+        for flag, path in written.items()
+        if path is not None and not (flag == "--json" and str(path) == STDOUT)
+        for p in output_path_problems(flag, path)
+    ]
 
 
 # (flag, attribute) of the files bench and sweep write once they have run, besides the history

@@ -25,7 +25,7 @@ from remat.cli.checks import doctor_flag_problems, doctor_run_problems, one_proc
 from remat.cli.common import Problems, out, path_problems, progress_bar, show
 from remat.cli.tables import doctor_report, findings_table, format_gib
 from remat.core.problems import Problem
-from remat.core.sizes import parse_bytes
+from remat.core.sizes import BARE_IS_BYTES, parse_bytes
 from remat.memory.timeline import timeline
 from remat.parallel import launched_world
 from remat.run.build import build_model
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PNG",
         help="run one step of the recipe (CPU or GPU) and plot its memory after every op, phases and layers marked",
     )
-    p.add_argument("--request", metavar="SIZE", help="the failed request: bytes, or like 2GiB")
-    p.add_argument("--limit", metavar="SIZE", help="the device memory the snapshot had: bytes, or like 80GiB")
+    p.add_argument("--request", metavar="SIZE", help=f"the failed request, like 2GiB ({BARE_IS_BYTES})")
+    p.add_argument("--limit", metavar="SIZE", help=f"the device memory the snapshot had, like 80GiB ({BARE_IS_BYTES})")
     add_run_flags(p)
     add_layout_flags(p)
     add_recompute_flags(p)

@@ -62,7 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "usual ones",
     )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", metavar="PATH", help="write the estimates (or the plans) as JSON")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the estimates (or the plans) as JSON; - for stdout (the tables then go to stderr)",
+    )
     budget = p.add_argument_group("planning by shape (instead of estimating given configs)")
     add_budget_flags(budget, required=False, threshold=False)
 

@@ -11,6 +11,22 @@ from typing import Any
 from remat.config.fields import Setting, public_name, settings
 from remat.core.problems import ConfigError, Problem
 
+# Every whole-number flag fits a signed 64-bit integer: torch, NumPy and SQLite store it as one,
+# and a larger value fails deep inside them ("Overflow when unpacking long long"), naming no flag.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+
+def whole_number(text: str) -> int:
+    """argparse's `type` for every whole-number flag: int(text) within INT_MIN..INT_MAX, or an
+    error that argparse prints under the flag's name."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid whole number: {text!r}") from None
+    if not INT_MIN <= value <= INT_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a whole number from {INT_MIN} to {INT_MAX}")
+    return value
+
 
 def _long_flag(name: str, meta: Setting) -> str:
     return meta.flag if isinstance(meta.flag, str) else f"--{name}"
@@ -41,7 +57,7 @@ def add_settings(
             options["action"] = "store_false" if flags[-1].startswith("--no_") else "store_true"
         else:
             options.update(
-                type=str if meta.text else meta.flag_type,
+                type=str if meta.text else whole_number if meta.flag_type is int else meta.flag_type,
                 metavar=meta.metavar,
                 choices=list(meta.choices) if meta.choices and not meta.text else None,
             )

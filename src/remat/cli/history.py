@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from remat.bench.history import HistoryError, check, default_history_path, entries, entry
 from remat.cli.common import Problems, collected_warnings, err, out, print_warnings, show
+from remat.cli.flags import whole_number
 from remat.cli.tables import history_table, memory_table, results_table
 from remat.core.problems import ConfigError, Problem
 
@@ -23,13 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="list",
         help="list (default): the latest runs; show ID: one run whole",
     )
-    p.add_argument("id", nargs="?", type=int, metavar="ID", help="with show: the run's id, as the list gives it")
+    p.add_argument(
+        "id", nargs="?", type=whole_number, metavar="ID", help="with show: the run's id, as the list gives it"
+    )
     p.add_argument(
         "--history",
         metavar="DB",
         help="the SQLite run history (default $REMAT_HISTORY or ~/.cache/remat/history.sqlite)",
     )
-    p.add_argument("-n", "--limit", type=int, default=20, metavar="N", help="how many runs to list (default 20)")
+    p.add_argument(
+        "-n", "--limit", type=whole_number, default=20, metavar="N", help="how many runs to list (default 20)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from remat.cli.common import (
     show,
     write_json,
 )
-from remat.cli.flags import add_settings
+from remat.cli.flags import add_settings, whole_number
 from remat.cli.tables import (
     estimate_table,
     plan_table,
@@ -48,7 +48,7 @@ from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 from remat.config.megatron import RecomputeFields
 from remat.config.plan import Plan
 from remat.core.problems import advise, raise_if_any
-from remat.core.sizes import parse_bytes
+from remat.core.sizes import BARE_IS_BYTES, parse_bytes
 from remat.estimate.spec import EstimateSpec
 from remat.estimate.stage_plans import plan_stages
 from remat.estimate.stages import cpu_run_problems
@@ -71,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_layout_flags(p, "parallelism (a plan per pipeline rank, each rank's shard traced here) and CUDA graphs")
     add_budget_flags(p, required=True)
     p.add_argument("--verify", action="store_true", help="bench the chosen plan and print predicted against measured")
-    p.add_argument("--json", metavar="PATH", help="write the plan, prediction (and measurement) as JSON")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the plan, prediction (and measurement) as JSON; - for stdout (the tables then go to stderr)",
+    )
 
 
 def add_budget_flags(
@@ -85,8 +89,8 @@ def add_budget_flags(
         dest="memory_budget",
         required=required,
         metavar="SIZE",
-        help="peak allocated memory to fit on each GPU, like 60GiB, 80GB or 512MiB (a bare number is "
-        "GiB); with pipeline stages, each rank gets its own plan",
+        help=f"peak allocated memory to fit on each GPU, like 60GiB, 80GB or 512MiB ({BARE_IS_BYTES}); "
+        "with pipeline stages, each rank gets its own plan",
     )
     p.add_argument(
         "-o",
@@ -105,13 +109,13 @@ def add_budget_flags(
         "--host_memory_budget",
         dest="host_memory_budget",
         metavar="SIZE",
-        help="with --offload: the most host memory offload may hold (per GPU), like 200GiB",
+        help=f"with --offload: the most host memory offload may hold (per GPU), like 200GiB ({BARE_IS_BYTES})",
     )
     if threshold:
         add_settings(p, RecomputeFields, only=["min_offloaded_tensor_size"])
     p.add_argument(
         "--max_group",
-        type=int,
+        type=whole_number,
         default=16,
         metavar="N",
         help="longest run of layers recomputed as one unit that the planner considers",
@@ -120,9 +124,9 @@ def add_budget_flags(
 
 def budget_problems(args: argparse.Namespace, found: Problems) -> tuple[int | None, int | None]:
     """The budgets of a planning command line, and the problems of its planning flags."""
-    budget = found.run(parse_bytes, args.memory_budget)
+    budget = found.run(parse_bytes, args.memory_budget, "memory_budget", "b")
     host_budget = (
-        found.run(parse_bytes, args.host_memory_budget, "host_memory_budget")
+        found.run(parse_bytes, args.host_memory_budget, "host_memory_budget", "b")
         if args.host_memory_budget is not None
         else None
     )

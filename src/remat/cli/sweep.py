@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from remat.bench.plot import pareto_plot
-from remat.bench.result import BenchResult
+from remat.bench.result import CPU_TIMING_CAVEAT, BenchResult
 from remat.bench.run import sweep
 from remat.bench.spec import BenchSpec
 from remat.cli.args import (
@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_layout_flags(p)
     p.add_argument("--configs", nargs="+", metavar="ENTRY")
     p.add_argument("--plot", metavar="PNG", help="write the Pareto plot (memory against throughput) here")
-    p.add_argument("--json", metavar="PATH", help="write all results as a JSON list")
+    p.add_argument(
+        "--json", metavar="PATH", help="write all results as a JSON list; - for stdout (the tables then go to stderr)"
+    )
 
 
 def check(args: argparse.Namespace) -> tuple[BenchSpec, list[tuple[str, PlanLike]]]:
@@ -104,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 def _outputs(args: argparse.Namespace, spec: BenchSpec, results: list[BenchResult]) -> int:
     """The table, --json, the history and --plot of the configs run."""
     show(results_table(results, title=f"remat sweep: {spec.recipe}"))
+    if any(r.device == "cpu" for r in results):  # a faster config on CPU may be noise, not the config
+        out.print(CPU_TIMING_CAVEAT)
     data = [r.to_dict() for r in results]
     outputs = Outputs("sweep", data)
     if args.json:

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from remat.bench.findings import Finding
 from remat.bench.golden import NOISE, OK, REGRESSION, STATUS_VALUES, UNEXPECTED_IMPROVEMENT, MetricCheck
-from remat.bench.result import BenchResult, timing_noise
+from remat.bench.result import CPU_TIMING_CAVEAT, BenchResult, timing_noise
 from remat.bench.spec import BenchSpec
 from remat.bench.support import Cell
 from remat.config.model_sites import index_runs
@@ -397,7 +397,7 @@ def verify_plan_table(result: PlanResult, bench: BenchResult, spec: BenchSpec, t
         within = noise is not None and abs(math.log1p(error)) <= math.log1p(noise)
         table.add_row(name, fmt(predicted), fmt(measured), f"{error:+.1%}" + (" (within noise)" if within else ""))
     if bench.device == "cpu":
-        table.caption = "step time on CPU: one process runs tens of percent faster than another; memory is exact"
+        table.caption = CPU_TIMING_CAVEAT
     return table
 
 

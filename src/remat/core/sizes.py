@@ -20,6 +20,11 @@ _UNITS = {
 }
 
 
+# Said by the help of every size flag (--memory-budget, --host-memory-budget, doctor's --request and
+# --limit, --cublas_workspace), which all read a bare number as bytes, as allocator logs print sizes
+BARE_IS_BYTES = "a bare number is bytes"
+
+
 def format_bytes(n: float) -> str:
     """GiB, or MiB below a tenth of a GiB (tiny CPU models), for messages and tables."""
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
@@ -28,9 +33,9 @@ def format_bytes(n: float) -> str:
 def parse_bytes(
     text: str | int, field: str = "memory_budget", bare: Literal["gib", "b"] = "gib", zero: bool = False
 ) -> int:
-    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`
-    (GiB for budgets; bytes for doctor's sizes, copied from allocator logs). Problems are
-    reported under `field`; 0 is a size only where `zero`."""
+    """'60GiB', '60 GB', '512MiB', 64424509440 (bytes); a bare number in text is in unit `bare`:
+    every command-line flag passes "b" (BARE_IS_BYTES), so '2500000' is the same size to each;
+    "gib" is the Python API's budgets' default. Problems are reported under `field`; 0 is a size only where `zero`."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0 or text == 0 and not zero:
             raise ConfigError([Problem(field, f"is {text} bytes; give a positive size")])
@@ -44,7 +49,7 @@ def parse_bytes(
                 )
             ]
         )
-    bare_means = "a bare number is bytes" if bare == "b" else "a bare number means GiB"
+    bare_means = BARE_IS_BYTES if bare == "b" else "a bare number means GiB"
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = (match.group(2) or bare).lower() if match else ""
     if match is None or unit not in _UNITS:
