@@ -47,6 +47,7 @@ def test_an_integer_past_64_bits_is_refused_naming_its_flag_and_the_range(capsys
     assert "Traceback" not in err and seconds < SECONDS
 
 
+@pytest.mark.slow
 def test_a_plan_is_written_and_printed_on_an_ascii_stdout(tmp_path) -> None:
     """As found: PYTHONIOENCODING=ascii died on the trace table's '±' before writing the plan."""
     argv = [sys.executable, "-m", "remat", "plan", "-mr", "llama3_tiny", "--num_layers", "2", "-sl", "16"]
@@ -58,6 +59,7 @@ def test_a_plan_is_written_and_printed_on_an_ascii_stdout(tmp_path) -> None:
     assert "remat_plan" in (tmp_path / "plan.yaml").read_text() or (tmp_path / "plan.yaml").stat().st_size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [

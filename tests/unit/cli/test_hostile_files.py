@@ -104,6 +104,7 @@ def test_output_is_laid_out_at_a_readable_width_whatever_columns_says(monkeypatc
     assert _console(stderr=True).width == width
 
 
+@pytest.mark.slow
 def test_columns_zero_still_prints_the_errors() -> None:
     """As found: the console is made at import, so a fresh process with COLUMNS=0."""
     import os
@@ -116,6 +117,7 @@ def test_columns_zero_still_prints_the_errors() -> None:
     assert "invalid config (2 problems)" in done.stderr and "pipeline stages" in " ".join(done.stderr.split())
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_keeps_the_configs_it_finished(capsys, tmp_path, monkeypatch) -> None:
     """Ctrl-C in the third of four configs: the two finished are in --json and the history, the
     command says so in one line and exits 130."""

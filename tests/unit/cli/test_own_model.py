@@ -105,6 +105,7 @@ def test_the_command_line_takes_a_model_from_the_current_folder_and_its_loss_fn(
     assert code == 1 and "--loss_fn: is the loss of a --model that returns logits; add --model" in err
 
 
+@pytest.mark.slow
 def test_the_plans_follow_up_line_runs_the_same_model_and_load_plan_reads_the_file(capsys, titan_folder) -> None:
     model = ["--model", "titan_model:build", "--loss_fn", "remat:cross_entropy", "-sl", "8"]
     code, out, err, _ = run(capsys, "plan", *model, "--memory-budget", "1GiB", "-o", "plan.yaml", "--no_progress")

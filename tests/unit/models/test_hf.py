@@ -422,6 +422,7 @@ def test_the_loss_head_is_refused_where_the_forward_computes_its_own_loss() -> N
     assert "forward" not in model.__dict__
 
 
+@pytest.mark.slow
 def test_layers_returning_tuples_get_every_window_traced() -> None:
     """Bloom's blocks return (hidden, cache): the last layer's backward window starts at the
     gradient of the hidden state, the tuple's first element."""

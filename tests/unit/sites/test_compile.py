@@ -99,6 +99,7 @@ def test_a_compiled_model_gets_the_uncompiled_gradients_bit_for_bit(plan, compil
     _assert_equal(expected, _grads(_model(), None, None))
 
 
+@pytest.mark.slow
 def test_an_adapted_torchtitan_model_compiled_block_by_block_gets_the_uncompiled_gradients() -> None:
     from helpers.adapt import SITE_MAP, _batch
     from helpers.adapt import _model as titan
@@ -119,6 +120,7 @@ def test_an_adapted_torchtitan_model_compiled_block_by_block_gets_the_uncompiled
         _assert_equal(grads(plan, True), expected)
 
 
+@pytest.mark.slow
 def test_an_adapted_hugging_face_model_compiled_whole_gets_the_uncompiled_gradients() -> None:
     from helpers.hf import batch, build
 
