@@ -149,9 +149,9 @@ def test_a_sweep_prints_its_advice_before_it_runs(
 
     seen_before_running = []
 
-    def sweep(spec, plans, on_step=None):
+    def sweep(spec, plans, on_step=None, into=None):
         seen_before_running.append(capsys.readouterr().err)
-        return real_sweep(spec, plans, on_step=on_step)
+        return real_sweep(spec, plans, on_step=on_step, into=into)
 
     offload = tmp_path / "offload.yaml"
     offload.write_text("cpu_offloading: true\ncpu_offloading_num_layers: 1\n")
