@@ -53,6 +53,14 @@ def test_shapes_that_do_not_split_are_refused_each_by_its_field() -> None:
     assert "intermediate_size" not in _problems("mixtral", ParallelLayout(tp=2), ffn_hidden_size=127)
 
 
+def test_a_heterogeneous_config_is_split_layer_by_layer() -> None:
+    # dots3's tiny config: 4 heads in layer 0, 64 in layer 1 (read globally, transformers refuses)
+    hf = hf_config("dots3_note_text")
+    assert [layer.num_attention_heads for layer in hf.per_layer_config] == [4, 64]
+    found = _problems("dots3_note_text", ParallelLayout(tp=8))
+    assert "num_attention_heads=4 does not split" in found and "num_attention_heads=64" not in found
+
+
 def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_sequences() -> None:
     import transformers
 

@@ -53,6 +53,13 @@ def field_of(hf: Any, name: str) -> Any:
     return next((v for n in MEGATRON_NAMES[name] if (v := getattr(hf, n, None))), None)
 
 
+def layer_configs(hf: Any) -> list[Any]:
+    """Each layer's config: a heterogeneous config's own per layer (Gemma 4's head sizes differ
+    between its sliding and global layers), else the model's for every layer."""
+    per_layer = getattr(hf, "per_layer_config", None)
+    return [per_layer[i] for i in range(hf.num_hidden_layers)] if per_layer else [hf] * hf.num_hidden_layers
+
+
 def transformers_module() -> Any:
     """transformers, or ImportError with the one line that installs it."""
     try:
@@ -113,7 +120,12 @@ def hf_config(family_or_json: str, **overrides: Any) -> Any:
     kinds, layers = fields.get("layer_types"), fields.get("num_hidden_layers")
     if isinstance(kinds, list) and kinds and isinstance(layers, int) and len(kinds) != layers:
         fields["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]  # the pattern, repeated
-    return _refused_as_problem(model_type, transformers_module().AutoConfig.for_model, model_type, **fields)
+    config = _refused_as_problem(model_type, transformers_module().AutoConfig.for_model, model_type, **fields)
+    if getattr(config, "is_heterogeneous", False):
+        # sizes that differ by layer (heads, MLA ranks) are read per layer where they change a count
+        # (FLOPs, tensor-parallel splits, the meta model); elsewhere the config's global value serves
+        config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def _refused_as_problem(model_type: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

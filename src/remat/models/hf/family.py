@@ -19,7 +19,7 @@ from remat.core.problems import ConfigError, Problem
 from remat.models.family import ModelFamily, Target, dense_facts
 from remat.models.hf import catalog, context_parallel, fusions, pipeline, tensor_parallel
 from remat.models.hf.adapter import ADAPTER, hf_model, layer_paths
-from remat.models.hf.configs import TINY, field_of, hf_config, transformers_module
+from remat.models.hf.configs import TINY, field_of, hf_config, layer_configs, transformers_module
 from remat.models.hf.loss_head import loss_head_problems
 from remat.models.hf.parallel import HfParallelism
 from remat.sites.placement import compile_sites, place_sites
@@ -106,13 +106,6 @@ def _build(config: HfModelConfig, dtype: torch.dtype | None, device: torch.devic
         model = transformers.AutoModelForCausalLM.from_config(config.hf, dtype=dtype, **kwargs)
     model.config.use_cache = False
     return model
-
-
-def _layer_configs(hf: Any) -> list[Any]:
-    """Each layer's config: a heterogeneous config's own per layer (Gemma 4's head sizes differ
-    between its sliding and global layers), else the model's for every layer."""
-    per_layer = getattr(hf, "per_layer_config", None)
-    return [per_layer[i] for i in range(hf.num_hidden_layers)] if per_layer else [hf] * hf.num_hidden_layers
 
 
 def _attention_width(hf: Any) -> int:
@@ -314,7 +307,7 @@ class HfFamily(ModelFamily):
         dense, routed = _matmul_params(config)
         experts = field_of(hf, "num_moe_experts")
         active = dense + (routed * field_of(hf, "moe_router_topk") / experts if experts else routed)
-        widths = sum(map(_attention_width, _layer_configs(hf)))
+        widths = sum(map(_attention_width, layer_configs(hf)))
         attention = 6 * sequences * tokens_per_seq**2 * widths
         return float(6 * active * sequences * tokens_per_seq + attention)
 

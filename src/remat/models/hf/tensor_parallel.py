@@ -35,6 +35,7 @@ from remat.config.parallel import ParallelLayout
 from remat.core.problems import ConfigError, Problem
 from remat.models.family import Fork, SequenceParallelPoints, TokensHook, on_tokens_argument, on_tokens_output
 from remat.models.hf.adapter import ADAPTER, attention_modules, hf_model
+from remat.models.hf.configs import layer_configs
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # Attention attributes some models reshape by: a head count no plan divides.
@@ -67,13 +68,12 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
             f"is {tp}; {model}'s tensor-parallel plan has entries remat does not map"
             f" ({', '.join(unmapped)}), only {' and '.join(STYLES)}; use 1",
         )
-    counts = [
-        ("num_attention_heads", hf.num_attention_heads),
-        ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
-    ]
+    names = ["num_attention_heads", "num_key_value_heads"]
     if _splits_mlp(plan):  # MoE-only configs have no dense intermediate_size
-        counts.append(("intermediate_size", getattr(hf, "intermediate_size", None)))
-    for name, size in counts:
+        names.append("intermediate_size")
+    # a heterogeneous config holds these per layer (and refuses to read them globally)
+    counts = {(name, getattr(layer, name, None)) for layer in layer_configs(hf) for name in names}
+    for name, size in sorted(counts, key=str):
         if isinstance(size, int) and size % tp:
             yield Problem(
                 FIELD,
