@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_under_torchrun
+from conftest import run_under_torchrun, worker_env
 
 from remat.bench.golden import OK, compare
 from remat.bench.result import BenchResult
@@ -64,3 +65,28 @@ def test_each_layout_steps_as_one_process(layouts, one_process, name) -> None:
 def test_another_seed_gives_other_weights_and_data(one_process) -> None:
     spec = dataclasses.replace(layouts_worker.spec("llama3_tiny", ParallelLayout()), seed=7)
     assert run_bench(spec, layouts_worker.plan()).losses[0] != one_process["llama3_tiny"].losses[0]
+
+
+def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
+    common = ["-mr", "llama3_tiny", "--device", "cpu", "-ms", "3", "--warmup_steps", "1", "-gb", "2", "-mb", "1"]
+    return subprocess.run(
+        [sys.executable, "-m", "remat", "bench", *common, "--no_history", "--no_progress", *flags],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_golden_of_one_process_checks_a_tensor_parallel_run(tmp_path) -> None:
+    golden = tmp_path / "golden.json"
+    assert _bench("--save-golden", str(golden)).returncode == 0
+    run = _bench("-tp", "2", "-ng", "2", "--golden", str(golden))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    notes = [line for line in run.stderr.splitlines() if line.startswith("note:")]
+    assert notes == ["note: layout differs: golden one process, current tensor_parallel=2; the loss alone is compared"]
+    # a loss the layout does not reproduce fails the check
+    stored = json.loads(golden.read_text())
+    stored["losses"][-1] *= 1.2
+    golden.write_text(json.dumps(stored))
+    assert _bench("-tp", "2", "-ng", "2", "--golden", str(golden)).returncode == 1

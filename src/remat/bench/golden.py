@@ -1,5 +1,9 @@
 """Compare a run with a stored golden run the way Megatron Bridge's perf evaluator does.
 
+A golden of another parallel layout (the same model, recipe and global batch on other GPUs) checks the
+loss alone: remat draws the same weights and data whatever the layout, so the loss must agree, while
+throughput and memory per GPU are the layout's own.
+
 A relative difference beyond the threshold fails in both directions: a slower or bigger run is a REGRESSION, and a
 faster or smaller one is an UNEXPECTED IMPROVEMENT, since it usually means the run measured something other than
 the golden did (and if it is real, the golden should be updated). A timing difference inside what noise alone makes
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from remat.bench.result import BenchResult, timing_noise
+from remat.config.fields import public_names
+from remat.config.parallel import ParallelLayout
 from remat.core.problems import ConfigError, Problem, read_file
 
 Verdict = Literal["ok", "within noise", "REGRESSION", "UNEXPECTED IMPROVEMENT"]
@@ -63,6 +69,31 @@ METRICS: tuple[_Metric, ...] = (
     _Metric("peak_reserved_bytes", lambda r: r.peak_reserved_bytes, higher_is_worse=True),
     _Metric("loss", _last_loss, higher_is_worse=True),
 )
+
+
+# the parallel sizes a result's shape records (bench.run.run_shape), each only where above 1
+LAYOUT_FIELDS = (
+    "data_parallel",
+    "tensor_parallel",
+    "sequence_parallel",
+    "pipeline_parallel",
+    "virtual_pipeline_parallel",
+    "context_parallel",
+    "expert_model_parallel_size",
+)
+
+
+def layout_of(shape: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: shape[key] for key in LAYOUT_FIELDS if key in shape}
+
+
+def _without_layout(shape: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in shape.items() if key not in LAYOUT_FIELDS}
+
+
+def describe_layout(shape: Mapping[str, Any]) -> str:
+    sizes = layout_of(shape)
+    return ", ".join(f"{key}={size}" for key, size in sizes.items()) or "one process"
 
 
 def _relative_diff(current: float, golden: float) -> float:
@@ -113,7 +144,7 @@ def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAUL
         ]
     checks = []
     noise = timing_noise(current, golden)
-    for metric in METRICS:
+    for metric in _comparable(current, golden):
         golden_value, current_value = metric.read(golden), metric.read(current)
         if golden_value is None or current_value is None:
             continue
@@ -128,6 +159,14 @@ def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAUL
             )
         )
     return checks
+
+
+def _comparable(current: BenchResult, golden: BenchResult) -> tuple[_Metric, ...]:
+    """Every metric on the golden's layout; the loss alone on another (throughput and memory per GPU
+    are the layout's own)."""
+    if layout_of(current.shape) == layout_of(golden.shape):
+        return METRICS
+    return tuple(metric for metric in METRICS if metric.name == "loss")
 
 
 def golden_failed(checks: Sequence[MetricCheck]) -> bool:
@@ -146,7 +185,7 @@ def uncompared(current: BenchResult, golden: BenchResult) -> list[str]:
             if m.read(current) is None
             else "this run has it, the golden has none; save a new golden to compare it"
         )
-        for m in METRICS
+        for m in _comparable(current, golden)
         if (m.read(current) is None) != (m.read(golden) is None)
     ]
 
@@ -177,7 +216,9 @@ def run_differences(golden: BenchResult, recipe: str, shape: Mapping[str, Any]) 
     golden_shape = _shape(golden.shape)
     if golden.status == "ok":  # recorded before max_steps was: a run that ended ok logged a loss a step
         golden_shape.setdefault("max_steps", len(golden.losses))
-    return _field_note("recipe", golden.recipe, recipe) + _dict_notes("shape", golden_shape, _shape(shape))
+    return _field_note("recipe", golden.recipe, recipe) + _dict_notes(
+        "shape", _without_layout(golden_shape), _without_layout(_shape(shape))
+    )
 
 
 def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
@@ -191,9 +232,18 @@ def golden_match_problems(differences: Sequence[str]) -> Iterator[Problem]:
 
 
 def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
-    """Differences worth a note that leave the comparison meaningful: the GPU's name (a golden from
-    another H100 variant still says something), the recompute config (what a config costs)."""
-    return _field_note("gpu", golden.gpu, current.gpu) + _dict_notes("config", golden.config, current.config)
+    """Differences worth a note that leave the comparison meaningful: the layout (the loss alone is
+    compared), the GPU's name (a golden from another H100 variant still says something), the
+    recompute config (what a config costs)."""
+    layouts = describe_layout(golden.shape), describe_layout(current.shape)
+    across = (
+        [f"layout differs: golden {layouts[0]}, current {layouts[1]}; the loss alone is compared"]
+        if layouts[0] != layouts[1]
+        else []
+    )
+    layout_keys = public_names(ParallelLayout) if across else {}  # the config records the layout: said above
+    configs = [{k: v for k, v in c.items() if k not in layout_keys} for c in (golden.config, current.config)]
+    return across + _field_note("gpu", golden.gpu, current.gpu) + _dict_notes("config", *configs)
 
 
 def save_golden(result: BenchResult, path: str | os.PathLike[str]) -> Path:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from remat import doctor
+from remat.bench.golden import LAYOUT_FIELDS
 from remat.bench.result import BenchResult, MemoryBreakdown, OomInfo
 from remat.bench.spec import BenchSpec
 from remat.config.plan import Plan, PlanLike
@@ -146,18 +147,10 @@ def _breakdown(
 def run_shape(spec: BenchSpec) -> dict[str, Any]:
     """The `shape` a result of this spec records, known before it runs."""
     layout = spec.layout
-    sizes = {
-        "data_parallel": layout.dp,
-        "tensor_parallel": layout.tp,
-        "sequence_parallel": int(layout.sequence_split > 1),
-        "pipeline_parallel": layout.pp,
-        "virtual_pipeline_parallel": layout.virtual,
-        "context_parallel": layout.cp,
-        "expert_model_parallel_size": layout.ep,
-    }
+    sizes = (layout.dp, layout.tp, int(layout.sequence_split > 1), layout.pp, layout.virtual, layout.cp, layout.ep)
     return dict(
         **spec.model_config.record(),
-        **{key: size for key, size in sizes.items() if size > 1},
+        **{key: size for key, size in zip(LAYOUT_FIELDS, sizes, strict=True) if size > 1},
         micro_batch_size=spec.micro_batch_size,
         global_batch_size=spec.global_batch_size or spec.micro_batch_size,
         max_steps=spec.max_steps,

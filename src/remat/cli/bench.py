@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--golden",
         metavar="FILE",
         help="compare with a stored result; exit 1 on a difference beyond --threshold. A golden of "
-        "another recipe or shape is refused before running; another GPU name or recompute "
-        "config is a note, and so is a metric only one side has",
+        "another recipe or shape is refused before running; one of another parallel layout checks "
+        "the loss alone; another GPU name or recompute config is a note, and so is a metric only "
+        "one side has",
     )
     p.add_argument(
         "--save-golden", "--save_golden", dest="save_golden", metavar="FILE", help="store this result as golden"

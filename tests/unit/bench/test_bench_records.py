@@ -19,6 +19,8 @@ from rich.table import Table
 
 from remat.bench import history
 from remat.bench.golden import (
+    OK,
+    REGRESSION,
     MetricCheck,
     compare,
     golden_failed,
@@ -209,6 +211,25 @@ def test_run_differences_name_the_recipe_and_shape() -> None:
     assert run_differences(older, gold.recipe, {**gold.shape, "max_steps": 6}) == [
         "shape.max_steps differs: golden 3, current 6"
     ]
+
+
+def test_a_golden_of_another_layout_checks_the_loss_alone() -> None:
+    gold = make_result()  # one process
+    shape = {**gold.shape, "tensor_parallel": 2, "pipeline_parallel": 2}
+    assert run_differences(gold, gold.recipe, shape) == []  # the same run on other GPUs
+    # throughput and memory per GPU are the layout's own: a quarter of them is no regression
+    current = make_result(shape=shape, tflops_per_gpu=25.0, peak_allocated_bytes=GIB, peak_reserved_bytes=GIB)
+    assert [(c.metric, c.verdict) for c in compare(current, gold)] == [("loss", OK)]
+    assert uncompared(make_result(shape=shape, losses=[]), gold) == [
+        "loss not compared: the golden has it, this run has none"
+    ]
+    (loss,) = compare(make_result(shape=shape, losses=[10.0, 9.0, 8.5]), gold)
+    assert loss.metric == "loss" and loss.verdict == REGRESSION
+    assert mismatch_notes(current, gold) == [
+        "layout differs: golden one process, current tensor_parallel=2, pipeline_parallel=2; the loss alone is compared"
+    ]
+    # the same layout on both sides compares every metric
+    assert {c.metric for c in compare(current, make_result(shape=shape))} == {m for m, *_ in METRICS}
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
