@@ -5,7 +5,8 @@ layout (tests/integration/workers/layouts_worker.py), beside one process in this
 Every layout starts from the whole model's weights (each parameter drawn whole from its own
 seed, each rank keeping its share) and steps on the same global batch (sequence k of the run from
 its own seed, each data-parallel rank its consecutive share), so its losses are one process's,
-in fp32: tensor (with and without sequence parallelism), pipeline (with virtual stages), data
+in fp32: tensor (with and without sequence parallelism; the MoE family's experts and shared
+experts too), pipeline (with virtual stages), data
 and expert parallelism bit for bit or to the last bits (seen: equal, and 8e-8 relative for
 expert parallelism's third step); context parallelism within 3e-5 relative (seen: 1.0e-5 in
 fp32, 1.1e-6 in fp64, 3.5e-6 in bf16): torch's ring merges blocks by a float32 log-sum-exp.

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -295,3 +295,30 @@ class ModelFamily(ABC):
     def parallelism(self, model: nn.Module, layout: ParallelLayout) -> ModelParallelism:
         """What `model` (built by this family) does under `layout`."""
         return ModelParallelism(model, layout, self.name)
+
+
+# Tensor-parallel shares kept as plain local tensors: a module records which slice of a whole
+# tensor its parameter holds, so that weights drawn after the split are drawn whole and cut
+# (remat.parallel.seeding, the MoE family's experts) and equal one process's.
+class Share(NamedTuple):
+    """A plain parameter's place in its whole tensor: slice `rank` of `size` equal ones along `dim`."""
+
+    dim: int
+    rank: int
+    size: int
+
+    def whole_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return tuple(n * self.size if d == self.dim else n for d, n in enumerate(shape))
+
+    def cut(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole.chunk(self.size, self.dim)[self.rank]
+
+
+def split_share(module: nn.Module, name: str) -> Share | None:
+    """The share of a whole tensor `module`'s parameter `name` holds, if a slice of one."""
+    shares: dict[str, Share] = getattr(module, "split_shares", {})
+    return shares.get(name)
+
+
+def record_share(module: nn.Module, name: str, share: Share) -> None:
+    vars(module).setdefault("split_shares", {})[name] = share

@@ -10,8 +10,10 @@ the whole tensor, under the parameter's own seed. Fills that are not random (one
 do the same on every shard anyway. A split that stores a whole tensor rearranged (Megatron's
 [gate_0; up_0; gate_1; up_1] rows of a tensor-parallel SwiGLU) says how on the module holding it,
 `module.whole_to_split[name]`, an in-place function of the whole tensor, applied before the cut.
-Weights a module draws itself from generators of its own
-(remat's routed experts, seeded by layer and global expert index) pass through untouched.
+A plain parameter holding a slice of a whole one (a tensor-parallel share kept as a local tensor,
+as the MoE family's experts are) says which on the module holding it, `module.split_shares[name]`
+(a `Share`). Weights a module draws itself from generators of its own (remat's routed experts,
+seeded by layer and global expert index) pass through untouched: they read the same attributes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
+
+from remat.models.family import Share, split_share
 
 # The in-place random fills of torch's Tensor and nn.init, by name: the top-level call is the one
 # intercepted (the fills nn.init calls inside run on the whole tensor, the mode off).
@@ -105,7 +109,7 @@ class _WholeFills(TorchFunctionMode):
     """Runs each random fill of a known parameter on the whole tensor under its own seed and
     copies this rank's share back (a DTensor's shard, cut where its placements put it)."""
 
-    def __init__(self, seeds: dict[Key, tuple[int, Rearrange | None]]) -> None:
+    def __init__(self, seeds: dict[Key, tuple[int, Rearrange | None, Share | None]]) -> None:
         super().__init__()
         self.seeds = seeds
 
@@ -119,8 +123,9 @@ class _WholeFills(TorchFunctionMode):
         if key is None or key not in self.seeds:
             return func(*args, **kwargs)
         local = target.to_local() if isinstance(target, DTensor) else target
-        whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-        seed, rearrange = self.seeds[key]
+        seed, rearrange, share = self.seeds[key]
+        shape = share.whole_shape(target.shape) if share is not None else target.shape
+        whole = torch.empty(shape, dtype=target.dtype, device=local.device)
         with torch.no_grad(), _seeded(local.device, seed):
             if args:
                 func(whole, *args[1:], **kwargs)
@@ -130,7 +135,7 @@ class _WholeFills(TorchFunctionMode):
                 rearrange(whole)
             if isinstance(target, DTensor):  # cut locally: every rank drew the same whole tensor
                 whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            local.copy_(whole)
+            local.copy_(share.cut(whole) if share is not None else whole)
         return target
 
 
@@ -138,12 +143,12 @@ class _WholeFills(TorchFunctionMode):
 def seeded_parameters(model: nn.Module, names: dict[str, str], seed: int) -> Iterator[None]:
     """Inside, each random fill of a parameter of `model` draws the parameter's whole tensor from
     `named_seed(seed, its whole-model name in names)` and keeps this rank's share of it."""
-    seeds: dict[Key, tuple[int, Rearrange | None]] = {}
+    seeds: dict[Key, tuple[int, Rearrange | None, Share | None]] = {}
     for path, module in model.named_modules():
         rearranged: dict[str, Rearrange] = getattr(module, "whole_to_split", {})
         for attr, p in module.named_parameters(recurse=False):
             key, name = _key(p), f"{path}.{attr}" if path else attr
             if key is not None and key not in seeds:  # a tied weight by its first name, as named_parameters
-                seeds[key] = (named_seed(seed, names.get(name, name)), rearranged.get(attr))
+                seeds[key] = (named_seed(seed, names.get(name, name)), rearranged.get(attr), split_share(module, attr))
     with _WholeFills(seeds):
         yield

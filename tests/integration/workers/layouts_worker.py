@@ -29,6 +29,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cp2": ("llama3_tiny", dict(cp=2)),
     "dp2": ("llama3_tiny", dict(num_gpus=2)),
     "ep2": ("moe_tiny", dict(num_gpus=2, ep=2)),
+    "moe_tp2": ("moe_tiny", dict(tp=2)),
 }
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from remat.models.family import split_share
 from remat.models.llama.model import MLP, silu_mul
 from remat.models.moe.config import MoEConfig
 from remat.models.moe.dispatch import AllToAll, expert_offsets, permute, unpermute
@@ -252,14 +253,22 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        """Each expert's weights ~ N(0, std) from a generator of its own (see _expert_seed)."""
-        for index, weight in enumerate((self.weight1, self.weight2)):
+        """Each expert's weights ~ N(0, std) from a generator of its own (see _expert_seed), drawn
+        whole and cut where this module holds a tensor-parallel share of them."""
+        for index, name in enumerate(("weight1", "weight2")):
+            weight = getattr(self, name)
             if weight.is_meta:
                 continue
-            drawn = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            share, rearrange = split_share(self, name), getattr(self, "whole_to_split", {}).get(name)
+            shape = share.whole_shape(weight.shape) if share is not None else weight.shape
+            drawn = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             for offset, rows in enumerate(drawn):
                 seed = _expert_seed(self.layer, self.first_expert + offset, index)
                 rows.normal_(0.0, std, generator=torch.Generator(drawn.device).manual_seed(seed))
+            if rearrange is not None:
+                rearrange(drawn)
+            if share is not None:
+                drawn = share.cut(drawn)
             if isinstance(weight, DTensor):  # FSDP2's shard of it
                 drawn = distribute_tensor(drawn, weight.device_mesh, weight.placements, src_data_rank=None)
             weight.copy_(drawn)

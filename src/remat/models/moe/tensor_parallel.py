@@ -25,6 +25,7 @@ every rank, the auxiliary loss's counted once. Every collective runs inside the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from torch import Tensor, nn
@@ -38,7 +39,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from remat.models.family import Fork
+from remat.models.family import Fork, Share, record_share
 from remat.models.llama.parallel import forked, gate_up_by_rank
 from remat.models.moe.mla import MLASelfAttention
 from remat.models.moe.moe_layer import MoELayer
@@ -64,8 +65,9 @@ class SummedGradient(ParallelStyle):
         for path, dim in self.slices.items():
             owner, _, name = path.rpartition(".")
             holder = module.get_submodule(owner)
-            weight = getattr(holder, name)
-            setattr(holder, name, nn.Parameter(weight.detach().chunk(size, dim)[rank].clone()))
+            share = Share(dim, rank, size)
+            setattr(holder, name, nn.Parameter(share.cut(getattr(holder, name).detach()).clone()))
+            record_share(holder, name, share)  # the weights drawn later are drawn whole, then cut
         n = self.inputs
         module.register_forward_pre_hook(
             lambda _, args: (*(summed_gradient(x, device_mesh) for x in args[:n]), *args[n:])
@@ -93,11 +95,17 @@ def mla_styles(attention: MLASelfAttention, tp: int, tokens: Placement, fork: Fo
     return plan
 
 
+def _each_gate_up_by_rank(weights: Tensor, tp: int) -> None:
+    for weight in weights:
+        gate_up_by_rank(weight, tp)
+
+
 def moe_styles(moe: MoELayer, tp: int, tokens: Placement) -> dict[str, ParallelStyle]:
     """`moe` as one of `tp` ranks: its experts' FFN shares, its collectives; the styles of its
     modules by path below it."""
     for weight in moe.experts.weight1:  # each expert's [gate; up] rows
         gate_up_by_rank(weight, tp)
+    vars(moe.experts)["whole_to_split"] = {"weight1": functools.partial(_each_gate_up_by_rank, tp=tp)}
     plan: dict[str, ParallelStyle] = {
         "": PrepareModuleInputOutput(
             input_layouts=(tokens,),
@@ -110,5 +118,6 @@ def moe_styles(moe: MoELayer, tp: int, tokens: Placement) -> dict[str, ParallelS
     }
     if moe.shared_experts is not None:
         gate_up_by_rank(moe.shared_experts.linear_fc1.weight, tp)
+        vars(moe.shared_experts.linear_fc1)["whole_to_split"] = {"weight": functools.partial(gate_up_by_rank, tp=tp)}
         plan[".shared_experts"] = SummedGradient(slices={"linear_fc1.weight": 0, "linear_fc2.weight": 1})
     return plan
