@@ -39,12 +39,13 @@ pytestmark = pytest.mark.usefixtures("_private_history")
 
 
 REJECTED = [
-    pytest.param(["-c", "fp8_cs"], ["compute_dtype: 'fp8_cs' is not supported yet", "use -c bf16"], id="fp8"),
+    pytest.param(["-c", "fp8_mx"], ["compute_dtype: 'fp8_mx': MXFP8 needs Blackwell", "use -c fp8_cs"], id="fp8"),
+    pytest.param(["-c", "fp8_cs", "-tp", "2"], ["fp8_cs beside tensor parallelism does not run yet"], id="fp8-tp"),
     pytest.param(["-c", "nonsense"], ["compute_dtype: 'nonsense' is not a compute dtype"], id="dtype-unknown"),
     pytest.param(["-c", "bf61"], ["did you mean 'bf16'?"], id="dtype-typo"),
     pytest.param(
         ["-c", "fp8"],
-        ["'fp8' is not a compute dtype; Megatron Bridge's are ", "'fp8_cs'", "use -c bf16"],
+        ["'fp8' is not a compute dtype (did you mean 'fp8_cs'?)"],
         id="dtype-bridge-prefix",
     ),
     pytest.param(["-ng", "0"], ["num_gpus: is 0"], id="num-gpus"),

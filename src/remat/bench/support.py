@@ -15,6 +15,7 @@ from remat import models
 from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 from remat.core.problems import ConfigError, Problem
+from remat.run.fp8 import fp8_run_problems
 from remat.run.spec import parallel_meta_model
 
 # A representative recipe of each family (None: a factory's, which needs a model of the user's).
@@ -126,6 +127,15 @@ EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ),
     ("module", "1 device"): (("CPU", "test_adapt_runs::test_any_model_runs_through_the_command_line_from_a_factory"),),
 }
+# FP8 (torchao's float8 linears) is checked on one device so far; its other layouts run untested
+FP8_EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    (family, "1 device"): (("CPU", f"test_fp8::{test}"),)
+    for family, test in (
+        ("llama", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
+        ("moe", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
+        ("hf", "test_an_adapted_hf_model_turns_fp8_and_saves_loads_and_moves_as_before"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,7 @@ def refusals(family_name: str, layout: ParallelLayout, precision: str) -> tuple[
     """What the code says against a family's representative model under `layout` in `precision`."""
     family, recipe = models.FAMILIES[family_name], FAMILIES[family_name]
     found = [*layout.problems(), *Precision(precision).compute_problems()]
+    found += fp8_run_problems(Precision(precision), layout.tp, "cpu")
     if recipe is None:
         return tuple(found + list(family.layout_problems(None, layout)))
     config = family.config(recipe, **SHAPE[family_name])
@@ -154,6 +165,10 @@ def refusals(family_name: str, layout: ParallelLayout, precision: str) -> tuple[
     if not found:
         found += family.parallelism(parallel_meta_model(family, config, layout), layout).problems()
     return tuple(found)
+
+
+def _evidence(precision: str) -> dict[tuple[str, str], tuple[tuple[str, str], ...]]:
+    return FP8_EVIDENCE if precision == "fp8_cs" else EVIDENCE
 
 
 def cells() -> Iterator[Cell]:
@@ -165,7 +180,9 @@ def cells() -> Iterator[Cell]:
                     refused = refusals(family, layout, precision)
                 except (ConfigError, ValueError) as err:  # a model the family cannot build (transformers missing)
                     refused = tuple(err.problems) if isinstance(err, ConfigError) else (Problem("model", str(err)),)
-                yield Cell(family, name, precision, refused, () if refused else EVIDENCE.get((family, name), ()))
+                yield Cell(
+                    family, name, precision, refused, () if refused else _evidence(precision).get((family, name), ())
+                )
 
 
 def markdown() -> str:

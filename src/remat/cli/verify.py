@@ -29,6 +29,7 @@ from remat.core.problems import Problem
 from remat.core.sizes import format_bytes
 from remat.estimate.stages import cpu_run_problems
 from remat.models import build, parameter_count, recipe_config
+from remat.run.fp8 import to_fp8
 from remat.run.spec import (
     ModelOverrides,
     RunSpec,
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         torch.use_deterministic_algorithms(args.device == "cpu")
         torch.manual_seed(args.seed)
         model = build(args.model_recipe_name, dtype=precision.dtype, device=args.device, **overrides)
+        to_fp8(model, precision)
         ids = torch.randint(0, shape.vocab_size, (args.micro_batch_size, shape.seq_length + 1), device=args.device)
         report = verify(model, config, ids[:, :-1], ids[:, 1:].contiguous(), seed=args.seed)  # losses may view labels
     print_warnings(caught)
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             report,
             args.model_recipe_name,
             args.micro_batch_size,
-            str(precision.dtype).removeprefix("torch."),
+            precision.compute_dtype if precision.is_fp8 else str(precision.dtype).removeprefix("torch."),
             args.device,
         )
     )

@@ -273,7 +273,7 @@ def _describe_model(f: TrainingFacts) -> str:
         parts.append(f"MoE with {f.num_moe_experts} experts")
     if f.multi_latent_attention:
         parts.append("MLA")
-    if f.precision.fp8 is not None:
-        parts.append(f"fp8 {f.precision.fp8} ({f.precision.fp8_recipe})")
+    if f.precision.fp8_format is not None:
+        parts.append(f"fp8 {f.precision.fp8_format} ({f.precision.recipe})")
     parts.append(f"attention backend {f.attention_backend}")
     return "model: " + ", ".join(parts)

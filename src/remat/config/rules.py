@@ -255,7 +255,7 @@ def rule_shared_experts_not_with_overlap(c: RecomputeFields) -> Iterator[Problem
 
 @_rule
 def rule_fp8_delayed_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
-    if c.facts.precision.fp8 is None or c.facts.precision.fp8_recipe != "delayed":
+    if c.facts.precision.fp8_format is None or c.facts.precision.recipe != "delayed":
         return
     for label in ("moe_act", "layernorm"):
         if label in selected(c):

@@ -47,6 +47,7 @@ from remat.memory.windows import PlanningProblem
 from remat.parallel.data_parallel import gathered_bytes
 from remat.parallel.parallelize import parallelize_by_shape, sharded_state_bytes
 from remat.run.build import distributes_saved_inputs
+from remat.run.fp8 import to_fp8
 from remat.run.optimizer import OptimizerPrecision, main_grad_bytes, make
 from remat.run.spec import RunSpec, available_host_bytes
 from remat.run.step import optimizer_state_bytes
@@ -250,6 +251,7 @@ def _stage_model(spec: EstimateSpec, stage: int, device: str = "meta", split_inp
     torch.manual_seed(spec.seed + stage)
     model = family.build(shard, dtype=spec.dtype, device=device, pre_process=first, post_process=last)
     model.train()
+    to_fp8(model, spec.precision, stage_layers(spec, stage), spec.model_config.num_layers)
     if on_meta or spec.compile:
         family.use_kernels(model, spec.target, compiled=spec.compile, shapes_only=on_meta)
     parallelize_by_shape(model, family, layout, split_inputs=split_inputs)

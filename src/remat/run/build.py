@@ -17,6 +17,7 @@ from remat.models import ModelConfig
 from remat.parallel import Pipeline, Sharding, model_chunks, parallelize
 from remat.parallel.seeding import seeded_parameters, whole_model_names
 from remat.parallel.tensor_parallel import distribute_saved_inputs
+from remat.run.fp8 import to_fp8
 from remat.run.optimizer import DTYPES
 from remat.run.spec import RunSpec
 from remat.sites.apply import apply, find_sites
@@ -91,6 +92,8 @@ def _build_chunk(spec: RunSpec, chunk: int) -> nn.Module:
         pre_process=chunk == 0,
         post_process=chunk == last,
     )
+    layers = spec.layout.chunk_layers(spec.model_config.num_layers, chunk)
+    to_fp8(model, spec.precision, layers, spec.model_config.num_layers)  # before the regions compile
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
     return model

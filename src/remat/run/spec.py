@@ -25,6 +25,7 @@ from remat.config.parallel import ParallelLayout
 from remat.config.precision import Precision
 from remat.core.problems import ConfigError, Problem, did_you_mean, one_of, raise_if_any
 from remat.models import ModelConfig, ModelFamily
+from remat.run.fp8 import fp8_run_problems
 from remat.run.optimizer import DTYPES, OptimizerPrecision
 
 TASKS: tuple[str, ...] = ("pretrain", "sft")
@@ -141,6 +142,7 @@ class RunSpec:
         except ValueError as err:  # an unknown recipe or override
             yield Problem("model_recipe_name", str(err))
         yield from self.precision.problems()
+        yield from fp8_run_problems(self.precision, self.layout.tp, self.device)
         yield from _task_problems(self.task)
         yield from self.optimizer_precision.problems()
         yield from self._device_problems()

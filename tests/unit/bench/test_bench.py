@@ -46,7 +46,7 @@ def test_bench_lists_every_settings_problem(capsys: pytest.CaptureFixture[str]) 
         "bench",
         *TINY,
         "-c",
-        "fp8_cs",
+        "fp8_mx",
         "--task",
         "bogus",
         "-ng",
@@ -85,7 +85,7 @@ def test_bench_lists_every_parallel_problem(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.usefixtures("no_steps")
 def test_bench_lists_problems_of_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_cs", "-tp", "3", "-rl", "3")
+    code, _, err = cli(capsys, "bench", *TINY, "-c", "fp8_mx", "-tp", "3", "-rl", "3")
     assert code == 1
     for field in ("-c/--compute_dtype", "-tp/--tensor_model_parallel_size", "-rl/--recompute_num_layers"):
         assert f"  {field}:" in err
@@ -94,8 +94,8 @@ def test_bench_lists_problems_of_every_stage(capsys: pytest.CaptureFixture[str])
 @pytest.mark.usefixtures("no_steps")
 def test_sweep_rejects_bad_settings_and_entries(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot = tmp_path / "p.png"
-    code, _, err = cli(capsys, "sweep", *TINY, "-c", "fp8_cs", "--plot", str(plot))
-    assert code == 1 and "compute_dtype: 'fp8_cs' is not supported yet" in err
+    code, _, err = cli(capsys, "sweep", *TINY, "-c", "nvfp4", "--plot", str(plot))
+    assert code == 1 and "compute_dtype: 'nvfp4': NVFP4 needs Blackwell tensor cores" in err
     code, _, err = cli(capsys, "sweep", *TINY, "--configs", "none", "mlpp", "--plot", str(plot))
     assert code == 1 and "unknown label 'mlpp' (did you mean 'mlp'?)" in err
     code, _, err = cli(capsys, "sweep", *TINY, "--configs", "full_uniform_3", "--plot", str(plot))
@@ -670,7 +670,7 @@ def test_micro_batches_accumulate_to_the_global_batch() -> None:
 
 def test_bench_spec_validates_on_creation() -> None:
     with pytest.raises(ConfigError) as info:
-        tiny_spec(precision=Precision("fp8_cs"), max_steps=1)
+        tiny_spec(precision=Precision("fp8_sc"), max_steps=1)
     assert {p.field for p in info.value.problems} == {"compute_dtype", "max_steps"}
     with pytest.raises(ConfigError) as info:
         tiny_spec(warmup_steps=-1)

@@ -1,0 +1,91 @@
+"""FP8 with current scaling (`-c fp8_cs`, torchao's float8 training) on one GPU, beside the anchor
+(benchmarks/anchors/torchao_fp8.py: torchao tensorwise + torch.compile on the same shapes, a
+verbatim copy of shared/anchors), forward+backward, no optimizer, as the anchor measures.
+
+  w1:  8 Llama-3-8B layers, seq 8192, micro-batch 2: the anchor (bf16 and tensorwise, none and
+       full), then remat compiled in bf16 (none) and fp8_cs (Megatron's presets)
+  70b: Llama-3-70B dimensions, 4 layers, seq 4096, micro-batch 1, fp8_cs: the source skill's
+       table in kind (each preset's TFLOP/s cost against none)
+
+  pip install --no-deps .whl/torchao-*.whl   (the device has no torchao)
+  PYTHONPATH=src python benchmarks/fp8_bench.py [w1,70b]    writes $OUT/fp8_<part>.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from remat.bench import BenchSpec, sweep
+from remat.bench.presets import parse_entry
+from remat.config.precision import Precision
+
+OUT = Path(os.environ.get("OUT", "."))
+ANCHOR = Path(__file__).parent / "anchors" / "torchao_fp8.py"
+PRESETS = ["none", "core_attn", "layernorm", "mlp", "mlp+core_attn", "core_attn+layernorm", "full_uniform_1"]
+SHAPES = {
+    "w1": dict(recipe="llama3_8b", overrides={"num_layers": 8, "seq_length": 8192}, micro_batch_size=2),
+    "70b": dict(recipe="llama3_70b", overrides={"num_layers": 4, "seq_length": 4096}, micro_batch_size=1),
+}
+
+
+def anchor() -> list[dict]:
+    env = {**os.environ, "L": "8", "S": "8192", "B": "2"}
+    proc = subprocess.run([sys.executable, str(ANCHOR), "tensorwise"], env=env, capture_output=True, text=True)
+    print(proc.stdout[-4000:], proc.stderr[-3000:], flush=True)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"mode"')]
+
+
+def remat(part: str, dtype: str, presets: list[str]) -> list[dict]:
+    shape = SHAPES[part]
+    spec = BenchSpec(
+        **shape,
+        max_steps=8,
+        warmup_steps=3,
+        device="cuda",
+        compile=True,
+        optimizer=False,
+        precision=Precision(dtype),
+    )
+    facts = {"num_layers": shape["overrides"]["num_layers"], "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = [parse_entry(p, facts) for p in presets]
+    rows = []
+    for r in sweep(spec, plans):
+        row = dict(
+            part=part,
+            dtype=dtype,
+            mode=r.name,
+            status=r.status,
+            tflops=round(r.tflops_fwd_bwd, 1) if r.tflops_fwd_bwd else None,
+            step_s=round(r.fwd_bwd_time_s, 4) if r.fwd_bwd_time_s else None,
+            peak_gib=round(r.peak_allocated_bytes / 2**30, 2) if r.peak_allocated_bytes else None,
+            loss=r.losses[-1] if r.losses else None,
+        )
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["w1", "70b"]
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv))
+    for part in parts:
+        found: dict = dict(meta)
+        if part == "w1":
+            found["anchor"] = anchor()
+            found["remat"] = remat(part, "bf16", ["none"]) + remat(part, "fp8_cs", ["none", "mlp", "full_uniform_1"])
+        else:
+            found["remat"] = remat(part, "fp8_cs", PRESETS)
+        (OUT / f"fp8_{part}.json").write_text(json.dumps(found, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
