@@ -119,15 +119,7 @@ def run(args: argparse.Namespace) -> int:
         report = verify(model, config, ids[:, :-1], ids[:, 1:].contiguous(), seed=args.seed)  # losses may view labels
     print_warnings(caught)
     out.print(report.plan.describe())
-    show(
-        verify_table(
-            report,
-            args.model_recipe_name,
-            args.micro_batch_size,
-            precision.compute_dtype if precision.is_fp8 else str(precision.dtype).removeprefix("torch."),
-            args.device,
-        )
-    )
+    show(verify_table(report, args.model_recipe_name, args.micro_batch_size, precision.label, args.device))
     offloader = offloader_of(model)
     if offloader is not None:
         stats = offloader.stats()

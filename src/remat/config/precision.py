@@ -71,6 +71,25 @@ class Precision:
         1, parse=parse_int, flag=True, metavar="N", help="with --first_last_layers_bf16: layers at the end"
     )
 
+    fp8_keep_inputs: bool = setting(
+        True,
+        parse=parse_bool,
+        flag=True,
+        negatable=True,
+        help="with -c fp8_cs tensorwise: each FP8 linear keeps the FP8 input it cast (1 byte an element)"
+        " for its weight gradient instead of a bf16 copy; the same gradients",
+    )
+
+    @property
+    def keeps_fp8_inputs(self) -> bool:
+        """Whether the run's FP8 linears keep their FP8 inputs (tensorwise: cast alike both ways)."""
+        return self.is_fp8 and self.fp8_keep_inputs and self.recipe == "tensorwise"
+
+    @property
+    def label(self) -> str:
+        """What a table calls the run's dtype: fp8_cs, or the torch dtype's name."""
+        return self.compute_dtype if self.is_fp8 else str(self.dtype).removeprefix("torch.")
+
     @property
     def is_fp8(self) -> bool:
         return self.compute_dtype == "fp8_cs"

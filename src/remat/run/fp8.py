@@ -7,7 +7,14 @@ as Megatron keeps them, and so do the first and last layers under `first_last_la
 Current scaling keeps no state across calls: a recompute replay casts the same tensor with the
 same scale, so FP8 with recompute is bit-identical to FP8 without. `Float8Linear` subclasses
 `nn.Linear` and keeps its parameters, so `state_dict` keys, `.to()`, saving and loading are a
-linear's. torchao is an optional extra (`remat[fp8]`)."""
+linear's. torchao is an optional extra (`remat[fp8]`).
+
+Under tensorwise scaling the weight-gradient GEMM casts the input exactly as the forward did (one
+scale from the same tensor, the same dtype), so a linear may keep the FP8 input its forward cast,
+1 byte an element, instead of torchao's bf16 copy: `keep_fp8_inputs` (the default) does, with
+gradients bit-identical to torchao's (`fp8_keep_inputs`, on by default). Its input then is no
+longer kept in bf16 by it: discarding the norm or activation that feeds it (`layernorm`,
+`mlp_act`) frees nothing there, and a config rule says so."""
 
 from __future__ import annotations
 
@@ -41,7 +48,10 @@ def torchao_float8() -> Any:
         logger.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
-        import torchao.float8.float8_linear  # noqa: F401  (float8.float8_linear below)
+        import torchao.float8.float8_linear  # noqa: F401  (the submodules, by attribute below)
+        import torchao.float8.float8_linear_utils
+        import torchao.float8.float8_scaling_utils
+        import torchao.float8.float8_training_tensor  # noqa: F401
     except ImportError:
         raise ConfigError([Problem("compute_dtype", f"'fp8_cs': {INSTALL}")]) from None
     finally:
@@ -89,6 +99,36 @@ def fp8_run_problems(precision: Precision, tp: int, device: str) -> Iterator[Pro
             )
 
 
+def _keeps_fp8_input_class(float8: Any) -> Any:
+    """torchao's Float8Linear casting its input before torchao's matmul, which then saves the FP8
+    tensor for backward and uses it as cast (its cast's backward passes the gradient through)."""
+    linear, scaling = float8.float8_linear, float8.float8_scaling_utils
+
+    class KeepsFp8Input(linear.Float8Linear):  # type: ignore[misc,name-defined]
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            c = self.config.cast_config_input
+            cast = scaling.hp_tensor_to_float8_dynamic(
+                input,
+                c.target_dtype,
+                self.linear_mm_config,
+                gemm_input_role=float8.float8_training_tensor.GemmInputRole.INPUT,
+                scaling_granularity=c.scaling_granularity,
+                round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
+            )
+            output = linear.matmul_with_hp_or_float8_args.apply(
+                cast, self.weight.t(), self.linear_mm_config, self.config
+            )
+            return output if self.bias is None else output + self.bias.to(output.dtype)
+
+    return KeepsFp8Input
+
+
+def keeps_fp8_input(config: Any) -> bool:
+    """Whether the weight-gradient GEMM casts the input as the forward does (tensorwise, alike)."""
+    c = config.cast_config_input
+    return c == config.cast_config_input_for_grad_weight and c.scaling_granularity.value == "tensorwise"
+
+
 def layer_modules(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of `model`: the modules holding its `layer` Sites, in order."""
     return [
@@ -111,13 +151,20 @@ def _fits(module: nn.Module, path: str) -> bool:
     )
 
 
-def to_fp8(model: nn.Module, precision: Precision, layers: Sequence[int] | None = None, num_layers: int = 0) -> int:
+def to_fp8(
+    model: nn.Module,
+    precision: Precision,
+    layers: Sequence[int] | None = None,
+    num_layers: int = 0,
+) -> int:
     """Swap the linears of `model`'s decoder layers for torchao's Float8Linear; the number swapped.
     `layers`: the whole model's index of each layer `model` holds (a pipeline stage's), and
-    `num_layers` the whole model's count, for the layers kept in bf16; by default `model`'s own."""
+    `num_layers` the whole model's count, for the layers kept in bf16; by default `model`'s own.
+    Under `precision.keeps_fp8_inputs` each linear keeps its FP8 input for backward."""
     if not precision.is_fp8:
         return 0
     float8, config = torchao_float8(), float8_config(precision)
+    kind = _keeps_fp8_input_class(float8) if precision.keeps_fp8_inputs and keeps_fp8_input(config) else None
     found = layer_modules(model)
     if not found:
         raise ConfigError(
@@ -136,7 +183,12 @@ def to_fp8(model: nn.Module, precision: Precision, layers: Sequence[int] | None 
         if index in keep:
             continue
         before = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in layer.modules())
-        float8.convert_to_float8_training(layer, config=config, module_filter_fn=_fits)
+        if kind is None:
+            float8.convert_to_float8_training(layer, config=config, module_filter_fn=_fits)
+        else:
+            float8.float8_linear_utils.swap_linear_layers(
+                layer, lambda m: kind.from_float(m, config=config), module_filter_fn=_fits
+            )
         swapped += sum(isinstance(m, float8.float8_linear.Float8Linear) for m in layer.modules()) - before
         grouped += sum(p.dim() > 2 for p in layer.parameters())
     if grouped:
