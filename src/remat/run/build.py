@@ -93,7 +93,8 @@ def _build_chunk(spec: RunSpec, chunk: int) -> nn.Module:
         post_process=chunk == last,
     )
     layers = spec.layout.chunk_layers(spec.model_config.num_layers, chunk)
-    to_fp8(model, spec.precision, layers, spec.model_config.num_layers)  # before the regions compile
+    # before the regions compile; compiled, each cast fuses with its amax
+    to_fp8(model, spec.precision, layers, spec.model_config.num_layers, "inductor" if spec.compile else None)
     if spec.compile:
         family.use_kernels(model, "cuda" if spec.device.startswith("cuda") else "cpu", compiled=True)
     return model

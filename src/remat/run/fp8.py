@@ -19,12 +19,13 @@ longer kept in bf16 by it: discarding the norm or activation that feeds it (`lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from remat.config.precision import Precision
 from remat.core.labels import LAYER
@@ -99,28 +100,46 @@ def fp8_run_problems(precision: Precision, tp: int, device: str) -> Iterator[Pro
             )
 
 
-def _keeps_fp8_input_class(float8: Any) -> Any:
-    """torchao's Float8Linear casting its input before torchao's matmul, which then saves the FP8
-    tensor for backward and uses it as cast (its cast's backward passes the gradient through)."""
-    linear, scaling = float8.float8_linear, float8.float8_scaling_utils
+def _fp8_linear(input: Tensor, weight: Tensor, mm_config: Any, config: Any, keep_input: bool) -> Tensor:
+    """torchao's FP8 matmul of `input` by `weight`; with `keep_input`, the input cast here first,
+    so that torchao's matmul saves the FP8 tensor for backward and uses it as cast there (the
+    cast's backward passes the gradient through)."""
+    float8 = torchao_float8()
+    if keep_input:
+        c = config.cast_config_input
+        input = float8.float8_scaling_utils.hp_tensor_to_float8_dynamic(
+            input,
+            c.target_dtype,
+            mm_config,
+            gemm_input_role=float8.float8_training_tensor.GemmInputRole.INPUT,
+            scaling_granularity=c.scaling_granularity,
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )
+    return float8.float8_linear.matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
 
-    class KeepsFp8Input(linear.Float8Linear):  # type: ignore[misc,name-defined]
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            c = self.config.cast_config_input
-            cast = scaling.hp_tensor_to_float8_dynamic(
-                input,
-                c.target_dtype,
-                self.linear_mm_config,
-                gemm_input_role=float8.float8_training_tensor.GemmInputRole.INPUT,
-                scaling_granularity=c.scaling_granularity,
-                round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
-            )
-            output = linear.matmul_with_hp_or_float8_args.apply(
-                cast, self.weight.t(), self.linear_mm_config, self.config
-            )
+
+@functools.cache
+def _compiled(backend: str) -> Callable[..., Tensor]:
+    # one compiled function for every layer's linears: the weights are its inputs, so the layers
+    # share its graphs (one a shape), and inductor fuses each cast with its amax as torchao intends
+    return torch.compile(_fp8_linear, backend=backend)
+
+
+@functools.cache
+def _linear_class(float8: Any) -> Any:
+    """torchao's Float8Linear running `_fp8_linear`, eager or compiled (the class attributes
+    `keep_input` and `backend`, set per instance by to_fp8)."""
+
+    class Fp8Linear(float8.float8_linear.Float8Linear):  # type: ignore[misc,name-defined]
+        keep_input = False
+        backend: str | None = None
+
+        def forward(self, input: Tensor) -> Tensor:
+            run = _compiled(self.backend) if self.backend else _fp8_linear
+            output = run(input, self.weight, self.linear_mm_config, self.config, self.keep_input)
             return output if self.bias is None else output + self.bias.to(output.dtype)
 
-    return KeepsFp8Input
+    return Fp8Linear
 
 
 def keeps_fp8_input(config: Any) -> bool:
@@ -156,15 +175,23 @@ def to_fp8(
     precision: Precision,
     layers: Sequence[int] | None = None,
     num_layers: int = 0,
+    compile_backend: str | None = None,
 ) -> int:
     """Swap the linears of `model`'s decoder layers for torchao's Float8Linear; the number swapped.
     `layers`: the whole model's index of each layer `model` holds (a pipeline stage's), and
     `num_layers` the whole model's count, for the layers kept in bf16; by default `model`'s own.
-    Under `precision.keeps_fp8_inputs` each linear keeps its FP8 input for backward."""
+    Under `precision.keeps_fp8_inputs` each linear keeps its FP8 input for backward.
+    `compile_backend`: torch.compile's backend for the linears' casts and matmuls (None: eager)."""
     if not precision.is_fp8:
         return 0
     float8, config = torchao_float8(), float8_config(precision)
-    kind = _keeps_fp8_input_class(float8) if precision.keeps_fp8_inputs and keeps_fp8_input(config) else None
+    kind, keep = _linear_class(float8), precision.keeps_fp8_inputs and keeps_fp8_input(config)
+
+    def swapped_in(linear: nn.Linear) -> nn.Linear:
+        fp8 = kind.from_float(linear, config=config)
+        fp8.keep_input, fp8.backend = keep, compile_backend
+        return fp8
+
     found = layer_modules(model)
     if not found:
         raise ConfigError(
@@ -177,19 +204,14 @@ def to_fp8(
             ]
         )
     indices = list(layers) if layers is not None else list(range(len(found)))
-    keep = precision.bf16_layers(num_layers or len(found))
+    in_bf16 = precision.bf16_layers(num_layers or len(found))
     swapped, grouped = 0, 0
     for index, layer in zip(indices, found, strict=True):
-        if index in keep:
+        if index in in_bf16:
             continue
-        before = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in layer.modules())
-        if kind is None:
-            float8.convert_to_float8_training(layer, config=config, module_filter_fn=_fits)
-        else:
-            float8.float8_linear_utils.swap_linear_layers(
-                layer, lambda m: kind.from_float(m, config=config), module_filter_fn=_fits
-            )
-        swapped += sum(isinstance(m, float8.float8_linear.Float8Linear) for m in layer.modules()) - before
+        before = sum(isinstance(m, kind) for m in layer.modules())
+        float8.float8_linear_utils.swap_linear_layers(layer, swapped_in, module_filter_fn=_fits)
+        swapped += sum(isinstance(m, kind) for m in layer.modules()) - before
         grouped += sum(p.dim() > 2 for p in layer.parameters())
     if grouped:
         warn(

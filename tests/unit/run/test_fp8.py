@@ -31,7 +31,7 @@ DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}
 
 
 def _fp8_linears(module: torch.nn.Module) -> int:
-    return sum(type(m).__name__ in ("Float8Linear", "KeepsFp8Input") for m in module.modules())
+    return sum(type(m).__name__ in ("Float8Linear", "Fp8Linear") for m in module.modules())
 
 
 def _model(recipe: str, precision: Precision = FP8, **overrides) -> torch.nn.Module:
@@ -86,6 +86,23 @@ def test_linears_keeping_their_fp8_inputs_give_torchaos_gradients_and_replay_bit
             assert remat.verify(kept, plan, ids, ids).bit_identical, label
 
 
+def test_compiled_fp8_linears_give_the_eager_gradients_and_replay_bit_identically() -> None:
+    torch.manual_seed(0)
+    compiled = remat.models.build("llama3_tiny", dtype=torch.bfloat16, **DROPOUT)
+    to_fp8(compiled, FP8, compile_backend="aot_eager")
+    eager = _model("llama3_tiny", FP8, **DROPOUT)
+    ids = _ids(eager)
+    grads = []
+    for model in (compiled, eager):
+        torch.manual_seed(0)
+        model(input_ids=ids, labels=ids).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    for label in ("mlp", "core_attn"):
+        plan = RecomputeConfig(recompute_granularity="selective", recompute_modules=[label])
+        assert remat.verify(compiled, plan, ids, ids).bit_identical, label
+
+
 def test_a_kept_fp8_input_saves_a_byte_an_element_less_and_its_scale() -> None:
     """Per token and layer: linear_qkv's and linear_fc1's inputs (hidden) and linear_fc2's (ffn)
     drop to one byte; linear_proj's input is kept in bf16 by attention anyway, so its FP8 copy adds
@@ -122,7 +139,7 @@ def test_only_the_layers_linears_turn_fp8_and_the_state_dict_stays_a_linears() -
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     # the embedding and the output head stay bf16 modules
     assert _fp8_linears(model) == sum(_fp8_linears(layer) for layer in layer_modules(model))
-    assert {type(m).__name__ for layer in layer_modules(model) for m in layer.modules()} >= {"KeepsFp8Input"}
+    assert {type(m).__name__ for layer in layer_modules(model) for m in layer.modules()} >= {"Fp8Linear"}
     assert to_fp8(model, Precision("bf16")) == 0
 
 
