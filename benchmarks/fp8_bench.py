@@ -35,6 +35,52 @@ SHAPES = {
 }
 
 
+def _time(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats / 1e3
+
+
+def gemm_limit() -> dict:
+    """The W1 step's GEMMs alone at this GPU's measured rates: each linear's three GEMMs (forward,
+    input and weight gradients) in FP8 (torch._scaled_mm, tensorwise) and the output head's in
+    bf16; what no FP8 run of W1 can beat, before attention, casts and elementwise work."""
+    tokens, hidden, ffn, kv, vocab, layers = 2 * 8192, 4096, 14336, 1024, 128256, 8
+    one = torch.ones((), device="cuda")
+    fp8 = torch.float8_e4m3fn
+
+    def scaled(m: int, k: int, n: int) -> float:
+        a = torch.randn(m, k, device="cuda").to(fp8)
+        b = torch.randn(n, k, device="cuda").to(fp8).t()
+        return _time(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+
+    def bf16(m: int, k: int, n: int) -> float:
+        a, b = (
+            torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(k, n, device="cuda", dtype=torch.bfloat16),
+        )
+        return _time(lambda: a @ b)
+
+    linears = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * ffn), (ffn, hidden)]
+    seconds = 0.0
+    for k, n in linears:  # forward [t,k]x[k,n]; grad input [t,n]x[n,k]; grad weight [n,t]x[t,k]
+        seconds += layers * (scaled(tokens, k, n) + scaled(tokens, n, k) + scaled(n, tokens, k))
+    head = bf16(tokens, hidden, vocab) + bf16(tokens, vocab, hidden) + bf16(vocab, tokens, hidden)
+    flops = 6 * tokens * (layers * sum(k * n for k, n in linears) + hidden * vocab)
+    return dict(
+        gemm_s=round(seconds + head, 4),
+        linears_fp8_s=round(seconds, 4),
+        head_bf16_s=round(head, 4),
+        gemm_tflops=round(flops / (seconds + head) / 1e12, 1),
+    )
+
+
 def anchor() -> list[dict]:
     env = {**os.environ, "L": "8", "S": "8192", "B": "2"}
     proc = subprocess.run([sys.executable, str(ANCHOR), "tensorwise"], env=env, capture_output=True, text=True)
@@ -80,6 +126,8 @@ def main() -> None:
     for part in parts:
         found: dict = dict(meta)
         if part == "w1":
+            found["limit"] = gemm_limit()
+            print(json.dumps(found["limit"]), flush=True)
             found["anchor"] = anchor()
             found["remat"] = remat(part, "bf16", ["none"]) + remat(part, "fp8_cs", ["none", "mlp", "full_uniform_1"])
         else:

@@ -117,8 +117,8 @@ def torchrun_results(tmp_path_factory: Any, worker: Path, nproc: int = 2) -> Any
     return torch.load(out)
 
 
-def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:
-    """Run the script `worker` (its argv[1]: `out`) under torchrun with `nproc` CPU processes."""
+def run_under_torchrun(worker: Path, out: Path, nproc: int = 2, *args: str) -> None:
+    """Run the script `worker` (its argv[1]: `out`, then `args`) under torchrun with `nproc` CPU processes."""
     run = subprocess.run(
         [
             sys.executable,
@@ -129,6 +129,7 @@ def run_under_torchrun(worker: Path, out: Path, nproc: int = 2) -> None:
             str(nproc),
             str(worker),
             str(out),
+            *args,
         ],
         env=worker_env(),
         capture_output=True,

@@ -63,6 +63,25 @@ def test_each_layout_steps_as_one_process(layouts, one_process, name) -> None:
     assert loss.verdict == OK and abs(loss.rel_diff) <= TOLERANCE[name]
 
 
+# FP8 (-c fp8_cs) beside the layouts it runs in; bf16 compute, so context parallelism's float32
+# merge differs more after the casts (seen: 1.0e-4 relative); the rest as in fp32
+FP8_TOLERANCE = {"pp2": 0.0, "pp2_vp2": 0.0, "dp2": 0.0, "cp2": 3e-4, "ep2": 1e-6}
+
+
+@pytest.mark.slow
+def test_fp8_steps_as_one_process_under_fsdp2_stages_context_and_experts(tmp_path) -> None:
+    out = tmp_path / "fp8.json"
+    run_under_torchrun(Path(layouts_worker.__file__), out, 2, "fp8_cs", *FP8_TOLERANCE)
+    found = {name: BenchResult.from_dict(result) for name, result in json.loads(out.read_text()).items()}
+    one = {
+        recipe: run_bench(layouts_worker.spec(recipe, ParallelLayout(), "fp8_cs"), layouts_worker.plan()).losses
+        for recipe in ("llama3_tiny", "moe_tiny")
+    }
+    for name, tolerance in FP8_TOLERANCE.items():
+        recipe, _ = layouts_worker.LAYOUTS[name]
+        assert found[name].losses == pytest.approx(one[recipe], rel=tolerance, abs=0), name
+
+
 def test_another_seed_gives_other_weights_and_data(one_process) -> None:
     spec = dataclasses.replace(layouts_worker.spec("llama3_tiny", ParallelLayout()), seed=7)
     assert run_bench(spec, layouts_worker.plan()).losses[0] != one_process["llama3_tiny"].losses[0]

@@ -127,14 +127,19 @@ EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ),
     ("module", "1 device"): (("CPU", "test_adapt_runs::test_any_model_runs_through_the_command_line_from_a_factory"),),
 }
-# FP8 (torchao's float8 linears) is checked on one device so far; its other layouts run untested
+# FP8 (torchao's float8 linears): replays on one device, and losses beside the other layouts
+_FP8_LAYOUTS = "test_layouts_runs::test_fp8_steps_as_one_process_under_fsdp2_stages_context_and_experts"
 FP8_EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
-    (family, "1 device"): (("CPU", f"test_fp8::{test}"),)
-    for family, test in (
-        ("llama", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
-        ("moe", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
-        ("hf", "test_an_adapted_hf_model_turns_fp8_and_saves_loads_and_moves_as_before"),
-    )
+    **{
+        (family, "1 device"): (("CPU", f"test_fp8::{test}"),)
+        for family, test in (
+            ("llama", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
+            ("moe", "test_every_label_and_full_recompute_replay_fp8_bit_identically"),
+            ("hf", "test_an_adapted_hf_model_turns_fp8_and_saves_loads_and_moves_as_before"),
+        )
+    },
+    **{("llama", layout): (("gloo", _FP8_LAYOUTS),) for layout in ("FSDP2", "PP", "PP+VP", "CP")},
+    ("moe", "EP"): (("gloo", _FP8_LAYOUTS),),
 }
 
 
