@@ -35,8 +35,9 @@ def test_every_piece_of_evidence_exists() -> None:
 def test_no_cell_that_runs_is_left_without_evidence_but_the_factory_under_fsdp2_and_fp8_layouts() -> None:
     untested = [(c.family, c.layout, c.precision) for c in support.cells() if c.status == "untested"]
     assert [cell for cell in untested if cell[2] == "bf16"] == [("module", "FSDP2", "bf16")]
-    # FP8 on one device is checked; beside other GPUs it runs (FSDP2, PP, CP, EP) unchecked yet
-    assert {(f, layout) for f, layout, p in untested if p == "fp8_cs"} >= {("llama", "PP"), ("llama", "FSDP2")}
+    # FP8 is checked on one device, and beside other GPUs for the Llama and expert parallelism
+    assert {(f, layout) for f, layout, p in untested if p == "fp8_cs"} >= {("moe", "PP"), ("hf", "FSDP2")}
+    assert ("llama", "PP", "fp8_cs") not in untested
     assert not any(
         c.family != "module" and c.layout == "1 device" and c.precision == "fp8_cs"
         for c in [c for c in support.cells() if c.status == "untested"]
