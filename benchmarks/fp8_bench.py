@@ -82,10 +82,14 @@ def gemm_limit() -> dict:
 
 
 def anchor() -> list[dict]:
+    """The anchor's rows, its output streamed to $OUT/anchor.log (kept if the call runs out)."""
     env = {**os.environ, "L": "8", "S": "8192", "B": "2"}
-    proc = subprocess.run([sys.executable, str(ANCHOR), "tensorwise"], env=env, capture_output=True, text=True)
-    print(proc.stdout[-4000:], proc.stderr[-3000:], flush=True)
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"mode"')]
+    log = OUT / "anchor.log"
+    with log.open("w") as out:
+        subprocess.run([sys.executable, str(ANCHOR), "tensorwise"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    lines = log.read_text().splitlines()
+    print("\n".join(lines[-30:]), flush=True)
+    return [json.loads(line) for line in lines if line.startswith('{"mode"')]
 
 
 def remat(part: str, dtype: str, presets: list[str]) -> list[dict]:
@@ -125,14 +129,21 @@ def main() -> None:
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv))
     for part in parts:
         found: dict = dict(meta)
+        path = OUT / f"fp8_{part}.json"
+
+        def record(key: str, rows: object) -> None:  # written as it goes: a call may run out
+            found[key] = rows
+            path.write_text(json.dumps(found, indent=1) + "\n")
+
         if part == "w1":
-            found["limit"] = gemm_limit()
+            record("remat", remat(part, "fp8_cs", ["none"]))
+            record("limit", gemm_limit())
             print(json.dumps(found["limit"]), flush=True)
-            found["anchor"] = anchor()
-            found["remat"] = remat(part, "bf16", ["none"]) + remat(part, "fp8_cs", ["none", "mlp", "full_uniform_1"])
+            record("anchor", anchor())
+            record("remat", found["remat"] + remat(part, "bf16", ["none"]))
+            record("remat", found["remat"] + remat(part, "fp8_cs", ["mlp", "full_uniform_1"]))
         else:
-            found["remat"] = remat(part, "fp8_cs", PRESETS)
-        (OUT / f"fp8_{part}.json").write_text(json.dumps(found, indent=1) + "\n")
+            record("remat", remat(part, "fp8_cs", PRESETS))
 
 
 if __name__ == "__main__":
