@@ -24,6 +24,7 @@ from remat.memory.measure import trace
 from remat.memory.prediction import Trace
 from remat.models.adapt import adapt, unadapt
 from remat.planner import PlanResult, plan
+from remat.run.fp8 import to_fp8
 from remat.run.verify import verify
 from remat.sites.apply import apply, find_sites
 from remat.sites.calls import WithLoss, cross_entropy
@@ -57,5 +58,6 @@ __all__ = [
     "trace",
     "unadapt",
     "verify",
+    "to_fp8",
 ]
 __version__ = remat_version()
