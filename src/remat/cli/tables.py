@@ -285,6 +285,7 @@ def _estimate_caption(spec: EstimateSpec, host: bool, measured: bool) -> str:
         "each rank's shard timed on the device, without communication"
         if measured
         else f"counted FLOPs at {spec.tflops:g} TFLOP/s"
+        + (" (FP8 matmuls at twice it)" if spec.precision.is_fp8 else "")
     )
     return (
         f"activations: saved for backward by the micro-batches in flight ({spec.layout.pipeline_schedule});"

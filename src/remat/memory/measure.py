@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from remat.config.fields import MIN_OFFLOADED_TENSOR_SIZE
 from remat.config.model_sites import ModelSites
@@ -34,7 +33,7 @@ from remat.core.labels import LAYER
 from remat.core.problems import Problem, raise_if_any
 from remat.core.timing import spread
 from remat.memory.attribution import Attributor, Owner, SiteStorages
-from remat.memory.flops import FLOP_FORMULAS
+from remat.memory.flops import FLOP_FORMULAS, TimedFlopCounter
 from remat.memory.meter import CpuMeter, CudaMeter, Meter, held_tensors, storage_bytes
 from remat.memory.prediction import (
     MEASURED_GROUP_SIZES,
@@ -245,9 +244,9 @@ class Stepper:
         if self.batch[0].device.type == "meta":
             if self.flops_per_s is None:
                 raise ValueError("a trace on the meta device times steps by their FLOPs: pass flops_per_s")
-            with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+            with TimedFlopCounter(display=False, custom_mapping=FLOP_FORMULAS) as counter:
                 self.step()
-            return counter.get_total_flops() / self.flops_per_s, 0.0
+            return counter.time_flops / self.flops_per_s, 0.0
         if self.cuda:
             repeats = timing_repeats(repeats, self._timed_step())  # the warm-up step sizes the rest
         times = sorted(self._timed_step() for _ in range(repeats))

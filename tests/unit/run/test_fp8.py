@@ -267,3 +267,30 @@ def test_the_recipes_format_sets_the_output_gradients_dtype() -> None:
         str(float8_config(Precision("fp8_cs", fp8=f)).cast_config_grad_output.target_dtype) for f in ("e4m3", "hybrid")
     )
     assert grads == Counter({"torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1})
+
+
+def test_the_meta_estimate_times_fp8_matmuls_at_twice_the_bf16_rate() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from helpers.estimate import _quiet, _spec
+
+    from remat.estimate.stages import estimate
+    from remat.memory.flops import FP8_SPEEDUP, TimedFlopCounter
+
+    # the counter: one FP8 matmul counts 1/FP8_SPEEDUP of the same bf16 one
+    model = _model("llama3_tiny", num_layers=1)
+    linear = next(m for m in model.modules() if type(m).__name__ == "Fp8Linear")
+    x = torch.randn(32, linear.in_features, dtype=torch.bfloat16)
+    with TimedFlopCounter(display=False) as counter:
+        linear(x)
+    assert counter.get_total_flops() == 2 * 32 * linear.in_features * linear.out_features
+    assert counter.time_flops == counter.get_total_flops() / FP8_SPEEDUP
+    # a step: faster than bf16's by the layers' linears' share
+    times = [
+        _quiet(
+            estimate, _spec(overrides={"num_layers": 2, "seq_length": 32}, precision=Precision(p)), [("none", None)]
+        )[0]
+        .stages[0]
+        .micro_batch_time_s
+        for p in ("bf16", "fp8_cs")
+    ]
+    assert times[1] < times[0]
