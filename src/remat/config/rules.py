@@ -257,13 +257,18 @@ def rule_shared_experts_not_with_overlap(c: RecomputeFields) -> Iterator[Problem
 def rule_fp8_delayed_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.facts.precision.fp8_format is None or c.facts.precision.recipe != "delayed":
         return
-    for label in ("moe_act", "layernorm"):
+    yield from _each_selected(
+        c,
+        ("moe_act", "layernorm"),
+        "{!r} cannot be recomputed under FP8 delayed scaling; drop it or use another fp8_recipe such as 'tensorwise'",
+    )
+
+
+def _each_selected(c: RecomputeFields, labels: tuple[str, ...], message: str) -> Iterator[Problem]:
+    """A recompute_modules problem for each of `labels` selected (`message` formats the label)."""
+    for label in labels:
         if label in selected(c):
-            yield Problem(
-                "recompute_modules",
-                f"{label!r} cannot be recomputed under FP8 delayed scaling; drop it"
-                " or use another fp8_recipe such as 'tensorwise'",
-            )
+            yield Problem("recompute_modules", message.format(label))
 
 
 @_rule
@@ -403,17 +408,16 @@ def rule_nested_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megat
 @_warning_rule
 def rule_fp8_kept_inputs_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat
     # a discarded output is freed where its consumer keeps it; an FP8 linear keeping its own FP8
-    # copy of its input leaves the bf16 output unkept, so discarding it frees nothing
+    # copy of its input leaves the bf16 output unkept, so discarding it frees little or nothing
     if not c.facts.precision.keeps_fp8_inputs:
         return
-    for label in ("layernorm", "mlp_act"):
-        if label in selected(c):
-            yield Problem(
-                "recompute_modules",
-                f"{label!r} frees nothing under fp8_cs tensorwise: the FP8 linear it feeds keeps its own"
-                " FP8 copy of its input, so discarding costs a replay for no memory; drop it, or keep"
-                " bf16 inputs with --no_fp8_keep_inputs",
-            )
+    yield from _each_selected(
+        c,
+        ("layernorm", "mlp_act"),
+        "{!r} frees little under fp8_cs tensorwise: the FP8 linear it feeds keeps its own FP8 copy of"
+        " its input, so discarding costs a replay for little memory; drop it, or keep bf16 inputs with"
+        " --no_fp8_keep_inputs",
+    )
 
 
 @_warning_rule
