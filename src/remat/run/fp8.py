@@ -11,11 +11,10 @@ linear's. torchao is an optional extra (`remat[fp8]`).
 
 Under tensorwise scaling the weight-gradient GEMM casts the input exactly as the forward did (one
 scale from the same tensor, the same dtype), so a linear may keep the FP8 input its forward cast,
-1 byte an element, instead of torchao's bf16 copy: `keep_fp8_inputs` (the default) does, with
-gradients bit-identical to torchao's (`fp8_keep_inputs`, on by default). Its input then is no
-longer kept in bf16 by it: discarding the norm or activation that feeds it (`layernorm`,
-`mlp_act`) frees little there (-196,608 bytes for `mlp_act` on llama3_tiny: the replay keeps the
-activation's input), and a config rule says so."""
+1 byte an element, instead of torchao's bf16 copy: under `fp8_keep_inputs` (on by default) it
+does, with gradients bit-identical to torchao's. Its input then is no longer kept in bf16 by it:
+discarding the norm or activation that feeds it (`layernorm`, `mlp_act`) frees little or less
+than nothing there (the replay keeps the activation's own input), and a config rule says so."""
 
 from __future__ import annotations
 
