@@ -27,8 +27,10 @@ NOT_RUN: dict[str, str] = {
     "custom": "a custom recipe is Megatron's own Python class; use tensorwise or rowwise",
 }
 REFUSED_DTYPES: dict[str, str] = {
-    "fp8_mx": "MXFP8 needs Blackwell tensor cores (compute capability 10.0); on Hopper use -c fp8_cs",
-    "nvfp4": "NVFP4 needs Blackwell tensor cores (compute capability 10.0); on Hopper use -c fp8_cs",
+    "fp8_mx": "MXFP8 needs Blackwell tensor cores (compute capability 10.0), and remat has no MX path"
+    " yet; on Hopper and Ada use -c fp8_cs",
+    "nvfp4": "NVFP4 needs Blackwell tensor cores (compute capability 10.0), and remat has no FP4 path"
+    " yet; on Hopper and Ada use -c fp8_cs",
     "fp8_sc": "subchannel (blockwise) scaling is a torchao prototype remat does not run yet; use -c fp8_cs",
 }
 
