@@ -30,6 +30,10 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2": ("llama3_tiny", dict(num_gpus=2)),
     "ep2": ("moe_tiny", dict(num_gpus=2, ep=2)),
     "moe_tp2": ("moe_tiny", dict(tp=2)),
+    # run by the FP8 test only (the bf16 layouts of Hugging Face models: test_hf_*_runs.py)
+    "hf_pp2": ("hf:llama", dict(pp=2)),
+    "hf_dp2": ("hf:llama", dict(num_gpus=2)),
+    "moe_dp2": ("moe_tiny", dict(num_gpus=2)),
 }
 
 
