@@ -140,7 +140,7 @@ FP8_EVIDENCE: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     },
     **{("llama", layout): (("gloo", _FP8_LAYOUTS),) for layout in ("FSDP2", "PP", "PP+VP", "CP")},
     **{(family, layout): (("gloo", _FP8_LAYOUTS),) for family, layout in (("moe", "EP"), ("moe", "FSDP2"))},
-    **{("hf", layout): (("gloo", _FP8_LAYOUTS),) for layout in ("FSDP2", "PP")},
+    **{("hf", layout): (("gloo", _FP8_LAYOUTS),) for layout in ("FSDP2", "PP", "CP")},
 }
 
 

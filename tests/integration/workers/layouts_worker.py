@@ -33,6 +33,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     # run by the FP8 test only (the bf16 layouts of Hugging Face models: test_hf_*_runs.py)
     "hf_pp2": ("hf:llama", dict(pp=2)),
     "hf_dp2": ("hf:llama", dict(num_gpus=2)),
+    "hf_cp2": ("hf:llama", dict(cp=2)),
     "moe_dp2": ("moe_tiny", dict(num_gpus=2)),
 }
 

@@ -36,7 +36,7 @@ def test_no_cell_that_runs_is_left_without_evidence_but_the_factory_under_fsdp2_
     untested = [(c.family, c.layout, c.precision) for c in support.cells() if c.status == "untested"]
     assert [cell for cell in untested if cell[2] == "bf16"] == [("module", "FSDP2", "bf16")]
     # FP8 is checked on one device, and beside other GPUs for the Llama and expert parallelism
-    assert {(f, layout) for f, layout, p in untested if p == "fp8_cs"} >= {("moe", "PP"), ("hf", "CP")}
+    assert {(f, layout) for f, layout, p in untested if p == "fp8_cs"} >= {("moe", "PP"), ("hf", "PP+VP")}
     assert ("llama", "PP", "fp8_cs") not in untested
     assert not any(
         c.family != "module" and c.layout == "1 device" and c.precision == "fp8_cs"
