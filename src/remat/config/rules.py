@@ -406,21 +406,6 @@ def rule_nested_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat: Megat
 
 
 @_warning_rule
-def rule_fp8_kept_inputs_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # remat
-    # a discarded output is freed where its consumer keeps it; an FP8 linear keeping its own FP8
-    # copy of its input leaves the bf16 output unkept, so discarding it frees little or nothing
-    if not c.facts.precision.keeps_fp8_inputs:
-        return
-    yield from _each_selected(
-        c,
-        ("layernorm", "mlp_act"),
-        "{!r} frees little under fp8_cs tensorwise: the FP8 linear it feeds keeps its own FP8 copy of"
-        " its input, so discarding costs a replay for little memory; drop it, or keep bf16 inputs with"
-        " --no_fp8_keep_inputs",
-    )
-
-
-@_warning_rule
 def rule_core_attn_fused_backend(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if "core_attn" in selected(c) and c.facts.attention_backend in ("flash", "fused"):
         yield Problem(

@@ -11,3 +11,15 @@ def storage_key(t: torch.Tensor) -> int:
     The storage object's own address, not its data pointer: meta tensors (shape-only traces)
     and empty storages all have data pointer 0."""
     return t.untyped_storage()._cdata
+
+
+def memory_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s memory: `t` itself, or the inner tensors of a wrapper
+    subclass (torchao's FP8 tensors: FP8 data and a scale), whose own storage holds no bytes
+    however large it says it is. DTensor, whose accounting its shards' owners do, stays itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t) or type(t).__name__ == "DTensor":
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [inner for name in names for inner in memory_tensors(getattr(t, name))]

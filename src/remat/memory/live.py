@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.engine import storage_key
+from remat.engine.storage import memory_tensors
 
 # The CUDA caching allocator rounds every block up to this many bytes.
 CUDA_BLOCK = 512
@@ -32,15 +33,19 @@ class NewStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
+        inputs = {storage_key(t) for t in _memory_tensors((args, kwargs))}
+        for t in _memory_tensors(out):
             # an output sharing an input's storage (a view, an in-place op) allocated nothing
-            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
+            if storage_key(t) not in inputs:
                 storage = t.untyped_storage()
                 if storage not in self.seen:
                     self.seen.add(storage)
                     self.created(storage)
         return out
+
+
+def _memory_tensors(tree: Any) -> list[torch.Tensor]:
+    return [m for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) for m in memory_tensors(t)]
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ linear's. torchao is an optional extra (`remat[fp8]`).
 Under tensorwise scaling the weight-gradient GEMM casts the input exactly as the forward did (one
 scale from the same tensor, the same dtype), so a linear may keep the FP8 input its forward cast,
 1 byte an element, instead of torchao's bf16 copy: under `fp8_keep_inputs` (on by default) it
-does, with gradients bit-identical to torchao's. Its input then is no longer kept in bf16 by it:
-discarding the norm or activation that feeds it (`layernorm`, `mlp_act`) frees little or less
-than nothing there (the replay keeps the activation's own input), and a config rule says so."""
+does, with gradients bit-identical to torchao's. Its input then is no longer kept in bf16 by it,
+so discarding the norm or activation that feeds it (`layernorm`, `mlp_act`) frees less than in
+bf16 (what the trace measures, and the planner weighs)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from remat.config import plan as layer_plan
 from remat.config.capture import CUDA_GRAPH_IMPLS, Capture
 from remat.config.fields import public_name
 from remat.config.fields import settings as settings_of
-from remat.config.megatron import RecomputeFields, TrainingFacts
+from remat.config.megatron import TrainingFacts
 from remat.config.model_sites import ModelSites, check_config
 from remat.config.parallel import ParallelLayout
 from remat.config.plan import check_plan
@@ -37,23 +37,9 @@ def sel(*modules: str) -> dict[str, Any]:
     return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
 
 
-def config_from(settings_: dict[str, Any]) -> RecomputeConfig:
-    """RecomputeConfig.from_megatron, and a run's compute dtype (Bridge's -c, no Megatron key) in
-    its facts where `settings_` names one."""
-    rest = {k: v for k, v in settings_.items() if k != "compute_dtype"}
-    if "compute_dtype" not in settings_:
-        return RecomputeConfig.from_megatron(rest)
-    facts = TrainingFacts.from_megatron(rest)
-    facts = dataclasses.replace(
-        facts, precision=dataclasses.replace(facts.precision, compute_dtype=settings_["compute_dtype"])
-    )
-    fields = {k: v for k, v in rest.items() if k in RecomputeFields.__dataclass_fields__}
-    return RecomputeConfig(**fields, facts=facts)
-
-
 def problems_of(settings_: dict[str, Any]) -> list[Problem]:
     with pytest.raises(ConfigError) as info:
-        config_from(settings_)
+        RecomputeConfig.from_megatron(settings_)
     return info.value.problems
 
 
@@ -65,7 +51,7 @@ def build_quietly(settings_: dict[str, Any]) -> RecomputeConfig:
     """Build, failing the test on any RematWarning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematWarning)
-        return config_from(settings_)
+        return RecomputeConfig.from_megatron(settings_)
 
 
 # (rule, settings, field, phrase): each setting breaks exactly the named rule's condition.
@@ -601,18 +587,6 @@ WARNING_CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule_nested_labels", sel("moe", "shared_experts"), "recompute_modules", "'shared_experts'"),
     ("rule_nested_labels", sel("mlp", "mlp_act"), "recompute_modules", "drop 'mlp_act'"),
     (
-        "rule_fp8_kept_inputs_discard_labels",
-        {**sel("mlp_act"), "compute_dtype": "fp8_cs"},
-        "recompute_modules",
-        "'mlp_act' frees little",
-    ),
-    (
-        "rule_fp8_kept_inputs_discard_labels",
-        {**sel("layernorm"), "compute_dtype": "fp8_cs"},
-        "recompute_modules",
-        "'layernorm' frees little",
-    ),
-    (
         "rule_core_attn_fused_backend",
         {**sel("core_attn"), "attention_backend": "flash"},
         "recompute_modules",
@@ -632,9 +606,6 @@ QUIET: list[tuple[str, dict[str, Any]]] = [
     ("rule_nested_labels", {**sel("moe", "mlp")}),
     ("rule_nested_labels", {**sel("mlp_act", "layernorm")}),
     ("rule_core_attn_fused_backend", {**sel("core_attn"), "attention_backend": "unfused"}),
-    ("rule_fp8_kept_inputs_discard_labels", {**sel("mlp_act"), "compute_dtype": "fp8_cs", "fp8_keep_inputs": False}),
-    ("rule_fp8_kept_inputs_discard_labels", {**sel("mlp_act"), "compute_dtype": "fp8_cs", "fp8_recipe": "rowwise"}),
-    ("rule_fp8_kept_inputs_discard_labels", {**sel("mlp_act"), "fp8": "hybrid", "fp8_recipe": "tensorwise"}),
 ]
 
 
@@ -652,7 +623,7 @@ def test_rule_rejects(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)
         try:
-            config_from(settings_)
+            RecomputeConfig.from_megatron(settings_)
         except ConfigError as err:
             assert not has(err.problems, field, phrase)
 
@@ -667,12 +638,12 @@ def test_warning_rule_warns(
     rule: str, settings_: dict[str, Any], field: str, phrase: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.warns(RematWarning, match=phrase) as record:
-        config_from(settings_)
+        RecomputeConfig.from_megatron(settings_)
     assert any(str(w.message).startswith(f"{field}: ") for w in record)
     monkeypatch.setattr(recompute, "WARNING_RULES", _without(WARNING_RULES, rule))
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
-        config_from(settings_)
+        RecomputeConfig.from_megatron(settings_)
     assert not any(phrase in str(w.message) for w in quiet)
 
 
@@ -719,7 +690,7 @@ def problems_if_any(settings_: dict[str, Any]) -> list[Problem]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)
         try:
-            config_from(settings_)
+            RecomputeConfig.from_megatron(settings_)
         except ConfigError as err:
             return err.problems
     return []

@@ -119,17 +119,6 @@ def test_a_kept_fp8_input_saves_a_byte_an_element_less_and_its_scale() -> None:
     assert saved[1] - saved[0] == c.num_layers * (tokens * (c.hidden_size + c.ffn_hidden_size) - 4 * 4)
 
 
-def test_discarding_what_a_kept_fp8_input_feeds_is_advised_against() -> None:
-    from remat.config.megatron import TrainingFacts
-
-    for precision, warned in ((FP8, True), (TORCHAO, False), (Precision("bf16"), False)):
-        facts = TrainingFacts(num_layers=2, precision=precision)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            RecomputeConfig(recompute_granularity="selective", recompute_modules=["mlp_act"], facts=facts)
-        assert any("frees little under fp8_cs tensorwise" in str(w.message) for w in caught) == warned
-
-
 def test_only_the_layers_linears_turn_fp8_and_the_state_dict_stays_a_linears() -> None:
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.bfloat16)
@@ -294,3 +283,31 @@ def test_the_meta_estimate_times_fp8_matmuls_at_twice_the_bf16_rate() -> None:
         for p in ("bf16", "fp8_cs")
     ]
     assert times[1] < times[0]
+
+
+def test_an_fp8_tensor_counts_its_fp8_data_and_scale_not_its_wrapper() -> None:
+    """torchao's FP8 tensor wraps FP8 data and a scale; its own storage claims bf16 bytes and
+    holds none. A replay's or an offload group's detached copy of it used to count those."""
+    from remat.memory import measure_saved
+    from remat.run.fp8 import torchao_float8
+
+    float8 = torchao_float8()
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    kept: list[torch.Tensor] = []
+
+    def cast_and_keep() -> None:
+        cast = float8.float8_scaling_utils.hp_tensor_to_float8_dynamic(
+            x, torch.float8_e4m3fn, float8.float8_training_tensor.LinearMMConfig()
+        )
+        kept.append(cast.detach())
+
+    _, saved = measure_saved(cast_and_keep)
+    assert saved.bytes == 64 * 32 + 4
+    # and so a plan that keeps FP8 inputs through remat's hooks frees what it frees without them
+    for precision in (FP8, TORCHAO):
+        model = _model("llama3_tiny", precision)
+        ids = _ids(model)
+        offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat.RematWarning)
+            assert remat.verify(model, offload, ids, ids).freed_bytes == 0  # on CPU: copies stay in memory
