@@ -65,7 +65,7 @@ def float8_config(precision: Precision) -> Any:
     """torchao's Float8LinearConfig for the precision's recipe and format (Megatron's hybrid: the
     output gradient in e5m2; e4m3: everything in e4m3)."""
     float8 = torchao_float8()
-    config = float8.float8_linear.Float8LinearConfig.from_recipe_name(precision.recipe)
+    config = float8.Float8LinearConfig.from_recipe_name(precision.recipe)
     if precision.fp8 is None:  # the recipe's own: tensorwise is hybrid, rowwise e4m3
         return config
     grads = ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")  # torchao: both alike
