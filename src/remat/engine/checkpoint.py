@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import checkpoint as torch_checkpoint
 
-from remat.engine.offload import Offloaded, Offloader, active_offloader
+from remat.engine.offload import Offloaded, OffloadedParts, Offloader, active_offloader
 from remat.engine.rng import ReplayState, forked_rng
 from remat.engine.storage import storage_key
 
@@ -435,7 +435,7 @@ def unpack_saved(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Kept):
         _check_version(packed.tensor, packed.version)
         return packed.tensor
-    if isinstance(packed, Offloaded):
+    if isinstance(packed, Offloaded | OffloadedParts):
         return packed.unpack()
     if not isinstance(packed, _OutputRef):
         return packed

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from remat.engine.storage import storage_key
+from remat.engine.storage import holds_parts, storage_key
 
 _local = threading.local()
 
@@ -190,6 +190,22 @@ class Offloaded:
         return data.as_strided(self.size, self.stride, self.offset)
 
 
+@dataclass
+class OffloadedParts:
+    """What autograd holds for a saved wrapper subclass (torchao's FP8 tensor: FP8 data and a
+    scale) whose inner tensors went to host: the subclass rebuilt around them when unpacked."""
+
+    cls: type
+    parts: dict[str, Offloaded | OffloadedParts | torch.Tensor]
+    context: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def unpack(self) -> torch.Tensor:
+        inner = {name: p if isinstance(p, torch.Tensor) else p.unpack() for name, p in self.parts.items()}
+        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)  # type: ignore[attr-defined,no-any-return]
+
+
 def _owned_by_module(t: torch.Tensor) -> bool:
     # Parameters and leaves that require grad (or views of them) outlive the step on the device.
     root = t._base if t._base is not None else t
@@ -256,9 +272,14 @@ class Offloader:
             return False
         return nbytes >= self.min_numel * t.element_size()
 
-    def pack(self, t: torch.Tensor) -> Offloaded | None:
-        """Offload `t`'s storage (once per storage and version); None if `t` stays on the device."""
-        if self._group is None or not self.offloads(t):
+    def pack(self, t: torch.Tensor) -> Offloaded | OffloadedParts | None:
+        """Offload `t`'s storage (once per storage and version), or a wrapper subclass's inner
+        tensors; None if `t` stays on the device."""
+        if self._group is None:
+            return None
+        if holds_parts(t):
+            return self._pack_parts(t)
+        if not self.offloads(t):
             return None
         storage = t.untyped_storage()
         key = storage_key(t)
@@ -273,6 +294,15 @@ class Offloader:
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         copy.refs += 1
         return Offloaded(copy, t.dtype, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+
+    def _pack_parts(self, t: torch.Tensor) -> OffloadedParts | None:
+        names, context = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        parts: dict[str, Offloaded | OffloadedParts | torch.Tensor] = {
+            name: self.pack(getattr(t, name)) or getattr(t, name) for name in names
+        }
+        if all(isinstance(p, torch.Tensor) for p in parts.values()):
+            return None
+        return OffloadedParts(type(t), parts, context, tuple(t.size()), tuple(t.stride()))
 
     def prefetch_on_grad(self, tensor: torch.Tensor, key: int) -> None:
         """Load the latest group `key` when backward reaches `tensor` (the output of the layer

@@ -17,9 +17,14 @@ def memory_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors whose storages hold `t`'s memory: `t` itself, or the inner tensors of a wrapper
     subclass (torchao's FP8 tensors: FP8 data and a scale), whose own storage holds no bytes
     however large it says it is. DTensor, whose accounting its shards' owners do, stays itself."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if not is_traceable_wrapper_subclass(t) or type(t).__name__ == "DTensor":
+    if not holds_parts(t):
         return [t]
     names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     return [inner for name in names for inner in memory_tensors(getattr(t, name))]
+
+
+def holds_parts(t: torch.Tensor) -> bool:
+    """Whether `t` is a wrapper subclass whose memory is its inner tensors' (not a DTensor)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t) and type(t).__name__ != "DTensor"

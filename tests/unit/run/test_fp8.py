@@ -306,11 +306,27 @@ def test_an_fp8_tensor_counts_its_fp8_data_and_scale_not_its_wrapper() -> None:
 
     _, saved = measure_saved(cast_and_keep)
     assert saved.bytes == 64 * 32 + 4
-    # and so a plan that keeps FP8 inputs through remat's hooks frees what it frees without them
-    for precision in (FP8, TORCHAO):
-        model = _model("llama3_tiny", precision)
-        ids = _ids(model)
-        offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=2)
+
+
+def test_offload_moves_fp8_inputs_to_host_as_their_parts_and_replays_bit_identically(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kept FP8 input goes to host as its FP8 data (the scale, 4 bytes, stays): what the layer
+    offload frees is exactly what it copied, and less than bf16 inputs take."""
+    from remat.engine.offload import Offloader
+    from remat.sites.apply import offloader_of
+
+    offloaded = {}
+    for precision, parts in ((FP8, True), (TORCHAO, True), (FP8, False)):
+        if not parts:  # FP8 tensors left on the device, as before they went to host
+            monkeypatch.setattr(Offloader, "_pack_parts", lambda self, t: None)
+        model = _model("llama3_tiny", precision, **DROPOUT)
+        ids = _ids(model, 64)
+        offload = RecomputeConfig(cpu_offloading=True, cpu_offloading_num_layers=2, min_offloaded_tensor_size=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", remat.RematWarning)
-            assert remat.verify(model, offload, ids, ids).freed_bytes == 0  # on CPU: copies stay in memory
+            report = remat.verify(model, offload, ids, ids)
+        stats = offloader_of(model).stats()
+        assert report.bit_identical and report.freed_bytes == stats.offloaded_bytes > 0
+        offloaded[precision.fp8_keep_inputs, parts] = stats.offloaded_bytes
+    assert offloaded[True, False] < offloaded[True, True] < offloaded[False, True]
