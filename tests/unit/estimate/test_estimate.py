@@ -248,6 +248,7 @@ def test_on_cuda_layernorm_discard_frees_each_norm_output_and_its_scale(compiled
     )
 
 
+@pytest.mark.slow  # traces a model per plan: 11 s of the README's suite
 def test_an_offload_plan_that_would_move_nothing_says_why() -> None:
     for threshold, moved in ((1 << 20, False), (64, True)):  # the default, above every tiny tensor; then below
         with warnings.catch_warnings(record=True) as caught:
