@@ -83,7 +83,7 @@ LAYOUT_FIELDS = (
 )
 
 
-def layout_of(shape: Mapping[str, Any]) -> dict[str, Any]:
+def _layout_of(shape: Mapping[str, Any]) -> dict[str, Any]:
     return {key: shape[key] for key in LAYOUT_FIELDS if key in shape}
 
 
@@ -91,8 +91,8 @@ def _without_layout(shape: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in shape.items() if key not in LAYOUT_FIELDS}
 
 
-def describe_layout(shape: Mapping[str, Any]) -> str:
-    sizes = layout_of(shape)
+def _describe_layout(shape: Mapping[str, Any]) -> str:
+    sizes = _layout_of(shape)
     return ", ".join(f"{key}={size}" for key, size in sizes.items()) or "one process"
 
 
@@ -164,7 +164,7 @@ def compare(current: BenchResult, golden: BenchResult, threshold: float = DEFAUL
 def _comparable(current: BenchResult, golden: BenchResult) -> tuple[_Metric, ...]:
     """Every metric on the golden's layout; the loss alone on another (throughput and memory per GPU
     are the layout's own)."""
-    if layout_of(current.shape) == layout_of(golden.shape):
+    if _layout_of(current.shape) == _layout_of(golden.shape):
         return METRICS
     return tuple(metric for metric in METRICS if metric.name == "loss")
 
@@ -235,7 +235,7 @@ def mismatch_notes(current: BenchResult, golden: BenchResult) -> list[str]:
     """Differences worth a note that leave the comparison meaningful: the layout (the loss alone is
     compared), the GPU's name (a golden from another H100 variant still says something), the
     recompute config (what a config costs)."""
-    layouts = describe_layout(golden.shape), describe_layout(current.shape)
+    layouts = _describe_layout(golden.shape), _describe_layout(current.shape)
     across = (
         [f"layout differs: golden {layouts[0]}, current {layouts[1]}; the loss alone is compared"]
         if layouts[0] != layouts[1]

@@ -257,18 +257,13 @@ def rule_shared_experts_not_with_overlap(c: RecomputeFields) -> Iterator[Problem
 def rule_fp8_delayed_discard_labels(c: RecomputeFields) -> Iterator[Problem]:  # Megatron
     if c.facts.precision.fp8_format is None or c.facts.precision.recipe != "delayed":
         return
-    yield from _each_selected(
-        c,
-        ("moe_act", "layernorm"),
-        "{!r} cannot be recomputed under FP8 delayed scaling; drop it or use another fp8_recipe such as 'tensorwise'",
-    )
-
-
-def _each_selected(c: RecomputeFields, labels: tuple[str, ...], message: str) -> Iterator[Problem]:
-    """A recompute_modules problem for each of `labels` selected (`message` formats the label)."""
-    for label in labels:
+    for label in ("moe_act", "layernorm"):
         if label in selected(c):
-            yield Problem("recompute_modules", message.format(label))
+            yield Problem(
+                "recompute_modules",
+                f"{label!r} cannot be recomputed under FP8 delayed scaling; drop it"
+                " or use another fp8_recipe such as 'tensorwise'",
+            )
 
 
 @_rule

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from remat.engine.storage import memory_tensors
+
 
 def _attention_flops(bmms: int) -> Callable[..., int]:
     """`bmms` matmuls of attention's [s_q, d] x [d, s_k] size per query head; key/value heads may
@@ -35,9 +37,9 @@ FP8_SPEEDUP = 2.0
 
 
 def _is_fp8(x: Any) -> bool:
-    """An FP8 operand: an FP8 dtype, or a tensor subclass holding FP8 data with a scale (torchao's)."""
-    data = getattr(x, "_data", x)
-    return isinstance(data, torch.Tensor) and data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    """An FP8 operand: an FP8 tensor, or a wrapper subclass holding FP8 data (torchao's)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return isinstance(x, torch.Tensor) and any(t.dtype in fp8 for t in memory_tensors(x))
 
 
 class TimedFlopCounter(FlopCounterMode):

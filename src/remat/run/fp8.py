@@ -103,19 +103,23 @@ def fp8_run_problems(precision: Precision, tp: int, device: str) -> Iterator[Pro
 def _fp8_linear(input: Tensor, weight: Tensor, mm_config: Any, config: Any, keep_input: bool) -> Tensor:
     """torchao's FP8 matmul of `input` by `weight`; with `keep_input`, the input cast here first,
     so that torchao's matmul saves the FP8 tensor for backward and uses it as cast there (the
-    cast's backward passes the gradient through)."""
-    float8 = torchao_float8()
+    cast's backward passes the gradient through). A step's hot path: torchao is imported already
+    (to_fp8), so these imports are lookups."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
     if keep_input:
         c = config.cast_config_input
-        input = float8.float8_scaling_utils.hp_tensor_to_float8_dynamic(
+        input = hp_tensor_to_float8_dynamic(
             input,
             c.target_dtype,
             mm_config,
-            gemm_input_role=float8.float8_training_tensor.GemmInputRole.INPUT,
+            gemm_input_role=GemmInputRole.INPUT,
             scaling_granularity=c.scaling_granularity,
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
-    return float8.float8_linear.matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
+    return matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
 
 
 @functools.cache
@@ -187,9 +191,12 @@ def to_fp8(
     float8, config = torchao_float8(), float8_config(precision)
     kind, keep = _linear_class(float8), precision.keeps_fp8_inputs and keeps_fp8_input(config)
 
+    swapped: list[nn.Linear] = []
+
     def swapped_in(linear: nn.Linear) -> nn.Linear:
         fp8 = kind.from_float(linear, config=config)
         fp8.keep_input, fp8.backend = keep, compile_backend
+        swapped.append(fp8)
         return fp8
 
     found = layer_modules(model)
@@ -205,17 +212,15 @@ def to_fp8(
         )
     indices = list(layers) if layers is not None else list(range(len(found)))
     in_bf16 = precision.bf16_layers(num_layers or len(found))
-    swapped, grouped = 0, 0
+    grouped = 0
     for index, layer in zip(indices, found, strict=True):
         if index in in_bf16:
             continue
-        before = sum(isinstance(m, kind) for m in layer.modules())
         float8.float8_linear_utils.swap_linear_layers(layer, swapped_in, module_filter_fn=_fits)
-        swapped += sum(isinstance(m, kind) for m in layer.modules()) - before
         grouped += sum(p.dim() > 2 for p in layer.parameters())
     if grouped:
         warn(
             "fp8_cs: the routed experts' grouped GEMMs run in bf16 (an FP8 grouped GEMM is not wired"
             " in yet); their layers' other linears run in FP8"
         )
-    return swapped
+    return len(swapped)
