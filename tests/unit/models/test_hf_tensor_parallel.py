@@ -61,6 +61,13 @@ def test_a_heterogeneous_config_is_split_layer_by_layer() -> None:
     assert "num_attention_heads=4 does not split" in found and "num_attention_heads=64" not in found
 
 
+def test_a_size_listed_per_layer_is_split_layer_by_layer() -> None:
+    # Gemma 3n's config holds one intermediate_size per layer
+    assert hf_config("gemma3n_text", intermediate_size=[128, 130]).intermediate_size == [128, 130]
+    found = _problems("gemma3n_text", ParallelLayout(tp=4), intermediate_size=[128, 130])
+    assert "intermediate_size=130 does not split" in found and "intermediate_size=128" not in found
+
+
 def test_sequence_parallelism_refuses_unsplit_weights_hidden_dropout_and_odd_sequences() -> None:
     import transformers
 

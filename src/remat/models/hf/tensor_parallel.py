@@ -71,8 +71,14 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
     names = ["num_attention_heads", "num_key_value_heads"]
     if _splits_mlp(plan):  # MoE-only configs have no dense intermediate_size
         names.append("intermediate_size")
-    # a heterogeneous config holds these per layer (and refuses to read them globally)
-    counts = {(name, getattr(layer, name, None)) for layer in layer_configs(hf) for name in names}
+    # a heterogeneous config holds these per layer (and refuses to read them globally); some
+    # configs hold a list of one per layer instead (Gemma 3n's intermediate_size)
+    counts = {
+        (name, size)
+        for layer in layer_configs(hf)
+        for name in names
+        for size in _each(getattr(layer, name, None))
+    }
     for name, size in sorted(counts, key=str):
         if isinstance(size, int) and size % tp:
             yield Problem(
@@ -80,6 +86,10 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
                 f"{name}={size} does not split over {tp} tensor-parallel ranks; use a"
                 " tensor-parallel size that divides it",
             )
+
+
+def _each(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _matches(pattern: str, names: list[str]) -> list[str]:
