@@ -272,6 +272,18 @@ def test_meta_then_to_empty_and_init_weights_equals_direct_build():
     assert torch.equal(direct.rotary_pos_emb.cos, deferred.rotary_pos_emb.cos)
 
 
+def test_init_weights_refills_the_rope_tables_in_place():
+    # context parallelism holds these tensors to shard with each batch: new ones would go unsharded
+    model = build("llama3_tiny", num_layers=1)
+    tables = model.rotary_pos_emb.cos, model.rotary_pos_emb.sin
+    expected = [t.clone() for t in tables]
+    for t in tables:
+        t.zero_()
+    model.init_weights()
+    assert model.rotary_pos_emb.cos is tables[0] and model.rotary_pos_emb.sin is tables[1]
+    assert all(torch.equal(t, e) for t, e in zip(tables, expected, strict=True))
+
+
 def test_fusable_chunk_loss_matches_the_in_place_one() -> None:
     from remat.models.kernels.loss import chunk_loss_fusable, chunk_loss_in_place
 

@@ -74,10 +74,7 @@ def config_problems(hf: Any, tp: int) -> Iterator[Problem]:
     # a heterogeneous config holds these per layer (and refuses to read them globally); some
     # configs hold a list of one per layer instead (Gemma 3n's intermediate_size)
     counts = {
-        (name, size)
-        for layer in layer_configs(hf)
-        for name in names
-        for size in _each(getattr(layer, name, None))
+        (name, size) for layer in layer_configs(hf) for name in names for size in _each(getattr(layer, name, None))
     }
     for name, size in sorted(counts, key=str):
         if isinstance(size, int) and size % tp:

@@ -66,7 +66,8 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """Recompute the tables (in float32, stored in the buffers' dtype); e.g. after to_empty()."""
+        """Recompute the tables (in float32, stored in the buffers' dtype); e.g. after to_empty().
+        In place: context parallelism shards these very tensors with each batch."""
         device = self.cos.device
         inv_freq = 1.0 / self.base ** (
             torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
@@ -74,8 +75,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.seq_length, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
-        self.cos = angles.cos().to(self.cos.dtype)
-        self.sin = angles.sin().to(self.sin.dtype)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
         if seq_len > self.seq_length:
