@@ -78,3 +78,26 @@ def test_any_model_runs_through_the_command_line_from_a_factory(capsys) -> None:
     assert "ok" in out
     code = main(["estimate", "--model", "helpers.adapt:titan_model", "-sl", str(SEQ), "--target", "cpu", "-rl", "1"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_a_factory_model_trains_in_fp8_through_the_command_line(capsys) -> None:
+    from remat.cli import main
+
+    model = _model()
+    remat.adapt(model, SITE_MAP)
+    # every linear of each layer (attention's four, the MLP's three); the embedding and head stay
+    assert remat.to_fp8(model, remat.Precision("fp8_cs")) == 7 * LAYERS
+    flags = [
+        "--model",
+        "helpers.adapt:titan_model",
+        "-sl",
+        "16",
+        "-c",
+        "fp8_cs",
+        "--recompute_modules",
+        "mlp,layernorm",
+    ]
+    assert main(["verify", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_cs on cpu" in out and "bit-identical: True" in out
+    assert main(["bench", *flags, "-ms", "2", "--warmup_steps", "1", "--no_history", "--no_progress"]) == 0

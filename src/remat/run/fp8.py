@@ -5,7 +5,9 @@ tensor; rowwise: one per row). The embedding, the output head, norms and attenti
 as Megatron keeps them, and so do the first and last layers under `first_last_layers_bf16`.
 
 Current scaling keeps no state across calls: a recompute replay casts the same tensor with the
-same scale, so FP8 with recompute is bit-identical to FP8 without. `Float8Linear` subclasses
+same scale, so FP8 with recompute is bit-identical to FP8 without. Tensor parallelism splits the
+swapped linears by torch's styles: a split weight or input is a DTensor, whose amax (and so its
+scale) torchao reduces over the ranks, as one process's would be. `Float8Linear` subclasses
 `nn.Linear` and keeps its parameters, so `state_dict` keys, `.to()`, saving and loading are a
 linear's. torchao is an optional extra (`remat[fp8]`).
 
@@ -75,20 +77,14 @@ def float8_config(precision: Precision) -> Any:
     )
 
 
-def fp8_run_problems(precision: Precision, tp: int, device: str) -> Iterator[Problem]:
-    """Why an FP8 run cannot run here: torchao missing, tensor parallelism, a GPU without FP8."""
+def fp8_run_problems(precision: Precision, device: str) -> Iterator[Problem]:
+    """Why an FP8 run cannot run here: torchao missing, a GPU without FP8."""
     if not precision.is_fp8:
         return
     try:
         torchao_float8()
     except ConfigError as err:
         yield from err.problems
-    if tp > 1:
-        yield Problem(
-            "compute_dtype",
-            "fp8_cs beside tensor parallelism does not run yet (torchao's FP8 tensor-parallel styles"
-            " are not wired in); use -tp 1, or -c bf16",
-        )
     if device.startswith("cuda") and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(torch.device(device))
         if capability < (8, 9):

@@ -142,7 +142,7 @@ class RunSpec:
         except ValueError as err:  # an unknown recipe or override
             yield Problem("model_recipe_name", str(err))
         yield from self.precision.problems()
-        yield from fp8_run_problems(self.precision, self.layout.tp, self.device)
+        yield from fp8_run_problems(self.precision, self.device)
         yield from _task_problems(self.task)
         yield from self.optimizer_precision.problems()
         yield from self._device_problems()

@@ -17,7 +17,6 @@ import torch
 pytest.importorskip("torchao")
 
 import remat  # noqa: E402
-from remat.config.parallel import ParallelLayout  # noqa: E402
 from remat.config.precision import Precision  # noqa: E402
 from remat.config.recompute import RecomputeConfig  # noqa: E402
 from remat.core.labels import recompute_labels  # noqa: E402
@@ -240,12 +239,11 @@ def test_what_fp8_runs_and_megatrons_bf16_keys_pass() -> None:
     assert (Precision("bf16").fp8_format, Precision("bf16").recipe) == (None, "delayed")
 
 
-def test_fp8_beside_tensor_parallelism_and_without_torchao_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [p.field for p in fp8_run_problems(FP8, ParallelLayout(tp=2).tp, "cpu")] == ["compute_dtype"]
-    assert list(fp8_run_problems(FP8, 1, "cpu")) == []
+def test_fp8_without_torchao_is_refused_with_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert list(fp8_run_problems(FP8, "cpu")) == []
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    (problem,) = fp8_run_problems(FP8, 1, "cpu")
+    (problem,) = fp8_run_problems(FP8, "cpu")
     assert "pip install 'remat[fp8]'" in problem.message
     with pytest.raises(ConfigError, match="torchao"):
         to_fp8(remat.models.build("llama3_tiny", device="meta"), FP8)
