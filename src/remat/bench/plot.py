@@ -199,8 +199,8 @@ def timeline_plot(timeline: Timeline, path: str | os.PathLike[str], *, title: st
 
 
 def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
-    """Allocated (and reserved) memory over one step's ops, phases shaded, each layer's forward
-    and backward marked and named inside the axes."""
+    """Allocated (and reserved) memory over one step's ops, the FP8 bytes of it where there are
+    any, phases shaded, each layer's forward and backward marked and named inside the axes."""
     fig = Figure(figsize=(11, 5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -209,6 +209,8 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
     ax.plot(ops, [b / _GIB * factor for b in timeline.allocated], color="tab:blue", linewidth=1, label="allocated")
     if timeline.reserved is not None:
         ax.plot(ops, [b / _GIB * factor for b in timeline.reserved], color="grey", linewidth=1, label="reserved")
+    if timeline.fp8 is not None and any(timeline.fp8):
+        ax.plot(ops, [b / _GIB * factor for b in timeline.fp8], color="tab:cyan", linewidth=1, label="of it FP8")
     ends = [start for start, _ in timeline.marks[1:]] + [len(timeline.allocated)]
     shaded: set[str] = set()
     for (start, window), end in zip(timeline.marks, ends):

@@ -131,7 +131,9 @@ def _timeline(args: argparse.Namespace, flag_problems: list[Problem]) -> int:
     tokens = f"{spec.micro_batch_size} x {spec.model_config.seq_length} tokens"
     path = timeline_plot(recorded, args.timeline, title=f"{spec.recipe} on {spec.device}: one step, {tokens}")
     window, peak = max(recorded.peaks.items(), key=lambda item: item[1])
-    out.print(f"memory timeline of one step: {path} (peak allocated {format_gib(peak)} in {window})")
+    fp8 = recorded.fp8_at_peak()
+    of_it = f", of it {format_gib(fp8)} in FP8 (kept inputs and casts)" if fp8 else ""
+    out.print(f"memory timeline of one step: {path} (peak allocated {format_gib(peak)} in {window}{of_it})")
     return 0
 
 

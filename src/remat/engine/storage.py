@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# the dtypes FP8 training stores its casts in (e4m3 inputs and weights, e5m2 gradients)
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
 
 def storage_key(t: torch.Tensor) -> int:
     """Identifies a tensor's storage (views of one storage share the key) while it is alive.

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.engine.storage import memory_tensors
+from remat.engine.storage import FP8_DTYPES, memory_tensors
 
 
 def _attention_flops(bmms: int) -> Callable[..., int]:
@@ -38,8 +38,7 @@ FP8_SPEEDUP = 2.0
 
 def _is_fp8(x: Any) -> bool:
     """An FP8 operand: an FP8 tensor, or a wrapper subclass holding FP8 data (torchao's)."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    return isinstance(x, torch.Tensor) and any(t.dtype in fp8 for t in memory_tensors(x))
+    return isinstance(x, torch.Tensor) and any(t.dtype in FP8_DTYPES for t in memory_tensors(x))
 
 
 class TimedFlopCounter(FlopCounterMode):

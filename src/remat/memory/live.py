@@ -24,11 +24,14 @@ CUDA_BLOCK = 512
 
 
 class NewStorages(TorchDispatchMode):
-    """Calls `created(storage)` once for each storage an op allocates while the mode is active."""
+    """Calls `created(storage)` once for each storage an op allocates while the mode is active
+    (of a tensor `only` accepts, where given)."""
 
-    def __init__(self, created: Callable[[torch.UntypedStorage], None]) -> None:
+    def __init__(
+        self, created: Callable[[torch.UntypedStorage], None], only: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
         super().__init__()
-        self.created = created
+        self.created, self.only = created, only
         self.seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -36,7 +39,7 @@ class NewStorages(TorchDispatchMode):
         inputs = {storage_key(t) for t in _memory_tensors((args, kwargs))}
         for t in _memory_tensors(out):
             # an output sharing an input's storage (a view, an in-place op) allocated nothing
-            if storage_key(t) not in inputs:
+            if storage_key(t) not in inputs and (self.only is None or self.only(t)):
                 storage = t.untyped_storage()
                 if storage not in self.seen:
                     self.seen.add(storage)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.config.plan import Plan
 from remat.config.recompute import RecomputeConfig
+from remat.engine.storage import FP8_DTYPES
+from remat.memory.live import LiveBytes, NewStorages
 from remat.memory.measure import Stepper, gradients_persist, training_state_kept
 from remat.memory.meter import Meter
 from remat.memory.prediction import resolve
@@ -26,6 +28,12 @@ class Timeline:
     reserved: tuple[int, ...] | None  # the caching allocator's (CUDA only)
     marks: tuple[tuple[int, str], ...]  # (op index, window name): fwd i, head, bwd i, tail, optimizer
     peaks: dict[str, int]  # each window's peak, as the trace measures it
+    # of `allocated`, the bytes in FP8 dtypes (FP8 training's casts); None where not counted
+    fp8: tuple[int, ...] | None = None
+
+    def fp8_at_peak(self) -> int | None:
+        """The FP8 bytes live where allocated memory peaks."""
+        return None if self.fp8 is None else self.fp8[self.allocated.index(max(self.allocated))]
 
 
 class _Samples:
@@ -35,11 +43,21 @@ class _Samples:
         self.meter, self.cuda = meter, cuda
         self.allocated: list[int] = []
         self.reserved: list[int] = []
+        self.fp8_live = LiveBytes()
+        self.fp8: list[int] = []
 
     def sample(self, allocated: int | None = None) -> None:
         self.allocated.append(self.meter.now() if allocated is None else allocated)
+        self.fp8.append(self.fp8_live.bytes)
         if self.cuda:
             self.reserved.append(torch.cuda.memory_reserved())
+
+    def every_op(self) -> ExitStack:
+        """Sample after every op, FP8 storages counted as ops create them (before the sample)."""
+        modes = ExitStack()
+        modes.enter_context(NewStorages(self.fp8_live.created, only=lambda t: t.dtype in FP8_DTYPES))
+        modes.enter_context(_EveryOp(self))
+        return modes
 
 
 class _EveryOp(TorchDispatchMode):
@@ -67,7 +85,7 @@ def timeline(
     (input_ids, labels) under `plan`, the step `trace` measures, with each layer's forward and
     backward marked. With compiled regions pass per_op=False: samples then come at each window's
     start and peak only (a dispatch mode watching every op would run compiled regions eagerly and
-    change what they save)."""
+    change what they save); the FP8 bytes are then not counted."""
     resolved = resolve(plan, find_sites(model).model_sites)
     stepper = Stepper(
         model,
@@ -82,7 +100,7 @@ def timeline(
 
     def sample(meter: Meter) -> Any:
         found.append(_Samples(meter, stepper.cuda))
-        return _EveryOp(found[0]) if per_op else nullcontext()
+        return found[0].every_op() if per_op else nullcontext()
 
     def on_mark(name: str, peak: int) -> None:
         samples = found[0]
@@ -103,4 +121,5 @@ def timeline(
         tuple(samples.reserved) if stepper.cuda else None,
         tuple(m for m in marks if m[1] != "end"),
         dict(record.peaks),
+        tuple(samples.fp8) if per_op else None,
     )

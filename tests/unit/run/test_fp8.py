@@ -119,6 +119,27 @@ def test_a_kept_fp8_input_saves_a_byte_an_element_less_and_its_scale() -> None:
     assert saved[1] - saved[0] == c.num_layers * (tokens * (c.hidden_size + c.ffn_hidden_size) - 4 * 4)
 
 
+def test_the_timeline_attributes_the_kept_fp8_inputs_and_none_without_fp8(tmp_path: Path) -> None:
+    """At the end of the forward each FP8 linear holds its input in FP8 (linear_qkv, linear_proj
+    and linear_fc1 a hidden's width, linear_fc2 the FFN's), a byte an element: the FP8 bytes
+    `remat doctor --timeline` draws and names."""
+    from remat.bench.plot import timeline_plot
+    from remat.memory.timeline import timeline
+
+    ids = _ids(_model("llama3_tiny"))
+    found = {}
+    for precision in (FP8, Precision("bf16")):
+        model = _model("llama3_tiny", precision, seq_length=32)
+        found[precision.compute_dtype] = timeline(model, (ids, ids))
+    fp8 = found["fp8_cs"]
+    head = dict((name, i) for i, name in fp8.marks)["head"]
+    c = remat.models.recipe_config("llama3_tiny")
+    assert fp8.fp8 is not None and fp8.fp8[head] == c.num_layers * ids.numel() * (3 * c.hidden_size + c.ffn_hidden_size)
+    assert fp8.fp8_at_peak() == fp8.fp8[fp8.allocated.index(max(fp8.allocated))] > 0
+    assert found["bf16"].fp8_at_peak() == 0
+    assert timeline_plot(fp8, tmp_path / "fp8.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_only_the_layers_linears_turn_fp8_and_the_state_dict_stays_a_linears() -> None:
     torch.manual_seed(0)
     model = remat.models.build("llama3_tiny", dtype=torch.bfloat16)
