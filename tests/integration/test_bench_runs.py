@@ -40,7 +40,6 @@ pytestmark = pytest.mark.usefixtures("_private_history")
 
 REJECTED = [
     pytest.param(["-c", "fp8_mx"], ["compute_dtype: 'fp8_mx': MXFP8 needs Blackwell", "use -c fp8_cs"], id="fp8"),
-    pytest.param(["-c", "fp8_cs", "-tp", "2"], ["fp8_cs beside tensor parallelism does not run yet"], id="fp8-tp"),
     pytest.param(["-c", "nonsense"], ["compute_dtype: 'nonsense' is not a compute dtype"], id="dtype-unknown"),
     pytest.param(["-c", "bf61"], ["did you mean 'bf16'?"], id="dtype-typo"),
     pytest.param(
